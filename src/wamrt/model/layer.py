@@ -1,0 +1,131 @@
+"""One Mixture-of-Transformers layer: a Reasoner weight set and a Generator weight set.
+
+Parameter names mirror the diffusers checkpoint layout (`self_attn.to_q`, `mlp_moe_gen.up_proj`, ...).
+The Reasoner half and the Generator half are separate methods so an engine can run the Reasoner once
+per prompt and the Generator at every denoising step against the cached Reasoner K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import AttentionFn
+from .config import Cosmos3Config
+from .norms import RMSNorm
+from .rope import Rope, apply_rope
+
+
+class MLP(nn.Module):
+    """SiLU-gated (gate/up/down) or ReLU^2 (up/down) feed-forward block."""
+
+    def __init__(self, cfg: Cosmos3Config) -> None:
+        super().__init__()
+        self.gated = cfg.gated_mlp
+        if self.gated:
+            self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+class MoTAttention(nn.Module):
+    """Projections and per-head norms of both streams. The attention op itself is passed in."""
+
+    def __init__(self, cfg: Cosmos3Config) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        bias, eps, nem = cfg.attention_bias, cfg.rms_norm_eps, cfg.nemotron_norm
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        # Reasoner (text) stream.
+        self.to_q = nn.Linear(h, nq, bias=bias)
+        self.to_k = nn.Linear(h, nkv, bias=bias)
+        self.to_v = nn.Linear(h, nkv, bias=bias)
+        self.to_out = nn.Linear(nq, h, bias=bias)
+        self.norm_q: nn.Module = RMSNorm(d, eps, nemotron=nem) if cfg.qk_norm_for_text else nn.Identity()
+        self.norm_k: nn.Module = RMSNorm(d, eps, nemotron=nem) if cfg.qk_norm_for_text else nn.Identity()
+        # Edge: Generator queries see the Reasoner keys through one more per-head norm.
+        self.k_norm_und_for_gen = RMSNorm(d, eps, nemotron=nem) if cfg.has_und_k_norm_for_gen else None
+        # Generator (vision / sound / action) stream.
+        self.add_q_proj = nn.Linear(h, nq, bias=bias)
+        self.add_k_proj = nn.Linear(h, nkv, bias=bias)
+        self.add_v_proj = nn.Linear(h, nkv, bias=bias)
+        self.to_add_out = nn.Linear(nq, h, bias=bias)
+        self.norm_added_q = RMSNorm(d, eps, nemotron=nem)
+        self.norm_added_k = RMSNorm(d, eps, nemotron=nem)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.unflatten(-1, (n, self.head_dim))  # [B, S, n, d]
+
+    def reasoner_qkv(
+        self, x: torch.Tensor, rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, U, h] (normed) -> q [B, H, U, d], k, k_for_gen, v [B, K, U, d] (after norm + RoPE)."""
+        q = self.norm_q(self._heads(self.to_q(x), self.num_heads))
+        k = self.norm_k(self._heads(self.to_k(x), self.num_kv_heads))
+        v = self._heads(self.to_v(x), self.num_kv_heads)
+        k_gen = self.k_norm_und_for_gen(k) if self.k_norm_und_for_gen is not None else k
+        q, k_rot = apply_rope(q, rope), apply_rope(k, rope)
+        k_gen = apply_rope(k_gen, rope) if self.k_norm_und_for_gen is not None else k_rot
+        return q.transpose(1, 2), k_rot.transpose(1, 2), k_gen.transpose(1, 2), v.transpose(1, 2)
+
+    def generator_qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, G, h] (normed) -> q [B, H, G, d], k, v [B, K, G, d]."""
+        q = apply_rope(self.norm_added_q(self._heads(self.add_q_proj(x), self.num_heads)), rope)
+        k = apply_rope(self.norm_added_k(self._heads(self.add_k_proj(x), self.num_kv_heads)), rope)
+        v = self._heads(self.add_v_proj(x), self.num_kv_heads)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+class MoTLayer(nn.Module):
+    def __init__(self, cfg: Cosmos3Config) -> None:
+        super().__init__()
+        h, eps, nem = cfg.hidden_size, cfg.rms_norm_eps, cfg.nemotron_norm
+        self.self_attn = MoTAttention(cfg)
+        self.mlp = MLP(cfg)
+        self.mlp_moe_gen = MLP(cfg)
+        self.input_layernorm = RMSNorm(h, eps, nemotron=nem)
+        self.post_attention_layernorm = RMSNorm(h, eps, nemotron=nem)
+        self.input_layernorm_moe_gen = RMSNorm(h, eps, nemotron=nem)
+        self.post_attention_layernorm_moe_gen = RMSNorm(h, eps, nemotron=nem)
+
+    def reasoner(
+        self, u: torch.Tensor, rope: Rope, attn: AttentionFn, *, need_output: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Reasoner half: u [B, U, h] -> (next u or None, k_for_gen [B, K, U, d], v [B, K, U, d]).
+
+        With need_output=False (the last layer) only the K/V the Generator reads are computed.
+        """
+        q, k, k_gen, v = self.self_attn.reasoner_qkv(self.input_layernorm(u), rope)
+        if not need_output:
+            return None, k_gen, v
+        o = attn(q, k, v, causal=True, key_mask=None)  # [B, H, U, d]
+        u = u + self.self_attn.to_out(o.transpose(1, 2).flatten(2))
+        u = u + self.mlp(self.post_attention_layernorm(u))
+        return u, k_gen, v
+
+    def generator(
+        self,
+        g: torch.Tensor,
+        rope: Rope,
+        und_k: torch.Tensor,
+        und_v: torch.Tensor,
+        attn: AttentionFn,
+        und_key_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Generator half: g [B, G, h] attends to [Reasoner K/V ; own K/V] with no mask (bar padding)."""
+        q, k, v = self.self_attn.generator_qkv(self.input_layernorm_moe_gen(g), rope)
+        keys = torch.cat((und_k, k), dim=2)  # [B, K, U+G, d]
+        values = torch.cat((und_v, v), dim=2)
+        key_mask = None
+        if und_key_mask is not None:
+            gen_ones = und_key_mask.new_ones(und_key_mask.shape[0], k.shape[2])
+            key_mask = torch.cat((und_key_mask, gen_ones), dim=1)
+        o = attn(q, keys, values, causal=False, key_mask=key_mask)
+        g = g + self.self_attn.to_add_out(o.transpose(1, 2).flatten(2))
+        return g + self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(g))
