@@ -1,0 +1,93 @@
+"""Wan2.2 VAE (diffusers `AutoencoderKLWan`) used as the conditioning encoder.
+
+Wan2.2 is causal in time, so latent frame 0 depends on pixel frame 0 only: encoding that one frame
+gives the exact conditioning latent that the reference gets from encoding the whole clip, at ~1/25
+of the cost. Policies never decode; forward dynamics may.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLWan
+from safetensors.torch import load_file
+
+from .errors import RequestError
+
+
+# Per-channel statistics of Wan2.2 (TI2V-5B) latents: data constants of the released VAE, which the
+# checkpoints were trained with (also in its diffusers config.json).
+WAN22_LATENT_MEAN = (
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557,
+    -0.1382, 0.0542, 0.2813, 0.0891, 0.157, -0.0098, 0.0375, -0.1825,
+    -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+    -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.123,
+    -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.052, 0.3748,
+    0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667,
+)
+WAN22_LATENT_STD = (
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.499, 0.4818, 0.5013,
+    0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165, 0.8454, 0.4978,
+    0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+    0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093,
+    0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
+    0.3971, 1.06, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
+)
+
+
+class VaeError(ValueError):
+    """A VAE folder that cannot be loaded."""
+
+
+def load_vae(folder: str | Path, *, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.bfloat16) -> AutoencoderKLWan:
+    """Load a diffusers-layout VAE folder (config.json + diffusion_pytorch_model.safetensors)."""
+    folder = Path(folder)
+    cfg_path, weights = folder / "config.json", folder / "diffusion_pytorch_model.safetensors"
+    if not cfg_path.is_file() or not weights.is_file():
+        raise VaeError(f"{folder}: expected config.json and diffusion_pytorch_model.safetensors")
+    cfg = {k: v for k, v in json.loads(cfg_path.read_text()).items() if not k.startswith("_")}
+    vae = AutoencoderKLWan.from_config(cfg)
+    try:
+        vae.load_state_dict(load_file(str(weights)), strict=True)
+    except RuntimeError as e:
+        raise VaeError(f"{weights}: {e}") from e
+    # nn.Module.to: diffusers' override warns about fp32-kept modules, of which this VAE has none.
+    return torch.nn.Module.to(vae, device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+class FrameEncoder:
+    """Pixels of one frame -> normalised latent, (mu - mean) * (1 / std) with the VAE's constants."""
+
+    def __init__(self, vae: AutoencoderKLWan) -> None:
+        self.vae = vae
+        dtype = vae.dtype
+        self.mean = torch.tensor(vae.config.latents_mean, dtype=dtype, device=vae.device).view(1, -1, 1, 1, 1)
+        self.inv_std = (1.0 / torch.tensor(vae.config.latents_std, dtype=dtype)).to(vae.device).view(1, -1, 1, 1, 1)
+        self.spatial = int(vae.config.scale_factor_spatial)
+        self.temporal = int(vae.config.scale_factor_temporal)
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.vae.config.z_dim)
+
+    @torch.inference_mode()
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [B, 3, T, H, W] in [-1, 1] (T = 1 for a conditioning frame) -> fp32 [B, C, T', H/16, W/16]."""
+        if pixels.ndim != 5 or pixels.shape[1] != 3:
+            raise RequestError(f"VAE input must be [B, 3, T, H, W], got {tuple(pixels.shape)}")
+        h, w = pixels.shape[-2:]
+        if h % self.spatial or w % self.spatial:
+            raise RequestError(f"VAE input size {h}x{w} must be a multiple of {self.spatial}")
+        x = pixels.to(device=self.vae.device, dtype=self.vae.dtype)
+        mu = self.vae.encode(x).latent_dist.mode()
+        return ((mu - self.mean) * self.inv_std).float()
+
+    def encode_uint8(self, frames: torch.Tensor) -> torch.Tensor:
+        """frames uint8 [B, H, W, 3] -> latent of each as a single frame, [B, C, 1, H/16, W/16]."""
+        if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+            raise RequestError(f"expected uint8 [B, H, W, 3] frames, got {frames.dtype} {tuple(frames.shape)}")
+        x = frames.permute(0, 3, 1, 2).float() / 127.5 - 1.0  # [B, 3, H, W]
+        return self.encode(x[:, :, None])
