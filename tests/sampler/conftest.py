@@ -1,0 +1,78 @@
+"""Shared fixtures for the sampler tests: the DROID golden fixtures and the diffusers oracle."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def droid_fixture_dir() -> Path:
+    env = os.environ.get("WAMRT_DROID_FIXTURES")
+    return Path(env) if env else REPO_ROOT.parent / "shared" / "fixtures" / "droid"
+
+
+@pytest.fixture(scope="session")
+def droid_dir() -> Path:
+    path = droid_fixture_dir()
+    if not (path / "manifest.json").is_file():
+        # A missing oracle must not turn into a green run.
+        pytest.fail(
+            f"DROID fixtures not found at {path} (no manifest.json). Set WAMRT_DROID_FIXTURES to the "
+            "fixture folder (the one holding manifest.json, tolerances.json and requests/)."
+        )
+    return path
+
+
+@pytest.fixture(scope="session")
+def droid_requests(droid_dir: Path) -> list[dict[str, Any]]:
+    """One dict per manifest request: id, request.json, expected.json and the tensors."""
+    manifest = json.loads((droid_dir / "manifest.json").read_text())
+    out = []
+    for entry in manifest["requests"]:
+        folder = droid_dir / entry["path"]
+        out.append(
+            {
+                "id": entry["id"],
+                "request": json.loads((folder / "request.json").read_text()),
+                "expected": json.loads((folder / "expected.json").read_text()),
+                "tensors": load_file(str(folder / "tensors.safetensors")),
+            }
+        )
+    if not out:
+        pytest.fail(f"{droid_dir / 'manifest.json'} lists no requests")
+    return out
+
+
+@pytest.fixture(scope="session")
+def droid_tolerances(droid_dir: Path) -> dict[str, Any]:
+    return json.loads((droid_dir / "tolerances.json").read_text())["recommended"]
+
+
+@pytest.fixture(scope="session")
+def diffusers_unipc() -> Callable[[float], Any]:
+    """Factory for the oracle: diffusers' flow UniPC in the configuration Cosmos 3 uses."""
+    from diffusers import UniPCMultistepScheduler
+
+    def make(shift: float) -> UniPCMultistepScheduler:
+        return UniPCMultistepScheduler(
+            num_train_timesteps=1000,
+            solver_order=2,
+            prediction_type="flow_prediction",
+            predict_x0=True,
+            solver_type="bh2",
+            lower_order_final=True,
+            use_flow_sigmas=True,
+            flow_shift=shift,
+            use_karras_sigmas=False,
+            final_sigmas_type="zero",
+        )
+
+    return make
