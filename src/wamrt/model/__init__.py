@@ -3,6 +3,7 @@ serving or quantization imports; speed is applied from outside."""
 
 from .attention import AttentionFn, sdpa_attention
 from .checkpoint import CheckpointError, init_random_, load_transformer, read_config, save_transformer
+from .checkpoint import resolve_folder as resolve_transformer_folder
 from .config import CONFIGS, ConfigError, Cosmos3Config, get_config
 from .positions import action_positions, generator_offset, sound_positions, text_positions, vision_positions
 from .rope import Rope
@@ -25,6 +26,7 @@ __all__ = [
     "init_random_",
     "load_transformer",
     "read_config",
+    "resolve_transformer_folder",
     "save_transformer",
     "sdpa_attention",
     "sound_positions",

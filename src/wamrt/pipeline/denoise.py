@@ -1,0 +1,170 @@
+"""The eager reference denoising loop shared by every task contract.
+
+It is the numerical definition the fast engine must match: per step, one Generator pass per CFG
+branch against that branch's Reasoner K/V (computed once per request), velocity masking, CFG, and one
+solver step per modality. Nothing in it reads tensor values on the host.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ..model import Cosmos3Transformer, GeneratorOutput, GeneratorTokens, ReasonerKV, Rope
+from ..sampler import (
+    FlowSchedule,
+    cfg_combine,
+    euler_plan,
+    flow_schedule,
+    guidance_active,
+    unipc_plan,
+)
+
+ScheduleName = Literal["framework", "diffusers", "native"]
+SolverName = Literal["unipc", "euler"]
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    steps: int = 4
+    guidance: float = 3.0
+    shift: float = 5.0
+    guidance_interval: tuple[int, int] | None = None  # CFG only where lo < t < hi (strict)
+    schedule: ScheduleName = "framework"
+    solver: SolverName = "unipc"
+    # The framework combines CFG in the model dtype (bf16 on GPU); diffusers upcasts to fp32 first.
+    cfg_in_model_dtype: bool = True
+
+    def make_schedule(self) -> FlowSchedule:
+        return flow_schedule(self.schedule, self.steps, self.shift)
+
+
+@dataclass
+class Branch:
+    """One CFG branch of one request: its text and the positions of [text | generator] tokens."""
+
+    input_ids: torch.Tensor  # [1, U]
+    positions: torch.Tensor  # [1, 3, U + G] float32
+
+
+@dataclass
+class DenoiseInputs:
+    """Static per-request inputs of the loop (batch of one)."""
+
+    cond: Branch
+    uncond: Branch | None
+    vision: torch.Tensor  # [1, C, T, H, W] fp32 initial state (clean frames hold their latents)
+    vision_noisy: torch.Tensor  # [1, T] bool
+    action: torch.Tensor | None = None  # [1, Ta, A] fp32
+    action_noisy: torch.Tensor | None = None  # [1, Ta] bool
+    domain_ids: torch.Tensor | None = None  # [1]
+    raw_action_dim: int | None = None  # velocity columns >= this are zeroed
+
+
+@dataclass
+class DenoiseResult:
+    vision: torch.Tensor
+    action: torch.Tensor | None
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    # Filled only when `record=True`: per step, the masked velocities and the states after the step.
+    trace: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+
+def _prefill(model: Cosmos3Transformer, branch: Branch) -> tuple[ReasonerKV, Rope]:
+    rope_und, rope_gen = model.rope(branch.positions).split(branch.input_ids.shape[1])
+    return model.prefill_reasoner(branch.input_ids, rope_und), rope_gen
+
+
+def _mask_action_columns(out: GeneratorOutput, raw_dim: int | None) -> GeneratorOutput:
+    if out.action is None or raw_dim is None:
+        return out
+    cols = torch.arange(out.action.shape[-1], device=out.action.device) < raw_dim
+    return GeneratorOutput(out.vision, out.sound, torch.where(cols, out.action, torch.zeros_like(out.action)))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def denoise(
+    model: Cosmos3Transformer,
+    inp: DenoiseInputs,
+    opts: SamplingOptions,
+    *,
+    record: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
+) -> DenoiseResult:
+    device, dtype = inp.vision.device, model.dtype
+    schedule = opts.make_schedule()
+    plan = (unipc_plan(schedule, device=device) if opts.solver == "unipc" else euler_plan(schedule))
+    timesteps = schedule.timesteps.tolist()
+    cfg_steps = guidance_active(timesteps, opts.guidance_interval) if opts.guidance != 1.0 else [False] * len(
+        timesteps)
+    if any(cfg_steps) and inp.uncond is None:
+        raise ValueError("guidance != 1 needs an unconditional branch")
+    timings: dict[str, float] = {}
+
+    _sync(device)
+    t0 = clock()
+    kv_c, rope_c = _prefill(model, inp.cond)
+    kv_u = rope_u = None
+    if any(cfg_steps):
+        assert inp.uncond is not None
+        kv_u, rope_u = _prefill(model, inp.uncond)
+    _sync(device)
+    timings["reasoner_prefill"] = 1e3 * (clock() - t0)
+
+    x_v, x_a = inp.vision, inp.action
+    steps_action = inp.action is not None and inp.action_noisy is not None and bool(inp.action_noisy.any())
+    hist_v = plan.init_history()
+    hist_a = plan.init_history()
+    trace: dict[str, list[torch.Tensor]] = {}
+    for i, t in enumerate(timesteps):
+        t_step = clock()
+        tok = GeneratorTokens(
+            timesteps=torch.full((1,), float(t), device=device),
+            vision=x_v.to(dtype), vision_noisy=inp.vision_noisy,
+            action=None if x_a is None else x_a.to(dtype), action_noisy=inp.action_noisy,
+            domain_ids=inp.domain_ids,
+        )
+        cond = _mask_action_columns(model.generator_step(tok, rope_c, kv_c), inp.raw_action_dim)
+        if cfg_steps[i]:
+            assert kv_u is not None and rope_u is not None
+            unc = _mask_action_columns(model.generator_step(tok, rope_u, kv_u), inp.raw_action_dim)
+        else:
+            unc = None
+
+        def combine(c: torch.Tensor | None, u: torch.Tensor | None) -> torch.Tensor | None:
+            if c is None:
+                return None
+            if u is None:
+                return c if opts.cfg_in_model_dtype else c.float()
+            if not opts.cfg_in_model_dtype:
+                c, u = c.float(), u.float()
+            return cfg_combine(c, u, opts.guidance)
+
+        v_v = combine(cond.vision, None if unc is None else unc.vision)
+        v_a = combine(cond.action, None if unc is None else unc.action)
+        assert v_v is not None
+        x_v, hist_v = plan.step(i, x_v, v_v, hist_v)
+        if steps_action:
+            assert x_a is not None and v_a is not None
+            x_a, hist_a = plan.step(i, x_a, v_a, hist_a)
+            if inp.raw_action_dim is not None:
+                # Padded columns start at 0 and get velocity 0, so they stay 0; diffusers re-zeroes them
+                # anyway, which also normalises signed zeros.
+                x_a = torch.where(torch.arange(x_a.shape[-1], device=device) < inp.raw_action_dim, x_a, 0.0)
+        if record:
+            for name, value in (("vision_v", v_v), ("action_v", v_a), ("action_v_cond", cond.action),
+                                ("action_v_uncond", None if unc is None else unc.action),
+                                ("vision", x_v), ("action", x_a)):
+                trace.setdefault(name, []).append(None if value is None else value.detach().clone())
+        _sync(device)
+        timings[f"denoise_step{i}"] = 1e3 * (clock() - t_step)
+    timings["denoise"] = sum(v for k, v in timings.items() if k.startswith("denoise_step"))
+    return DenoiseResult(x_v, x_a, timings, trace)

@@ -1,0 +1,169 @@
+"""The DROID policy contract of NVIDIA's released Policy-DROID checkpoints (framework server path).
+
+Observation (openpi keys) -> 540x640 canvas -> reflect pad to the tier-480 bucket -> frame-0 VAE
+latent -> [text | 9 latent frames | 33 action rows (clean state row + 32 noisy)] -> 4-step UniPC with
+CFG -> [32, 8] float32 joint-position chunk (gripper flipped in and out). See
+../shared/docs/droid_contract.md for every rule reproduced here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from ..model import Cosmos3Transformer, action_positions, generator_offset, text_positions, vision_positions
+from .canvas import compose_droid_canvas, pad_to_bucket
+from .denoise import Branch, DenoiseInputs, DenoiseResult, SamplingOptions, denoise
+from .errors import RequestError
+from .noise import initial_action, state_row_from_observation, vision_noise
+from .prompts import droid_prompt
+from .tokens import CaptionTokenizer
+from .vae import FrameEncoder
+
+PromptFormat = Literal["plain", "json"]
+
+
+@dataclass(frozen=True)
+class DroidContract:
+    """Fixed facts of the released DROID policy recipe (defaults = NVIDIA's server)."""
+
+    prompt_format: PromptFormat = "plain"  # Nano: plain text (unconfirmed on real files); Edge: json
+    chunk: int = 32
+    fps: float = 15.0
+    tier: str = "480"
+    domain_id: int = 8  # droid_lerobot
+    raw_action_dim: int = 8  # 7 joint positions + gripper
+    history: int = 1  # clean state rows before the predicted chunk
+
+
+@dataclass
+class PreparedDroid:
+    """Everything the denoising loop needs for one request, plus what produced it."""
+
+    inputs: DenoiseInputs
+    prompt: str
+    seed: int
+    canvas: np.ndarray  # [540, 640, 3] uint8 (pixel frame 0 before padding)
+    image_size: tuple[int, int, int, int]  # canvas h, w, content h, w
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ActionChunk:
+    """The reply: absolute joint targets (radians) and gripper, in the client's convention."""
+
+    actions: np.ndarray  # [chunk, raw_action_dim] float32
+    seed: int
+    prompt: str
+    timings_ms: dict[str, float]
+
+    def __repr__(self) -> str:
+        total = self.timings_ms.get("total", float("nan"))
+        return f"ActionChunk(shape={self.actions.shape}, seed={self.seed}, total={total:.1f} ms)"
+
+
+def prepare_droid(
+    obs: Mapping[str, Any],
+    *,
+    model: Cosmos3Transformer,
+    encoder: FrameEncoder,
+    tokenizer: CaptionTokenizer,
+    contract: DroidContract,
+    seed: int,
+    device: torch.device,
+) -> PreparedDroid:
+    """Build the static inputs of one DROID request (canvas, latent, prompt, tokens, noise, positions)."""
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    if not isinstance(obs, Mapping):
+        raise RequestError(f"observation must be a mapping, got {type(obs).__name__}")
+    instruction = obs.get("prompt")
+    if not isinstance(instruction, str):
+        raise RequestError("is missing or not a string", field="prompt")
+    state = state_row_from_observation(obs)  # validates joints/gripper (NaN, shapes)
+    canvas = compose_droid_canvas(obs)  # [540, 640, 3] uint8
+    padded = pad_to_bucket(canvas, contract.tier)
+    canvas_h, canvas_w, content_h, content_w = padded.image_size
+    timings["preprocess"] = 1e3 * (time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    frame = torch.from_numpy(padded.pixels).to(device)[None]  # [1, H, W, 3]
+    latent0 = encoder.encode_uint8(frame)  # [1, C, 1, H/16, W/16] fp32
+    lat_h, lat_w = max(content_h // encoder.spatial, 1), max(content_w // encoder.spatial, 1)
+    latent0 = latent0[..., :lat_h, :lat_w]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    timings["vae_encode"] = 1e3 * (time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    prompt = droid_prompt(instruction, json_format=contract.prompt_format == "json",
+                          canvas_hw=(canvas_h, canvas_w))
+    cond_ids = tokenizer.encode(prompt).text_ids
+    uncond_ids = tokenizer.encode("").text_ids
+    timings["tokenize"] = 1e3 * (time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    frames = contract.chunk + 1
+    lat_t = (frames - 1) // encoder.temporal + 1
+    shape = (1, encoder.latent_channels, lat_t, lat_h, lat_w)
+    vision = torch.from_numpy(vision_noise(seed, shape)).to(device)
+    vision[:, :, :1] = latent0
+    rows = contract.chunk + contract.history
+    act = initial_action(state, seed, rows=rows, max_action_dim=model.config.action_dim or 0)
+    action = torch.from_numpy(act.init).to(device)[None]  # [1, 33, 64]
+
+    cfg = model.config
+    ph, pw = -(-lat_h // cfg.latent_patch_size), -(-lat_w // cfg.latent_patch_size)
+
+    def branch(ids: tuple[int, ...]) -> Branch:
+        off = generator_offset(cfg, len(ids))
+        pos = torch.cat([text_positions(len(ids)), vision_positions(cfg, lat_t, ph, pw, off, contract.fps),
+                         action_positions(cfg, rows, off, contract.fps, start_frame=0)], dim=1)
+        return Branch(torch.tensor([ids], dtype=torch.long, device=device), pos[None].to(device))
+
+    inputs = DenoiseInputs(
+        cond=branch(cond_ids), uncond=branch(uncond_ids), vision=vision,
+        vision_noisy=(torch.arange(lat_t, device=device) >= 1)[None],
+        action=action, action_noisy=(torch.arange(rows, device=device) >= contract.history)[None],
+        domain_ids=torch.tensor([contract.domain_id], device=device), raw_action_dim=contract.raw_action_dim,
+    )
+    timings["pack"] = 1e3 * (time.perf_counter() - t0)
+    return PreparedDroid(inputs, prompt, seed, canvas, padded.image_size, timings)
+
+
+def droid_actions(result: DenoiseResult, contract: DroidContract) -> np.ndarray:
+    """Final action state [1, 33, 64] -> [32, 8] float32: drop the state row, flip the gripper back."""
+    assert result.action is not None
+    out = result.action[0, contract.history:, : contract.raw_action_dim].float().cpu().numpy().copy()
+    out[:, -1] = 1.0 - out[:, -1]
+    return out
+
+
+def run_droid(
+    obs: Mapping[str, Any],
+    *,
+    model: Cosmos3Transformer,
+    encoder: FrameEncoder,
+    tokenizer: CaptionTokenizer,
+    contract: DroidContract,
+    options: SamplingOptions,
+    seed: int,
+    record: bool = False,
+) -> tuple[ActionChunk, PreparedDroid, DenoiseResult]:
+    """One request through the eager reference path."""
+    device = next(model.parameters()).device
+    t_start = time.perf_counter()
+    prep = prepare_droid(obs, model=model, encoder=encoder, tokenizer=tokenizer, contract=contract,
+                         seed=seed, device=device)
+    with torch.inference_mode():
+        result = denoise(model, prep.inputs, options, record=record)
+    t0 = time.perf_counter()
+    actions = droid_actions(result, contract)
+    timings = {**prep.timings_ms, **result.timings_ms, "postprocess": 1e3 * (time.perf_counter() - t0)}
+    timings["total"] = 1e3 * (time.perf_counter() - t_start)
+    return ActionChunk(actions, seed, prep.prompt, timings), prep, result

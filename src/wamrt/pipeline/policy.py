@@ -1,0 +1,132 @@
+"""`load_policy`: a checkpoint folder (or a built-in name) -> a `Policy` that turns observations into
+action chunks through the eager reference path."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..model import Cosmos3Transformer, load_transformer, resolve_transformer_folder
+from .builtin import BUILTIN_MODELS, builtin_path
+from .denoise import SamplingOptions
+from .droid import ActionChunk, DroidContract, run_droid
+from .errors import RequestError
+from .tokens import CaptionTokenizer
+from .vae import FrameEncoder, load_vae
+
+POLICY_CONFIG = "wamrt.json"  # optional contract options next to the checkpoint
+
+
+class Policy:
+    """A loaded Cosmos 3 policy. `infer` runs the DROID contract; options are per-policy defaults."""
+
+    def __init__(
+        self,
+        model: Cosmos3Transformer,
+        encoder: FrameEncoder,
+        tokenizer: CaptionTokenizer,
+        contract: DroidContract,
+        options: SamplingOptions,
+        *,
+        name: str = "",
+    ) -> None:
+        self.model, self.encoder, self.tokenizer = model, encoder, tokenizer
+        self.contract, self.options, self.name = contract, options, name
+        # The framework server's seed stream: one draw per request from default_rng(0).
+        self._seeds = np.random.default_rng(0)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def next_seed(self) -> int:
+        return int(self._seeds.integers(0, 2**31))
+
+    def infer(self, observation: Mapping[str, Any], *, seed: int | None = None, **overrides: Any) -> ActionChunk:
+        """observation (openpi DROID keys) -> ActionChunk [chunk, 8]. `overrides` replace sampling
+        options for this call (steps, guidance, shift, guidance_interval)."""
+        opts = replace(self.options, **overrides) if overrides else self.options
+        _check_options(opts)
+        chunk, _, _ = run_droid(observation, model=self.model, encoder=self.encoder, tokenizer=self.tokenizer,
+                                contract=self.contract, options=opts,
+                                seed=self.next_seed() if seed is None else seed)
+        if not np.isfinite(chunk.actions).all():
+            raise FloatingPointError("the model produced non-finite actions")
+        return chunk
+
+    def __repr__(self) -> str:
+        c = self.model.config
+        return (f"Policy({self.name!r}, {c.num_hidden_layers} layers x {c.hidden_size}, {c.hidden_act}, "
+                f"{self.model.dtype}, {self.device}, prompt={self.contract.prompt_format})")
+
+
+def _check_options(opts: SamplingOptions) -> None:
+    if not isinstance(opts.steps, int) or not 1 <= opts.steps <= 1000:
+        raise RequestError(f"must be an integer in [1, 1000], got {opts.steps!r}", field="steps")
+    if not np.isfinite(opts.guidance) or opts.guidance < 0:
+        raise RequestError(f"must be a finite number >= 0, got {opts.guidance!r}", field="guidance")
+    if not np.isfinite(opts.shift) or opts.shift <= 0:
+        raise RequestError(f"must be a finite number > 0, got {opts.shift!r}", field="shift")
+    gi = opts.guidance_interval
+    if gi is not None and (len(gi) != 2 or gi[0] >= gi[1]):
+        raise RequestError(f"must be [lo, hi] with lo < hi, got {gi!r}", field="guidance_interval")
+
+
+def _find_tokenizer(root: Path) -> Path:
+    for candidate in (root / "tokenizer", root, root.parent / "tokenizer"):
+        if (candidate / "tokenizer.json").is_file() or (candidate / "tokenizer_config.json").is_file():
+            return candidate
+    raise RequestError(f"no tokenizer next to {root}; pass tokenizer=PATH", field="tokenizer")
+
+
+def _find_vae(root: Path) -> Path:
+    for candidate in (root / "vae", root.parent / "vae"):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise RequestError(f"no vae/ folder next to {root}; pass vae=PATH", field="vae")
+
+
+def load_policy(
+    path_or_name: str | Path = "tiny-droid",
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    tokenizer: str | Path | None = None,
+    vae: str | Path | None = None,
+    prompt_format: str | None = None,
+    options: SamplingOptions | None = None,
+) -> Policy:
+    """Load a policy from a folder with transformer/ (or a bare transformer folder), vae/ and the
+    tokenizer, or from a built-in name (`tiny-droid`, `tiny-droid-edge`), which needs no download.
+
+    dtype defaults to bf16 on CUDA and fp32 on CPU; the VAE runs in the same dtype.
+    """
+    name = str(path_or_name)
+    root = builtin_path(name) if name in BUILTIN_MODELS else Path(name)
+    if not root.exists():
+        raise RequestError(f"no checkpoint at {root} (built-in models: {', '.join(BUILTIN_MODELS)})",
+                           field="model")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    extra: dict[str, Any] = {}
+    for cfg_file in (root / POLICY_CONFIG, root.parent / POLICY_CONFIG):
+        if cfg_file.is_file():
+            extra = json.loads(cfg_file.read_text())
+            break
+    model = load_transformer(resolve_transformer_folder(root), device=dev, dtype=dt)
+    encoder = FrameEncoder(load_vae(Path(vae) if vae else _find_vae(root), device=dev, dtype=dt))
+    tok = CaptionTokenizer.from_pretrained(Path(tokenizer) if tokenizer else _find_tokenizer(root))
+    fmt = prompt_format or extra.get("prompt_format", "plain")
+    if fmt not in ("plain", "json"):
+        raise RequestError(f"must be 'plain' or 'json', got {fmt!r}", field="prompt_format")
+    contract = DroidContract(prompt_format=fmt)
+    if options is None:
+        gi = extra.get("guidance_interval")
+        options = SamplingOptions(guidance_interval=tuple(gi) if gi else None)
+    return Policy(model, encoder, tok, contract, options, name=name)
