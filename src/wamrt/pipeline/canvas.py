@@ -73,7 +73,8 @@ def resize_bilinear_trunc(image: np.ndarray, size: tuple[int, int]) -> np.ndarra
     h, w = size
     if h < 1 or w < 1:
         raise RequestError(f"cannot resize to {h}x{w}", field="image")
-    x = torch.from_numpy(image).permute(2, 0, 1).unsqueeze(0).float()  # [1, 3, H, W]
+    x = torch.tensor(image)  # copy: inputs may be read-only views
+    x = x.permute(2, 0, 1).unsqueeze(0).float()  # [1, 3, H, W]
     y = F.interpolate(x, size=(h, w), mode="bilinear", align_corners=False)  # [1, 3, h, w]
     return np.ascontiguousarray(y.squeeze(0).permute(1, 2, 0).numpy().astype(np.uint8))  # [h, w, 3]
 
@@ -108,7 +109,7 @@ def compose_droid_canvas(obs: Mapping[str, Any], size: tuple[int, int] = DROID_C
 def _resize_bicubic_aa_uint8(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     # torchvision's tensor resize for uint8 (float32 compute, clamp, round). DROID canvases never reach
     # this (scale is 1 at tier 480), so no fixture covers it.
-    x = torch.from_numpy(image).permute(2, 0, 1).unsqueeze(0).float()  # [1, 3, H, W]
+    x = torch.tensor(image).permute(2, 0, 1).unsqueeze(0).float()  # [1, 3, H, W]
     y = F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True)
     y = y.clamp(0, 255).round().to(torch.uint8)
     return np.ascontiguousarray(y.squeeze(0).permute(1, 2, 0).numpy())
