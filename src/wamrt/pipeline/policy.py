@@ -60,6 +60,31 @@ class Policy:
             raise FloatingPointError("the model produced non-finite actions")
         return chunk
 
+    def infer_batch(
+        self, observations: list[Mapping[str, Any]], *, seeds: list[int | None] | None = None,
+        **overrides: Any,
+    ) -> list[ActionChunk | Exception]:
+        """Several requests of one shape bucket. A bad request yields its exception in its slot and
+        never fails the others. (Eager reference: one after another; the engine batches them.)"""
+        seeds = seeds or [None] * len(observations)
+        out: list[ActionChunk | Exception] = []
+        for obs, seed in zip(observations, seeds, strict=True):
+            try:
+                out.append(self.infer(obs, seed=seed, **overrides))
+            except (RequestError, FloatingPointError) as e:
+                out.append(e)
+        return out
+
+    def metadata(self) -> dict[str, Any]:
+        """What a client needs to know before sending observations (openpi-style handshake)."""
+        c = self.contract
+        return {
+            "model": self.name, "contract": "droid", "action_horizon": c.chunk, "action_dim": c.raw_action_dim,
+            "control_hz": c.fps, "image_size": [540, 640], "prompt_format": c.prompt_format,
+            "domain_id": c.domain_id, "num_steps": self.options.steps, "guidance": self.options.guidance,
+            "shift": self.options.shift, "guidance_interval": self.options.guidance_interval,
+        }
+
     def __repr__(self) -> str:
         c = self.model.config
         return (f"Policy({self.name!r}, {c.num_hidden_layers} layers x {c.hidden_size}, {c.hidden_act}, "
