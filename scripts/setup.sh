@@ -16,5 +16,8 @@ pip_install() {
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 pip_install "torch==${WAMRT_TORCH_VERSION:-2.13.0}"
 pip_install -e '.[dev]'
+# openpi-client (the third-party websocket client the tests speak to) pins numpy<2 although its client
+# needs only msgpack/numpy/websockets: install it without its pins.
+pip_install --no-deps "openpi-client==0.1.2"
 rm -f "$log"
 .venv/bin/python -c "import torch, diffusers, wamrt; print('ready: torch', torch.__version__, '| diffusers', diffusers.__version__, '| wamrt', wamrt.__version__)"

@@ -18,7 +18,32 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Without image/state arguments a built-in sample observation is used.")
     infer_cli.add_arguments(infer)
     infer.set_defaults(func=infer_cli.run)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    lat = bench.add_parser("latency", help="latency waterfall E0..E5 on random full-size weights (GPU)")
+    from .bench import latency
+
+    latency.add_arguments(lat)
+    lat.set_defaults(func=latency.run)
+    serve = sub.add_parser("serve", help="policy server: openpi websocket, /v1/policy/infer, /v1/videos")
+    load = bench.add_parser("load", help="closed-loop websocket lanes against a loopback server")
+    try:  # the server stack is an extra (wamrt[server]); everything else works without it
+        from .bench import load as load_bench
+        from .serving import server as serve_cli
+    except ImportError as e:
+        missing = str(e)
+        for p in (serve, load):
+            p.set_defaults(func=lambda _args: _missing_extra("server", missing))
+    else:
+        serve_cli.add_arguments(serve)
+        serve.set_defaults(func=serve_cli.run)
+        load_bench.add_arguments(load)
+        load.set_defaults(func=load_bench.run)
     return ap
+
+
+def _missing_extra(extra: str, why: str) -> int:
+    print(f"error: this command needs the '{extra}' extra (pip install 'wamrt[{extra}]'): {why}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,10 +27,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The input projections (an engine may serve both from one fused matrix)."""
+        return (self.gate_proj(x) if self.gated else None), self.up_proj(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(torch.relu(self.up_proj(x)).square())
+        gate, up = self.gate_up(x)
+        if gate is not None:
+            return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(torch.relu(up).square())
 
 
 class MoTAttention(nn.Module):
@@ -74,11 +79,16 @@ class MoTAttention(nn.Module):
         k_gen = apply_rope(k_gen, rope) if self.k_norm_und_for_gen is not None else k_rot
         return q.transpose(1, 2), k_rot.transpose(1, 2), k_gen.transpose(1, 2), v.transpose(1, 2)
 
+    def generator_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three input projections (an engine may serve them from one fused matrix)."""
+        return self.add_q_proj(x), self.add_k_proj(x), self.add_v_proj(x)
+
     def generator_qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, G, h] (normed) -> q [B, H, G, d], k, v [B, K, G, d]."""
-        q = apply_rope(self.norm_added_q(self._heads(self.add_q_proj(x), self.num_heads)), rope)
-        k = apply_rope(self.norm_added_k(self._heads(self.add_k_proj(x), self.num_kv_heads)), rope)
-        v = self._heads(self.add_v_proj(x), self.num_kv_heads)
+        q, k, v = self.generator_projections(x)
+        q = apply_rope(self.norm_added_q(self._heads(q, self.num_heads)), rope)
+        k = apply_rope(self.norm_added_k(self._heads(k, self.num_kv_heads)), rope)
+        v = self._heads(v, self.num_kv_heads)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
@@ -119,7 +129,7 @@ class MoTLayer(nn.Module):
         und_key_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Generator half: g [B, G, h] attends to [Reasoner K/V ; own K/V] with no mask (bar padding)."""
-        q, k, v = self.self_attn.generator_qkv(self.input_layernorm_moe_gen(g), rope)
+        q, k, v = self.generator_pre(g, rope)
         keys = torch.cat((und_k, k), dim=2)  # [B, K, U+G, d]
         values = torch.cat((und_v, v), dim=2)
         key_mask = None
@@ -127,5 +137,13 @@ class MoTLayer(nn.Module):
             gen_ones = und_key_mask.new_ones(und_key_mask.shape[0], k.shape[2])
             key_mask = torch.cat((und_key_mask, gen_ones), dim=1)
         o = attn(q, keys, values, causal=False, key_mask=key_mask)
+        return self.generator_post(g, o)
+
+    # The Generator half around its attention op, as two pieces an engine can compile on their own.
+    def generator_pre(self, g: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.self_attn.generator_qkv(self.input_layernorm_moe_gen(g), rope)
+
+    def generator_post(self, g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """o [B, H, G, d] attention output -> next g [B, G, h]."""
         g = g + self.self_attn.to_add_out(o.transpose(1, 2).flatten(2))
         return g + self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(g))

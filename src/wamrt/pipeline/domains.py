@@ -67,9 +67,13 @@ def action_domains() -> tuple[str, ...]:
 
 def resolve_domain(name: object) -> Domain:
     if not isinstance(name, str) or name not in DOMAIN_IDS:
-        raise RequestError(f"unknown embodiment domain {name!r}; expected one of {list(action_domains())}",
-                           field="domain")
+        raise RequestError(
+            f"unknown embodiment domain {name!r}; expected one of {list(action_domains())}", field="domain"
+        )
     if name not in RAW_ACTION_DIMS:
-        raise RequestError(f"domain {name!r} has no fixed action width and is not supported for action "
-                           f"inference; expected one of {list(action_domains())}", field="domain")
+        raise RequestError(
+            f"domain {name!r} has no fixed action width and is not supported for action "
+            f"inference; expected one of {list(action_domains())}",
+            field="domain",
+        )
     return Domain(name, DOMAIN_IDS[name], RAW_ACTION_DIMS[name])

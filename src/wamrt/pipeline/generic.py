@@ -1,4 +1,4 @@
-"""Generic action task contracts with diffusers 0.42.1 semantics (`Cosmos3OmniPipeline` + `CosmosActionCondition`).
+"""Generic action task contracts as diffusers 0.42.1 defines them (`Cosmos3OmniPipeline` + action).
 
 * policy: image -> actions + future video latents (vision frame 0 and nothing else is clean);
 * forward_dynamics: image + raw actions -> future video latents (frame 0 and every action row clean);
@@ -93,7 +93,9 @@ def _conditioning_frames(mode: str, image: Any, video: Any) -> tuple[Image.Image
     if image is not None and video is not None:
         raise RequestError("give either image or video, not both", field="image")
     if mode == "inverse_dynamics" and video is None:
-        raise RequestError("inverse_dynamics needs a video (its frames are the clean conditioning)", field="video")
+        raise RequestError(
+            "inverse_dynamics needs a video (its frames are the clean conditioning)", field="video"
+        )
     if image is None and video is None:
         raise RequestError(f"{mode} needs an image (or a video whose first frame is used)", field="image")
     if image is not None:
@@ -118,15 +120,19 @@ def _raw_actions(raw: Any, domain: Domain, chunk: int) -> torch.Tensor:
             raise RequestError(f"must be numeric, got dtype {raw.dtype}", field="raw_actions")
         raw = torch.from_numpy(np.array(raw))
     if not isinstance(raw, torch.Tensor):
-        raise RequestError(f"must be a tensor or array [T, {domain.raw_action_dim}], got {type(raw).__name__}",
-                           field="raw_actions")
+        raise RequestError(
+            f"must be a tensor or array [T, {domain.raw_action_dim}], got {type(raw).__name__}",
+            field="raw_actions",
+        )
     if raw.is_complex() or raw.dtype == torch.bool:
         raise RequestError(f"must be real-valued, got {raw.dtype}", field="raw_actions")
     if raw.ndim != 2 or raw.shape[0] < 1:
         raise RequestError(f"must have shape [T >= 1, D], got {tuple(raw.shape)}", field="raw_actions")
     if raw.shape[1] != domain.raw_action_dim:
-        raise RequestError(f"width {raw.shape[1]} != {domain.raw_action_dim}, the action width of domain "
-                           f"{domain.name!r}", field="raw_actions")
+        raise RequestError(
+            f"width {raw.shape[1]} != {domain.raw_action_dim}, the action width of domain {domain.name!r}",
+            field="raw_actions",
+        )
     # Cast first (as the reference does), so a float64 value that overflows float32 is caught too.
     x = raw.detach().to(device="cpu", dtype=torch.float32)
     if not bool(torch.isfinite(x).all()):
@@ -140,17 +146,28 @@ def _check_model(cfg: Cosmos3Config, encoder: FrameEncoder, domain: Domain) -> N
     if not cfg.action_gen or cfg.action_dim is None:
         raise RequestError("the transformer was not built with action_gen=True", field="model")
     if domain.raw_action_dim > cfg.action_dim:
-        raise RequestError(f"domain {domain.name!r} needs {domain.raw_action_dim} action columns but the model "
-                           f"has action_dim={cfg.action_dim}", field="domain")
+        raise RequestError(
+            f"domain {domain.name!r} needs {domain.raw_action_dim} action columns but the model "
+            f"has action_dim={cfg.action_dim}",
+            field="domain",
+        )
     if domain.domain_id >= cfg.num_embodiment_domains:
-        raise RequestError(f"domain id {domain.domain_id} >= num_embodiment_domains="
-                           f"{cfg.num_embodiment_domains}", field="domain")
+        raise RequestError(
+            f"domain id {domain.domain_id} >= num_embodiment_domains={cfg.num_embodiment_domains}",
+            field="domain",
+        )
     if encoder.latent_channels != cfg.latent_channel:
-        raise RequestError(f"VAE has {encoder.latent_channels} latent channels, the transformer expects "
-                           f"{cfg.latent_channel}", field="vae")
+        raise RequestError(
+            f"VAE has {encoder.latent_channels} latent channels, the transformer expects "
+            f"{cfg.latent_channel}",
+            field="vae",
+        )
     if (encoder.spatial, encoder.temporal) != (VAE_SPATIAL, VAE_TEMPORAL):
-        raise RequestError(f"VAE compression {(encoder.spatial, encoder.temporal)} is not Wan2.2's "
-                           f"{(VAE_SPATIAL, VAE_TEMPORAL)}", field="vae")
+        raise RequestError(
+            f"VAE compression {(encoder.spatial, encoder.temporal)} is not Wan2.2's "
+            f"{(VAE_SPATIAL, VAE_TEMPORAL)}",
+            field="vae",
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -206,13 +223,17 @@ class GenericRequest:
     def captions(self) -> tuple[str, str]:
         """(cond, uncond): the JSON action caption, and the bare negative prompt (no JSON, no metadata)."""
         cond = diffusers_action_json_prompt(
-            self.prompt, view_point=self.view_point, num_frames=self.num_frames, fps=self.fps,
-            height=self.canvas.canvas_h, width=self.canvas.canvas_w,
+            self.prompt,
+            view_point=self.view_point,
+            num_frames=self.num_frames,
+            fps=self.fps,
+            height=self.canvas.canvas_h,
+            width=self.canvas.canvas_w,
         )
         return cond, self.negative_prompt
 
     def pixel_clip(self) -> torch.Tensor:
-        """The frames the VAE must see -> float32 [1, 3, T, canvas_h, canvas_w], T = 1 unless inverse dynamics."""
+        """Frames the VAE must see -> float32 [1, 3, T, canvas_h, canvas_w]; T = 1 unless inverse dynamics."""
         n = 1 if self.clean_latent_frames == 1 else self.num_frames
         # Pad by repeating the last frame, or truncate, to the chunk + 1 frames of the clip.
         picked = [self.frames[min(i, len(self.frames) - 1)] for i in range(n)]
@@ -247,7 +268,7 @@ class GenericRequest:
         timings["preprocess"] = 1e3 * (time.perf_counter() - t0)
         t0 = time.perf_counter()
         # The padded canvas is encoded, then cropped to the content (the model never sees the padding).
-        x0 = encoder.encode(clip)[..., : lat.latent_h, : lat.latent_w].to(device).clone()  # [1, C, n_clean, h, w]
+        x0 = encoder.encode(clip)[..., : lat.latent_h, : lat.latent_w].to(device)  # [1, C, n_clean, h, w]
         timings["vae_encode"] = 1e3 * (time.perf_counter() - t0)
         assert x0.shape[2] == n_clean, (x0.shape, n_clean)
 
@@ -296,12 +317,17 @@ class GenericRequest:
         lat, p = self.latent, cfg.latent_patch_size
         u = len(ids)
         offset = generator_offset(cfg, u)  # vision and action are temporal siblings at the same offset
-        positions = torch.cat([
-            text_positions(u),
-            vision_positions(cfg, lat.latent_t, -(-lat.latent_h // p), -(-lat.latent_w // p), offset, self.fps),
-            # start_frame=1: action k sits at the time of the frame it leads to (diffusers' convention).
-            action_positions(cfg, self.chunk_size, offset, self.fps, start_frame=1),
-        ], dim=1)  # [3, U + G]
+        positions = torch.cat(
+            [
+                text_positions(u),
+                vision_positions(
+                    cfg, lat.latent_t, -(-lat.latent_h // p), -(-lat.latent_w // p), offset, self.fps
+                ),
+                # start_frame=1: action k sits at the time of the frame it leads to (diffusers' convention).
+                action_positions(cfg, self.chunk_size, offset, self.fps, start_frame=1),
+            ],
+            dim=1,
+        )  # [3, U + G]
         return Branch(torch.tensor([list(ids)], dtype=torch.long, device=device), positions[None].to(device))
 
 
@@ -332,17 +358,22 @@ def generic_request(
     dom = resolve_domain(domain)
     chunk = _positive_int(chunk_size, "chunk_size")
     if str(resolution_tier) not in DIFFUSERS_ACTION_RESOLUTION_BINS:
-        raise RequestError(f"unknown tier {resolution_tier!r}; expected one of {list(TIERS)}",
-                           field="resolution_tier")
+        raise RequestError(
+            f"unknown tier {resolution_tier!r}; expected one of {list(TIERS)}", field="resolution_tier"
+        )
     if view_point is not None and view_point not in DIFFUSERS_VIEWPOINT_TEMPLATES:
         # The reference drops the framing with a warning; a typo should not silently change the prompt.
-        raise RequestError(f"unknown view point {view_point!r}; expected one of {list(VIEW_POINTS)} or None",
-                           field="view_point")
+        raise RequestError(
+            f"unknown view point {view_point!r}; expected one of {list(VIEW_POINTS)} or None",
+            field="view_point",
+        )
     fps_f = _finite(fps, "fps", positive=True)
     if not isinstance(prompt, str):
         raise RequestError(f"must be a string, got {type(prompt).__name__}", field="prompt")
     if negative_prompt is not None and not isinstance(negative_prompt, str):
-        raise RequestError(f"must be a string or None, got {type(negative_prompt).__name__}", field="negative_prompt")
+        raise RequestError(
+            f"must be a string or None, got {type(negative_prompt).__name__}", field="negative_prompt"
+        )
     frames = _conditioning_frames(mode, image, video)
     if mode == "forward_dynamics":
         if raw_actions is None:
@@ -356,12 +387,23 @@ def generic_request(
     w, h = frames[0].size
     h16, w16 = h - h % VAE_SPATIAL, w - w % VAE_SPATIAL  # the reference first floors to multiples of 16
     if h16 == 0 or w16 == 0:
-        raise RequestError(f"must be at least 16x16, got {h}x{w}", field="image" if image is not None else "video")
+        raise RequestError(
+            f"must be at least 16x16, got {h}x{w}", field="image" if image is not None else "video"
+        )
     canvas = canvas_geometry(h16, w16, str(resolution_tier), "diffusers")
     return GenericRequest(
-        mode=mode, domain=dom, chunk_size=chunk, resolution_tier=int(resolution_tier), view_point=view_point,
-        fps=fps_f, prompt=prompt, negative_prompt="" if negative_prompt is None else negative_prompt,
-        use_system_prompt=bool(use_system_prompt), frames=frames, raw_actions=actions, canvas=canvas,
+        mode=mode,
+        domain=dom,
+        chunk_size=chunk,
+        resolution_tier=int(resolution_tier),
+        view_point=view_point,
+        fps=fps_f,
+        prompt=prompt,
+        negative_prompt="" if negative_prompt is None else negative_prompt,
+        use_system_prompt=bool(use_system_prompt),
+        frames=frames,
+        raw_actions=actions,
+        canvas=canvas,
     )
 
 
@@ -372,8 +414,11 @@ def generic_request(
 def diffusers_sampling(steps: int, guidance: float, shift: float) -> SamplingOptions:
     """The reference's flow-UniPC schedule with CFG combined in fp32."""
     return SamplingOptions(
-        steps=_positive_int(steps, "steps"), guidance=_finite(guidance, "guidance"),
-        shift=_finite(shift, "shift", positive=True), schedule="diffusers", cfg_in_model_dtype=False,
+        steps=_positive_int(steps, "steps"),
+        guidance=_finite(guidance, "guidance"),
+        shift=_finite(shift, "shift", positive=True),
+        schedule="diffusers",
+        cfg_in_model_dtype=False,
     )
 
 
@@ -396,7 +441,7 @@ def decode_frames(encoder: FrameEncoder, latents: torch.Tensor) -> torch.Tensor:
 class GenericResult:
     actions: torch.Tensor | None  # [chunk, raw_dim] float32 on CPU, model space (policy, inverse dynamics)
     video_latents: torch.Tensor  # [1, C, T, H, W] float32, normalised, cropped to the content
-    frames: torch.Tensor | None  # uint8 [chunk + 1, 16H, 16W, 3] when decoded
+    frames: torch.Tensor | None  # uint8 [4(T-1)+1, 16H, 16W, 3] when decoded (chunk + 1 if chunk % 4 == 0)
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -432,9 +477,18 @@ def run_generic(
     t_start = time.perf_counter()
     opts = diffusers_sampling(steps, guidance, shift)
     req = generic_request(
-        mode=mode, prompt=prompt, domain=domain, chunk_size=chunk_size, image=image, video=video,
-        raw_actions=raw_actions, resolution_tier=resolution_tier, view_point=view_point, fps=fps,
-        negative_prompt=negative_prompt, use_system_prompt=use_system_prompt,
+        mode=mode,
+        prompt=prompt,
+        domain=domain,
+        chunk_size=chunk_size,
+        image=image,
+        video=video,
+        raw_actions=raw_actions,
+        resolution_tier=resolution_tier,
+        view_point=view_point,
+        fps=fps,
+        negative_prompt=negative_prompt,
+        use_system_prompt=use_system_prompt,
     )
     if not isinstance(tokenizer, CaptionTokenizer):
         tokenizer = CaptionTokenizer(tokenizer)

@@ -1,0 +1,265 @@
+"""`wamrt bench latency`: the cumulative waterfall E0 -> E5 on random full-size weights.
+
+Each row keeps the previous rows' techniques and adds one. Every request is timed end to end on the
+host (observation arrays in -> action array on host), after warm-up, with a different observation each
+time and the same instruction (an episode). Results: one JSON file per row in performance.md's
+schema, plus a PNG waterfall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..engine import Engine, EngineConfig
+from ..ops.attention import measure_backends
+from ..sample import sample_observation
+from .flops import COMPUTE_FLOOR_MS, PRACTICAL_FLOOR_MS, TARGET_MS, request_flops
+from .stats import median_stages, summarize
+
+ROWS: dict[str, tuple[str, dict]] = {
+    "E0": ("eager reference: diffusers call pattern (Reasoner in every forward, SDPA enable_gqa, 33-frame VAE)",
+           dict(attention="gqa", reuse_reasoner=False, vae_frames=33, batch_cfg=False, compile=False,
+                cuda_graph=False)),
+    "E1": ("+ attention backend (K/V heads expanded, fastest SDPA kernel)",
+           dict(reuse_reasoner=False, vae_frames=33, batch_cfg=False, compile=False, cuda_graph=False)),
+    "E2": ("+ Reasoner K/V once per prompt (LRU) + frame-0 VAE", dict(batch_cfg=False, compile=False,
+                                                                    cuda_graph=False)),
+    "E3": ("+ both CFG branches in one Generator pass", dict(compile=False, cuda_graph=False)),
+    "E4": ("+ fused QKV / gate-up + regional torch.compile", dict(cuda_graph=False)),
+    "E5": ("+ whole denoise loop as one CUDA graph", dict()),
+}
+
+
+def git_sha() -> str:
+    if os.environ.get("WAMRT_GIT_SHA"):
+        return os.environ["WAMRT_GIT_SHA"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment() -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(), "git_sha": git_sha(),
+           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        try:
+            env["driver"] = subprocess.check_output(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], text=True).strip()
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    else:
+        env["gpu"] = "cpu"
+    return env
+
+
+def time_requests(fn, warmup: int, runs: int) -> tuple[list[float], list[dict]]:
+    for i in range(warmup):
+        fn(i)
+    totals, stages = [], []
+    for i in range(runs):
+        t0 = time.perf_counter()
+        chunk = fn(warmup + i)
+        totals.append(1e3 * (time.perf_counter() - t0))
+        stages.append(chunk.timings_ms if hasattr(chunk, "timings_ms") else chunk)
+    return totals, stages
+
+
+def kernel_split(prof) -> dict[str, float]:
+    """GPU kernel time (ms) by class, from a torch.profiler run."""
+    split = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+        if not t or evt.device_type.name != "CUDA":
+            continue
+        name = evt.key.lower()
+        if any(s in name for s in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_")) and "fmha" not in name:
+            split["gemm"] += t / 1e3
+        elif any(s in name for s in ("flash", "fmha", "attention", "cudnn", "sdpa")):
+            split["attention"] += t / 1e3
+        else:
+            split["other"] += t / 1e3
+    return split
+
+
+def plot_waterfall(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    names = [r["row"] for r in rows] + (["diffusers"] if rows and rows[0].get("peer") else [])
+    vals = [r["p50_ms"] for r in rows] + ([rows[0]["peer"]["p50_ms"]] if rows and rows[0].get("peer") else [])
+    errs = [[r["p50_ms"] - r["ci95_p50_ms"][0] for r in rows], [r["ci95_p50_ms"][1] - r["p50_ms"] for r in rows]]
+    if len(vals) > len(rows):
+        errs = [e + [0.0] for e in errs]
+    colors = ["#4c72b0"] * len(rows) + ["#c44e52"] * (len(vals) - len(rows))
+    ax.bar(names, vals, yerr=errs, color=colors, capsize=3)
+    for x, v in enumerate(vals):
+        ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+    r0 = rows[0]
+    for key, style, label in (("floor_ms", ":", "compute floor"), ("practical_floor_ms", "--", "practical floor"),
+                              ("target_ms", "-", "target")):
+        if r0.get(key):
+            ax.axhline(r0[key], linestyle=style, color="k", linewidth=0.8, label=f"{label} {r0[key]:.0f} ms")
+    ax.set_ylabel("end-to-end p50 latency (ms)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .peer_diffusers import DiffusersPeer, diffusers_twin
+    from .random_policy import random_policy
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device(args.device)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    command = "wamrt bench latency " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "latency"] else sys.argv[1:])
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    policy = random_policy(args.model, dev, dtype, layers=args.layers, tiny_vae=args.tiny_vae)
+    cfg = policy.model.config
+    obs0 = sample_observation(0)
+    prep_geom = None
+    peer = None
+    if args.peer == "diffusers":
+        peer_model = diffusers_twin(policy.model)  # before fusion: shares the unfused weights
+    rows_out: list[dict] = []
+    attention_ms = None
+    if dev.type == "cuda":
+        g_tokens = 3092
+        attention_ms = measure_backends((2, cfg.num_attention_heads, g_tokens, cfg.head_dim), cfg.num_key_value_heads,
+                                        g_tokens + 125, dtype=torch.bfloat16, device=dev)
+        best = min(attention_ms, key=attention_ms.get)
+        print(f"generator attention per call (ms): {attention_ms} -> {best}", flush=True)
+    else:
+        best = "auto"
+    for steps in args.steps:
+        rows_out = []
+        peer_result = None
+        if args.peer == "diffusers" and (steps == args.steps[0] or args.peer_all_steps):
+            peer = DiffusersPeer(peer_model, policy.encoder, steps=steps, guidance=3.0, shift=5.0)
+            from ..pipeline.canvas import compose_droid_canvas, pad_to_bucket
+
+            padded = pad_to_bucket(compose_droid_canvas(obs0))
+            canvas = torch.from_numpy(padded.pixels).to(dev)
+            cond = list(policy.tokenizer.encode("x").text_ids)
+            uncond = list(policy.tokenizer.encode("").text_ids)
+            gen = torch.Generator(device=dev).manual_seed(0)
+            ptimes, pstages = time_requests(lambda i: peer.run(canvas, cond, uncond, padded.image_size[2:], gen),
+                                            args.peer_warmup, args.peer_runs)
+            peer_result = {"name": "diffusers 0.42.1 (own loop + 33-frame VAE encode)", **summarize(ptimes),
+                           "stages_ms": median_stages(pstages)}
+            print(f"[{args.model} {steps} steps] peer diffusers p50 {peer_result['p50_ms']:.1f} ms", flush=True)
+        rows = args.rows if steps == args.steps[0] else [r for r in args.rows if r in args.other_steps_rows]
+        for row in rows:
+            label, flags = ROWS[row]
+            econf = EngineConfig(**{"attention": best, **flags})
+            engine = Engine.from_policy(policy, econf)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(dev)
+            warm = args.warmup if row in args.full_rows else args.quick_warmup
+            runs = args.runs if row in args.full_rows else args.quick_runs
+            t_build = time.perf_counter()
+            totals, stages = time_requests(
+                lambda i: engine.infer(sample_observation(i), seed=i, steps=steps), warm, runs)
+            summary = summarize(totals)
+            cfg_steps = [True] * steps
+            flops = request_flops(cfg, text=[125, 30], gen_tokens=3092, cfg_steps=cfg_steps,
+                                  reasoner_once=econf.reuse_reasoner)
+            key = (args.model, steps)
+            result = {
+                "kind": "latency", "command": command, **env, "model": args.model, "tier": 480, "steps": steps,
+                "guidance": 3.0, "guidance_interval": None, "recipe": "bf16", "parallel": "none", "gpus": 1,
+                "batch": 1, "weights": "random", **summary, "warmup": warm,
+                "floor_ms": COMPUTE_FLOOR_MS.get(key), "practical_floor_ms": PRACTICAL_FLOOR_MS.get(key),
+                "target_ms": TARGET_MS.get(key), "stages_ms": median_stages(stages),
+                "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
+                "peer": None if peer_result is None else {"name": peer_result["name"], "p50_ms": peer_result["p50_ms"],
+                                                          "ci95_p50_ms": peer_result["ci95_p50_ms"],
+                                                          "stages_ms": peer_result["stages_ms"]},
+                "row": row, "label": label, "engine": asdict(econf), "layers": cfg.num_hidden_layers,
+                "text_tokens": {"cond": 125, "uncond": 30, "note": "stand-in tokenizer with performance.md's counts"},
+                "generator_tokens": 3092, "request_tflop": flops / 1e12,
+                "achieved_tflops": flops / 1e12 / (summary["p50_ms"] / 1e3),
+                "ratio_to_floor": summary["p50_ms"] / COMPUTE_FLOOR_MS[key] if key in COMPUTE_FLOOR_MS else None,
+                "ratio_to_target": summary["p50_ms"] / TARGET_MS[key] if key in TARGET_MS else None,
+                "attention_backend_ms": attention_ms, "kv_cache": {"hits": engine.kv_cache.hits,
+                                                                   "misses": engine.kv_cache.misses},
+                "row_wall_s": time.perf_counter() - t_build,
+            }
+            if peer_result is not None:
+                result["speedup_vs_peer"] = peer_result["p50_ms"] / summary["p50_ms"]
+            if args.trace and row == rows[-1]:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    engine.infer(sample_observation(10_000), seed=1, steps=steps)
+                trace = out_dir / f"trace-{args.model}-s{steps}-{row}.json"
+                prof.export_chrome_trace(str(trace))
+                result["kernel_split_ms"] = kernel_split(prof)
+                print(f"kernel split (ms): {result['kernel_split_ms']} -> {trace}", flush=True)
+            rows_out.append(result)
+            name = f"{args.model}-s{steps}-{row}.json"
+            (out_dir / name).write_text(json.dumps(result, indent=2) + "\n")
+            st = result["stages_ms"]
+            print(f"[{args.model} {steps} steps] {row} p50 {summary['p50_ms']:.1f} ms "
+                  f"CI [{summary['ci95_p50_ms'][0]:.1f}, {summary['ci95_p50_ms'][1]:.1f}] p99 {summary['p99_ms']:.1f} "
+                  f"| vae {st.get('vae_encode', 0):.1f} prefill {st.get('reasoner_prefill', 0):.1f} "
+                  f"denoise {st.get('denoise', 0):.1f} | {result['achieved_tflops']:.0f} TFLOP/s "
+                  f"| x{result.get('speedup_vs_peer', float('nan')):.2f} vs peer | {row_wall(result)}", flush=True)
+            del engine
+        if rows_out:
+            try:
+                plot_waterfall(rows_out, out_dir / f"waterfall-{args.model}-s{steps}.png",
+                               f"Cosmos 3 {args.model} DROID policy, tier 480, {steps} steps, bf16, random weights, "
+                               f"{env.get('gpu')}")
+            except ImportError:
+                print("matplotlib missing: no PNG", flush=True)
+    print(json.dumps({"model": args.model, "rows": [{k: r[k] for k in ("row", "steps", "p50_ms")} for r in rows_out]}))
+    del prep_geom
+    return 0
+
+
+def row_wall(result: dict) -> str:
+    return f"{result['row_wall_s']:.0f}s wall"
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="nano", choices=["edge", "nano", "super"])
+    ap.add_argument("--layers", type=int, help="override the layer count (smoke tests)")
+    ap.add_argument("--tiny-vae", action="store_true", help="tiny VAE instead of the Wan2.2 size (smoke tests)")
+    ap.add_argument("--steps", type=int, nargs="+", default=[4])
+    ap.add_argument("--rows", type=lambda s: s.split(","), default=list(ROWS))
+    ap.add_argument("--other-steps-rows", type=lambda s: s.split(","), default=["E5"],
+                    help="rows run for the second and later --steps values")
+    ap.add_argument("--full-rows", type=lambda s: s.split(","), default=["E5"],
+                    help="rows timed with --warmup/--runs; the others use --quick-warmup/--quick-runs")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--quick-warmup", type=int, default=3)
+    ap.add_argument("--quick-runs", type=int, default=10)
+    ap.add_argument("--peer", choices=["none", "diffusers"], default="none")
+    ap.add_argument("--peer-all-steps", action="store_true", help="also run the peer for later --steps values")
+    ap.add_argument("--peer-warmup", type=int, default=3)
+    ap.add_argument("--peer-runs", type=int, default=10)
+    ap.add_argument("--trace", action="store_true", help="profile one extra request of the last row")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default="bench/results/latency")

@@ -1,0 +1,379 @@
+"""`Engine`: the fast path for DROID policy requests on one GPU.
+
+load -> fuse (Generator q/k/v, gate/up) -> compile the repeated layer halves -> capture the whole
+denoising loop (every step, the sampler included) as one CUDA graph per shape bucket -> replay.
+
+Each technique is a switch in `EngineConfig`, so the latency waterfall (E0 ... E5) runs the same
+code with more of them on. Every configuration computes the same function as the eager reference
+(`wamrt.pipeline.denoise`) up to bf16 rounding; tests hold it to that.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..model import Cosmos3Transformer, GeneratorTokens, ReasonerKV, Rope
+from ..ops.attention import BackendAttention, PrefixOffsetAttention, diffusers_gqa_attention
+from ..pipeline.denoise import DenoiseInputs, DenoiseResult, SamplingOptions
+from ..pipeline.droid import ActionChunk, DroidContract, PreparedDroid, droid_actions, prepare_droid
+from ..pipeline.errors import RequestError
+from ..pipeline.policy import Policy, _check_options
+from ..pipeline.tokens import CaptionTokenizer
+from ..pipeline.vae import FrameEncoder
+from ..sampler import cfg_combine, guidance_active, unipc_plan
+from .fuse import fuse_generator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    attention: str = "cudnn"  # "gqa" = the reference's SDPA(enable_gqa) call; else an SDPA backend
+    reuse_reasoner: bool = True  # False: the Reasoner runs inside every forward (reference pattern)
+    vae_frames: int = 1  # pixel frames encoded; chunk + 1 = what diffusers encodes
+    batch_cfg: bool = True  # both CFG branches (and all requests) in one Generator pass
+    compile: bool = True  # fuse + regional torch.compile of the Generator layer halves
+    cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
+    kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
+    graph_cache_size: int = 16
+
+
+@dataclass
+class _Seq:
+    """One CFG branch of one request inside a batch."""
+
+    request: int
+    kv: ReasonerKV  # [1, K, U, d] per layer
+    rope: Rope  # Generator part, [1, G, d]
+
+
+class ReasonerCache:
+    """LRU of per-prompt Reasoner K/V. Text positions are 0..U-1 whatever the image geometry, so the
+    token ids alone identify an entry."""
+
+    def __init__(self, model: Cosmos3Transformer, size: int) -> None:
+        self.model, self.size = model, size
+        self.entries: OrderedDict[tuple[int, ...], ReasonerKV] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, ids: torch.Tensor, positions: torch.Tensor) -> ReasonerKV:
+        key = tuple(ids[0].tolist())
+        kv = self.entries.get(key)
+        if kv is not None:
+            self.entries.move_to_end(key)
+            self.hits += 1
+            return kv
+        self.misses += 1
+        rope_und, _ = self.model.rope(positions).split(ids.shape[1])
+        kv = self.model.prefill_reasoner(ids, rope_und)
+        self.entries[key] = kv
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return kv
+
+
+def _left_pad_kv(kvs: list[ReasonerKV]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """Stack per-sequence K/V [1, K, U_s, d] into [S, K, Umax, d] with padding at the front."""
+    longest = max(kv.length for kv in kvs)
+    offsets = [longest - kv.length for kv in kvs]
+    keys, values = [], []
+    for layer in range(len(kvs[0].keys)):
+        keys.append(torch.cat([torch.nn.functional.pad(kv.keys[layer], (0, 0, o, 0))
+                               for kv, o in zip(kvs, offsets, strict=True)]))
+        values.append(torch.cat([torch.nn.functional.pad(kv.values[layer], (0, 0, o, 0))
+                                 for kv, o in zip(kvs, offsets, strict=True)]))
+    return keys, values, offsets
+
+
+class _Graph:
+    """A captured denoising loop plus the static buffers it reads and writes."""
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.inputs: dict[str, Any] = {}
+        self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Cosmos3Transformer,
+        encoder: FrameEncoder,
+        tokenizer: CaptionTokenizer,
+        contract: DroidContract = DroidContract(),
+        options: SamplingOptions = SamplingOptions(),
+        config: EngineConfig = EngineConfig(),
+        name: str = "",
+    ) -> None:
+        self.model, self.encoder, self.tokenizer = model, encoder, tokenizer
+        self.contract, self.options, self.config, self.name = contract, options, config, name
+        self.device = next(model.parameters()).device
+        self.kv_cache = ReasonerCache(model, config.kv_cache_size)
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._seeds = np.random.default_rng(0)
+        self._backend = BackendAttention(generator=config.attention if config.attention != "gqa" else "auto")
+        if config.compile:
+            fuse_generator(model)
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            for layer in model.layers:
+                if not getattr(layer, "_wamrt_compiled", False):  # engines may share one model
+                    layer.generator_pre = torch.compile(layer.generator_pre, dynamic=False)
+                    layer.generator_post = torch.compile(layer.generator_post, dynamic=False)
+                    layer._wamrt_compiled = True
+        if config.cuda_graph and self.device.type != "cuda":
+            raise ValueError("cuda_graph needs a CUDA device")
+
+    @classmethod
+    def from_policy(cls, policy: Policy, config: EngineConfig = EngineConfig()) -> Engine:
+        return cls(policy.model, policy.encoder, policy.tokenizer, policy.contract, policy.options, config,
+                   name=policy.name)
+
+    # ---------------------------------------------------------------------------------------------
+    def next_seed(self) -> int:
+        return int(self._seeds.integers(0, 2**31))
+
+    def infer(self, observation: Mapping[str, Any], *, seed: int | None = None, **overrides: Any) -> ActionChunk:
+        result = self.infer_batch([observation], seeds=[seed], **overrides)[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def infer_batch(
+        self, observations: list[Mapping[str, Any]], *, seeds: list[int | None] | None = None, **overrides: Any
+    ) -> list[ActionChunk | Exception]:
+        """Requests of one shape bucket in one pass. A bad request yields its error in its slot."""
+        opts = replace(self.options, **overrides) if overrides else self.options
+        _check_options(opts)
+        seeds = seeds or [None] * len(observations)
+        t_start = time.perf_counter()
+        results: list[ActionChunk | Exception] = [None] * len(observations)  # type: ignore[list-item]
+        prepared: list[tuple[int, PreparedDroid]] = []
+        with torch.inference_mode():
+            for i, (obs, seed) in enumerate(zip(observations, seeds, strict=True)):
+                try:
+                    prep = prepare_droid(obs, model=self.model, encoder=self.encoder, tokenizer=self.tokenizer,
+                                         contract=self.contract, seed=self.next_seed() if seed is None else seed,
+                                         device=self.device, encode_frames=self.config.vae_frames)
+                    prepared.append((i, prep))
+                except RequestError as e:
+                    results[i] = e
+            if prepared:
+                finals, timings = self._denoise([p for _, p in prepared], opts)
+                t0 = time.perf_counter()
+                for (i, prep), (xv, xa) in zip(prepared, finals, strict=True):
+                    actions = droid_actions(DenoiseResult(xv, xa), self.contract)
+                    if not np.isfinite(actions).all():
+                        results[i] = FloatingPointError("the model produced non-finite actions")
+                        continue
+                    stage = {**prep.timings_ms, **timings}
+                    results[i] = ActionChunk(actions, prep.seed, prep.prompt, stage)
+                post = 1e3 * (time.perf_counter() - t0)
+                total = 1e3 * (time.perf_counter() - t_start)
+                for r in results:
+                    if isinstance(r, ActionChunk):
+                        r.timings_ms["postprocess"] = post
+                        r.timings_ms["total"] = total
+        return results
+
+    # ---------------------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _denoise(self, preps: list[PreparedDroid], opts: SamplingOptions):
+        schedule = opts.make_schedule()
+        timesteps = schedule.timesteps.tolist()
+        cfg_steps = (guidance_active(timesteps, opts.guidance_interval) if opts.guidance != 1.0
+                     else [False] * len(timesteps))
+        timings: dict[str, float] = {}
+        inputs = [p.inputs for p in preps]
+        if not self.config.reuse_reasoner:
+            self._sync()
+            t0 = time.perf_counter()
+            finals = [self._reference_loop(inp, opts, timesteps, cfg_steps) for inp in inputs]
+            self._sync()
+            timings["reasoner_prefill"] = 0.0  # inside every forward
+            timings["denoise"] = 1e3 * (time.perf_counter() - t0)
+            return finals, timings
+
+        self._sync()
+        t0 = time.perf_counter()
+        conds = [_Seq(r, self.kv_cache.get(inp.cond.input_ids, inp.cond.positions),
+                      self.model.rope(inp.cond.positions).split(inp.cond.input_ids.shape[1])[1])
+                 for r, inp in enumerate(inputs)]
+        unconds: list[_Seq] = []
+        if any(cfg_steps):
+            for r, inp in enumerate(inputs):
+                assert inp.uncond is not None
+                unconds.append(_Seq(r, self.kv_cache.get(inp.uncond.input_ids, inp.uncond.positions),
+                                    self.model.rope(inp.uncond.positions).split(inp.uncond.input_ids.shape[1])[1]))
+        self._sync()
+        timings["reasoner_prefill"] = 1e3 * (time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        x_v = torch.cat([inp.vision for inp in inputs])
+        x_a = torch.cat([inp.action for inp in inputs])
+        static = dict(
+            vision_noisy=torch.cat([inp.vision_noisy for inp in inputs]),
+            action_noisy=torch.cat([inp.action_noisy for inp in inputs]),
+            domain_ids=torch.cat([inp.domain_ids for inp in inputs]),
+        )
+        raw_dim = inputs[0].raw_action_dim
+        plan = unipc_plan(schedule, device=self.device)
+        if self.config.cuda_graph:
+            out = self._graph_loop(x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim)
+        else:
+            out = self._loop(x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim)
+        self._sync()
+        timings["denoise"] = 1e3 * (time.perf_counter() - t0)
+        finals = [(out[0][r : r + 1], out[1][r : r + 1]) for r in range(len(inputs))]
+        return finals, timings
+
+    # The loop over steps, shared by the eager engine and graph capture --------------------------
+    def _step_batches(self, conds: list[_Seq], unconds: list[_Seq], n: int) -> dict[bool, list]:
+        """Per step kind (with / without CFG): the sequence groups one Generator pass serves, each as
+        (rows of the request batch, Reasoner K/V, rope, attention op). Built once per request batch."""
+        kinds: dict[bool, list] = {}
+        for cfg_on in (False, True):
+            seqs = conds + (unconds if cfg_on else [])
+            if cfg_on and not unconds:
+                continue
+            if self.config.batch_cfg:
+                keys, values, offsets = _left_pad_kv([s.kv for s in seqs])
+                rope = Rope(torch.cat([s.rope.cos for s in seqs]), torch.cat([s.rope.sin for s in seqs]))
+                attn = PrefixOffsetAttention(offsets, backend=self.config.attention)
+                kinds[cfg_on] = [([s.request for s in seqs], ReasonerKV(keys, values), rope, attn)]
+            else:
+                attn = self._backend if self.config.attention != "gqa" else diffusers_gqa_attention
+                kinds[cfg_on] = [([s.request], s.kv, s.rope, attn) for s in seqs]
+        return kinds
+
+    def _velocities(self, groups: list, tok: GeneratorTokens, raw_dim: int | None) -> tuple[torch.Tensor, ...]:
+        outs = []
+        for rows, kv, rope, attn in groups:
+            self.model.attention = attn
+            o = self.model.generator_step(_select(tok, rows), rope, kv)
+            outs.append((o.vision, o.action))
+        vision = torch.cat([v for v, _ in outs]) if len(outs) > 1 else outs[0][0]
+        action = torch.cat([a for _, a in outs]) if len(outs) > 1 else outs[0][1]
+        if raw_dim is not None:
+            cols = torch.arange(action.shape[-1], device=action.device) < raw_dim
+            action = torch.where(cols, action, torch.zeros_like(action))
+        return vision, action
+
+    def _loop(self, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim):
+        dtype, n = self.model.dtype, x_v.shape[0]
+        kinds = self._step_batches(conds, unconds, n)
+        hist_v, hist_a = plan.init_history(), plan.init_history()
+        for i, t in enumerate(timesteps):
+            tok = GeneratorTokens(timesteps=torch.full((n,), float(t), device=self.device), vision=x_v.to(dtype),
+                                  action=x_a.to(dtype), **static)
+            v_vis, v_act = self._velocities(kinds[cfg_steps[i]], tok, raw_dim)
+            if cfg_steps[i]:
+                v_vis = cfg_combine(v_vis[:n], v_vis[n:], opts.guidance)
+                v_act = cfg_combine(v_act[:n], v_act[n:], opts.guidance)
+            x_v, hist_v = plan.step(i, x_v, v_vis, hist_v)
+            x_a, hist_a = plan.step(i, x_a, v_act, hist_a)
+            if raw_dim is not None:
+                x_a = torch.where(torch.arange(x_a.shape[-1], device=x_a.device) < raw_dim, x_a, 0.0)
+        return x_v, x_a
+
+    def _graph_loop(self, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim):
+        lengths = tuple(s.kv.length for s in conds + unconds)
+        # Masks and domain ids are fixed by the contract, so the contract (not tensor values, which would
+        # need a host sync) identifies them.
+        key = (tuple(x_v.shape), tuple(x_a.shape), lengths, tuple(timesteps), tuple(cfg_steps), opts.guidance,
+               opts.solver, raw_dim, self.contract)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._capture(x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim)
+            self.graphs[key] = entry
+            while len(self.graphs) > self.config.graph_cache_size:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+        ins = entry.inputs
+        ins["x_v"].copy_(x_v)
+        ins["x_a"].copy_(x_a)
+        for dst, src in zip(ins["seqs"], conds + unconds, strict=True):
+            torch._foreach_copy_(dst.kv.keys + dst.kv.values + [dst.rope.cos, dst.rope.sin],
+                                 src.kv.keys + src.kv.values + [src.rope.cos, src.rope.sin])
+        entry.graph.replay()
+        assert entry.outputs is not None
+        return entry.outputs[0].clone(), entry.outputs[1].clone()
+
+    def _capture(self, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim) -> _Graph:
+        log.info("capturing a CUDA graph for bucket vision %s, prefixes %s", tuple(x_v.shape),
+                 [s.kv.length for s in conds + unconds])
+        entry = _Graph()
+
+        def clone_seq(s: _Seq) -> _Seq:
+            kv = ReasonerKV([k.clone() for k in s.kv.keys], [v.clone() for v in s.kv.values])
+            return _Seq(s.request, kv, Rope(s.rope.cos.clone(), s.rope.sin.clone()))
+
+        seqs = [clone_seq(s) for s in conds + unconds]
+        s_conds, s_unconds = seqs[: len(conds)], seqs[len(conds):]
+        ins = {"x_v": x_v.clone(), "x_a": x_a.clone(), "seqs": seqs,
+               "static": {k: v.clone() for k, v in static.items()}}
+        entry.inputs = ins
+
+        def run():
+            return self._loop(ins["x_v"], ins["x_a"], ins["static"], s_conds, s_unconds, plan, timesteps, cfg_steps,
+                              opts, raw_dim)
+
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile / autotune / cuDNN plan selection happen here, not in capture
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        with torch.cuda.graph(entry.graph):
+            entry.outputs = run()
+        return entry
+
+    # E0/E1: the reference call pattern (full forward per branch per step) --------------------------
+    def _reference_loop(self, inp: DenoiseInputs, opts: SamplingOptions, timesteps, cfg_steps):
+        model, dtype = self.model, self.model.dtype
+        model.attention = diffusers_gqa_attention if self.config.attention == "gqa" else self._backend
+        plan = unipc_plan(opts.make_schedule(), device=self.device)
+        x_v, x_a = inp.vision, inp.action
+        hist_v, hist_a = plan.init_history(), plan.init_history()
+        for i, t in enumerate(timesteps):
+            tok = GeneratorTokens(timesteps=torch.full((1,), float(t), device=self.device), vision=x_v.to(dtype),
+                                  vision_noisy=inp.vision_noisy, action=x_a.to(dtype), action_noisy=inp.action_noisy,
+                                  domain_ids=inp.domain_ids)
+            branches = [inp.cond] + ([inp.uncond] if cfg_steps[i] else [])
+            outs = [model(b.input_ids, b.positions, tok) for b in branches]
+            cols = torch.arange(x_a.shape[-1], device=self.device) < inp.raw_action_dim
+            vel = [(o.vision, torch.where(cols, o.action, torch.zeros_like(o.action))) for o in outs]
+            if cfg_steps[i]:
+                v_vis = cfg_combine(vel[0][0], vel[1][0], opts.guidance)
+                v_act = cfg_combine(vel[0][1], vel[1][1], opts.guidance)
+            else:
+                v_vis, v_act = vel[0]
+            x_v, hist_v = plan.step(i, x_v, v_vis, hist_v)
+            x_a, hist_a = plan.step(i, x_a, v_act, hist_a)
+            x_a = torch.where(cols, x_a, 0.0)
+        return x_v, x_a
+
+
+def _select(tok: GeneratorTokens, rows: list[int]) -> GeneratorTokens:
+    """The requests `rows` of a token batch (rows may repeat: a request's two CFG branches). Slices
+    and cat only: an index tensor built from a host list would be a copy a CUDA graph cannot hold."""
+    if rows == list(range(tok.timesteps.shape[0])):
+        return tok
+
+    def pick(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else torch.cat([x[r : r + 1] for r in rows])
+
+    return GeneratorTokens(timesteps=pick(tok.timesteps), vision=pick(tok.vision), vision_noisy=pick(tok.vision_noisy),
+                           sound=pick(tok.sound), sound_noisy=pick(tok.sound_noisy), action=pick(tok.action),
+                           action_noisy=pick(tok.action_noisy), domain_ids=pick(tok.domain_ids))

@@ -1,0 +1,70 @@
+"""What a rollout lane runs: the scripted expert, or any policy with `infer(obs, seed=...) -> .actions`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..sim.droid import droid_observation
+from ..sim.env import Observation, PandaEnv
+from ..sim.expert import ScriptedExpert
+
+
+class Agent(Protocol):
+    needs_images: bool
+
+    def start(self, env: PandaEnv, episode_seed: int) -> None: ...
+
+    def actions(self, env: PandaEnv, obs: Observation) -> np.ndarray:
+        """The next rows [k, 8] to execute open-loop (k >= 1)."""
+        ...
+
+
+class ExpertAgent:
+    """Closed-loop, one row at a time, on privileged state (no pixels needed)."""
+
+    needs_images = False
+
+    def __init__(self) -> None:
+        self.expert = ScriptedExpert()
+
+    def start(self, env: PandaEnv, episode_seed: int) -> None:
+        self.expert.reset(env)
+
+    def actions(self, env: PandaEnv, obs: Observation) -> np.ndarray:
+        return self.expert.act(env)[None]
+
+
+def request_seed(episode_seed: int, request: int) -> int:
+    """Sampling seed of the request-th inference of an episode: a pure function of (episode, request), so a
+    baseline and a candidate see the same noise on the same seeds (a cleaner paired comparison)."""
+    return int(np.random.SeedSequence([episode_seed, request]).generate_state(1)[0] % 2**31)
+
+
+class PolicyAgent:
+    """Calls `policy.infer(droid_obs, seed=...)` and executes the first `execute_steps` rows of the chunk."""
+
+    needs_images = True
+
+    def __init__(self, policy: Any, execute_steps: int = 8, **infer_kwargs: Any) -> None:
+        if execute_steps < 1:
+            raise ValueError("execute_steps must be >= 1")
+        self.policy, self.execute_steps, self.infer_kwargs = policy, execute_steps, infer_kwargs
+        self.episode_seed, self.requests = 0, 0
+        self.infer_ms: list[float] = []
+
+    def start(self, env: PandaEnv, episode_seed: int) -> None:
+        self.episode_seed, self.requests = episode_seed, 0
+
+    def actions(self, env: PandaEnv, obs: Observation) -> np.ndarray:
+        t0 = time.perf_counter()
+        chunk = self.policy.infer(droid_observation(obs), seed=request_seed(self.episode_seed, self.requests),
+                                  **self.infer_kwargs)
+        self.infer_ms.append((time.perf_counter() - t0) * 1e3)
+        self.requests += 1
+        rows = np.asarray(chunk.actions, dtype=np.float32)
+        if rows.ndim != 2 or rows.shape[1] != 8 or len(rows) == 0:
+            raise ValueError(f"policy returned actions of shape {rows.shape}, expected [chunk, 8]")
+        return rows[: self.execute_steps]

@@ -1,0 +1,166 @@
+"""Rollouts over N lanes: each lane owns one simulator (and GL context) and runs whole episodes.
+
+Lanes are processes (default; a picklable `agent_factory` builds each lane's agent, e.g. a websocket client
+of a shared server) or threads (the agent may share one in-process policy object; MuJoCo and torch release
+the GIL in their heavy calls). Episodes are handed out dynamically and results come back in seed order.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..sim.env import PandaEnv
+from .agents import Agent
+
+AgentFactory = Callable[[], Agent]
+
+
+@dataclass
+class EpisodeResult:
+    seed: int
+    success: bool
+    steps: int
+    requests: int
+    wall_s: float
+    infer_ms: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def run_episode(env: PandaEnv, agent: Agent, seed: int, max_steps: int | None = None) -> EpisodeResult:
+    """One episode: ask the agent for rows, execute them open-loop, stop at success or the step limit.
+
+    Pixels are rendered only for observations the agent will see (the last row of each executed chunk)."""
+    t0 = time.perf_counter()
+    limit = max_steps or env.spec.max_steps
+    obs = env.reset(seed, render=agent.needs_images)
+    agent.start(env, seed)
+    steps = requests = 0
+    success = False
+    n_infer = len(getattr(agent, "infer_ms", []))
+    try:
+        while steps < limit and not success:
+            rows = agent.actions(env, obs)
+            requests += 1
+            for k, row in enumerate(rows):
+                last = k == len(rows) - 1 or steps + 1 >= limit
+                obs = env.step(row, render=agent.needs_images and last)
+                steps += 1
+                success = env.success()
+                if success or steps >= limit:
+                    break
+    except Exception:  # noqa: BLE001  one broken episode must not take the lane down: record it as a failure
+        return EpisodeResult(seed, False, steps, requests, time.perf_counter() - t0,
+                             error=traceback.format_exc(limit=3))
+    infer = list(getattr(agent, "infer_ms", [])[n_infer:])
+    return EpisodeResult(seed, success, steps, requests, time.perf_counter() - t0, infer)
+
+
+# ---- lanes ----------------------------------------------------------------------------------------------
+# Per-process lane state (process backend): one env and one agent per worker process.
+_lane = threading.local()
+
+
+def _lane_init(task: str, agent_factory: AgentFactory, env_kwargs: dict[str, Any]) -> None:
+    agent = agent_factory()
+    _lane.env = PandaEnv(task, **{"render": agent.needs_images, **env_kwargs})
+    _lane.agent = agent
+
+
+def _lane_run(seed: int, max_steps: int | None) -> EpisodeResult:
+    return run_episode(_lane.env, _lane.agent, seed, max_steps)
+
+
+def _thread_lane(task: str, agent_factory: AgentFactory, env_kwargs: dict[str, Any], todo: queue.SimpleQueue,
+                 max_steps: int | None, report: Callable[[EpisodeResult], None]) -> None:
+    agent = agent_factory()
+    kw = {"render": agent.needs_images, **env_kwargs}
+    with PandaEnv(task, **kw) as env:  # the GL context is created, used and freed in this thread
+        while True:
+            try:
+                seed = todo.get_nowait()
+            except queue.Empty:
+                return
+            report(run_episode(env, agent, seed, max_steps))
+
+
+def run_rollouts(
+    task: str,
+    agent_factory: AgentFactory,
+    seeds: Sequence[int],
+    *,
+    lanes: int = 1,
+    backend: str = "process",
+    env_kwargs: dict[str, Any] | None = None,
+    max_steps: int | None = None,
+    progress: bool = False,
+    start_method: str = "spawn",
+) -> list[EpisodeResult]:
+    """Run one episode per seed over `lanes` workers; returns results in the order of `seeds`."""
+    seeds = [int(s) for s in seeds]
+    kw = dict(env_kwargs or {})
+    results: dict[int, EpisodeResult] = {}
+    done = 0
+
+    def report(r: EpisodeResult) -> None:
+        nonlocal done
+        results[r.seed] = r
+        done += 1
+        if progress:
+            ok = sum(x.success for x in results.values())
+            print(f"\r{task}: {done}/{len(seeds)} episodes, {ok} successes", end="", file=sys.stderr)
+
+    if len(set(seeds)) != len(seeds):
+        raise ValueError("seeds must be unique (results are keyed by seed)")
+    if backend == "process" and lanes > 1:
+        # spawn: a fresh interpreter per lane, so no GL context or torch thread pool is inherited by fork.
+        ctx = mp.get_context(start_method)
+        with ctx.Pool(lanes, initializer=_lane_init, initargs=(task, agent_factory, kw)) as pool:
+            for r in pool.imap_unordered(_pool_task, [(s, max_steps) for s in seeds]):
+                report(r)
+    elif backend in ("thread", "process"):
+        todo: queue.SimpleQueue = queue.SimpleQueue()
+        for s in seeds:
+            todo.put(s)
+        lock = threading.Lock()
+
+        def locked_report(r: EpisodeResult) -> None:
+            with lock:
+                report(r)
+
+        with ThreadPoolExecutor(max_workers=max(1, lanes), thread_name_prefix="lane") as ex:
+            futures = [ex.submit(_thread_lane, task, agent_factory, kw, todo, max_steps, locked_report)
+                       for _ in range(max(1, lanes))]
+            for f in futures:
+                f.result()  # re-raises a lane's setup error
+    else:
+        raise ValueError(f"backend must be 'process' or 'thread', got {backend!r}")
+    if progress:
+        print(file=sys.stderr)
+    return [results[s] for s in seeds]
+
+
+def _pool_task(args: tuple[int, int | None]) -> EpisodeResult:
+    return _lane_run(*args)
+
+
+def summarize(results: Sequence[EpisodeResult]) -> dict[str, Any]:
+    infer = [x for r in results for x in r.infer_ms]
+    return {
+        "episodes": len(results),
+        "successes": sum(r.success for r in results),
+        "errors": sum(r.error is not None for r in results),
+        "mean_steps": float(np.mean([r.steps for r in results])) if results else 0.0,
+        "infer_p50_ms": float(np.median(infer)) if infer else None,
+        "episode_wall_p50_s": float(np.median([r.wall_s for r in results])) if results else None,
+    }

@@ -1,0 +1,1 @@
+"""Kernels and kernel selection (attention backends). Each has a plain-PyTorch reference in tests."""

@@ -1,0 +1,113 @@
+"""Attention backends for the two call sites of a Cosmos 3 step.
+
+* Generator (rectangular, no mask): queries of one sequence against [its Reasoner prefix ; its
+  Generator tokens]. Batched CFG packs sequences whose prefixes differ in length; rather than masks
+  (which rule out the fastest kernels) the engine lays prefixes out left-padded and gives each
+  sequence its own unmasked call on the valid suffix of the keys (a view, no copy).
+* Reasoner (causal, short): any kernel; it runs once per prompt.
+
+Backends are PyTorch SDPA kernels chosen explicitly; "gqa" reproduces diffusers' call (SDPA with
+enable_gqa=True, which PyTorch serves with the math kernel on CUDA) and is the E0 baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+BACKENDS = {
+    "cudnn": [SDPBackend.CUDNN_ATTENTION],
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+    "math": [SDPBackend.MATH],
+    "auto": None,
+}
+
+
+def _expand_kv(k: torch.Tensor, groups: int) -> torch.Tensor:
+    return k if groups == 1 else k.repeat_interleave(groups, dim=1)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, backend: str) -> torch.Tensor:
+    """q [B, H, Sq, d], k/v [B, K, Sk, d]; K/V heads expanded so every backend is eligible."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+    kernels = BACKENDS[backend]
+    if kernels is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    with sdpa_kernel(kernels):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def diffusers_gqa_attention(q, k, v, *, causal: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """What the reference does: SDPA with enable_gqa=True (math kernel on CUDA for GQA)."""
+    if key_mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :], enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+class BackendAttention:
+    """The model's attention contract on a chosen SDPA backend (masked calls fall back to 'efficient')."""
+
+    def __init__(self, generator: str = "cudnn", reasoner: str = "auto") -> None:
+        self.generator, self.reasoner = generator, reasoner
+
+    def __call__(self, q, k, v, *, causal: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if key_mask is not None:
+            groups = q.shape[1] // k.shape[1]
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                return F.scaled_dot_product_attention(q, _expand_kv(k, groups), _expand_kv(v, groups),
+                                                      attn_mask=key_mask[:, None, None, :])
+        return sdpa(q, k, v, causal=causal, backend=self.reasoner if causal else self.generator)
+
+
+class PrefixOffsetAttention:
+    """Generator attention for a batch whose Reasoner prefixes are left-padded to a common length.
+
+    offsets[b] = number of padding keys at the front of sequence b; each sequence attends (unmasked)
+    to keys[b, :, offsets[b]:], so every call is a plain rectangular kernel.
+    """
+
+    def __init__(self, offsets: Sequence[int], backend: str = "cudnn", reasoner: str = "auto") -> None:
+        self.offsets = list(offsets)
+        self.backend, self.reasoner = backend, reasoner
+
+    def __call__(self, q, k, v, *, causal: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if causal:
+            return sdpa(q, k, v, causal=True, backend=self.reasoner)
+        if all(o == 0 for o in self.offsets):
+            return sdpa(q, k, v, causal=False, backend=self.backend)
+        outs = [sdpa(q[b : b + 1], k[b : b + 1, :, o:], v[b : b + 1, :, o:], causal=False, backend=self.backend)
+                for b, o in enumerate(self.offsets)]
+        return torch.cat(outs, dim=0)
+
+
+def measure_backends(q_shape: tuple[int, int, int, int], kv_heads: int, kv_len: int, *, dtype: torch.dtype,
+                     device: torch.device, backends: Sequence[str] = ("cudnn", "flash", "efficient"),
+                     iters: int = 20) -> dict[str, float]:
+    """Median ms of one rectangular Generator attention call per backend (inf where unsupported)."""
+    b, h, sq, d = q_shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(q_shape, device=device, dtype=dtype, generator=gen)
+    k = torch.randn((b, kv_heads, kv_len, d), device=device, dtype=dtype, generator=gen)
+    v = torch.randn_like(k)
+    out: dict[str, float] = {}
+    for name in backends:
+        try:
+            for _ in range(3):
+                sdpa(q, k, v, causal=False, backend=name)
+            times = []
+            for _ in range(iters):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                sdpa(q, k, v, causal=False, backend=name)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            out[name] = sorted(times)[len(times) // 2]
+        except RuntimeError:
+            out[name] = float("inf")
+    return out

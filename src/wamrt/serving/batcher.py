@@ -1,0 +1,182 @@
+"""Dynamic batcher: the one bridge between the event loop and the single engine worker thread.
+
+Requests with the same bucket key (the resolved sampler overrides; every DROID observation becomes the
+same 540x640 canvas, so the overrides are what separates `infer_batch` calls) are grouped into one
+`policy.infer_batch` call of at most `max_batch` items, waiting at most `max_wait_ms` after the first
+one arrived. The queue is bounded: over `max_queue` waiting jobs, `submit` raises `Busy` at once.
+
+The event loop never runs model work: it only enqueues and awaits a `concurrent.futures.Future`.
+A client that goes away cancels its future; a job still waiting is dropped from the queue right then
+(no stuck job), a job already running finishes and its result is discarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Hashable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..pipeline.droid import ActionChunk
+from .errors import Busy, NotReady, StaleObservation
+
+log = logging.getLogger("wamrt.serving")
+
+
+class BatchPolicy(Protocol):
+    def infer_batch(self, observations: list[Mapping[str, Any]], *, seeds: list[int | None] | None = None,
+                    **overrides: Any) -> list[ActionChunk | Exception]: ...
+
+    def metadata(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class BatchResult:
+    chunk: ActionChunk
+    queue_ms: float  # submit -> batch start
+    batch_ms: float  # wall time of the infer_batch call this request rode in
+    batch_size: int
+
+
+@dataclass
+class Job:
+    observation: Mapping[str, Any]
+    seed: int | None
+    overrides: dict[str, Any]
+    deadline: float | None = None  # monotonic
+    enqueued: float = field(default_factory=time.monotonic)
+    future: Future = field(default_factory=Future)
+
+    @property
+    def key(self) -> Hashable:
+        return tuple(sorted(self.overrides.items()))
+
+
+class BatchObserver(Protocol):
+    def queue_depth(self, depth: int) -> None: ...
+
+    def batch(self, size: int, seconds: float) -> None: ...
+
+
+class Batcher:
+    def __init__(self, policy: BatchPolicy, *, max_batch: int = 8, max_wait_ms: float = 5.0, max_queue: int = 64,
+                 observer: BatchObserver | None = None) -> None:
+        if max_batch < 1 or max_queue < 1 or max_wait_ms < 0:
+            raise ValueError("max_batch and max_queue must be >= 1, max_wait_ms >= 0")
+        self.policy, self.max_batch, self.max_wait = policy, max_batch, max_wait_ms / 1e3
+        self.max_queue, self.observer = max_queue, observer
+        self._pending: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self.in_flight = 0
+        self.batches_run = 0
+        self._thread = threading.Thread(target=self._worker, name="wamrt-engine", daemon=True)
+        self._thread.start()
+
+    # --- event-loop side ---------------------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        return len(self._pending)
+
+    def submit(self, job: Job) -> Future:
+        with self._cond:
+            if self._stopped:
+                raise NotReady("server is shutting down")
+            if len(self._pending) >= self.max_queue:
+                raise Busy(f"queue full ({self.max_queue} waiting); retry later")
+            self._pending.append(job)
+            self._notify_depth()
+            self._cond.notify_all()
+        job.future.add_done_callback(lambda f, j=job: f.cancelled() and self._discard(j))
+        return job.future
+
+    async def run(self, job: Job) -> BatchResult:
+        """Submit and await; cancelling the awaiting task cancels the job (if it has not started)."""
+        return await asyncio.wrap_future(self.submit(job))
+
+    def _discard(self, job: Job) -> None:
+        with self._cond:
+            try:
+                self._pending.remove(job)
+            except ValueError:
+                return  # already taken by the worker
+            self._notify_depth()
+
+    def _notify_depth(self) -> None:
+        if self.observer:
+            self.observer.queue_depth(len(self._pending))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stopped = True
+            leftover = list(self._pending)
+            self._pending.clear()
+            self._cond.notify_all()
+        for job in leftover:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(NotReady("server is shutting down"))
+        self._thread.join(timeout)
+
+    # --- engine thread -----------------------------------------------------------------------------
+    def _take_batch(self) -> list[Job] | None:
+        with self._cond:
+            while True:
+                while not self._pending and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return None
+                first = self._pending[0]
+                until = first.enqueued + self.max_wait
+                # Wait for companions of the same bucket, but never past the first job's max wait.
+                while (sum(j.key == first.key for j in self._pending) < self.max_batch
+                       and (left := until - time.monotonic()) > 0 and not self._stopped):
+                    self._cond.wait(left)
+                if not self._pending:
+                    continue  # everyone cancelled meanwhile
+                key = self._pending[0].key
+                batch = [j for j in self._pending if j.key == key][: self.max_batch]
+                for j in batch:
+                    self._pending.remove(j)
+                self._notify_depth()
+                return batch
+
+    def _worker(self) -> None:
+        while (batch := self._take_batch()) is not None:
+            now = time.monotonic()
+            live: list[Job] = []
+            for job in batch:
+                if not job.future.set_running_or_notify_cancel():
+                    continue  # client left while queued
+                if job.deadline is not None and now > job.deadline:
+                    job.future.set_exception(StaleObservation("observation expired while queued"))
+                    continue
+                live.append(job)
+            if live:
+                self._run(live, now)
+
+    def _run(self, jobs: list[Job], start: float) -> None:
+        self.in_flight = len(jobs)
+        try:
+            results: list[Any] = self.policy.infer_batch(
+                [j.observation for j in jobs], seeds=[j.seed for j in jobs], **jobs[0].overrides)
+            if len(results) != len(jobs):
+                raise RuntimeError(f"infer_batch returned {len(results)} results for {len(jobs)} requests")
+        except Exception as exc:  # the engine failed as a whole: every rider gets the error
+            log.exception("infer_batch failed")
+            results = [exc] * len(jobs)
+        elapsed = time.monotonic() - start
+        self.in_flight = 0
+        self.batches_run += 1
+        if self.observer:
+            self.observer.batch(len(jobs), elapsed)
+        for job, res in zip(jobs, results, strict=True):
+            if isinstance(res, BaseException):
+                job.future.set_exception(res)
+            else:
+                job.future.set_result(BatchResult(res, 1e3 * (start - job.enqueued), 1e3 * elapsed, len(jobs)))
+

@@ -1,0 +1,84 @@
+"""Typed serving errors: one `code` string and one HTTP status per failure kind, shared by every surface."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..client.wire import WireError
+from ..pipeline.errors import RequestError
+
+
+class ServingError(Exception):
+    """An error the server reports to the client. `code` is stable API; `message` is for humans."""
+
+    code = "internal_error"
+    status = 500
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.field = message, field
+
+    def body(self, request_id: str | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": "error", "code": self.code, "message": self.message}
+        if self.field:
+            out["field"] = self.field
+        if request_id:
+            out["request_id"] = request_id
+        return out
+
+
+class InvalidRequest(ServingError):
+    code, status = "invalid_request", 400
+
+
+class Unauthorized(ServingError):
+    code, status = "unauthorized", 401
+
+
+class NotFound(ServingError):
+    code, status = "not_found", 404
+
+
+class PayloadTooLarge(ServingError):
+    code, status = "payload_too_large", 413
+
+
+class UnsupportedMediaType(ServingError):
+    code, status = "unsupported_media_type", 415
+
+
+class StaleObservation(ServingError):
+    """The observation is older than the client's max age: rejected, never executed."""
+
+    code, status = "stale", 422
+
+
+class SafetyRejected(ServingError):
+    """The action chunk broke the safety envelope and the envelope says `reject`."""
+
+    code, status = "safety_rejected", 422
+
+
+class Busy(ServingError):
+    """The bounded queue is full: retry later (HTTP 429)."""
+
+    code, status = "busy", 429
+
+
+class NotReady(ServingError):
+    code, status = "not_ready", 503
+
+
+class Cancelled(ServingError):
+    code, status = "cancelled", 499
+
+
+def as_serving_error(exc: BaseException) -> ServingError:
+    """Map any failure to a typed error; internals never leak a traceback to the client."""
+    if isinstance(exc, ServingError):
+        return exc
+    if isinstance(exc, RequestError | WireError):
+        return InvalidRequest(str(exc), field=exc.field)
+    if isinstance(exc, FloatingPointError):
+        return ServingError("the model produced non-finite actions")
+    return ServingError(f"internal inference error ({type(exc).__name__})")

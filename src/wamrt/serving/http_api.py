@@ -1,0 +1,137 @@
+"""Plain HTTP surface: `POST /v1/policy/infer` (msgpack or JSON), metadata, probes, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from ..client.wire import WireError, json_array, packb, to_jsonable, unpackb
+from .errors import Cancelled, InvalidRequest, PayloadTooLarge, ServingError, UnsupportedMediaType
+from .observation import parse_request
+from .service import InferOutcome, Service, new_request_id
+
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+T = TypeVar("T")
+
+
+def service_of(request: Request) -> Service:
+    return request.app.state.service
+
+
+def is_msgpack(content_type: str | None) -> bool:
+    return (content_type or "").split(";")[0].strip().lower() in MSGPACK_TYPES
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing anything over `limit` bytes before buffering it all."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds the {limit}-byte limit")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"body exceeds the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client hangs up first (its queued job is then dropped)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            task.cancel()
+            raise Cancelled("client disconnected")
+        return task.result()
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def decode_json_observation(body: bytes) -> Any:
+    try:
+        msg = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise WireError(f"malformed JSON: {exc}") from exc
+    if not isinstance(msg, dict):
+        raise InvalidRequest("request must be a JSON object")
+    return {k: json_array(v, k) if k not in ("params", "prompt", "session_id", "endpoint") else v
+            for k, v in msg.items()}
+
+
+def error_response(err: ServingError, *, msgpack: bool, request_id: str | None = None) -> Response:
+    body = err.body(request_id)
+    headers = {"X-Request-Id": request_id} if request_id else None
+    if msgpack:
+        return Response(packb(body), status_code=err.status, media_type=MSGPACK_TYPES[0], headers=headers)
+    return JSONResponse(body, status_code=err.status, headers=headers)
+
+
+def outcome_body(out: InferOutcome) -> dict[str, Any]:
+    return {"request_id": out.request_id, "actions": out.actions, "timing": out.timing, "metadata": out.metadata}
+
+
+async def policy_infer(request: Request) -> Response:
+    service = service_of(request)
+    received = time.monotonic()
+    rid = new_request_id()
+    use_msgpack = is_msgpack(request.headers.get("content-type"))
+    try:
+        ctype = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+        if not use_msgpack and ctype not in ("application/json", ""):
+            raise UnsupportedMediaType(f"send application/msgpack or application/json, not {ctype!r}")
+        body = await read_body(request, service.config.max_frame_bytes)
+        msg = unpackb(body) if use_msgpack else decode_json_observation(body)
+        req = parse_request(msg)
+        if req.endpoint == "reset":
+            reply: dict[str, Any] = {"status": "reset successful", "request_id": rid}
+            return Response(packb(reply), media_type=MSGPACK_TYPES[0]) if use_msgpack else JSONResponse(reply)
+        out = await until_disconnect(request, service.infer(req, surface="http", received=received,
+                                                            request_id=rid))
+    except Exception as exc:  # noqa: BLE001  # every failure becomes a typed error reply
+        return error_response(service.count_error(exc), msgpack=use_msgpack, request_id=rid)
+    headers = {"X-Request-Id": rid, "X-Inference-Time-S": f"{out.timing['total_ms'] / 1e3:.6f}"}
+    if use_msgpack:
+        return Response(packb(outcome_body(out)), media_type=MSGPACK_TYPES[0], headers=headers)
+    return JSONResponse(to_jsonable(outcome_body(out)), headers=headers)
+
+
+async def policy_metadata(request: Request) -> Response:
+    meta = service_of(request).handshake()
+    if is_msgpack(request.headers.get("accept")):
+        return Response(packb(meta), media_type=MSGPACK_TYPES[0])
+    return JSONResponse(to_jsonable(meta))
+
+
+async def healthz(request: Request) -> Response:
+    return PlainTextResponse("OK\n")
+
+
+async def readyz(request: Request) -> Response:
+    s = service_of(request)
+    body = {"ready": s.ready, "queue_depth": s.batcher.depth if s.batcher else 0}
+    if s.warmup_error:
+        body["error"] = s.warmup_error
+    return JSONResponse(body, status_code=200 if s.ready else 503)
+
+
+async def metrics(request: Request) -> Response:
+    m = service_of(request).metrics
+    return Response(m.render(), media_type=m.content_type)

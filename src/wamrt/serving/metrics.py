@@ -1,0 +1,45 @@
+"""Prometheus metrics, one registry per app (tests run several servers in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, max_batch: int) -> None:
+        self.registry = r = CollectorRegistry()
+        self.queue = Gauge("wamrt_queue_depth", "Requests waiting for the engine", registry=r)
+        self.batch_size = Histogram("wamrt_batch_size", "Requests per infer_batch call",
+                                    buckets=tuple(range(1, max_batch + 1)), registry=r)
+        self.batch_seconds = Histogram("wamrt_batch_seconds", "Wall time of one infer_batch call",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_seconds = Histogram("wamrt_request_seconds", "Server-side request latency",
+                                         ["surface"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.stage_seconds = Histogram("wamrt_stage_seconds", "Per-request stage latency",
+                                       ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("wamrt_requests", "Requests answered", ["surface"], registry=r)
+        self.errors = Counter("wamrt_errors", "Errors returned, by type", ["code"], registry=r)
+        self.safety = Counter("wamrt_safety_interventions", "Chunks clamped or rejected", ["mode"], registry=r)
+
+    # BatchObserver (called from the engine thread; prometheus_client is thread-safe)
+    def queue_depth(self, depth: int) -> None:
+        self.queue.set(depth)
+
+    def batch(self, size: int, seconds: float) -> None:
+        self.batch_size.observe(size)
+        self.batch_seconds.observe(seconds)
+
+    def timing(self, surface: str, timing_ms: dict[str, float]) -> None:
+        self.requests.labels(surface).inc()
+        self.request_seconds.labels(surface).observe(timing_ms.get("total_ms", 0.0) / 1e3)
+        for stage in ("queue_ms", "preprocess_ms", "model_ms", "postprocess_ms"):
+            if stage in timing_ms:
+                self.stage_seconds.labels(stage.removesuffix("_ms")).observe(timing_ms[stage] / 1e3)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,68 @@
+"""The OpenAPI 3.1 description of the HTTP surface, served at /openapi.json (schemathesis reads it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import __version__
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+_ARRAY = {"oneOf": [
+    {"type": "array"},
+    {"type": "object", "required": ["b64"],
+     "properties": {"b64": {"type": "string"}, "dtype": {"type": "string"},
+                    "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
+]}
+_OBSERVATION = {
+    "type": "object", "required": ["prompt"], "additionalProperties": False,
+    "properties": {
+        "prompt": {"type": "string"},
+        "observation/image": _ARRAY, "observation/wrist_image_left": _ARRAY,
+        "observation/exterior_image_1_left": _ARRAY, "observation/exterior_image_2_left": _ARRAY,
+        "observation/joint_position": {"type": "array"}, "observation/gripper_position": {},
+        "session_id": {"type": "string"}, "seed": {"type": "integer", "minimum": 0},
+        "endpoint": {"enum": ["infer", "reset"]}, "reset": {"type": "boolean"},
+        "timestamp": {"type": "number"}, "max_age_ms": {"type": "number"}, "embodiment": {"type": "string"},
+        "params": {"type": "object", "properties": {
+            "num_steps": {"type": "integer", "minimum": 1, "maximum": 1000}, "guidance": {"type": "number"},
+            "shift": {"type": "number"}, "structured": {"type": "boolean"}}},
+    },
+}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    return {str(c): {"description": "typed error", "content": {"application/json": {"schema": _ERROR}}}
+            for c in codes}
+
+
+def openapi_spec() -> dict[str, Any]:
+    json_ok = {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "wamrt policy server", "version": __version__},
+        "paths": {
+            "/v1/policy/infer": {"post": {
+                "summary": "One observation -> one action chunk",
+                "requestBody": {"required": True, "content": {
+                    "application/json": {"schema": _OBSERVATION},
+                    "application/msgpack": {"schema": _OBSERVATION}}},
+                "responses": {"200": json_ok, **_errors(400, 401, 413, 415, 422, 429, 500, 503)}}},
+            "/v1/policy/metadata": {"get": {"summary": "Handshake metadata", "responses": {"200": json_ok}}},
+            "/healthz": {"get": {"summary": "Liveness", "responses": {
+                "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/readyz": {"get": {"summary": "Readiness (after warm-up)",
+                                "responses": {"200": json_ok, "503": json_ok}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
+                "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/v1/models": {"get": {"summary": "Served model", "responses": {"200": json_ok}}},
+            "/v1/videos": {"get": {"summary": "List jobs", "responses": {"200": json_ok}}},
+            "/v1/videos/{video_id}": {
+                "parameters": [{"name": "video_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "get": {"summary": "Job record", "responses": {"200": json_ok, **_errors(404)}},
+            },
+        },
+        "components": {"schemas": {"Error": {
+            "type": "object", "required": ["type", "code", "message"],
+            "properties": {"type": {"const": "error"}, "code": {"type": "string"}, "message": {"type": "string"},
+                           "field": {"type": "string"}, "request_id": {"type": "string"}}}}},
+    }

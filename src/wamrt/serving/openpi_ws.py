@@ -1,0 +1,120 @@
+"""openpi websocket on `/` and `/v1/realtime/robot/openpi`, with per-message dialects.
+
+* `/`, no `endpoint` key (openpi, Cosmos Framework, RoboLab): reply dict with `actions` and `action`,
+  openpi's `server_timing`/`policy_timing`, the framework's `timing`, and `metadata`.
+* `/`, message carries `endpoint` (RoboArena): reply the bare float32 [32, 8] array; reset -> text
+  "reset successful".
+* `/v1/realtime/robot/openpi` (vLLM-Omni): bare array unless `params.structured`; reset -> msgpack
+  `{"status": "reset successful"}`; errors are msgpack `{"type": "error", ...}`.
+
+Errors never close the socket: on `/` they are a text frame holding the JSON error (openpi clients
+raise on any text frame, so they see the failure), on the vLLM path a msgpack error map. Only frames
+over the size limit close it (1009, the websocket rule). A client that hangs up mid-request cancels
+its queued job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from ..client.wire import packb, unpackb
+from .errors import InvalidRequest, ServingError
+from .observation import ParsedRequest, parse_request
+from .service import InferOutcome, Service, new_request_id
+
+VLLM_PATH = "/v1/realtime/robot/openpi"
+
+
+@dataclass
+class Connection:
+    vllm: bool
+    session_id: str | None = None
+    fresh: bool = True  # next inference starts a session (first call, reset, new session_id)
+    prev_total_ms: float | None = None
+
+
+def _reply(conn: Connection, req: ParsedRequest, out: InferOutcome) -> Any:
+    bare = req.had_endpoint and not conn.vllm or conn.vllm and not req.flags.get("structured")
+    if bare:
+        return out.actions
+    t = out.timing
+    return {
+        "actions": out.actions, "action": out.actions, "request_id": out.request_id,
+        "server_timing": {"infer_ms": t["total_ms"], "prev_total_ms": conn.prev_total_ms},
+        "policy_timing": {"infer_ms": t["model_ms"]},
+        "timing": {"server_preprocess_ms": t["preprocess_ms"], "server_policy_inference_ms": t["model_ms"],
+                   "server_postprocess_ms": t["postprocess_ms"], "server_total_ms": t["total_ms"],
+                   "queue_ms": t["queue_ms"], "batch_size": t["batch_size"]},
+        "metadata": out.metadata,
+    }
+
+
+async def _send_error(ws: WebSocket, conn: Connection, err: ServingError, rid: str | None) -> None:
+    body = err.body(rid)
+    if conn.vllm:
+        await ws.send_bytes(packb(body))
+    else:
+        await ws.send_text(json.dumps(body))
+
+
+async def openpi_socket(ws: WebSocket) -> None:
+    service: Service = ws.app.state.service
+    conn = Connection(vllm=ws.url.path.rstrip("/") == VLLM_PATH)
+    await ws.accept()
+    await ws.send_bytes(packb(service.handshake()))
+    pending: asyncio.Task | None = None  # a receive started while an inference was running
+    try:
+        while True:
+            message = await (pending or ws.receive())
+            pending = None
+            if message["type"] == "websocket.disconnect":
+                return
+            received = time.monotonic()
+            rid = new_request_id("ws")
+            try:
+                if message.get("bytes") is None:
+                    raise InvalidRequest("send binary msgpack frames, not text")
+                req = parse_request(unpackb(message["bytes"]))
+                if req.endpoint == "reset" or req.reset:
+                    conn.fresh, conn.session_id = True, req.session_id or conn.session_id
+                if req.endpoint == "reset":
+                    await _send_reset(ws, conn)
+                    continue
+                if req.session_id is not None and req.session_id != conn.session_id:
+                    conn.fresh, conn.session_id = True, req.session_id
+                req.session_id = req.session_id or conn.session_id
+                work = asyncio.ensure_future(service.infer(req, surface="ws", received=received, request_id=rid))
+                pending = asyncio.ensure_future(ws.receive())
+                done, _ = await asyncio.wait({work, pending}, return_when=asyncio.FIRST_COMPLETED)
+                if pending in done and pending.result()["type"] == "websocket.disconnect":
+                    work.cancel()  # client gone: drop its queued job
+                    return
+                if pending.done():  # pipelined frame: handle after this reply
+                    pending = asyncio.ensure_future(asyncio.sleep(0, pending.result()))
+                out = await work
+                out.metadata["reset"] = conn.fresh
+                conn.fresh = False
+                await ws.send_bytes(packb(_reply(conn, req, out)))
+                conn.prev_total_ms = 1e3 * (time.monotonic() - received)
+            except (WebSocketDisconnect, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001  # typed error frame; the socket lives on
+                await _send_error(ws, conn, service.count_error(exc), rid)
+    except WebSocketDisconnect:
+        return
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+
+
+async def _send_reset(ws: WebSocket, conn: Connection) -> None:
+    if conn.vllm:
+        await ws.send_bytes(packb({"status": "reset successful"}))
+    else:
+        await ws.send_text("reset successful")

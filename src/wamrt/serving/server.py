@@ -1,0 +1,119 @@
+"""`wamrt serve` flags, the uvicorn launch, and `ServerThread` (a loopback server for tests and bench)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import threading
+import time
+from typing import Any, Self
+
+import uvicorn
+
+from .app import build_app
+from .batcher import BatchPolicy
+from .config import ServeConfig
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="tiny-droid",
+                    help="checkpoint folder or built-in name (default: the embedded tiny-droid)")
+    ap.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' or 'Api-Key' (probes stay open)")
+    ap.add_argument("--max-batch", type=int, default=8, help="requests per infer_batch call")
+    ap.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for companions")
+    ap.add_argument("--max-queue", type=int, default=64, help="waiting requests before 'busy' (HTTP 429)")
+    ap.add_argument("--max-frame-mb", type=float, default=64.0, help="largest websocket frame / HTTP body")
+    ap.add_argument("--steps", type=int, default=None, help="sampler steps (default: the policy's, 4)")
+    ap.add_argument("--guidance", type=float, default=None)
+    ap.add_argument("--shift", type=float, default=None)
+    ap.add_argument("--guidance-interval", type=int, nargs=2, metavar=("LO", "HI"), default=None)
+    ap.add_argument("--safety", default=None, metavar="FILE", help="action safety envelope (JSON or TOML)")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up requests before /readyz says ready")
+    ap.add_argument("--log-level", default="info")
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(
+        host=args.host, port=args.port, api_key=args.api_key, max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, max_frame_bytes=int(args.max_frame_mb * 2**20),
+        steps=args.steps, guidance=args.guidance, shift=args.shift,
+        guidance_interval=tuple(args.guidance_interval) if args.guidance_interval else None,
+        safety_file=args.safety, warmup_requests=args.warmup, model_name=str(args.model),
+    )
+
+
+def uvicorn_config(app: Any, config: ServeConfig, *, log_level: str = "info") -> uvicorn.Config:
+    # ws_max_size bounds inbound frames (over it: close 1009); h11 keeps the dependency set small.
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, ws="websockets-sansio",
+                          ws_max_size=config.max_frame_bytes, ws_ping_interval=None, lifespan="on",
+                          timeout_graceful_shutdown=5)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..pipeline.policy import load_policy
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = config_from_args(args)
+    policy = load_policy(args.model, device=args.device)
+    uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level)).run()
+    return 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """A real uvicorn server on 127.0.0.1:<ephemeral> in a thread; `with ServerThread(policy) as s:`."""
+
+    def __init__(self, policy: BatchPolicy, config: ServeConfig | None = None, *, wait_ready: bool = True,
+                 log_level: str = "warning") -> None:
+        self.config = config or ServeConfig()
+        self.config.host = "127.0.0.1"
+        self.config.port = self.config.port if self.config.port not in (0, 8000) else free_port()
+        self.app = build_app(policy, self.config)
+        self.server = uvicorn.Server(uvicorn_config(self.app, self.config, log_level=log_level))
+        self.thread = threading.Thread(target=self.server.run, name="wamrt-uvicorn", daemon=True)
+        self.wait_ready = wait_ready
+
+    @property
+    def service(self) -> Any:
+        return self.app.state.service
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.config.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.config.port}"
+
+    def start(self, timeout: float = 120.0) -> Self:
+        self.thread.start()
+        end = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > end:
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        while self.wait_ready and not self.service.ready:
+            if self.service.warmup_error or time.monotonic() > end:
+                raise RuntimeError(f"warm-up failed: {self.service.warmup_error}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,146 @@
+"""The one engine behind every surface: batcher + warm-up + safety + timing + metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from .batcher import Batcher, BatchPolicy, BatchResult, Job
+from .config import ServeConfig
+from .errors import NotReady, ServingError, as_serving_error
+from .metrics import Metrics
+from .observation import JOINTS, ParsedRequest
+from .safety import SafetyEnvelope
+
+log = logging.getLogger("wamrt.serving")
+# Policy timing keys that are input preparation / output handling; everything else is model time.
+_PRE_STAGES = ("preprocess", "tokenize", "pack")
+_POST_STAGES = ("postprocess",)
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:20]}"
+
+
+@dataclass
+class InferOutcome:
+    request_id: str
+    actions: np.ndarray  # [horizon, action_dim] float32, after the safety envelope
+    seed: int
+    timing: dict[str, float]  # queue_ms, preprocess_ms, model_ms, postprocess_ms, total_ms, batch_size
+    metadata: dict[str, Any]
+    stage_durations: dict[str, float] = field(default_factory=dict)  # seconds, per policy stage
+
+
+class Service:
+    def __init__(self, policy: BatchPolicy, config: ServeConfig) -> None:
+        self.policy, self.config = policy, config
+        self.metrics = Metrics(config.max_batch)
+        self.safety = SafetyEnvelope.load(config.safety_file) if config.safety_file else None
+        self.defaults = config.sampler_defaults()
+        self.batcher: Batcher | None = None
+        self.ready = False
+        self.warmup_error: str | None = None
+        self._policy_meta = policy.metadata()
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.batcher = Batcher(self.policy, max_batch=self.config.max_batch, max_wait_ms=self.config.max_wait_ms,
+                               max_queue=self.config.max_queue, observer=self.metrics)
+
+    async def warm_up(self) -> None:
+        """Run the configured warm-up requests through the real path; /readyz turns 200 afterwards."""
+        from ..sample import sample_observation
+
+        try:
+            for i in range(self.config.warmup_requests):
+                assert self.batcher is not None
+                await self.batcher.run(Job(sample_observation(i), 0, dict(self.defaults)))
+            self.ready = True
+        except Exception as exc:  # keep serving /healthz; /readyz reports the failure
+            self.warmup_error = f"{type(exc).__name__}: {exc}"
+            log.exception("warm-up failed")
+
+    def stop(self) -> None:
+        if self.batcher:
+            self.batcher.stop()
+
+    # --- metadata ----------------------------------------------------------------------------------
+    def handshake(self) -> dict[str, Any]:
+        """Superset of the openpi / RoboArena / vLLM-Omni handshake fields (protocols.md §12.1)."""
+        pm = self._policy_meta
+        d = {"steps": pm.get("num_steps"), "guidance": pm.get("guidance"), "shift": pm.get("shift"),
+                "guidance_interval": pm.get("guidance_interval"), **self.defaults}
+        gi = d.get("guidance_interval")
+        return {
+            "image_resolution": [360, 640], "composite_resolution": list(pm.get("image_size", [540, 640])),
+            "n_external_cameras": 2, "needs_wrist_camera": True, "needs_stereo_camera": False,
+            "needs_session_id": True, "action_space": "joint_position",
+            "action_horizon": pm.get("action_horizon", 32), "action_dim": pm.get("action_dim", 8),
+            "control_hz": pm.get("control_hz", 15.0), "model": self.config.model_name or pm.get("model", ""),
+            "server": f"wamrt/{__version__}",
+            "sampler": {"num_steps": d["steps"], "guidance": d["guidance"], "shift": d["shift"],
+                        "guidance_interval": list(gi) if gi else None},
+            "max_batch": self.config.max_batch, "max_frame_bytes": self.config.max_frame_bytes,
+            "safety_envelope": self.safety is not None, "policy": pm, **self.config.extra_metadata,
+        }
+
+    # --- inference ---------------------------------------------------------------------------------
+    def enqueue(self, req: ParsedRequest) -> Future:
+        """Queue one request now (raises Busy at once when the queue is full)."""
+        if self.batcher is None:
+            raise NotReady("engine not started")
+        job = Job(req.observation, req.seed, {**self.defaults, **req.overrides}, deadline=req.deadline)
+        return self.batcher.submit(job)
+
+    async def infer(self, req: ParsedRequest, *, surface: str, received: float, request_id: str | None = None,
+                    future: Future | None = None) -> InferOutcome:
+        """One request through the batcher. `received` = time.monotonic() when its bytes arrived;
+        `future` = an already `enqueue`d job. Cancelling the caller drops a job that has not started."""
+        rid = request_id or new_request_id()
+        parsed_at = time.monotonic()
+        res: BatchResult = await asyncio.wrap_future(future or self.enqueue(req))
+        t0 = time.monotonic()
+        chunk = res.chunk
+        tm = chunk.timings_ms
+        pre = sum(tm.get(k, 0.0) for k in _PRE_STAGES)
+        post = sum(tm.get(k, 0.0) for k in _POST_STAGES)
+        model = max(tm.get("total", res.batch_ms) - pre - post, 0.0)
+        actions = np.asarray(chunk.actions, dtype=np.float32)
+        meta: dict[str, Any] = {"session_id": req.session_id, "seed": chunk.seed, "horizon": actions.shape[0],
+                                "action_dim": actions.shape[1], "valid_steps": actions.shape[0]}
+        if req.notes:
+            meta["notes"] = list(req.notes)
+        if self.safety is not None:
+            state = np.asarray(req.observation[JOINTS], dtype=np.float64).reshape(-1, 7)[-1]
+            try:
+                actions, report = self.safety.apply(actions, state, req.embodiment)
+            except ServingError:
+                self.metrics.safety.labels("reject").inc()
+                raise
+            if report.clamped:
+                self.metrics.safety.labels("clamp").inc()
+            meta["safety"] = report.as_dict()
+        post += 1e3 * (time.monotonic() - t0)
+        timing = {"queue_ms": res.queue_ms, "preprocess_ms": pre + 1e3 * (parsed_at - received),
+                  "model_ms": model, "postprocess_ms": post, "batch_ms": res.batch_ms,
+                  "batch_size": float(res.batch_size), "total_ms": 1e3 * (time.monotonic() - received)}
+        self.metrics.timing(surface, timing)
+        stages = {k: v / 1e3 for k, v in tm.items()}
+        return InferOutcome(rid, actions, chunk.seed, timing, meta, stages)
+
+    def count_error(self, exc: BaseException) -> ServingError:
+        err = as_serving_error(exc)
+        self.metrics.errors.labels(err.code).inc()
+        if type(err) is ServingError:  # an internal failure: log it, the client only gets the type
+            log.error("internal error: %r", exc)
+        return err
+

@@ -1,0 +1,286 @@
+"""vLLM-Omni-compatible `/v1/videos` jobs for policy requests (protocols.md §2.2, §2.3, §12.2).
+
+`POST /v1/videos` (multipart form or JSON) queues a job and answers its `VideoResponse` record;
+clients poll `GET /v1/videos/{id}` until `completed`, then read `action {data, shape, dtype,
+raw_action_dim, action_mode, domain_id}`, `inference_time_s`, `stage_durations`, `peak_memory_mb`.
+`POST /v1/videos/sync` answers the finished record's JSON form at once (this runtime renders no MP4,
+so `/content` is empty, as vLLM-Omni's is for action-only outputs).
+
+The observation comes from `extra_params.robot_obs` (alias `observation`; openpi keys, arrays as
+nested lists or `{"b64", "dtype", "shape"}`), or from an `input_reference` image (the 540x640
+composite) plus `extra_params.action` = the current [7 joints, gripper] state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..client.wire import WireError, _decode_image, json_array, to_jsonable
+from .errors import Busy, InvalidRequest, NotFound, PayloadTooLarge, ServingError
+from .http_api import service_of, until_disconnect
+from .observation import GRIPPER, IMAGE, JOINTS, PROMPT, parse_params, parse_request
+from .service import InferOutcome, Service
+
+DROID_DOMAIN = ("droid_lerobot", 8)
+_TOP_LEVEL_PARAMS = {"num_inference_steps": "steps", "guidance_scale": "guidance", "flow_shift": "shift"}
+
+
+def _peak_memory_mb() -> float:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.max_memory_allocated() / 2**20
+    except ImportError:  # pragma: no cover
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _json_field(value: Any, name: str) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise InvalidRequest(f"is not valid JSON ({exc})", field=name) from exc
+    return value
+
+
+def _number(value: Any, name: str, kind: type) -> Any:
+    try:
+        return kind(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"must be a {kind.__name__}, got {value!r}", field=name) from exc
+
+
+async def _read_fields(request: Request, limit: int) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds the {limit}-byte limit")
+    ctype = (request.headers.get("content-type") or "").lower()
+    if ctype.startswith("application/json"):
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            raise InvalidRequest(f"malformed JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise InvalidRequest("request must be a JSON object")
+        return body
+    if not ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        raise InvalidRequest("send multipart/form-data (or application/json)")
+    form = await request.form(max_files=4, max_fields=64, max_part_size=limit)
+    out: dict[str, Any] = {}
+    for key, value in form.multi_items():
+        if isinstance(value, UploadFile):
+            out[key] = await value.read(limit + 1)
+            if len(out[key]) > limit:
+                raise PayloadTooLarge(f"{key} exceeds the {limit}-byte limit")
+        else:
+            out[key] = value
+    return out
+
+
+def build_request(fields: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Form/JSON fields -> (ParsedRequest, job-record extras). Refuses non-policy action modes."""
+    prompt = fields.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise InvalidRequest("is required", field="prompt")
+    extra = _json_field(fields.get("extra_params") or {}, "extra_params")
+    if not isinstance(extra, dict):
+        raise InvalidRequest("must be a JSON object", field="extra_params")
+    mode = extra.get("action_mode", "policy")
+    if mode != "policy":
+        raise InvalidRequest(f"only action_mode 'policy' is served, got {mode!r}", field="extra_params.action_mode")
+    if extra.get("domain_name", DROID_DOMAIN[0]) != DROID_DOMAIN[0] or extra.get("domain_id", 8) != 8:
+        raise InvalidRequest("only the droid_lerobot domain (8) is served", field="extra_params.domain_name")
+    for name, want in (("action_chunk_size", 32), ("raw_action_dim", 8)):
+        if name in extra and extra[name] != want:
+            raise InvalidRequest(f"must be {want} for this policy", field=f"extra_params.{name}")
+    robot = extra.get("robot_obs", extra.get("observation"))
+    obs: dict[str, Any] = {}
+    if robot is not None:
+        if not isinstance(robot, dict):
+            raise InvalidRequest("must be an object with openpi keys", field="extra_params.robot_obs")
+        obs = {k: json_array(v, k) if k not in ("prompt", "session_id") else v for k, v in robot.items()}
+    image = fields.get("input_reference") or fields.get("image_reference")
+    if isinstance(image, str):  # image_reference = JSON {"image_url": "data:image/png;base64,..."}
+        ref = _json_field(image, "image_reference")
+        url = ref.get("image_url", "") if isinstance(ref, dict) else ""
+        if not url.startswith("data:") or "," not in url:
+            raise InvalidRequest("only data: URLs are accepted", field="image_reference")
+        import base64
+
+        image = base64.b64decode(url.split(",", 1)[1])
+    if isinstance(image, bytes | bytearray) and IMAGE not in obs:
+        obs[IMAGE] = _decode_image(bytes(image), "input_reference")
+    if "action" in extra and JOINTS not in obs:  # TensorRT-LLM style: the current 8-value state
+        state = np.asarray(extra["action"], dtype=np.float32).reshape(-1)
+        if state.shape != (8,):
+            raise InvalidRequest("must be the 8-value state [7 joints, gripper]", field="extra_params.action")
+        obs[JOINTS], obs[GRIPPER] = state[:7], state[7:]
+    obs.setdefault(PROMPT, prompt)
+    if "session_id" in extra:
+        obs["session_id"] = extra["session_id"]
+    params: dict[str, Any] = {}
+    for key, name in _TOP_LEVEL_PARAMS.items():
+        if fields.get(key) not in (None, ""):
+            params[name] = _number(fields[key], key, int if name == "steps" else float)
+    for key in ("num_steps", "guidance", "shift", "guidance_interval"):
+        if key in extra:
+            params[key] = extra[key]
+    if params:
+        obs["params"] = params
+    if fields.get("seed") not in (None, ""):
+        obs["seed"] = _number(fields["seed"], "seed", int)
+    parse_params(obs.get("params"))  # early, typed errors for bad sampler values
+    record = {"model": fields.get("model"), "prompt": prompt, "size": fields.get("size") or "640x540",
+              "seconds": str(fields.get("seconds") or "4")}
+    return parse_request(obs), record
+
+
+def _action(out: InferOutcome) -> dict[str, Any]:
+    return {"data": out.actions.tolist(), "shape": list(out.actions.shape), "dtype": "float32",
+            "raw_action_dim": int(out.actions.shape[1]), "action_mode": "policy", "domain_id": DROID_DOMAIN[1]}
+
+
+class VideoJobs:
+    """In-memory job table, bounded: finished jobs are evicted oldest-first beyond `max_jobs`."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.records: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def _make_room(self) -> None:
+        while len(self.records) >= self.service.config.max_jobs:
+            done = next((k for k, r in self.records.items() if r["status"] in ("completed", "failed")), None)
+            if done is None:
+                raise Busy(f"{len(self.records)} video jobs are unfinished; retry later")
+            del self.records[done]
+
+    def create(self, req: Any, extras: dict[str, Any]) -> dict[str, Any]:
+        self._make_room()
+        future = self.service.enqueue(req)  # Busy -> 429 before any record exists
+        vid = f"video_gen_{uuid.uuid4().hex}"
+        rec = {"id": vid, "object": "video", "model": extras["model"] or self.service.config.model_name,
+               "prompt": extras["prompt"], "status": "queued", "progress": 0, "size": extras["size"],
+               "seconds": extras["seconds"], "quality": "standard", "created_at": int(time.time()),
+               "completed_at": None, "expires_at": None, "remixed_from_video_id": None, "error": None,
+               "media_type": "video/mp4", "file_name": None, "inference_time_s": None, "stage_durations": None,
+               "peak_memory_mb": None, "action": None}
+        self.records[vid] = rec
+        self.tasks[vid] = asyncio.ensure_future(self._run(vid, req, future))
+        return rec
+
+    async def _run(self, vid: str, req: Any, future: Any) -> None:
+        rec = self.records[vid]
+        rec["status"] = "in_progress"
+        try:
+            out = await self.service.infer(req, surface="videos", received=time.monotonic(), request_id=vid,
+                                           future=future)
+            self.fill(rec, out)
+        except asyncio.CancelledError:
+            rec.update(status="failed", error={"code": "cancelled", "message": "deleted"})
+            raise
+        except Exception as exc:  # noqa: BLE001  # recorded on the job as a typed error
+            err = self.service.count_error(exc)
+            rec.update(status="failed", completed_at=int(time.time()), error={"code": err.code, "message": err.message})
+        finally:
+            self.tasks.pop(vid, None)
+
+    @staticmethod
+    def fill(rec: dict[str, Any], out: InferOutcome) -> None:
+        rec.update(status="completed", progress=100, completed_at=int(time.time()),
+                   inference_time_s=out.timing["total_ms"] / 1e3, stage_durations=out.stage_durations,
+                   peak_memory_mb=_peak_memory_mb(), action=_action(out), timing=out.timing,
+                   metadata=to_jsonable(out.metadata))
+
+    def cancel_all(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+
+
+def jobs_of(request: Request) -> VideoJobs:
+    return request.app.state.video_jobs
+
+
+async def _guard(request: Request, work: Any) -> Response:
+    service = service_of(request)
+    try:
+        return await work
+    except (ServingError, WireError, ValueError) as exc:
+        err = service.count_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+
+async def create_video(request: Request) -> Response:
+    async def work() -> Response:
+        req, extras = build_request(await _read_fields(request, service_of(request).config.max_frame_bytes))
+        return JSONResponse(jobs_of(request).create(req, extras))
+    return await _guard(request, work())
+
+
+async def create_video_sync(request: Request) -> Response:
+    async def work() -> Response:
+        service = service_of(request)
+        req, _extras = build_request(await _read_fields(request, service.config.max_frame_bytes))
+        out = await until_disconnect(request, service.infer(req, surface="videos_sync", received=time.monotonic()))
+        rec: dict[str, Any] = {}
+        VideoJobs.fill(rec, out)
+        headers = {"X-Request-Id": f"video_sync-{out.request_id}", "X-Model": service.config.model_name,
+                   "X-Inference-Time-S": f"{rec['inference_time_s']:.6f}",
+                   "X-Stage-Durations": json.dumps(out.stage_durations),
+                   "X-Peak-Memory-MB": f"{rec['peak_memory_mb']:.1f}"}
+        body = {"created": int(time.time()), "id": out.request_id,
+                "data": [{"b64_json": None, "url": None, "revised_prompt": None, "action": rec["action"]}],
+                "stage_durations": out.stage_durations, "peak_memory_mb": rec["peak_memory_mb"],
+                "inference_time_s": rec["inference_time_s"], "timing": out.timing,
+                "metadata": rec["metadata"]}
+        return JSONResponse(body, headers=headers)
+    return await _guard(request, work())
+
+
+async def get_video(request: Request) -> Response:
+    rec = jobs_of(request).records.get(request.path_params["video_id"])
+    if rec is None:
+        err = NotFound("no such video job")
+        return JSONResponse(err.body(), status_code=404)
+    return JSONResponse(rec)
+
+
+async def list_videos(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": list(jobs_of(request).records.values())})
+
+
+async def delete_video(request: Request) -> Response:
+    jobs = jobs_of(request)
+    vid = request.path_params["video_id"]
+    if vid not in jobs.records:
+        return JSONResponse(NotFound("no such video job").body(), status_code=404)
+    task = jobs.tasks.get(vid)
+    if task is not None:
+        task.cancel()  # a queued job is dropped; a running one finishes and is discarded
+    del jobs.records[vid]
+    return JSONResponse({"id": vid, "object": "video.deleted", "deleted": True})
+
+
+async def video_content(request: Request) -> Response:
+    rec = jobs_of(request).records.get(request.path_params["video_id"])
+    if rec is None:
+        return JSONResponse(NotFound("no such video job").body(), status_code=404)
+    return Response(b"", media_type="video/mp4")  # action-only output: no rollout video is rendered
+
+
+async def list_models(request: Request) -> Response:
+    name = service_of(request).config.model_name
+    return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "wamrt"}]})

@@ -1,0 +1,195 @@
+"""`PandaEnv`: a Panda on a table at 15 Hz, driven by 7 absolute joint targets + 1 gripper (DROID's action).
+
+Action row: [q1..q7 (radians, absolute joint targets), gripper (0 = open, 1 = closed)], the Cosmos DROID
+convention. Each control step holds the targets for 1/15 s of physics (the Menagerie joint servos plus
+gravity compensation track them). Observations carry the raw camera images, the measured joint positions
+and the gripper closure in [0, 1].
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+import numpy as np
+
+from .gl import configure_gl
+
+configure_gl()  # MUJOCO_GL must be set before mujoco is imported
+import mujoco
+
+from .scene import CUBE_HALF, mesh_assets, scene_xml
+from .tasks import COLOURS, TASKS, Layout, TaskSpec, cube_lifted, cube_on_pad, sample_layout
+
+CONTROL_HZ = 15
+SUBSTEPS = 34  # physics dt = 1/(15*34) ~ 1.96 ms, close to MuJoCo's 2 ms default, and exact 15 Hz control
+# Start pose: the TCP ~0.45 m in front of the base, 0.35 m above the table, pointing down.
+HOME = np.array([0.0, -0.35, 0.0, -2.3, 0.0, 1.95, 0.785])
+FINGER_OPEN = 0.04  # metres per finger
+ARM_JOINTS = tuple(f"joint{i}" for i in range(1, 8))
+
+
+@dataclass
+class Observation:
+    images: dict[str, np.ndarray]  # camera name -> uint8 [H, W, 3]
+    joint_position: np.ndarray  # [7] float64, measured
+    gripper_position: float  # 0 open .. 1 closed, measured
+    prompt: str
+    step: int
+
+
+@dataclass
+class StepTimes:
+    physics_ms: list[float] = field(default_factory=list)
+    render_ms: list[float] = field(default_factory=list)
+
+
+class PandaEnv:
+    """One simulator instance. Not thread-safe; make one per lane (each owns its GL context)."""
+
+    def __init__(
+        self,
+        task: str | TaskSpec,
+        *,
+        exterior_hw: tuple[int, int] = (128, 224),
+        wrist_hw: tuple[int, int] | None = None,
+        cameras: tuple[str, ...] = ("front", "side", "wrist"),
+        render: bool = True,
+    ) -> None:
+        self.spec = TASKS[task] if isinstance(task, str) else task
+        self.model = mujoco.MjModel.from_xml_string(
+            scene_xml(self.spec.n_cubes, 1.0 / (CONTROL_HZ * SUBSTEPS)), mesh_assets()
+        )
+        self.data = mujoco.MjData(self.model)
+        m = self.model
+        self.arm_qadr = np.array([m.jnt_qposadr[m.joint(j).id] for j in ARM_JOINTS])
+        self.finger_qadr = np.array([m.jnt_qposadr[m.joint(f"finger_joint{i}").id] for i in (1, 2)])
+        self.cube_qadr = [m.jnt_qposadr[m.joint(f"cube{i}").id] for i in range(self.spec.n_cubes)]
+        self.cube_geom = [m.geom(f"cube{i}").id for i in range(self.spec.n_cubes)]
+        self.pad_geom = m.geom("pad").id
+        hand_bodies = {m.body(b).id for b in ("hand", "left_finger", "right_finger")}
+        self.gripper_geoms = {g for g in range(m.ngeom) if m.geom_bodyid[g] in hand_bodies}
+        self.tcp_site = m.site("tcp").id
+        self.ctrl_low, self.ctrl_high = m.actuator_ctrlrange[:7, 0].copy(), m.actuator_ctrlrange[:7, 1].copy()
+        # A wrist view twice the exterior size survives compose_droid_canvas (which halves the exteriors).
+        self.camera_hw = {c: (wrist_hw or (2 * exterior_hw[0], 2 * exterior_hw[1])) if c == "wrist"
+                          else exterior_hw for c in cameras}
+        self.render_enabled = render
+        self._renderers: dict[tuple[int, int], mujoco.Renderer] = {}
+        self.layout: Layout | None = None
+        self.step_count = 0
+        self.times = StepTimes()
+
+    # ---- episode control -------------------------------------------------------------------------
+    def reset(self, seed: int, *, render: bool = True) -> Observation:
+        lay = sample_layout(self.spec, seed)
+        self.layout = lay
+        m, d = self.model, self.data
+        mujoco.mj_resetData(m, d)
+        q0 = np.clip(HOME + lay.joint_noise, self.ctrl_low, self.ctrl_high)
+        d.qpos[self.arm_qadr] = q0
+        d.qpos[self.finger_qadr] = FINGER_OPEN
+        d.ctrl[:7] = q0
+        d.ctrl[7] = 255.0
+        for i, adr in enumerate(self.cube_qadr):
+            x, y = lay.cube_xy[i]
+            yaw = lay.cube_yaw[i]
+            d.qpos[adr : adr + 7] = [x, y, CUBE_HALF, np.cos(yaw / 2), 0.0, 0.0, np.sin(yaw / 2)]
+            m.geom_rgba[self.cube_geom[i], :3] = COLOURS[lay.colours[i]]
+        m.geom_pos[self.pad_geom, :2] = lay.pad_xy
+        mujoco.mj_forward(m, d)
+        self.step_count = 0
+        self.times = StepTimes()
+        return self.observe(render)
+
+    def step(self, action: np.ndarray, *, render: bool = True) -> Observation:
+        """Apply one [8] action row for 1/15 s and return the next observation.
+
+        render=False skips the cameras (images = {}): open-loop chunk rows and the expert need no pixels,
+        and rendering costs ~10x the physics on a CPU."""
+        a = np.asarray(action, dtype=np.float64).reshape(-1)
+        if a.shape != (8,) or not np.isfinite(a).all():
+            raise ValueError(f"action must be 8 finite numbers, got {a.shape}")
+        d = self.data
+        d.ctrl[:7] = np.clip(a[:7], self.ctrl_low, self.ctrl_high)
+        d.ctrl[7] = 255.0 * (1.0 - float(np.clip(a[7], 0.0, 1.0)))  # actuator8: 255 = open, 0 = closed
+        t0 = time.perf_counter()
+        mujoco.mj_step(self.model, d, nstep=SUBSTEPS)
+        self.times.physics_ms.append((time.perf_counter() - t0) * 1e3)
+        self.step_count += 1
+        return self.observe(render)
+
+    # ---- state -----------------------------------------------------------------------------------
+    def joint_position(self) -> np.ndarray:
+        return self.data.qpos[self.arm_qadr].copy()
+
+    def gripper_position(self) -> float:
+        opening = float(self.data.qpos[self.finger_qadr].sum()) / (2 * FINGER_OPEN)
+        return float(np.clip(1.0 - opening, 0.0, 1.0))
+
+    def cube_pos(self, i: int) -> np.ndarray:
+        adr = self.cube_qadr[i]
+        return self.data.qpos[adr : adr + 3].copy()
+
+    def cube_quat(self, i: int) -> np.ndarray:
+        adr = self.cube_qadr[i]
+        return self.data.qpos[adr + 3 : adr + 7].copy()
+
+    def tcp_pos(self) -> np.ndarray:
+        return self.data.site_xpos[self.tcp_site].copy()
+
+    def touches_gripper(self, i: int) -> bool:
+        g = self.cube_geom[i]
+        for c in self.data.contact[: self.data.ncon]:
+            if (c.geom1 == g and c.geom2 in self.gripper_geoms) or (c.geom2 == g and c.geom1 in self.gripper_geoms):
+                return True
+        return False
+
+    def success(self) -> bool:
+        """The task predicate on simulator state (never on images)."""
+        assert self.layout is not None, "reset() first"
+        i = self.layout.target
+        if self.spec.name == "lift":
+            return cube_lifted(self.cube_pos(i))
+        return cube_on_pad(self.cube_pos(i), self.layout.pad_xy, self.touches_gripper(i))
+
+    def state(self) -> dict[str, Any]:
+        """Privileged state (for the expert and for logs; a policy never sees it)."""
+        assert self.layout is not None
+        n = self.spec.n_cubes
+        return {"cube_pos": np.stack([self.cube_pos(i) for i in range(n)]),
+                "cube_quat": np.stack([self.cube_quat(i) for i in range(n)]),
+                "pad_xy": self.layout.pad_xy.copy(), "target": self.layout.target, "tcp_pos": self.tcp_pos()}
+
+    # ---- rendering -------------------------------------------------------------------------------
+    def render(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        if not self.render_enabled:
+            return out
+        t0 = time.perf_counter()
+        for cam, hw in self.camera_hw.items():
+            r = self._renderers.get(hw)
+            if r is None:
+                r = self._renderers[hw] = mujoco.Renderer(self.model, hw[0], hw[1])
+            r.update_scene(self.data, camera=cam)
+            out[cam] = r.render()  # a fresh uint8 [H, W, 3] array per call
+        self.times.render_ms.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    def observe(self, render: bool = True) -> Observation:
+        assert self.layout is not None
+        images = self.render() if render else {}
+        return Observation(images, self.joint_position(), self.gripper_position(),
+                           self.layout.instruction, self.step_count)
+
+    def close(self) -> None:
+        for r in self._renderers.values():
+            r.close()
+        self._renderers.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

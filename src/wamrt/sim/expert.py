@@ -1,0 +1,121 @@
+"""Scripted expert: Cartesian waypoints for the TCP, turned into absolute joint targets by DLS IK.
+
+It reads privileged simulator state (cube and pad poses) at every step, so it re-plans when a cube slips,
+and it emits exactly the action a policy emits: [7 joint targets, gripper]. The commanded TCP moves toward
+the current waypoint at a bounded speed, so the joint targets form a smooth 15 Hz trajectory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .env import HOME, PandaEnv
+from .ik import DlsIk
+from .scene import CUBE_HALF
+
+SPEED = 0.02  # m per control step (0.3 m/s) in free space
+SLOW = 0.008  # m per control step close to the cube / table
+YAW_STEP = 0.12  # rad per control step
+HOVER = 0.12  # approach height of the TCP above the cube centre
+CARRY_Z = 0.20  # TCP height while carrying
+GRASP_STEPS = 7  # control steps with the gripper closing before lifting
+RELEASE_STEPS = 6
+
+
+def _rz(yaw: float) -> np.ndarray:
+    c, s = np.cos(yaw), np.sin(yaw)
+    return np.array([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]])
+
+
+def _cube_yaw(quat: np.ndarray) -> float:
+    w, x, y, z = quat
+    return float(np.arctan2(2 * (w * z + x * y), 1 - 2 * (y * y + z * z)))
+
+
+class ScriptedExpert:
+    """Closed-loop on privileged state. Call `reset(env)` after `env.reset`, then `act(env)` each step."""
+
+    def __init__(self) -> None:
+        self.phase = "approach"
+        self.counter = 0
+        self.ik: DlsIk | None = None
+        self.q_cmd = HOME.copy()
+        self.p_cmd = np.zeros(3)
+        self.yaw_cmd = 0.0
+        self.base_rot = np.eye(3)
+
+    def reset(self, env: PandaEnv) -> None:
+        m = env.model
+        dofadr = np.array([m.jnt_dofadr[m.joint(f"joint{i}").id] for i in range(1, 8)])
+        self.ik = DlsIk(m, env.tcp_site, env.arm_qadr, dofadr, rest=HOME)
+        self.q_cmd = env.joint_position()
+        self.p_cmd, rot = self.ik.forward(self.q_cmd)
+        # Grasp orientation: TCP z straight down, keeping the start pose's heading about the vertical.
+        z = np.array([0.0, 0.0, -1.0])
+        x = rot[:, 0] - rot[:, 0] @ z * z
+        x /= np.linalg.norm(x)
+        self.base_rot = np.column_stack([x, np.cross(z, x), z])
+        self.yaw_cmd = 0.0
+        self.phase, self.counter = "approach", 0
+
+    def _grasp_yaw(self, env: PandaEnv, i: int) -> float:
+        # A cube is symmetric under 90 degree turns: pick the equivalent yaw closest to the current heading.
+        base = float(np.arctan2(self.base_rot[1, 0], self.base_rot[0, 0]))
+        rel = _cube_yaw(env.cube_quat(i)) - base
+        return float((rel + np.pi / 4) % (np.pi / 2) - np.pi / 4)
+
+    def _move(self, target: np.ndarray, speed: float) -> bool:
+        delta = target - self.p_cmd
+        dist = float(np.linalg.norm(delta))
+        self.p_cmd = target.copy() if dist <= speed else self.p_cmd + delta * (speed / dist)
+        return dist <= speed
+
+    def act(self, env: PandaEnv) -> np.ndarray:
+        assert self.ik is not None and env.layout is not None, "reset(env) first"
+        i = env.layout.target
+        cube = env.cube_pos(i)
+        tcp = env.tcp_pos()
+        gripper = 0.0
+        yaw_goal = self.yaw_cmd
+        ph = self.phase
+        if ph == "approach":
+            yaw_goal = self._grasp_yaw(env, i)
+            hover = cube + [0.0, 0.0, HOVER]
+            # Rise first when low, so the fingers never sweep through the cube.
+            waypoint = hover if tcp[2] > cube[2] + HOVER - 0.03 else np.r_[self.p_cmd[:2], hover[2]]
+            if self._move(waypoint, SPEED) and waypoint is hover and np.linalg.norm(tcp - hover) < 0.015:
+                self.phase = "descend"
+        elif ph == "descend":
+            yaw_goal = self._grasp_yaw(env, i)
+            if self._move(cube + [0.0, 0.0, -0.004], SLOW) and tcp[2] < cube[2] + 0.008:
+                self.phase, self.counter = "grasp", 0
+        elif ph == "grasp":
+            gripper = 1.0
+            self.counter += 1
+            if self.counter >= GRASP_STEPS:
+                self.phase = "lift"
+        elif ph in ("lift", "carry", "lower"):
+            gripper = 1.0
+            if np.linalg.norm(cube - tcp) > 0.04 or env.gripper_position() > 0.97:
+                self.phase = "approach"  # dropped or missed: open and try again
+                gripper = 0.0
+            elif ph == "lift":
+                if self._move(np.r_[self.p_cmd[:2], CARRY_Z], SPEED) and env.spec.uses_pad:
+                    self.phase = "carry"
+            elif ph == "carry":
+                pad = env.layout.pad_xy
+                if self._move(np.r_[pad, CARRY_Z], SPEED) and np.linalg.norm(tcp[:2] - pad) < 0.01:
+                    self.phase = "lower"
+            elif self._move(np.r_[env.layout.pad_xy, CUBE_HALF + 0.012], SLOW):
+                self.phase, self.counter = "release", 0
+        elif ph == "release":
+            self.counter += 1
+            if self.counter >= RELEASE_STEPS:
+                self.phase = "retreat"
+        elif ph == "retreat":
+            self._move(np.r_[self.p_cmd[:2], CARRY_Z], SPEED)
+        step = float(np.clip(yaw_goal - self.yaw_cmd, -YAW_STEP, YAW_STEP))
+        self.yaw_cmd += step
+        rot = _rz(self.yaw_cmd) @ self.base_rot
+        self.q_cmd = self.ik.solve(self.q_cmd, self.p_cmd, rot)
+        return np.r_[self.q_cmd, gripper].astype(np.float32)

@@ -1,0 +1,62 @@
+"""Engine configurations on the CPU (tiny model, fp32) compute the eager reference's function."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from wamrt import load_policy
+from wamrt.engine import Engine, EngineConfig
+from wamrt.sample import sample_observation
+
+TOL = 2e-5  # fp32, different summation orders (batched GEMMs, per-sequence attention)
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WAMRT_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield load_policy("tiny-droid", device="cpu")
+    mp.undo()
+
+
+CONFIGS = {
+    "E0": dict(attention="gqa", reuse_reasoner=False, vae_frames=5, batch_cfg=False),  # 5 frames: same latent 0, cheaper
+    "E1": dict(attention="auto", reuse_reasoner=False, vae_frames=5, batch_cfg=False),  # 5 frames: same latent 0, cheaper
+    "E2": dict(attention="auto", batch_cfg=False),
+    "E3": dict(attention="auto", batch_cfg=True),
+}
+
+
+@pytest.mark.parametrize("row", list(CONFIGS))
+def test_engine_rows_match_reference(policy, row):
+    engine = Engine.from_policy(policy, EngineConfig(compile=False, cuda_graph=False, **CONFIGS[row]))
+    obs = [sample_observation(0), sample_observation(1)]
+    out = engine.infer_batch(obs, seeds=[3, 4], steps=2)  # 2 steps: CFG + the order-2 solver
+    for o, seed, ob in zip(out, (3, 4), obs, strict=True):
+        ref = policy.infer(ob, seed=seed, steps=2)
+        assert np.abs(o.actions - ref.actions).max() <= TOL, row
+
+
+def test_guidance_interval_and_kv_cache(policy):
+    engine = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
+    obs = sample_observation(2)
+    for _ in range(2):  # the second request reuses both cached prompts
+        got = engine.infer(obs, seed=9, steps=2, guidance_interval=(960, 1001))
+    ref = policy.infer(obs, seed=9, steps=2, guidance_interval=(960, 1001))
+    assert np.abs(got.actions - ref.actions).max() <= TOL
+    assert engine.kv_cache.misses == 2 and engine.kv_cache.hits == 2
+
+
+def test_bad_request_in_a_batch_does_not_sink_the_others(policy):
+    engine = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
+    bad = sample_observation(0)
+    bad["observation/joint_position"] = [float("nan")] * 7
+    good, err = engine.infer_batch([sample_observation(0), bad], seeds=[1, 1], steps=1)
+    assert good.actions.shape == (32, 8)
+    assert type(err).__name__ == "RequestError" and err.field == "observation/joint_position"
+
+
+def test_cuda_graph_needs_cuda(policy):
+    with pytest.raises(ValueError, match="CUDA"):
+        Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=True))
