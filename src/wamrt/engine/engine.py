@@ -25,6 +25,7 @@ from ..ops.attention import BackendAttention, PrefixOffsetAttention, diffusers_g
 from ..pipeline.denoise import DenoiseInputs, DenoiseResult, SamplingOptions
 from ..pipeline.droid import ActionChunk, DroidContract, PreparedDroid, droid_actions, prepare_droid
 from ..pipeline.errors import RequestError
+from ..pipeline.noise import GaussianPrefetcher
 from ..pipeline.policy import Policy, _check_options
 from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
@@ -93,6 +94,23 @@ def _left_pad_kv(kvs: list[ReasonerKV]) -> tuple[list[torch.Tensor], list[torch.
     return keys, values, offsets
 
 
+@dataclass
+class _KVBuffers:
+    keys: list[torch.Tensor]  # per layer [S, H, start + G, d]
+    values: list[torch.Tensor]
+    start: int  # where the Generator part begins
+
+
+def _pre_into(layer, g: torch.Tensor, rope: Rope, kbuf: torch.Tensor, vbuf: torch.Tensor, start: int) -> torch.Tensor:
+    """The Generator layer's projections, writing K/V (heads repeated for GQA) into the step buffers.
+    Compiled, the RoPE/norm epilogue and the buffer store become one kernel."""
+    q, k, v = layer.generator_pre(g, rope)
+    groups = q.shape[1] // k.shape[1]
+    kbuf[:, :, start:] = k.repeat_interleave(groups, dim=1)
+    vbuf[:, :, start:] = v.repeat_interleave(groups, dim=1)
+    return q
+
+
 class _Graph:
     """A captured denoising loop plus the static buffers it reads and writes."""
 
@@ -119,13 +137,20 @@ class Engine:
         self.kv_cache = ReasonerCache(model, config.kv_cache_size)
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seeds = np.random.default_rng(0)
+        self._upcoming_seed = int(self._seeds.integers(0, 2**31))
+        self._noise = GaussianPrefetcher()
+        self._noise_shape: tuple[int, ...] | None = None
         self._backend = BackendAttention(generator=config.attention if config.attention != "gqa" else "auto")
+        self._pre = _pre_into
         if config.compile:
             fuse_generator(model)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            torch._dynamo.config.inline_inbuilt_nn_modules = True  # parameters as inputs: one graph, all layers
+            # Regional compilation: one compiled graph for the repeated layer code (parameters are
+            # graph inputs), re-used by every layer. generator_pre runs inside the compiled _pre_into.
+            self._pre = torch.compile(_pre_into, dynamic=False)
             for layer in model.layers:
                 if not getattr(layer, "_wamrt_compiled", False):  # engines may share one model
-                    layer.generator_pre = torch.compile(layer.generator_pre, dynamic=False)
                     layer.generator_post = torch.compile(layer.generator_post, dynamic=False)
                     layer._wamrt_compiled = True
         if config.cuda_graph and self.device.type != "cuda":
@@ -138,7 +163,12 @@ class Engine:
 
     # ---------------------------------------------------------------------------------------------
     def next_seed(self) -> int:
-        return int(self._seeds.integers(0, 2**31))
+        """The framework server's seed sequence. The seed after it is drawn now and its noise is
+        generated on a background thread while this request runs."""
+        seed, self._upcoming_seed = self._upcoming_seed, int(self._seeds.integers(0, 2**31))
+        if self._noise_shape is not None:
+            self._noise.prefetch(self._upcoming_seed, self._noise_shape)
+        return seed
 
     def infer(self, observation: Mapping[str, Any], *, seed: int | None = None, **overrides: Any) -> ActionChunk:
         result = self.infer_batch([observation], seeds=[seed], **overrides)[0]
@@ -161,8 +191,12 @@ class Engine:
                 try:
                     prep = prepare_droid(obs, model=self.model, encoder=self.encoder, tokenizer=self.tokenizer,
                                          contract=self.contract, seed=self.next_seed() if seed is None else seed,
-                                         device=self.device, encode_frames=self.config.vae_frames)
+                                         device=self.device, encode_frames=self.config.vae_frames,
+                                         noise=self._noise)
                     prepared.append((i, prep))
+                    if self._noise_shape is None:
+                        self._noise_shape = tuple(prep.inputs.vision.shape)
+                        self._noise.prefetch(self._upcoming_seed, self._noise_shape)
                 except RequestError as e:
                     results[i] = e
             if prepared:
@@ -239,29 +273,58 @@ class Engine:
 
     # The loop over steps, shared by the eager engine and graph capture --------------------------
     def _step_batches(self, conds: list[_Seq], unconds: list[_Seq], n: int) -> dict[bool, list]:
-        """Per step kind (with / without CFG): the sequence groups one Generator pass serves, each as
-        (rows of the request batch, Reasoner K/V, rope, attention op). Built once per request batch."""
+        """Per step kind (with / without CFG): the groups one Generator pass serves, each as (rows of the
+        request batch, Reasoner K/V or K/V buffers, rope, attention op). Built once per request batch."""
         kinds: dict[bool, list] = {}
         for cfg_on in (False, True):
             seqs = conds + (unconds if cfg_on else [])
             if cfg_on and not unconds:
                 continue
             if self.config.batch_cfg:
-                keys, values, offsets = _left_pad_kv([s.kv for s in seqs])
-                rope = Rope(torch.cat([s.rope.cos for s in seqs]), torch.cat([s.rope.sin for s in seqs]))
-                attn = PrefixOffsetAttention(offsets, backend=self.config.attention)
-                kinds[cfg_on] = [([s.request for s in seqs], ReasonerKV(keys, values), rope, attn)]
+                kinds[cfg_on] = [([s.request for s in seqs], *self._kv_buffers(seqs))]
             else:
                 attn = self._backend if self.config.attention != "gqa" else diffusers_gqa_attention
                 kinds[cfg_on] = [([s.request], s.kv, s.rope, attn) for s in seqs]
         return kinds
 
+    def _kv_buffers(self, seqs: list[_Seq]) -> tuple[_KVBuffers, Rope, PrefixOffsetAttention]:
+        """Per layer, one [S, H, Umax + G, d] key and value buffer per batch: the Reasoner prefixes
+        (left-padded, K/V heads already repeated for GQA) are written once here; each step writes the
+        Generator K/V behind them from inside the compiled projection, so no per-step cat or expand."""
+        keys, values, offsets = _left_pad_kv([s.kv for s in seqs])
+        cfg = self.model.config
+        groups, g_len = cfg.kv_groups, seqs[0].rope.cos.shape[1]
+        umax = keys[0].shape[2]
+        kb, vb = [], []
+        for k, v in zip(keys, values, strict=True):
+            shape = (k.shape[0], cfg.num_attention_heads, umax + g_len, cfg.head_dim)
+            kbuf, vbuf = k.new_empty(shape), v.new_empty(shape)
+            kbuf[:, :, :umax] = k.repeat_interleave(groups, dim=1)
+            vbuf[:, :, :umax] = v.repeat_interleave(groups, dim=1)
+            kb.append(kbuf)
+            vb.append(vbuf)
+        rope = Rope(torch.cat([s.rope.cos for s in seqs]), torch.cat([s.rope.sin for s in seqs]))
+        return _KVBuffers(kb, vb, umax), rope, PrefixOffsetAttention(offsets, backend=self.config.attention)
+
+    def _generator_step(self, tok: GeneratorTokens, bufs: _KVBuffers, rope: Rope, attn) -> tuple[torch.Tensor, ...]:
+        model = self.model
+        g = model.embed_generator(tok)
+        for layer, kbuf, vbuf in zip(model.layers, bufs.keys, bufs.values, strict=True):
+            q = self._pre(layer, g, rope, kbuf, vbuf, bufs.start)
+            g = layer.generator_post(g, attn(q, kbuf, vbuf, causal=False))
+        out = model.decode_generator(model.norm_moe_gen(g), tok)
+        return out.vision, out.action
+
     def _velocities(self, groups: list, tok: GeneratorTokens, raw_dim: int | None) -> tuple[torch.Tensor, ...]:
         outs = []
         for rows, kv, rope, attn in groups:
-            self.model.attention = attn
-            o = self.model.generator_step(_select(tok, rows), rope, kv)
-            outs.append((o.vision, o.action))
+            sel = _select(tok, rows)
+            if isinstance(kv, _KVBuffers):
+                outs.append(self._generator_step(sel, kv, rope, attn))
+            else:
+                self.model.attention = attn
+                o = self.model.generator_step(sel, rope, kv)
+                outs.append((o.vision, o.action))
         vision = torch.cat([v for v, _ in outs]) if len(outs) > 1 else outs[0][0]
         action = torch.cat([a for _, a in outs]) if len(outs) > 1 else outs[0][1]
         if raw_dim is not None:

@@ -20,7 +20,7 @@ from ..model import Cosmos3Transformer, action_positions, generator_offset, text
 from .canvas import compose_droid_canvas, pad_to_bucket
 from .denoise import Branch, DenoiseInputs, DenoiseResult, SamplingOptions, denoise
 from .errors import RequestError
-from .noise import initial_action, state_row_from_observation, vision_noise
+from .noise import GaussianPrefetcher, initial_action, state_row_from_observation, vision_noise
 from .prompts import droid_prompt
 from .tokens import CaptionTokenizer
 from .vae import FrameEncoder
@@ -77,6 +77,7 @@ def prepare_droid(
     seed: int,
     device: torch.device,
     encode_frames: int = 1,
+    noise: GaussianPrefetcher | None = None,
 ) -> PreparedDroid:
     """Build the static inputs of one DROID request (canvas, latent, prompt, tokens, noise, positions).
 
@@ -119,10 +120,11 @@ def prepare_droid(
     frames = contract.chunk + 1
     lat_t = (frames - 1) // encoder.temporal + 1
     shape = (1, encoder.latent_channels, lat_t, lat_h, lat_w)
-    vision = torch.from_numpy(vision_noise(seed, shape)).to(device)
+    stream = noise.get(seed, shape) if noise is not None else vision_noise(seed, shape)
+    vision = torch.from_numpy(stream).to(device)
     vision[:, :, :1] = latent0
     rows = contract.chunk + contract.history
-    act = initial_action(state, seed, rows=rows, max_action_dim=model.config.action_dim or 0)
+    act = initial_action(state, seed, rows=rows, max_action_dim=model.config.action_dim or 0, stream=stream)
     action = torch.from_numpy(act.init).to(device)[None]  # [1, 33, 64]
 
     cfg = model.config

@@ -93,9 +93,14 @@ def state_row_from_observation(obs: Mapping[str, Any]) -> np.ndarray:
 
 
 def initial_action(
-    state_row: np.ndarray, seed: int, *, rows: int = DROID_ACTION_ROWS, max_action_dim: int = MAX_ACTION_DIM
+    state_row: np.ndarray, seed: int, *, rows: int = DROID_ACTION_ROWS, max_action_dim: int = MAX_ACTION_DIM,
+    stream: np.ndarray | None = None,
 ) -> ActionInit:
-    """Clean action tensor and the sampler's initial action state for one request."""
+    """Clean action tensor and the sampler's initial action state for one request.
+
+    `stream`: an already drawn `legacy_gaussian(seed, ...)` of at least rows*max_action_dim values. The
+    action draw is a fresh stream of the same seed, i.e. exactly that stream's prefix, so it can be
+    reused instead of drawn again."""
     state = np.asarray(state_row, dtype=np.float32)
     if state.ndim != 1 or not 1 <= state.shape[0] <= max_action_dim:
         raise RequestError(
@@ -104,9 +109,37 @@ def initial_action(
     if not np.isfinite(state).all():
         raise RequestError("contains NaN or inf", field="state")
     raw_dim = state.shape[0]
-    noise = legacy_gaussian(seed, (rows, max_action_dim))  # [rows, max_dim]
+    n = rows * max_action_dim
+    if stream is not None and stream.size >= n:
+        noise = np.ascontiguousarray(stream.reshape(-1)[:n]).reshape(rows, max_action_dim)
+    else:
+        noise = legacy_gaussian(seed, (rows, max_action_dim))  # [rows, max_dim]
     x0 = np.zeros((rows, max_action_dim), dtype=np.float32)
     x0[0, :raw_dim] = state
     init = x0.copy()
     init[1:, :raw_dim] = noise[1:, :raw_dim]  # padded columns stay 0: they are masked everywhere
     return ActionInit(x0=x0, noise=noise, init=init)
+
+
+class GaussianPrefetcher:
+    """Legacy Gaussian streams drawn ahead of time on a background thread.
+
+    The exact noise of a request is a long sequential numpy draw (~10 ms for a DROID request). When the
+    next seed is known in advance (the server's default seed sequence), drawing it while the current
+    request runs on the GPU takes it off the critical path.
+    """
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wamrt-noise")
+        self._pending: dict[tuple[int, tuple[int, ...]], Any] = {}
+
+    def prefetch(self, seed: int, shape: tuple[int, ...]) -> None:
+        key = (int(seed), tuple(shape))
+        if key not in self._pending:
+            self._pending[key] = self._pool.submit(legacy_gaussian, seed, shape)
+
+    def get(self, seed: int, shape: tuple[int, ...]) -> np.ndarray:
+        future = self._pending.pop((int(seed), tuple(shape)), None)
+        return future.result() if future is not None else legacy_gaussian(seed, shape)
