@@ -121,10 +121,10 @@ def prepare_droid(
     lat_t = (frames - 1) // encoder.temporal + 1
     shape = (1, encoder.latent_channels, lat_t, lat_h, lat_w)
     stream = noise.get(seed, shape) if noise is not None else vision_noise(seed, shape)
-    vision = torch.from_numpy(stream).to(device)
-    vision[:, :, :1] = latent0
     rows = contract.chunk + contract.history
     act = initial_action(state, seed, rows=rows, max_action_dim=model.config.action_dim or 0, stream=stream)
+    vision = torch.from_numpy(stream).to(device, copy=True)  # copy: frame 0 is overwritten below
+    vision[:, :, :1] = latent0
     action = torch.from_numpy(act.init).to(device)[None]  # [1, 33, 64]
 
     cfg = model.config
