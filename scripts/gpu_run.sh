@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (its own python3 with torch; diffusers carried as a wheel in .whl/).
-# Usage: WAMRT_GIT_SHA=<sha> bash scripts/gpu_run.sh PART...   parts: smoke edge nano tests
+# Usage: WAMRT_GIT_SHA=<sha> bash scripts/gpu_run.sh PART[:SECONDS]...   parts: smoke edge nano tests
+# Each part is killed after SECONDS (default 540) and packed whatever it finished.
 # Everything it measures is packed into $OUT/<part>.tgz (the device tool returns few files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -9,9 +10,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-wamrt() { python3 -m wamrt.cli "$@"; }
+wamrt() { timeout "$limit" python3 -m wamrt.cli "$@"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
-for part in "$@"; do
+for spec in "$@"; do
+  part=${spec%%:*}; limit=540; [ "$spec" != "$part" ] && limit=${spec#*:}
   res=/tmp/res-$part
   mkdir -p "$res"
   t0=$(date +%s)
@@ -20,7 +22,7 @@ for part in "$@"; do
              --peer diffusers --peer-warmup 1 --peer-runs 1 --out "$res" 2>&1 | tee "$res/log.txt" ;;
     edge|nano) wamrt bench latency --model "$part" --steps 4 2 --peer diffusers --trace --out "$res" 2>&1 \
              | tee "$res/log.txt" ;;
-    tests) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_engine_gpu.py tests/sampler 2>&1 \
+    tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_engine_gpu.py tests/sampler 2>&1 \
              | tee "$res/log.txt" ;;
   esac
   echo "part $part took $(( $(date +%s) - t0 )) s"

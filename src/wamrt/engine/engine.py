@@ -163,12 +163,16 @@ class Engine:
 
     # ---------------------------------------------------------------------------------------------
     def next_seed(self) -> int:
-        """The framework server's seed sequence. The seed after it is drawn now and its noise is
-        generated on a background thread while this request runs."""
+        """The framework server's seed sequence. The seed after it is known now; its noise is drawn on
+        a background thread while this request's denoising loop occupies the GPU (see _denoise)."""
         seed, self._upcoming_seed = self._upcoming_seed, int(self._seeds.integers(0, 2**31))
+        return seed
+
+    def _prefetch_noise(self) -> None:
+        # Called once the GPU has the whole loop queued: the numpy draw holds the GIL, so run earlier
+        # it would stall this request's own host-side preprocessing.
         if self._noise_shape is not None:
             self._noise.prefetch(self._upcoming_seed, self._noise_shape)
-        return seed
 
     def infer(self, observation: Mapping[str, Any], *, seed: int | None = None, **overrides: Any) -> ActionChunk:
         result = self.infer_batch([observation], seeds=[seed], **overrides)[0]
@@ -194,9 +198,7 @@ class Engine:
                                          device=self.device, encode_frames=self.config.vae_frames,
                                          noise=self._noise)
                     prepared.append((i, prep))
-                    if self._noise_shape is None:
-                        self._noise_shape = tuple(prep.inputs.vision.shape)
-                        self._noise.prefetch(self._upcoming_seed, self._noise_shape)
+                    self._noise_shape = tuple(prep.inputs.vision.shape)
                 except RequestError as e:
                     results[i] = e
             if prepared:
@@ -266,6 +268,7 @@ class Engine:
             out = self._graph_loop(x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim)
         else:
             out = self._loop(x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim)
+        self._prefetch_noise()
         self._sync()
         timings["denoise"] = 1e3 * (time.perf_counter() - t0)
         finals = [(out[0][r : r + 1], out[1][r : r + 1]) for r in range(len(inputs))]

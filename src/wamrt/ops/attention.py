@@ -80,9 +80,11 @@ class PrefixOffsetAttention:
             return sdpa(q, k, v, causal=True, backend=self.reasoner)
         if all(o == 0 for o in self.offsets):
             return sdpa(q, k, v, causal=False, backend=self.backend)
-        outs = [sdpa(q[b : b + 1], k[b : b + 1, :, o:], v[b : b + 1, :, o:], causal=False, backend=self.backend)
-                for b, o in enumerate(self.offsets)]
-        return torch.cat(outs, dim=0)
+        # Gather the per-sequence outputs in [B, Sq, H, d] memory order (the kernels' own layout), so the
+        # one copy the gather costs also leaves the output projection's input contiguous.
+        outs = [sdpa(q[b : b + 1], k[b : b + 1, :, o:], v[b : b + 1, :, o:], causal=False,
+                     backend=self.backend).transpose(1, 2) for b, o in enumerate(self.offsets)]
+        return torch.cat(outs, dim=0).transpose(1, 2)  # [B, H, Sq, d] view
 
 
 def measure_backends(q_shape: tuple[int, int, int, int], kv_heads: int, kv_len: int, *, dtype: torch.dtype,
