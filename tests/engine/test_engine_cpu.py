@@ -25,6 +25,7 @@ CONFIGS = {
     "E1": dict(attention="auto", reuse_reasoner=False, vae_frames=5, batch_cfg=False),  # 5 frames: same latent 0, cheaper
     "E2": dict(attention="auto", batch_cfg=False),
     "E3": dict(attention="auto", batch_cfg=True),
+    "E3-mask": dict(attention="auto", batch_cfg=True, cfg_attention="mask"),
 }
 
 

@@ -38,6 +38,8 @@ ROWS: dict[str, tuple[str, dict]] = {
     "E3": ("+ both CFG branches in one Generator pass", dict(compile=False, cuda_graph=False)),
     "E4": ("+ fused QKV / gate-up + regional torch.compile", dict(cuda_graph=False)),
     "E5": ("+ whole denoise loop as one CUDA graph", dict()),
+    # Alternative to E5 (not cumulative): the CFG branches' attention as one masked call.
+    "E5-mask": ("E5 with one masked attention call for both CFG branches", dict(cfg_attention="mask")),
 }
 
 

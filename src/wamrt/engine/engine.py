@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..model import Cosmos3Transformer, GeneratorTokens, ReasonerKV, Rope
-from ..ops.attention import BackendAttention, PrefixOffsetAttention, diffusers_gqa_attention
+from ..ops.attention import BackendAttention, MaskedBatchAttention, PrefixOffsetAttention, diffusers_gqa_attention
 from ..pipeline.denoise import DenoiseInputs, DenoiseResult, SamplingOptions
 from ..pipeline.droid import ActionChunk, DroidContract, PreparedDroid, droid_actions, prepare_droid
 from ..pipeline.errors import RequestError
@@ -41,6 +41,9 @@ class EngineConfig:
     reuse_reasoner: bool = True  # False: the Reasoner runs inside every forward (reference pattern)
     vae_frames: int = 1  # pixel frames encoded; chunk + 1 = what diffusers encodes
     batch_cfg: bool = True  # both CFG branches (and all requests) in one Generator pass
+    # How batched sequences with different prefix lengths attend: "split" = one unmasked call per
+    # sequence on its valid keys; "mask" = one masked call for the batch.
+    cfg_attention: str = "split"
     compile: bool = True  # fuse + regional torch.compile of the Generator layer halves
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
     kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
@@ -307,7 +310,11 @@ class Engine:
             kb.append(kbuf)
             vb.append(vbuf)
         rope = Rope(torch.cat([s.rope.cos for s in seqs]), torch.cat([s.rope.sin for s in seqs]))
-        return _KVBuffers(kb, vb, umax), rope, PrefixOffsetAttention(offsets, backend=self.config.attention)
+        if self.config.cfg_attention == "mask" and any(offsets):
+            attn = MaskedBatchAttention(offsets, umax + g_len, self.device, backend=self.config.attention)
+        else:
+            attn = PrefixOffsetAttention(offsets, backend=self.config.attention)
+        return _KVBuffers(kb, vb, umax), rope, attn
 
     def _generator_step(self, tok: GeneratorTokens, bufs: _KVBuffers, rope: Rope, attn) -> tuple[torch.Tensor, ...]:
         model = self.model

@@ -87,6 +87,29 @@ class PrefixOffsetAttention:
         return torch.cat(outs, dim=0).transpose(1, 2)  # [B, H, Sq, d] view
 
 
+class MaskedBatchAttention:
+    """The alternative to PrefixOffsetAttention: one call for the whole batch, padding keys masked out
+    (valid[b, j] = j >= offsets[b]). Fewer, larger kernel calls, but a masked kernel."""
+
+    def __init__(self, offsets: Sequence[int], key_len: int, device: torch.device, backend: str = "cudnn",
+                 reasoner: str = "auto") -> None:
+        self.offsets = list(offsets)
+        pos = torch.arange(key_len, device=device)
+        self.mask = (pos[None, :] >= torch.tensor(self.offsets, device=device)[:, None])[:, None, None, :]
+        self.backend, self.reasoner = backend, reasoner
+
+    def __call__(self, q, k, v, *, causal: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if causal:
+            return sdpa(q, k, v, causal=True, backend=self.reasoner)
+        groups = q.shape[1] // k.shape[1]
+        k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+        kernels = BACKENDS[self.backend]
+        if kernels is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        with sdpa_kernel(kernels + [SDPBackend.EFFICIENT_ATTENTION]):  # in case cuDNN refuses the mask
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+
 def measure_backends(q_shape: tuple[int, int, int, int], kv_heads: int, kv_len: int, *, dtype: torch.dtype,
                      device: torch.device, backends: Sequence[str] = ("cudnn", "flash", "efficient"),
                      iters: int = 20) -> dict[str, float]:

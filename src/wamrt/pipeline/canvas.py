@@ -73,6 +73,10 @@ def resize_bilinear_trunc(image: np.ndarray, size: tuple[int, int]) -> np.ndarra
     h, w = size
     if h < 1 or w < 1:
         raise RequestError(f"cannot resize to {h}x{w}", field="image")
+    if image.shape[:2] == (h, w):
+        # Scale 1 with align_corners=False samples exactly the source pixels: the resize is the identity
+        # (the usual case: exteriors already at half the wrist size).
+        return np.array(image, dtype=np.uint8, copy=True)
     x = torch.tensor(image)  # copy: inputs may be read-only views
     x = x.permute(2, 0, 1).unsqueeze(0).float()  # [1, 3, H, W]
     y = F.interpolate(x, size=(h, w), mode="bilinear", align_corners=False)  # [1, 3, h, w]
