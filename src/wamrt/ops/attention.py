@@ -95,7 +95,8 @@ class MaskedBatchAttention:
                  reasoner: str = "auto") -> None:
         self.offsets = list(offsets)
         pos = torch.arange(key_len, device=device)
-        self.mask = (pos[None, :] >= torch.tensor(self.offsets, device=device)[:, None])[:, None, None, :]
+        # Built from Python ints (no host-to-device copy), so it can be made inside graph capture.
+        self.mask = torch.stack([pos >= o for o in self.offsets])[:, None, None, :]  # [B, 1, 1, Sk]
         self.backend, self.reasoner = backend, reasoner
 
     def __call__(self, q, k, v, *, causal: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
