@@ -121,6 +121,7 @@ class _Graph:
         self.graph = torch.cuda.CUDAGraph()
         self.inputs: dict[str, Any] = {}
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.keepalive: tuple = ()
 
 
 class Engine:
@@ -410,6 +411,9 @@ class Engine:
         torch.cuda.current_stream(self.device).wait_stream(side)
         with torch.cuda.graph(entry.graph):
             entry.outputs = run()
+        # The graph reads tensors made before capture (the sampler plan's divisors): they must live as
+        # long as the graph, or replays read freed memory.
+        entry.keepalive = (plan, run)
         return entry
 
     # E0/E1: the reference call pattern (full forward per branch per step) --------------------------
