@@ -23,7 +23,7 @@ import torch
 from ..model import Cosmos3Transformer, GeneratorTokens, ReasonerKV, Rope
 from ..ops.attention import BackendAttention, MaskedBatchAttention, PrefixOffsetAttention, diffusers_gqa_attention
 from ..pipeline.denoise import DenoiseInputs, DenoiseResult, SamplingOptions
-from ..pipeline.droid import ActionChunk, DroidContract, PreparedDroid, droid_actions, prepare_droid
+from ..pipeline.droid import ActionChunk, DroidContract, PreparedDroid, droid_actions, droid_metadata, prepare_droid
 from ..pipeline.errors import RequestError
 from ..pipeline.noise import GaussianPrefetcher
 from ..pipeline.policy import Policy, _check_options
@@ -177,6 +177,10 @@ class Engine:
         # it would stall this request's own host-side preprocessing.
         if self._noise_shape is not None:
             self._noise.prefetch(self._upcoming_seed, self._noise_shape)
+
+    def metadata(self) -> dict[str, Any]:
+        engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "cuda_graph")}
+        return {**droid_metadata(self.name, self.contract, self.options), "engine": engine}
 
     def infer(self, observation: Mapping[str, Any], *, seed: int | None = None, **overrides: Any) -> ActionChunk:
         result = self.infer_batch([observation], seeds=[seed], **overrides)[0]

@@ -146,6 +146,16 @@ def prepare_droid(
     return PreparedDroid(inputs, prompt, seed, canvas, padded.image_size, timings)
 
 
+def droid_metadata(name: str, contract: DroidContract, options: SamplingOptions) -> dict[str, Any]:
+    """What a client needs to know before sending observations (openpi-style handshake)."""
+    return {
+        "model": name, "contract": "droid", "action_horizon": contract.chunk,
+        "action_dim": contract.raw_action_dim, "control_hz": contract.fps, "image_size": [540, 640],
+        "prompt_format": contract.prompt_format, "domain_id": contract.domain_id, "num_steps": options.steps,
+        "guidance": options.guidance, "shift": options.shift, "guidance_interval": options.guidance_interval,
+    }
+
+
 def droid_actions(result: DenoiseResult, contract: DroidContract) -> np.ndarray:
     """Final action state [1, 33, 64] -> [32, 8] float32: drop the state row, flip the gripper back."""
     assert result.action is not None

@@ -15,7 +15,7 @@ import torch
 from ..model import Cosmos3Transformer, load_transformer, resolve_transformer_folder
 from .builtin import BUILTIN_MODELS, builtin_path
 from .denoise import SamplingOptions
-from .droid import ActionChunk, DroidContract, run_droid
+from .droid import ActionChunk, DroidContract, droid_metadata, run_droid
 from .errors import RequestError
 from .tokens import CaptionTokenizer
 from .vae import FrameEncoder, load_vae
@@ -76,14 +76,7 @@ class Policy:
         return out
 
     def metadata(self) -> dict[str, Any]:
-        """What a client needs to know before sending observations (openpi-style handshake)."""
-        c = self.contract
-        return {
-            "model": self.name, "contract": "droid", "action_horizon": c.chunk, "action_dim": c.raw_action_dim,
-            "control_hz": c.fps, "image_size": [540, 640], "prompt_format": c.prompt_format,
-            "domain_id": c.domain_id, "num_steps": self.options.steps, "guidance": self.options.guidance,
-            "shift": self.options.shift, "guidance_interval": self.options.guidance_interval,
-        }
+        return droid_metadata(self.name, self.contract, self.options)
 
     def __repr__(self) -> str:
         c = self.model.config

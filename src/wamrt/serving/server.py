@@ -34,6 +34,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--guidance-interval", type=int, nargs=2, metavar=("LO", "HI"), default=None)
     ap.add_argument("--safety", default=None, metavar="FILE", help="action safety envelope (JSON or TOML)")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up requests before /readyz says ready")
+    ap.add_argument("--engine", choices=["auto", "eager", "fast"], default="auto",
+                    help="fast = fused/compiled/CUDA-graph engine (needs CUDA); eager = reference path; "
+                         "auto = fast on CUDA, eager on CPU")
     ap.add_argument("--log-level", default="info")
 
 
@@ -60,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = config_from_args(args)
     policy = load_policy(args.model, device=args.device)
+    if args.engine == "fast" or (args.engine == "auto" and policy.device.type == "cuda"):
+        from ..engine import Engine
+
+        policy = Engine.from_policy(policy)  # same infer_batch/metadata contract, batched on the GPU
     uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level)).run()
     return 0
 

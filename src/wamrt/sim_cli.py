@@ -1,0 +1,338 @@
+"""`wamrt rollout`, `wamrt eval gate`, `wamrt demos record`, `wamrt export lerobot`: the simulator on the CLI.
+
+Everything heavy (mujoco, torch, pyarrow) is imported inside the command functions, so building the parser
+(`wamrt --help`) stays cheap and works without the `sim` extra; a command that needs it explains what is
+missing and exits with 2.
+
+Gate SPEC syntax: `NAME[:key=value,...]`, NAME being `expert`, a built-in model (`tiny-droid`) or a
+checkpoint folder; keys are the sampling overrides steps, guidance, shift, guidance_interval (`LO-HI`) and
+execute_steps (rows executed per chunk). Example: `tiny-droid:steps=2,guidance=3`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+EXPERT = "expert"
+# Sampling overrides a SPEC may set, with their parsers (guidance_interval is "LO-HI": "," separates keys).
+SPEC_KEYS: dict[str, Any] = {
+    "steps": int,
+    "guidance": float,
+    "shift": float,
+    "guidance_interval": lambda v: tuple(int(x) for x in v.split("-", 1)),
+    "execute_steps": int,
+}
+
+
+class UsageError(Exception):
+    """A bad argument found after parsing (task name, SPEC, checkpoint): printed, exit code 2."""
+
+
+# ---- parser --------------------------------------------------------------------------------------------
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """Register rollout, eval gate, demos record and export lerobot on the `wamrt` subparsers."""
+    rollout = sub.add_parser("rollout", help="closed-loop success rate of a policy (or the expert) in the simulator")
+    _add_run_arguments(rollout)
+    rollout.add_argument("--policy", default=EXPERT,
+                         help="'expert', a built-in model (tiny-droid) or a checkpoint folder (default: expert)")
+    _add_sampling_arguments(rollout)
+    rollout.set_defaults(func=run_rollout)
+
+    ev = sub.add_parser("eval", help="evaluation").add_subparsers(dest="eval", required=True)
+    gate = ev.add_parser("gate", help="paired baseline vs candidate rollouts on the same seeds -> verdict",
+                         description="SPEC: NAME[:key=value,...], e.g. tiny-droid:steps=2,guidance=3 "
+                                     "(keys: " + ", ".join(SPEC_KEYS) + ").")
+    _add_run_arguments(gate)
+    gate.add_argument("--baseline", required=True, metavar="SPEC")
+    gate.add_argument("--candidate", required=True, metavar="SPEC")
+    gate.add_argument("--margin", type=float, default=0.05, help="non-inferiority margin (default 0.05)")
+    gate.add_argument("--alpha", type=float, default=0.05, help="McNemar significance level (default 0.05)")
+    gate.add_argument("--require-pass", action="store_true", help="exit 1 unless the verdict is 'pass'")
+    gate.set_defaults(func=run_gate)
+
+    demos = sub.add_parser("demos", help="demonstrations").add_subparsers(dest="demos", required=True)
+    rec = demos.add_parser("record", help="record scripted-expert episodes as .npz files (+ manifest.json)")
+    rec.add_argument("--task", required=True)
+    rec.add_argument("--episodes", type=int, default=10)
+    rec.add_argument("--seed0", type=int, default=0, help="episode seeds are seed0 .. seed0+episodes-1")
+    rec.add_argument("--out", type=Path, required=True, metavar="DIR")
+    rec.add_argument("--keep-failures", action="store_true", help="also write episodes the expert failed")
+    rec.add_argument("--exterior-hw", type=int, nargs=2, metavar=("H", "W"),
+                     help="exterior camera size (default 128 224; the wrist camera is twice that)")
+    rec.set_defaults(func=run_demos_record)
+
+    export = sub.add_parser("export", help="dataset export").add_subparsers(dest="export", required=True)
+    lr = export.add_parser("lerobot", help="recorded demos -> LeRobot dataset v3.0")
+    lr.add_argument("--demos", type=Path, required=True, metavar="DIR", help="folder written by `demos record`")
+    lr.add_argument("--out", type=Path, required=True, metavar="DIR")
+    lr.add_argument("--robot-type", default="panda")
+    lr.add_argument("--codec", default="libx264")
+    lr.set_defaults(func=run_export_lerobot)
+
+
+def _add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--task", required=True, help="lift, pick_place or pick_place_two")
+    ap.add_argument("--episodes", type=int, default=50)
+    ap.add_argument("--lanes", type=int, default=1, help="simulators run in parallel (default 1)")
+    ap.add_argument("--seed0", type=int, default=0, help="episode seeds are seed0 .. seed0+episodes-1")
+    ap.add_argument("--execute-steps", type=int, default=8, help="chunk rows executed per inference (default 8)")
+    ap.add_argument("--max-steps", type=int, help="episode step limit (default: the task's)")
+    ap.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
+    ap.add_argument("--out", type=Path, metavar="FILE.json", help="write the result JSON here")
+
+
+def _add_sampling_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--guidance", type=float)
+    ap.add_argument("--shift", type=float)
+    ap.add_argument("--guidance-interval", type=int, nargs=2, metavar=("LO", "HI"))
+
+
+# ---- helpers -------------------------------------------------------------------------------------------
+def _error(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _sim_problem() -> str | None:
+    """None when wamrt.sim imports; else why not (missing extra, or no headless GL)."""
+    try:
+        import wamrt.sim  # noqa: F401  selects MUJOCO_GL before mujoco loads
+    except ImportError as e:
+        return f"this command needs the 'sim' extra (pip install 'wamrt[sim]'): {e}"
+    except RuntimeError as e:
+        return f"no headless OpenGL for the simulator (see docs/sim.md, Setup): {e}"
+    return None
+
+
+def _check_task(task: str) -> None:
+    from .sim.tasks import TASKS
+
+    if task not in TASKS:
+        raise UsageError(f"unknown task {task!r} (tasks: {', '.join(TASKS)})")
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    if args.episodes < 1 or args.lanes < 1 or args.execute_steps < 1:
+        raise UsageError("--episodes, --lanes and --execute-steps must be >= 1")
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str  # "expert", built-in name or checkpoint folder
+    overrides: dict[str, Any] = field(default_factory=dict)  # sampling options for Policy.infer
+    execute_steps: int | None = None  # None: the command's --execute-steps
+
+
+def parse_spec(spec: str) -> PolicySpec:
+    """`NAME[:k=v,...]` -> PolicySpec. Only a tail with '=' counts as overrides, so a folder with ':' works."""
+    name, sep, tail = spec.rpartition(":")
+    if not (sep and name and "=" in tail):
+        return PolicySpec(spec)
+    overrides: dict[str, Any] = {}
+    for item in tail.split(","):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in SPEC_KEYS:
+            raise UsageError(f"bad SPEC item {item!r} in {spec!r} (keys: {', '.join(SPEC_KEYS)})")
+        try:
+            overrides[key] = SPEC_KEYS[key](value.strip())
+        except ValueError as e:
+            raise UsageError(f"bad value for {key} in {spec!r}: {value!r}") from e
+    execute_steps = overrides.pop("execute_steps", None)
+    if name == EXPERT and overrides:
+        raise UsageError("sampling overrides do not apply to the expert")
+    return PolicySpec(name, overrides, execute_steps)
+
+
+def _cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    gi = tuple(args.guidance_interval) if args.guidance_interval else None
+    return {k: v for k, v in (("steps", args.steps), ("guidance", args.guidance), ("shift", args.shift),
+                              ("guidance_interval", gi)) if v is not None}
+
+
+class _SerialPolicy:
+    """One loaded policy shared by thread lanes: inference is serialized (a second concurrent forward only
+    competes for the same GPU or CPU cores), while the other lanes keep stepping their simulators."""
+
+    def __init__(self, policy: Any) -> None:
+        import threading
+
+        self.policy, self.lock = policy, threading.Lock()
+
+    def infer(self, obs: dict[str, Any], **kwargs: Any) -> Any:
+        with self.lock:
+            return self.policy.infer(obs, **kwargs)
+
+
+@dataclass
+class Side:
+    """What one rollout set runs: the agent factory, the run backend and the labels for the result JSON."""
+
+    label: str
+    factory: Any
+    backend: str
+    config: dict[str, Any]
+    gpu: str = "cpu"
+
+
+def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: dict[str, Any]) -> Side:
+    """Expert: process lanes (picklable factory, no weights). Policy: loaded once in this process and shared
+    by thread lanes (per-process copies would multiply load time and GPU memory)."""
+    from dataclasses import asdict, replace
+
+    from .eval.agents import ExpertAgent, PolicyAgent
+
+    execute = spec.execute_steps or args.execute_steps
+    common = {"lanes": args.lanes, "max_steps": args.max_steps}
+    if spec.name == EXPERT:
+        return Side(label, ExpertAgent, "process", {"agent": EXPERT, **common})
+    if spec.name not in cache:
+        cache[spec.name] = _load_policy(spec.name, args)
+    policy = cache[spec.name]
+    try:
+        opts = replace(policy.options, **spec.overrides)
+    except TypeError as e:
+        raise UsageError(f"bad sampling override for {label}: {e}") from e
+    sampling = {k: v for k, v in asdict(opts).items() if k in ("steps", "guidance", "shift", "guidance_interval")}
+    shared = _SerialPolicy(policy)
+    config = {"agent": "policy", "model": spec.name, "execute_steps": execute, **sampling, "device": str(policy.device),
+              "dtype": str(next(policy.model.parameters()).dtype).removeprefix("torch."), **common}
+    return Side(label, lambda: PolicyAgent(shared, execute_steps=execute, **spec.overrides), "thread", config,
+                _gpu_name(policy.device))
+
+
+def _load_policy(name: str, args: argparse.Namespace) -> Any:
+    import torch
+
+    from . import load_policy
+    from .pipeline.errors import RequestError
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype or "")
+    try:
+        return load_policy(name, device=args.device, dtype=dtype)
+    except (RequestError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
+
+
+def _gpu_name(device: Any) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _run_side(side: Side, args: argparse.Namespace, seeds: list[int]) -> list[Any]:
+    from .eval.runner import run_rollouts
+
+    results = run_rollouts(args.task, side.factory, seeds, lanes=args.lanes, backend=side.backend,
+                           max_steps=args.max_steps, progress=sys.stderr.isatty())
+    errors = [r for r in results if r.error]
+    if errors:  # counted as failures by the runner; say so, or a crash would read as a bad policy
+        print(f"warning: {side.label}: {len(errors)} episode(s) raised; first (seed {errors[0].seed}):\n"
+              f"{errors[0].error}", file=sys.stderr)
+    return results
+
+
+def _rate_line(label: str, k: int, n: int) -> str:
+    from .eval.stats import wilson_ci
+
+    lo, hi = wilson_ci(k, n)
+    return f"{label}: {k}/{n} = {k / n:.1%} (Wilson 95% CI {lo:.1%} .. {hi:.1%})"
+
+
+# ---- commands ------------------------------------------------------------------------------------------
+def run_rollout(args: argparse.Namespace) -> int:
+    if problem := _sim_problem():
+        return _error(problem)
+    from .eval.results import rollout_result, write_result
+
+    try:
+        _check_task(args.task)
+        _check_counts(args)
+        overrides = _cli_overrides(args)
+        if args.policy == EXPERT and overrides:
+            raise UsageError("sampling options (--steps, --guidance, ...) do not apply to the expert")
+        side = _load_side(PolicySpec(args.policy, overrides), args.policy, args, {})
+    except UsageError as e:
+        return _error(str(e))
+    seeds = list(range(args.seed0, args.seed0 + args.episodes))
+    results = _run_side(side, args, seeds)
+    print(_rate_line(f"{args.task} / {args.policy}", sum(r.success for r in results), len(results)))
+    if args.out:
+        res = rollout_result(args.task, args.policy, results, side.config, gpu=side.gpu)
+        print(f"wrote {write_result(res, args.out)}")
+    return 0
+
+
+def run_gate(args: argparse.Namespace) -> int:
+    if problem := _sim_problem():
+        return _error(problem)
+    from .eval.results import gate_result, write_result
+    from .eval.stats import gate
+
+    try:
+        _check_task(args.task)
+        _check_counts(args)
+        cache: dict[str, Any] = {}  # one load per model: specs differing only in sampling share weights
+        sides = [_load_side(parse_spec(s), s, args, cache) for s in (args.baseline, args.candidate)]
+    except UsageError as e:
+        return _error(str(e))
+    seeds = list(range(args.seed0, args.seed0 + args.episodes))
+    base_ok, cand_ok = ([r.success for r in _run_side(side, args, seeds)] for side in sides)
+    d = gate(base_ok, cand_ok, alpha=args.alpha, margin=args.margin)
+    print(_rate_line(f"baseline  {args.baseline}", sum(base_ok), len(seeds)))
+    print(_rate_line(f"candidate {args.candidate}", sum(cand_ok), len(seeds)))
+    lo, hi = d.diff_ci95
+    print(f"discordant: baseline only {d.table.baseline_only}, candidate only {d.table.candidate_only}; "
+          f"exact McNemar p = {d.p_value:.4g}")
+    print(f"difference {d.diff:+.1%} (95% CI {lo:+.1%} .. {hi:+.1%}, margin {args.margin:.1%})")
+    print(f"verdict: {d.verdict}")
+    if args.out:
+        config = {"baseline": sides[0].config, "candidate": sides[1].config, "alpha": args.alpha,
+                  "margin": args.margin}
+        gpu = next((s.gpu for s in sides if s.gpu != "cpu"), "cpu")
+        res = gate_result(args.task, args.baseline, args.candidate, seeds, base_ok, cand_ok, d, config, gpu=gpu)
+        print(f"wrote {write_result(res, args.out)}")
+    return 1 if args.require_pass and d.verdict != "pass" else 0
+
+
+def run_demos_record(args: argparse.Namespace) -> int:
+    if problem := _sim_problem():
+        return _error(problem)
+    from .sim.record import record_demos
+
+    try:
+        _check_task(args.task)
+        if args.episodes < 1:
+            raise UsageError("--episodes must be >= 1")
+    except UsageError as e:
+        return _error(str(e))
+    env_kwargs = {"exterior_hw": tuple(args.exterior_hw)} if args.exterior_hw else None
+    seeds = range(args.seed0, args.seed0 + args.episodes)
+    metas = record_demos(args.task, seeds, args.out, success_only=not args.keep_failures, env_kwargs=env_kwargs)
+    ok = sum(m.success for m in metas)
+    print(f"{args.task}: wrote {len(metas)} episode(s) of {args.episodes} ({ok} successful) to {args.out}")
+    return 0 if metas else 1  # nothing written is a failure a script should notice
+
+
+def run_export_lerobot(args: argparse.Namespace) -> int:
+    try:
+        from .eval.lerobot_export import export_lerobot  # pyarrow + pandas (and mujoco via wamrt.sim.record)
+    except ImportError as e:
+        return _error(f"this command needs the 'sim' extra (pip install 'wamrt[sim]'): {e}")
+    files = sorted(Path(args.demos).glob("episode_*.npz"))
+    if not files:
+        return _error(f"no episode_*.npz files in {args.demos} (write them with `wamrt demos record`)")
+    try:
+        root = export_lerobot(files, args.out, robot_type=args.robot_type, codec=args.codec)
+    except FileExistsError as e:
+        return _error(str(e))
+    except ImportError as e:  # PyAV is imported only when the first video is encoded
+        return _error(f"the LeRobot export needs PyAV (pip install 'wamrt[sim]'): {e}")
+    print(f"wrote a LeRobot v3.0 dataset of {len(files)} episode(s) to {root}")
+    return 0
