@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,7 @@ def _error(msg: str) -> int:
 def _sim_problem() -> str | None:
     """None when wamrt.sim imports; else why not (missing extra, or no headless GL)."""
     try:
-        import wamrt.sim  # noqa: F401  selects MUJOCO_GL before mujoco loads
+        from . import sim  # noqa: F401  selects MUJOCO_GL before mujoco loads
     except ImportError as e:
         return f"this command needs the 'sim' extra (pip install 'wamrt[sim]'): {e}"
     except RuntimeError as e:
@@ -145,6 +146,8 @@ def parse_spec(spec: str) -> PolicySpec:
         except ValueError as e:
             raise UsageError(f"bad value for {key} in {spec!r}: {value!r}") from e
     execute_steps = overrides.pop("execute_steps", None)
+    if execute_steps is not None and execute_steps < 1:
+        raise UsageError(f"execute_steps must be >= 1 in {spec!r}")
     if name == EXPERT and overrides:
         raise UsageError("sampling overrides do not apply to the expert")
     return PolicySpec(name, overrides, execute_steps)
@@ -175,7 +178,7 @@ class Side:
     """What one rollout set runs: the agent factory, the run backend and the labels for the result JSON."""
 
     label: str
-    factory: Any
+    factory: Callable[[], Any]  # -> an eval.agents Agent, built once per lane
     backend: str
     config: dict[str, Any]
     gpu: str = "cpu"
@@ -201,8 +204,9 @@ def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: di
         raise UsageError(f"bad sampling override for {label}: {e}") from e
     sampling = {k: v for k, v in asdict(opts).items() if k in ("steps", "guidance", "shift", "guidance_interval")}
     shared = _SerialPolicy(policy)
-    config = {"agent": "policy", "model": spec.name, "execute_steps": execute, **sampling, "device": str(policy.device),
-              "dtype": str(next(policy.model.parameters()).dtype).removeprefix("torch."), **common}
+    dtype = str(next(policy.model.parameters()).dtype).removeprefix("torch.")
+    config = {"agent": "policy", "model": spec.name, "execute_steps": execute, **sampling,
+              "device": str(policy.device), "dtype": dtype, **common}
     return Side(label, lambda: PolicyAgent(shared, execute_steps=execute, **spec.overrides), "thread", config,
                 _gpu_name(policy.device))
 
@@ -321,8 +325,10 @@ def run_demos_record(args: argparse.Namespace) -> int:
 
 
 def run_export_lerobot(args: argparse.Namespace) -> int:
+    if problem := _sim_problem():  # the exporter reads episodes through wamrt.sim.record
+        return _error(problem)
     try:
-        from .eval.lerobot_export import export_lerobot  # pyarrow + pandas (and mujoco via wamrt.sim.record)
+        from .eval.lerobot_export import export_lerobot  # pyarrow + pandas
     except ImportError as e:
         return _error(f"this command needs the 'sim' extra (pip install 'wamrt[sim]'): {e}")
     files = sorted(Path(args.demos).glob("episode_*.npz"))
