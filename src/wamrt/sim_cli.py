@@ -36,10 +36,10 @@ class UsageError(Exception):
 # ---- parser --------------------------------------------------------------------------------------------
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Register rollout, eval gate, demos record and export lerobot on the `wamrt` subparsers."""
-    rollout = sub.add_parser("rollout", help="closed-loop success rate of a policy (or the expert) in the simulator")
+    rollout = sub.add_parser("rollout", help="closed-loop success rate of a policy (or the expert) in sim")
     _add_run_arguments(rollout)
     rollout.add_argument("--policy", default=EXPERT,
-                         help="'expert', a built-in model (tiny-droid) or a checkpoint folder (default: expert)")
+                         help="'expert' (default), a built-in model (tiny-droid) or a checkpoint folder")
     _add_sampling_arguments(rollout)
     rollout.set_defaults(func=run_rollout)
 
@@ -68,7 +68,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
     export = sub.add_parser("export", help="dataset export").add_subparsers(dest="export", required=True)
     lr = export.add_parser("lerobot", help="recorded demos -> LeRobot dataset v3.0")
-    lr.add_argument("--demos", type=Path, required=True, metavar="DIR", help="folder written by `demos record`")
+    lr.add_argument("--demos", type=Path, required=True, metavar="DIR", help="written by `demos record`")
     lr.add_argument("--out", type=Path, required=True, metavar="DIR")
     lr.add_argument("--robot-type", default="panda")
     lr.add_argument("--codec", default="libx264")
@@ -80,7 +80,7 @@ def _add_run_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--episodes", type=int, default=50)
     ap.add_argument("--lanes", type=int, default=1, help="simulators run in parallel (default 1)")
     ap.add_argument("--seed0", type=int, default=0, help="episode seeds are seed0 .. seed0+episodes-1")
-    ap.add_argument("--execute-steps", type=int, default=8, help="chunk rows executed per inference (default 8)")
+    ap.add_argument("--execute-steps", type=int, default=8, help="chunk rows run per inference (default 8)")
     ap.add_argument("--max-steps", type=int, help="episode step limit (default: the task's)")
     ap.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
@@ -131,7 +131,7 @@ class PolicySpec:
 
 
 def parse_spec(spec: str) -> PolicySpec:
-    """`NAME[:k=v,...]` -> PolicySpec. Only a tail with '=' counts as overrides, so a folder with ':' works."""
+    """`NAME[:k=v,...]` -> PolicySpec. Only a tail with '=' is read as overrides (a folder may hold ':')."""
     name, sep, tail = spec.rpartition(":")
     if not (sep and name and "=" in tail):
         return PolicySpec(spec)
@@ -202,7 +202,7 @@ def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: di
         opts = replace(policy.options, **spec.overrides)
     except TypeError as e:
         raise UsageError(f"bad sampling override for {label}: {e}") from e
-    sampling = {k: v for k, v in asdict(opts).items() if k in ("steps", "guidance", "shift", "guidance_interval")}
+    sampling = {k: asdict(opts)[k] for k in ("steps", "guidance", "shift", "guidance_interval")}
     shared = _SerialPolicy(policy)
     dtype = str(next(policy.model.parameters()).dtype).removeprefix("torch.")
     config = {"agent": "policy", "model": spec.name, "execute_steps": execute, **sampling,
@@ -300,7 +300,8 @@ def run_gate(args: argparse.Namespace) -> int:
         config = {"baseline": sides[0].config, "candidate": sides[1].config, "alpha": args.alpha,
                   "margin": args.margin}
         gpu = next((s.gpu for s in sides if s.gpu != "cpu"), "cpu")
-        res = gate_result(args.task, args.baseline, args.candidate, seeds, base_ok, cand_ok, d, config, gpu=gpu)
+        res = gate_result(args.task, args.baseline, args.candidate, seeds, base_ok, cand_ok, d, config,
+                          gpu=gpu)
         print(f"wrote {write_result(res, args.out)}")
     return 1 if args.require_pass and d.verdict != "pass" else 0
 
@@ -318,7 +319,8 @@ def run_demos_record(args: argparse.Namespace) -> int:
         return _error(str(e))
     env_kwargs = {"exterior_hw": tuple(args.exterior_hw)} if args.exterior_hw else None
     seeds = range(args.seed0, args.seed0 + args.episodes)
-    metas = record_demos(args.task, seeds, args.out, success_only=not args.keep_failures, env_kwargs=env_kwargs)
+    metas = record_demos(args.task, seeds, args.out, success_only=not args.keep_failures,
+                         env_kwargs=env_kwargs)
     ok = sum(m.success for m in metas)
     print(f"{args.task}: wrote {len(metas)} episode(s) of {args.episodes} ({ok} successful) to {args.out}")
     return 0 if metas else 1  # nothing written is a failure a script should notice
