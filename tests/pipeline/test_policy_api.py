@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from wamrt import RequestError, load_policy
 from wamrt.cli import main
@@ -130,3 +131,15 @@ def test_builtin_edge_policy_uses_json_prompt_and_interval(cache, monkeypatch):
     chunk = edge.infer(sample_observation(), seed=0)
     assert chunk.prompt.startswith("{") and json.loads(chunk.prompt)["fps"] == 15.0
     assert chunk.actions.shape == (32, 8)
+
+
+def test_forward_and_inverse_dynamics_from_the_policy_object(policy):
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 255, (64, 80, 3), dtype=np.uint8) for _ in range(5)]
+    fd = policy.forward_dynamics(frames[0], np.zeros((4, 10), np.float32), prompt="push", domain="droid_lerobot",
+                                 resolution_tier=256, steps=1, decode=True)
+    assert fd.actions is None and fd.video_latents.shape[2] == 2 and fd.frames.dtype == torch.uint8
+    inv = policy.inverse_dynamics(frames, prompt="push", domain="droid_lerobot", resolution_tier=256, steps=1)
+    assert inv.actions.shape == (4, 10) and np.isfinite(np.asarray(inv.actions)).all()
+    with pytest.raises(RequestError, match="domain"):
+        policy.inverse_dynamics(frames, prompt="push", domain="no-such-robot", resolution_tier=256, steps=1)

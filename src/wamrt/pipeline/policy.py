@@ -17,6 +17,7 @@ from .builtin import BUILTIN_MODELS, builtin_path
 from .denoise import SamplingOptions
 from .droid import ActionChunk, DroidContract, droid_metadata, run_droid
 from .errors import RequestError
+from .generic import GenericResult, run_generic
 from .tokens import CaptionTokenizer
 from .vae import FrameEncoder, load_vae
 
@@ -59,6 +60,23 @@ class Policy:
         if not np.isfinite(chunk.actions).all():
             raise FloatingPointError("the model produced non-finite actions")
         return chunk
+
+    def generic(self, mode: str, **request: Any) -> GenericResult:
+        """Any task as diffusers 0.42.1 defines it (see `wamrt.pipeline.generic.run_generic` for the
+        arguments: prompt, domain, chunk_size, image/video, raw_actions, resolution_tier, ...)."""
+        with torch.inference_mode():
+            return run_generic(self.model, self.encoder, self.tokenizer, mode=mode, **request)
+
+    def forward_dynamics(self, image: Any, raw_actions: Any, *, prompt: str, domain: str, **request: Any
+                         ) -> GenericResult:
+        """image + actions -> future video latents (`decode=True` also returns uint8 frames)."""
+        return self.generic("forward_dynamics", image=image, raw_actions=raw_actions, prompt=prompt,
+                            domain=domain, chunk_size=request.pop("chunk_size", len(raw_actions)), **request)
+
+    def inverse_dynamics(self, video: Any, *, prompt: str, domain: str, **request: Any) -> GenericResult:
+        """video (chunk + 1 frames) -> the actions between them, [chunk, raw width]."""
+        return self.generic("inverse_dynamics", video=video, prompt=prompt, domain=domain,
+                            chunk_size=request.pop("chunk_size", len(video) - 1), **request)
 
     def infer_batch(
         self, observations: list[Mapping[str, Any]], *, seeds: list[int | None] | None = None,

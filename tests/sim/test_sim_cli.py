@@ -1,0 +1,94 @@
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+import wamrt
+from wamrt.sim_cli import PolicySpec, UsageError, add_subcommands, parse_spec
+
+
+def _run(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="wamrt")
+    sub = ap.add_subparsers(dest="command", required=True)
+    add_subcommands(sub)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+def test_rollout_expert_writes_result(tmp_path, capsys):
+    out = tmp_path / "rollout.json"
+    rc = _run(["rollout", "--task", "lift", "--policy", "expert", "--episodes", "2", "--lanes", "1",
+               "--seed0", "0", "--execute-steps", "8", "--out", str(out)])
+    assert rc == 0
+    assert "2/2 = 100.0% (Wilson 95% CI" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    for key in ("kind", "git_sha", "command", "date", "gpu", "torch", "task", "policy", "episodes", "successes",
+                "success_rate", "ci95", "seeds", "config"):
+        assert key in res
+    assert res["kind"] == "rollout" and res["policy"] == "expert" and res["successes"] == 2
+    assert res["seeds"] == {"first": 0, "last": 1} and res["outcomes"] == [1, 1]
+
+
+def test_gate_expert_vs_expert(tmp_path, capsys):
+    out = tmp_path / "gate.json"
+    rc = _run(["eval", "gate", "--task", "lift", "--baseline", "expert", "--candidate", "expert",
+               "--episodes", "2", "--seed0", "3", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "p = 1" in text and "verdict: inconclusive" in text  # 2 identical episodes bound nothing
+    res = json.loads(out.read_text())
+    assert res["kind"] == "gate" and "verdict" in res and res["p_value"] == 1.0
+    assert res["baseline_successes"] == res["candidate_successes"] == 2 and res["seeds"] == {"first": 3, "last": 4}
+    # --require-pass turns a non-pass verdict into exit code 1 for scripts
+    assert _run(["eval", "gate", "--task", "lift", "--baseline", "expert", "--candidate", "expert",
+                 "--episodes", "1", "--require-pass"]) == 1
+
+
+def test_bad_arguments_exit_2(capsys):
+    assert _run(["rollout", "--task", "nope", "--episodes", "2"]) == 2
+    assert "unknown task 'nope'" in capsys.readouterr().err
+    assert _run(["eval", "gate", "--task", "lift", "--baseline", "tiny-droid:stepz=2",
+                 "--candidate", "expert"]) == 2
+    assert "bad SPEC item 'stepz=2'" in capsys.readouterr().err
+    assert _run(["rollout", "--task", "lift", "--steps", "2"]) == 2  # sampling options need a model
+    assert "do not apply to the expert" in capsys.readouterr().err
+
+
+def test_parse_spec():
+    assert parse_spec("tiny-droid") == PolicySpec("tiny-droid")
+    assert parse_spec("tiny-droid:steps=2,guidance=3,guidance_interval=1-3,execute_steps=16") == PolicySpec(
+        "tiny-droid", {"steps": 2, "guidance": 3.0, "guidance_interval": (1, 3)}, 16)
+    assert parse_spec("/ckpt/run:7") == PolicySpec("/ckpt/run:7")  # no '=': part of the folder name
+    for bad in ("tiny-droid:steps=x", "expert:steps=2", "tiny-droid:execute_steps=0"):
+        with pytest.raises(UsageError):
+            parse_spec(bad)
+
+
+def test_demos_record_and_lerobot_export(tmp_path, capsys):
+    pytest.importorskip("av")
+    demos, ds = tmp_path / "demos", tmp_path / "ds"
+    assert _run(["demos", "record", "--task", "lift", "--episodes", "1", "--out", str(demos),
+                 "--exterior-hw", "64", "96"]) == 0
+    assert (demos / "episode_000000.npz").is_file() and (demos / "manifest.json").is_file()
+    assert _run(["export", "lerobot", "--demos", str(demos), "--out", str(ds)]) == 0
+    assert json.loads((ds / "meta/info.json").read_text())["total_episodes"] == 1
+    assert _run(["export", "lerobot", "--demos", str(demos), "--out", str(ds)]) == 2  # never overwrites
+    assert "already holds a dataset" in capsys.readouterr().err
+
+
+def test_missing_sim_extra_is_a_clear_error(monkeypatch, capsys):
+    # Simulate an install without mujoco: the import of wamrt.sim fails.
+    monkeypatch.setitem(sys.modules, "wamrt.sim", None)
+    monkeypatch.delattr(wamrt, "sim")
+    assert _run(["rollout", "--task", "lift", "--episodes", "1"]) == 2
+    assert "needs the 'sim' extra" in capsys.readouterr().err
+
+
+def test_building_the_parser_does_not_import_mujoco():
+    code = ("import argparse, sys; from wamrt.sim_cli import add_subcommands; "
+            "add_subcommands(argparse.ArgumentParser().add_subparsers()); "
+            "print(sorted(m for m in ('mujoco', 'torch', 'pyarrow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "[]"
