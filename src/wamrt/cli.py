@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         serve.set_defaults(func=serve_cli.run)
         load_bench.add_arguments(load)
         load.set_defaults(func=load_bench.run)
+    from . import sim_cli  # light: each simulator command imports mujoco/pyarrow itself
+
+    sim_cli.add_subcommands(sub)
     return ap
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,8 +165,6 @@ class _SerialPolicy:
     competes for the same GPU or CPU cores), while the other lanes keep stepping their simulators."""
 
     def __init__(self, policy: Any) -> None:
-        import threading
-
         self.policy, self.lock = policy, threading.Lock()
 
     def infer(self, obs: dict[str, Any], **kwargs: Any) -> Any:
