@@ -8,13 +8,12 @@ from typing import Any
 
 import httpx
 import pytest
+import schemathesis  # a dev dependency: a missing one must fail the run, not skip it
 from conftest import FakePolicy
 from hypothesis import HealthCheck, given, settings
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from wamrt.serving import ServeConfig, ServerThread
-
-schemathesis = pytest.importorskip("schemathesis")
-from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,8 @@ def test_random_bytes_only_raise_wire_error(blob: bytes) -> None:
 MARKER = st.fixed_dictionaries({
     b"__ndarray__": st.just(True),
     b"data": st.binary(max_size=64),
-    b"dtype": st.one_of(st.sampled_from(["<f4", "|u1", "|O", "<c8", "V8", "nonsense", "<M8[s]"]), st.integers(-(2**40), 2**40)),
+    b"dtype": st.one_of(st.sampled_from(["<f4", "|u1", "|O", "<c8", "V8", "nonsense", "<M8[s]"]),
+                        st.integers(-(2**40), 2**40)),
     b"shape": st.one_of(st.lists(st.integers(-2, 20), max_size=10), st.text(max_size=3), st.none()),
 })
 

@@ -117,7 +117,8 @@ def _bad(obs: dict[str, Any]) -> dict[str, Any]:
         "malformed": b"\x92\x01",  # array of 2 with only one element
         "text_frame": "hello",
         "image_shape": packb(dict(obs, **{"observation/wrist_image_left": np.zeros((5, 5, 4), np.uint8)})),
-        "image_dtype": openpi_msgpack.packb(dict(obs, **{"observation/wrist_image_left": np.array(["a"] * 3)[None, None]})),
+        "image_dtype": openpi_msgpack.packb(
+            dict(obs, **{"observation/wrist_image_left": np.array(["a"] * 3)[None, None]})),
         "nan_state": packb(dict(obs, **{"observation/joint_position": np.full(7, np.nan, np.float32)})),
         "inf_state": packb(dict(obs, **{"observation/gripper_position": np.float64(math.inf)})),
         "missing_prompt": packb(no_prompt),

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
             # Observations are made before timing (arrays in -> actions out); seeds follow the server's
             # default sequence, as a robot client that sends none gets.
             observations = [sample_observation(i) for i in range(warm + runs)]
-            totals, stages = time_requests(lambda i: engine.infer(observations[i], steps=steps), warm, runs)
+            totals, stages = time_requests(partial(_infer, engine, observations, steps), warm, runs)
             summary = summarize(totals)
             cfg_steps = [True] * steps
             flops = request_flops(cfg, text=[125, 30], gen_tokens=3092, cfg_steps=cfg_steps,
@@ -240,6 +241,10 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({"model": args.model, "rows": [{k: r[k] for k in ("row", "steps", "p50_ms")} for r in rows_out]}))
     del prep_geom
     return 0
+
+
+def _infer(engine: Engine, observations: list, steps: int, i: int):
+    return engine.infer(observations[i], steps=steps)
 
 
 def row_wall(result: dict) -> str:

@@ -129,7 +129,10 @@ def run_load(url: str, *, lanes: int, seconds: float, warmup: int = 1, steps: in
     lat = np.array([x for s in stats for x in s.latencies_ms])
     hist: Counter = sum((s.batch_sizes for s in stats), Counter())
     errors: Counter = sum((s.errors for s in stats), Counter())
-    pct = (lambda q: float(np.percentile(lat, q)) if lat.size else None)
+
+    def pct(q: float) -> float | None:
+        return float(np.percentile(lat, q)) if lat.size else None
+
     return {"kind": "load", "lanes": lanes, "seconds": round(elapsed, 3), "requests": int(lat.size),
             "throughput_rps": lat.size / elapsed if elapsed > 0 else 0.0, "p50_ms": pct(50), "p90_ms": pct(90),
             "p99_ms": pct(99), "max_ms": float(lat.max()) if lat.size else None,

@@ -98,7 +98,7 @@ class DiffusersPeer:
         act_sched = copy.deepcopy(sched)
         domain = torch.tensor([self.domain], device=dev)
         mask_fn = Cosmos3OmniPipeline._mask_velocity_predictions
-        for i, t in enumerate(sched.timesteps):
+        for t in sched.timesteps:
             timestep = t.item()
             outs = []
             for kw in packs[: 2 if self.guidance != 1.0 else 1]:
@@ -106,7 +106,8 @@ class DiffusersPeer:
                 nv, na = kw.pop("_noisy")
                 pv, ps, pa = self.ref(**kw, vision_tokens=[latents.to(dtype)],
                                       vision_timesteps=torch.full((nv,), timestep, device=dev),
-                                      action_tokens=[actions.to(dtype)], action_timesteps=torch.full((na,), timestep, device=dev),
+                                      action_tokens=[actions.to(dtype)],
+                                      action_timesteps=torch.full((na,), timestep, device=dev),
                                       action_domain_ids=[domain], return_dict=False)
                 v, _, a = mask_fn(pv, ps, vision_condition_mask=[cond_mask], preds_action=pa,
                                   action_condition_mask=[act_mask], raw_action_dim=self.raw_dim)

@@ -50,7 +50,8 @@ def random_transformer(size: str, device: torch.device, dtype: torch.dtype, *, l
 
 
 def random_vae(device: torch.device, dtype: torch.dtype, *, tiny: bool = False, seed: int = 1) -> AutoencoderKLWan:
-    cfg = dict(TINY_VAE if tiny else WAN22_VAE, latents_mean=list(WAN22_LATENT_MEAN), latents_std=list(WAN22_LATENT_STD))
+    cfg = dict(TINY_VAE if tiny else WAN22_VAE, latents_mean=list(WAN22_LATENT_MEAN),
+               latents_std=list(WAN22_LATENT_STD))
     with torch.device("meta"):
         vae = AutoencoderKLWan(**cfg)
     vae = torch.nn.Module.to_empty(vae, device=device)

@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 
 from .errors import RequestError
 
-
 # Per-channel statistics of Wan2.2 (TI2V-5B) latents: data constants of the released VAE, which the
 # checkpoints were trained with (also in its diffusers config.json).
 WAN22_LATENT_MEAN = (
