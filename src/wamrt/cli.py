@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
         serve.set_defaults(func=serve_cli.run)
         load_bench.add_arguments(load)
         load.set_defaults(func=load_bench.run)
+    quantize = sub.add_parser("quantize", help="write a quantized, hash-verified artifact "
+                              "(gen-fp8, gen-fp8+reasoner-w8, all-fp8)")
+    from .quant import cli as quant_cli
+
+    quant_cli.add_arguments(quantize)
+    quantize.set_defaults(func=quant_cli.run)
     from . import sim_cli  # light: each simulator command imports mujoco/pyarrow itself
 
     sim_cli.add_subcommands(sub)

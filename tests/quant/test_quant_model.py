@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from conftest import policy_inputs, rel_l2, tiny_model
+from oracle.quant_models import policy_inputs, rel_l2, tiny_model
 
 from wamrt.engine.fuse import FusedGateUp, FusedGeneratorQKV, fuse_generator
 from wamrt.quant import RECIPES, Fp8Linear, quantize_model, quantized_modules, set_kernel
@@ -52,7 +52,8 @@ def test_fused_and_unfused_quantization_agree(flavour):
     quantize_model(fused, "gen-fp8", kernel="reference")
     quantize_model(unfused, "gen-fp8", kernel="reference", fuse=False)
     ids, pos, tok = policy_inputs(ref, 2)
-    torch.testing.assert_close(fused(ids, pos, tok).action, unfused(ids, pos, tok).action, rtol=1e-5, atol=1e-5)
+    a, b = fused(ids, pos, tok).action, unfused(ids, pos, tok).action
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_engine_fusion_is_a_no_op_on_a_quantized_model():

@@ -6,11 +6,20 @@ import re
 
 import pytest
 import torch
-from conftest import tiny_model
+from oracle.quant_models import tiny_model
 from torch import nn
 
-from wamrt.quant import FP8_W8A8, INT8_W8A16, RECIPES, Recipe, RecipeError, Rule, get_recipe, quantize_model
-from wamrt.quant import select_modules
+from wamrt.quant import (
+    FP8_W8A8,
+    INT8_W8A16,
+    RECIPES,
+    Recipe,
+    RecipeError,
+    Rule,
+    get_recipe,
+    quantize_model,
+    select_modules,
+)
 
 GEN = re.compile(r"layers\.\d+\.(self_attn\.(add_\w+|to_add_out)|mlp_moe_gen\.\w+)")
 REASONER = re.compile(r"layers\.\d+\.(self_attn\.(to_q|to_k|to_v|to_out)|mlp\.\w+)")
@@ -43,7 +52,8 @@ def test_fused_names_are_selected_after_fusion(flavour):
 def test_reasoner_w8_and_all_fp8(flavour):
     model = tiny_model(flavour)
     mixed = select_modules(model, "gen-fp8+reasoner-w8")
-    assert {n for n, f in mixed.items() if f == INT8_W8A16} == {n for n in linears(model) if REASONER.fullmatch(n)}
+    reasoner = {n for n in linears(model) if REASONER.fullmatch(n)}
+    assert {n for n, f in mixed.items() if f == INT8_W8A16} == reasoner
     assert {n for n, f in mixed.items() if f == FP8_W8A8} == set(select_modules(model, "gen-fp8"))
     every = select_modules(model, "all-fp8")
     assert set(every) == set(mixed) and set(every.values()) == {FP8_W8A8}
@@ -54,8 +64,10 @@ def test_reasoner_w8_and_all_fp8(flavour):
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_protected_modules_are_never_touched(recipe):
     model = tiny_model("tiny-qwen")
-    before = {n: (type(m), {k: v.clone() for k, v in m.state_dict().items()})
-              for n, m in model.named_modules() if n and any(n.startswith(k) or k in n.split(".")[-1] for k in NEVER)}
+    protected = [n for n, _ in model.named_modules()
+                 if n and any(n.startswith(k) or k in n.split(".")[-1] for k in NEVER)]
+    mods = {n: model.get_submodule(n) for n in protected}
+    before = {n: (type(m), {k: v.clone() for k, v in m.state_dict().items()}) for n, m in mods.items()}
     assert before, "the fixture should have protected modules"
     chosen = quantize_model(model, recipe)
     assert not [n for n in chosen if any(k in n for k in NEVER)]

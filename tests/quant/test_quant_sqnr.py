@@ -6,9 +6,17 @@ from __future__ import annotations
 import copy
 
 import pytest
-from conftest import policy_inputs, tiny_model
+from oracle.quant_models import policy_inputs, tiny_model
 
-from wamrt.quant import RECIPES, failing, format_table, layer_sqnr, quantize_model, quantized_modules, unexercised
+from wamrt.quant import (
+    RECIPES,
+    failing,
+    format_table,
+    layer_sqnr,
+    quantize_model,
+    quantized_modules,
+    unexercised,
+)
 from wamrt.quant.sqnr import SQNR_BAR_DB
 
 

@@ -7,62 +7,14 @@ the model) keeps the protocol, batching and overload tests fast and deterministi
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
+from oracle.fake_policy import FakePolicy
 
-from wamrt.pipeline.canvas import compose_droid_canvas
-from wamrt.pipeline.droid import ActionChunk
-from wamrt.pipeline.errors import RequestError
-from wamrt.pipeline.noise import state_row_from_observation
 from wamrt.sample import sample_observation
 from wamrt.serving import ServeConfig, ServerThread
-
-
-class FakePolicy:
-    """Validates like the real policy, answers a deterministic [32, 8] chunk after `delay` seconds."""
-
-    def __init__(self, delay: float = 0.0, actions: np.ndarray | None = None) -> None:
-        self.delay, self.fixed = delay, actions
-        self.calls: list[int] = []  # batch size of every infer_batch call
-        self.lock = threading.Lock()
-        self.active = 0
-        self.max_active = 0
-
-    def infer_batch(self, observations: list[Mapping[str, Any]], *, seeds: list[int | None] | None = None,
-                    **overrides: Any) -> list[ActionChunk | Exception]:
-        with self.lock:
-            self.active += 1
-            self.max_active = max(self.max_active, self.active)
-        try:
-            self.calls.append(len(observations))
-            time.sleep(self.delay)
-            out: list[ActionChunk | Exception] = []
-            for obs, seed in zip(observations, seeds or [None] * len(observations), strict=True):
-                try:
-                    if not isinstance(obs.get("prompt"), str):
-                        raise RequestError("is missing or not a string", field="prompt")
-                    state = state_row_from_observation(obs)
-                    compose_droid_canvas(obs)
-                    actions = (self.fixed if self.fixed is not None
-                               else np.tile(state, (32, 1)).astype(np.float32))
-                    out.append(ActionChunk(actions.copy(), seed or 0, obs["prompt"],
-                                           {"preprocess": 1.0, "denoise": 1e3 * self.delay, "postprocess": 0.1,
-                                            "total": 1e3 * self.delay + 1.1}))
-                except RequestError as exc:
-                    out.append(exc)
-            return out
-        finally:
-            with self.lock:
-                self.active -= 1
-
-    def metadata(self) -> dict[str, Any]:
-        return {"model": "fake", "action_horizon": 32, "action_dim": 8, "control_hz": 15.0,
-                "image_size": [540, 640], "num_steps": 4, "guidance": 3.0, "shift": 5.0, "guidance_interval": None}
 
 
 @pytest.fixture

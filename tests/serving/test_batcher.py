@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 import pytest
-from conftest import FakePolicy
+from oracle.fake_policy import FakePolicy
 
 from wamrt.serving.batcher import Batcher, Job
 from wamrt.serving.errors import Busy, StaleObservation

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from conftest import FakePolicy
+from oracle.fake_policy import FakePolicy
 
 from wamrt.client.wire import packb, unpackb
 from wamrt.serving import ServeConfig, ServerThread

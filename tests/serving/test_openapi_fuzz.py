@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis  # a dev dependency: a missing one must fail the run, not skip it
-from conftest import FakePolicy
 from hypothesis import HealthCheck, given, settings
+from oracle.fake_policy import FakePolicy
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from wamrt.serving import ServeConfig, ServerThread

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from conftest import FakePolicy
+from oracle.fake_policy import FakePolicy
 from PIL import Image
 
 from wamrt.bench.load import check_url, run_load

@@ -13,9 +13,9 @@ import msgpack_numpy
 import numpy as np
 import pytest
 import websockets
-from conftest import FakePolicy
 from openpi_client import msgpack_numpy as openpi_msgpack
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
+from oracle.fake_policy import FakePolicy
 from websockets.sync.client import connect
 
 from wamrt.client import PolicyClient, ServerError

@@ -155,7 +155,13 @@ def load_policy(
         if cfg_file.is_file():
             extra = json.loads(cfg_file.read_text())
             break
-    model = load_transformer(resolve_transformer_folder(root), device=dev, dtype=dt)
+    folder = resolve_transformer_folder(root)
+    if (folder / "recipe.json").is_file() and (folder / "manifest.json").is_file():
+        from ..quant import load_artifact  # a `wamrt quantize` artifact: hashes verified before loading
+
+        model = load_artifact(folder, dev, dt)
+    else:
+        model = load_transformer(folder, device=dev, dtype=dt)
     encoder = FrameEncoder(load_vae(Path(vae) if vae else _find_vae(root), device=dev, dtype=dt))
     tok = CaptionTokenizer.from_pretrained(Path(tokenizer) if tokenizer else _find_tokenizer(root))
     fmt = prompt_format or extra.get("prompt_format", "plain")

@@ -30,7 +30,7 @@ from .errors import ArtifactError, ArtifactMismatchError, ArtifactMissingFileErr
 from .fp8 import FP8
 from .manifest import MANIFEST_NAME, read_json, sha256_file, verify_manifest, write_manifest
 from .recipes import RECIPES, Recipe, get_recipe
-from .swap import RECIPE_ATTR, quantize_model, quantized_modules
+from .swap import RECIPE_ATTR, quantize_model, quantized_modules, set_kernel
 
 FORMAT = "wamrt-quant-artifact"
 VERSION = 1
@@ -152,8 +152,10 @@ def _assign(model: nn.Module, name: str, value: torch.Tensor) -> None:
         setattr(owner, attr, nn.Parameter(value, requires_grad=False))
 
 
-def load_artifact(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16, *,
-                  kernel: str = "auto", expect_recipe: str | None = None, verify: bool = True) -> Cosmos3Transformer:
+def load_artifact(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16, *,
+    kernel: str = "auto", expect_recipe: str | None = None, verify: bool = True,
+) -> Cosmos3Transformer:
     """Load a quantized artifact. Untouched float tensors go to `dtype` (the time MLP stays fp32, as in
     `load_transformer`); quantized weights and scales keep their stored dtypes."""
     folder = Path(path)
@@ -173,8 +175,9 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", dtype: t
     if chosen != meta.get("modules"):
         recorded = meta.get("modules") or {}
         diff = sorted(set(chosen.items()) ^ set(recorded.items()))[:4]
-        raise ArtifactMismatchError(folder / RECIPE_NAME, f"recipe {rec.name!r} applied to config.json selects "
-                                    f"{len(chosen)} modules, recipe.json records {len(recorded)}; e.g. {diff}")
+        raise ArtifactMismatchError(
+            folder / RECIPE_NAME, f"recipe {rec.name!r} applied to config.json selects {len(chosen)} "
+            f"modules, recipe.json records {len(recorded)}; e.g. {diff}")
     expected = model.state_dict(keep_vars=True)
     quantized = set(quantized_modules(model))
     index_file = folder / INDEX_NAME
@@ -196,13 +199,14 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", dtype: t
             if weight_map.get(key) != shard:
                 raise ArtifactMismatchError(f, f"tensor {key!r} is not indexed to this shard")
             if key not in expected:
-                raise ArtifactMismatchError(f, f"unexpected tensor {key!r} for recipe {rec.name!r} and this config")
+                raise ArtifactMismatchError(f, f"unexpected tensor {key!r} for {rec.name!r} and this config")
             t = handle.get_tensor(key)
             want = expected[key]
             if tuple(t.shape) != tuple(want.shape):
-                raise ArtifactMismatchError(f, f"tensor {key!r} has shape {list(t.shape)}, expected {list(want.shape)}")
+                raise ArtifactMismatchError(
+                    f, f"tensor {key!r} has shape {list(t.shape)}, expected {list(want.shape)}")
             if not _expected_dtype_ok(key, t, quantized):
-                raise ArtifactMismatchError(f, f"tensor {key!r} has dtype {t.dtype}, not valid for its module")
+                raise ArtifactMismatchError(f, f"tensor {key!r} has dtype {t.dtype}, invalid for its module")
             if t.dtype.is_floating_point and t.dtype != FP8 and not key.endswith("weight_scale"):
                 t = t.to(torch.float32 if key.startswith(FP32_PREFIXES) else dtype)
             _assign(model, key, t.to(dev))
@@ -210,4 +214,5 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", dtype: t
     missing = sorted(set(expected) - seen)
     if missing:
         raise ArtifactMismatchError(index_file, f"{len(missing)} tensors missing, e.g. {missing[:4]}")
+    set_kernel(model, kernel, dev)  # 'auto' resolved for the target device, ahead of any compile
     return model.eval().requires_grad_(False)

@@ -54,11 +54,25 @@ def fp8_linear_scaled_mm(
     return out.to(out_dtype)
 
 
+_CAPABLE: dict[int, bool] = {}  # per CUDA device index; filled once, outside any compiled region
+
+
 def scaled_mm_supported(device: torch.device) -> bool:
     """Hopper/Ada (sm 8.9+) have fp8 tensor cores; elsewhere the reference path runs."""
     if device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABLE:
+        _CAPABLE[index] = torch.cuda.get_device_capability(index) >= (8, 9)
+    return _CAPABLE[index]
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """'auto' -> the concrete path for `device`. Resolving before torch.compile keeps the forward's
+    branch a plain string compare (no device query inside the traced code)."""
+    if kernel != "auto":
+        return kernel
+    return "scaled_mm" if scaled_mm_supported(device) else "reference"
 
 
 class Fp8Linear(nn.Module):
@@ -92,9 +106,7 @@ class Fp8Linear(nn.Module):
         return self.weight.float() * self.weight_scale[:, None]
 
     def _use_scaled_mm(self, x: torch.Tensor) -> bool:
-        if self.kernel == "auto":
-            return scaled_mm_supported(x.device)
-        return self.kernel == "scaled_mm"
+        return resolve_kernel(self.kernel, x.device) == "scaled_mm"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

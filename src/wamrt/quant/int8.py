@@ -27,7 +27,8 @@ class Int8WeightOnlyLinear(nn.Module):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8,
+                                                   device=device))
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
@@ -35,7 +36,8 @@ class Int8WeightOnlyLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
         w = linear.weight.detach()
-        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, device=w.device, dtype=w.dtype)
+        mod = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                  device=w.device, dtype=w.dtype)
         if not w.is_meta:
             q, scale = quantize_rowwise_int8(w)
             mod.weight.copy_(q)
@@ -53,4 +55,5 @@ class Int8WeightOnlyLinear(nn.Module):
         return out + self.bias.to(out.dtype) if self.bias is not None else out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")

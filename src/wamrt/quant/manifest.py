@@ -30,7 +30,7 @@ def verify_manifest(folder: Path) -> dict[str, dict[str, object]]:
     """Check every listed file exists with its recorded size and hash; refuse unlisted shards/json."""
     path = folder / MANIFEST_NAME
     if not path.is_file():
-        raise ArtifactMissingFileError(path, "manifest is missing: not a wamrt artifact, or an incomplete copy")
+        raise ArtifactMissingFileError(path, "manifest missing: not a wamrt artifact, or an incomplete copy")
     try:
         files = json.loads(path.read_text())["files"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
@@ -42,7 +42,8 @@ def verify_manifest(folder: Path) -> dict[str, dict[str, object]]:
         if not f.is_file():
             raise ArtifactMissingFileError(f, "listed in manifest.json but missing")
         if f.stat().st_size != entry.get("bytes"):
-            raise ArtifactIntegrityError(f, f"size {f.stat().st_size} differs from manifest ({entry.get('bytes')})")
+            size = f.stat().st_size
+            raise ArtifactIntegrityError(f, f"size {size} differs from manifest.json ({entry.get('bytes')})")
         if sha256_file(f) != entry.get("sha256"):
             raise ArtifactIntegrityError(f, "sha256 differs from manifest.json (file modified or corrupt)")
     for p in folder.iterdir():

@@ -62,7 +62,8 @@ class Recipe:
         for rule in self.rules:
             if re.fullmatch(rule.pattern, name):
                 if any(re.fullmatch(p, name) for p in PROTECTED):
-                    raise RecipeError(f"recipe {self.name!r} rule {rule.pattern!r} selects protected module {name}")
+                    raise RecipeError(
+                        f"recipe {self.name!r} rule {rule.pattern!r} selects protected module {name}")
                 return rule.fmt
         return None
 

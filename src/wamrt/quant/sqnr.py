@@ -21,7 +21,10 @@ from .recipes import FP8_W8A8, INT8_W8A16
 from .swap import quantized_modules
 
 # A fused linear of the quantized model, rebuilt from the parts of an unfused reference model.
-FUSED_PARTS = {"add_qkv_proj": ("add_q_proj", "add_k_proj", "add_v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_PARTS = {
+    "add_qkv_proj": ("add_q_proj", "add_k_proj", "add_v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 SQNR_BAR_DB = 25.0  # issue 7's per-layer bar
 
 
@@ -64,7 +67,9 @@ def _reference_weights(reference: nn.Module, name: str) -> tuple[torch.Tensor, t
     return torch.cat([p.weight for p in parts]), bias
 
 
-def layer_sqnr(reference: nn.Module, quantized: nn.Module, run: Callable[[nn.Module], Any]) -> list[LayerSQNR]:
+def layer_sqnr(
+    reference: nn.Module, quantized: nn.Module, run: Callable[[nn.Module], Any]
+) -> list[LayerSQNR]:
     """Call `run(quantized)` (e.g. a forward on recorded observations) and return one row per
     quantized linear, in module order. `reference` is the unquantized model (fused or not)."""
     rows: dict[str, LayerSQNR] = {}
@@ -73,7 +78,8 @@ def layer_sqnr(reference: nn.Module, quantized: nn.Module, run: Callable[[nn.Mod
     def hook_for(name: str, w: torch.Tensor, b: torch.Tensor | None) -> Callable[..., None]:
         def hook(mod: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
             x = args[0]
-            ref = nn.functional.linear(x.float(), w.float().to(x.device), None if b is None else b.float().to(x.device))
+            bias = None if b is None else b.float().to(x.device)
+            ref = nn.functional.linear(x.float(), w.float().to(x.device), bias)
             row = rows[name]
             row.calls += 1
             row.signal += float(ref.double().square().sum())

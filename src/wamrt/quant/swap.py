@@ -8,10 +8,11 @@ calls `fuse_generator` again on load; it is idempotent, so a quantized model pas
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..model import Cosmos3Transformer
-from .fp8 import Fp8Linear
+from .fp8 import KERNELS, Fp8Linear, resolve_kernel
 from .int8 import Int8WeightOnlyLinear
 from .recipes import FP8_W8A8, INT8_W8A16, Recipe, get_recipe
 
@@ -67,8 +68,13 @@ def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, QUANTIZED_TYPES)}
 
 
-def set_kernel(model: nn.Module, kernel: str) -> None:
-    """Switch every Fp8Linear between `scaled_mm`, `reference` and `auto`."""
+def set_kernel(model: nn.Module, kernel: str, device: torch.device | str | None = None) -> None:
+    """Switch every Fp8Linear to `scaled_mm`, `reference` or `auto`; with a device, 'auto' is resolved
+    now to that device's path (do this before torch.compile / CUDA graph capture)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if device is not None:
+        kernel = resolve_kernel(kernel, torch.device(device))
     for m in model.modules():
         if isinstance(m, Fp8Linear):
             m.kernel = kernel
