@@ -62,3 +62,17 @@ def test_bad_request_in_a_batch_does_not_sink_the_others(policy):
 def test_cuda_graph_needs_cuda(policy):
     with pytest.raises(ValueError, match="CUDA"):
         Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=True))
+
+
+def test_euler_solver_option_is_honoured(policy):
+    from wamrt.pipeline import SamplingOptions
+
+    engine = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
+    obs = sample_observation(3)
+    # 3 steps: UniPC runs an order-2 step there (at 2 steps both solvers are first order, i.e. equal).
+    got = engine.infer(obs, seed=2, steps=3, solver="euler")
+    ref = policy.infer(obs, seed=2, steps=3, solver="euler")
+    unipc = policy.infer(obs, seed=2, steps=3)
+    assert np.abs(got.actions - ref.actions).max() <= TOL
+    assert np.abs(unipc.actions - ref.actions).max() > 1e-3  # the solver really changed
+    assert SamplingOptions().solver == "unipc"

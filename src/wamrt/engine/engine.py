@@ -29,7 +29,7 @@ from ..pipeline.noise import GaussianPrefetcher
 from ..pipeline.policy import Policy, _check_options
 from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
-from ..sampler import cfg_combine, guidance_active, unipc_plan
+from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
 from .fuse import fuse_generator
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,7 @@ class Engine:
         self._upcoming_seed = int(self._seeds.integers(0, 2**31))
         self._noise = GaussianPrefetcher()
         self._noise_shape: tuple[int, ...] | None = None
+        self._plans: dict[tuple, Any] = {}
         self._backend = BackendAttention(generator=config.attention if config.attention != "gqa" else "auto")
         self._pre = _pre_into
         if config.compile:
@@ -271,7 +272,7 @@ class Engine:
             domain_ids=torch.cat([inp.domain_ids for inp in inputs]),
         )
         raw_dim = inputs[0].raw_action_dim
-        plan = unipc_plan(schedule, device=self.device)
+        plan = self._plan(opts)
         if self.config.cuda_graph:
             out = self._graph_loop(x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim)
         else:
@@ -281,6 +282,17 @@ class Engine:
         timings["denoise"] = 1e3 * (time.perf_counter() - t0)
         finals = [(out[0][r : r + 1], out[1][r : r + 1]) for r in range(len(inputs))]
         return finals, timings
+
+    def _plan(self, opts: SamplingOptions):
+        """Solver coefficients per (schedule, steps, shift, solver), built once: building a UniPC plan
+        costs a host sync, and a captured graph keeps reading the plan it was captured with."""
+        key = (opts.schedule, opts.steps, opts.shift, opts.solver)
+        plan = self._plans.get(key)
+        if plan is None:
+            schedule = opts.make_schedule()
+            plan = unipc_plan(schedule, device=self.device) if opts.solver == "unipc" else euler_plan(schedule)
+            self._plans[key] = plan
+        return plan
 
     # The loop over steps, shared by the eager engine and graph capture --------------------------
     def _step_batches(self, conds: list[_Seq], unconds: list[_Seq], n: int) -> dict[bool, list]:
@@ -424,7 +436,7 @@ class Engine:
     def _reference_loop(self, inp: DenoiseInputs, opts: SamplingOptions, timesteps, cfg_steps):
         model, dtype = self.model, self.model.dtype
         model.attention = diffusers_gqa_attention if self.config.attention == "gqa" else self._backend
-        plan = unipc_plan(opts.make_schedule(), device=self.device)
+        plan = self._plan(opts)
         x_v, x_a = inp.vision, inp.action
         hist_v, hist_a = plan.init_history(), plan.init_history()
         for i, t in enumerate(timesteps):
