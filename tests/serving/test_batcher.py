@@ -122,3 +122,20 @@ def test_bad_item_fails_only_its_slot(obs: dict[str, Any]) -> None:
     finally:
         b.stop()
     assert policy.calls == [2]
+
+
+def test_warm_up_forms_every_batch_size_for_a_graph_engine():
+    """An engine that captures one CUDA graph per batch size gets all of them at warm-up."""
+    from oracle.fake_policy import FakePolicy
+
+    from wamrt.serving import ServeConfig, ServerThread
+
+    class GraphEngine(FakePolicy):
+        def metadata(self):
+            return {**super().metadata(), "engine": {"cuda_graph": True}}
+
+    policy = GraphEngine(delay=0.05)
+    with ServerThread(policy, ServeConfig(max_batch=4, max_wait_ms=50.0, warmup_requests=1)):
+        pass
+    assert policy.calls[0] == 1
+    assert set(range(1, 5)) <= set(policy.calls), policy.calls
