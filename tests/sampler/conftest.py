@@ -3,32 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from oracle.fixtures import droid_fixture_dir
 from safetensors.torch import load_file
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def droid_fixture_dir() -> Path:
-    env = os.environ.get("WAMRT_DROID_FIXTURES")
-    return Path(env) if env else REPO_ROOT.parent / "shared" / "fixtures" / "droid"
 
 
 @pytest.fixture(scope="session")
 def droid_dir() -> Path:
-    path = droid_fixture_dir()
-    if not (path / "manifest.json").is_file():
-        # A missing oracle must not turn into a green run.
-        pytest.fail(
-            f"DROID fixtures not found at {path} (no manifest.json). Set WAMRT_DROID_FIXTURES to the "
-            "fixture folder (the one holding manifest.json, tolerances.json and requests/)."
-        )
-    return path
+    return droid_fixture_dir()  # fails (never skips) with a clear message when the fixtures are missing
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ from ..pipeline.denoise import DenoiseInputs, DenoiseResult, SamplingOptions
 from ..pipeline.droid import ActionChunk, DroidContract, PreparedDroid, droid_actions, droid_metadata, prepare_droid
 from ..pipeline.errors import RequestError
 from ..pipeline.noise import GaussianPrefetcher
-from ..pipeline.policy import Policy, _check_options
+from ..pipeline.policy import Policy, validate_options
 from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
 from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
@@ -194,7 +194,7 @@ class Engine:
     ) -> list[ActionChunk | Exception]:
         """Requests of one shape bucket in one pass. A bad request yields its error in its slot."""
         opts = replace(self.options, **overrides) if overrides else self.options
-        _check_options(opts)
+        validate_options(opts)
         seeds = seeds or [None] * len(observations)
         t_start = time.perf_counter()
         results: list[ActionChunk | Exception] = [None] * len(observations)  # type: ignore[list-item]

@@ -53,7 +53,7 @@ class Policy:
         """observation (openpi DROID keys) -> ActionChunk [chunk, 8]. `overrides` replace sampling
         options for this call (steps, guidance, shift, guidance_interval)."""
         opts = replace(self.options, **overrides) if overrides else self.options
-        _check_options(opts)
+        validate_options(opts)
         chunk, _, _ = run_droid(observation, model=self.model, encoder=self.encoder, tokenizer=self.tokenizer,
                                 contract=self.contract, options=opts,
                                 seed=self.next_seed() if seed is None else seed)
@@ -102,7 +102,7 @@ class Policy:
                 f"{self.model.dtype}, {self.device}, prompt={self.contract.prompt_format})")
 
 
-def _check_options(opts: SamplingOptions) -> None:
+def validate_options(opts: SamplingOptions) -> None:
     if not isinstance(opts.steps, int) or not 1 <= opts.steps <= 1000:
         raise RequestError(f"must be an integer in [1, 1000], got {opts.steps!r}", field="steps")
     if not np.isfinite(opts.guidance) or opts.guidance < 0:
