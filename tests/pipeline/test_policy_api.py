@@ -143,3 +143,12 @@ def test_forward_and_inverse_dynamics_from_the_policy_object(policy):
     assert inv.actions.shape == (4, 10) and np.isfinite(np.asarray(inv.actions)).all()
     with pytest.raises(RequestError, match="domain"):
         policy.inverse_dynamics(frames, prompt="push", domain="no-such-robot", resolution_tier=256, steps=1)
+
+
+def test_random_weights_policy_by_name():
+    p = load_policy("random:tiny-edge", device="cpu")
+    assert p.model.config.hidden_act == "relu2" and "random" in p.name
+    chunk = p.infer(sample_observation(), seed=0, steps=1)
+    assert chunk.actions.shape == (32, 8)
+    with pytest.raises(Exception, match="unknown model size"):
+        load_policy("random:gigantic", device="cpu")

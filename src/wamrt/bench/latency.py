@@ -126,8 +126,8 @@ def plot_waterfall(rows: list[dict], path: Path, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..pipeline.random_weights import random_policy
     from .peer_diffusers import DiffusersPeer, diffusers_twin
-    from .random_policy import random_policy
 
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device(args.device)

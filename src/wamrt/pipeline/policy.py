@@ -139,11 +139,21 @@ def load_policy(
     options: SamplingOptions | None = None,
 ) -> Policy:
     """Load a policy from a folder with transformer/ (or a bare transformer folder), vae/ and the
-    tokenizer, or from a built-in name (`tiny-droid`, `tiny-droid-edge`), which needs no download.
+    tokenizer, or from a built-in name (`tiny-droid`, `tiny-droid-edge`), which needs no download, or
+    `random:SIZE` (random weights at a registered size, e.g. `random:nano`, for benchmarks).
 
     dtype defaults to bf16 on CUDA and fp32 on CPU; the VAE runs in the same dtype.
     """
     name = str(path_or_name)
+    if name.startswith("random:"):
+        # Random weights at a registered size (edge, nano, super, tiny-*): for timing and load tests,
+        # with a stand-in tokenizer giving performance.md's token counts.
+        from .random_weights import random_policy
+
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        size = name.split(":", 1)[1]
+        return random_policy(size, dev, dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32),
+                             tiny_vae=size.startswith("tiny"))
     root = builtin_path(name) if name in BUILTIN_MODELS else Path(name)
     if not root.exists():
         raise RequestError(f"no checkpoint at {root} (built-in models: {', '.join(BUILTIN_MODELS)})",

@@ -9,12 +9,12 @@ import torch
 from diffusers import AutoencoderKLWan
 
 from ..model import Cosmos3Transformer, get_config, init_random_
-from ..pipeline.builtin import TINY_VAE
-from ..pipeline.denoise import SamplingOptions
-from ..pipeline.droid import DroidContract
-from ..pipeline.policy import Policy
-from ..pipeline.tokens import SpecialTokens, TokenizedCaption
-from ..pipeline.vae import WAN22_LATENT_MEAN, WAN22_LATENT_STD, FrameEncoder
+from .builtin import TINY_VAE
+from .denoise import SamplingOptions
+from .droid import DroidContract
+from .policy import Policy
+from .tokens import SpecialTokens, TokenizedCaption
+from .vae import WAN22_LATENT_MEAN, WAN22_LATENT_STD, FrameEncoder
 
 # Wan2.2 TI2V-5B VAE layout (the real encoder's size; decoder unused by policies).
 WAN22_VAE = dict(TINY_VAE, base_dim=160, decoder_base_dim=256, num_res_blocks=2)
