@@ -158,6 +158,20 @@ def load_transformer(
     return model.eval().requires_grad_(False)
 
 
+def split_shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Greedy split in key order; a tensor larger than max_bytes gets a shard of its own."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in state.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    return shards
+
+
 def save_transformer(
     model: Cosmos3Transformer, folder: str | Path, *, max_shard_bytes: int | None = None
 ) -> Path:
@@ -170,15 +184,7 @@ def save_transformer(
     if max_shard_bytes is None:
         save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
         return out
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for k, v in state.items():
-        nbytes = v.numel() * v.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = v
-        size += nbytes
+    shards = split_shards(state, max_shard_bytes)
     stem = WEIGHTS_NAME.removesuffix(".safetensors")
     weight_map = {}
     for i, shard in enumerate(shards, 1):

@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import __version__
 from ..model import ConfigError, Cosmos3Config, Cosmos3Transformer
-from ..model.checkpoint import FP32_PREFIXES
+from ..model.checkpoint import FP32_PREFIXES, split_shards
 from .errors import ArtifactError, ArtifactMismatchError, ArtifactMissingFileError, RecipeError
 from .fp8 import FP8
 from .manifest import MANIFEST_NAME, read_json, sha256_file, verify_manifest, write_manifest
@@ -45,17 +45,6 @@ def is_artifact(path: str | Path) -> bool:
 
 
 # Writing -----------------------------------------------------------------------------------------
-def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for k, v in state.items():
-        n = v.numel() * v.element_size()
-        if shards[-1] and size + n > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = v
-        size += n
-    return shards
 
 
 def write_artifact(model: Cosmos3Transformer, recipe: str | Recipe, out_dir: str | Path, *,
@@ -78,7 +67,7 @@ def write_artifact(model: Cosmos3Transformer, recipe: str | Recipe, out_dir: str
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-        shards = _shards(state, max_shard_bytes)
+        shards = split_shards(state, max_shard_bytes)
         weight_map: dict[str, str] = {}
         for i, shard in enumerate(shards, 1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
