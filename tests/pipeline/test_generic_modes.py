@@ -16,6 +16,7 @@ import torch
 from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
 from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
 from diffusers.video_processor import VideoProcessor
+from oracle.scheduler import reference_unipc
 from oracle.transformer import build_reference, ours_from_reference
 from PIL import Image
 from transformers import AutoTokenizer
@@ -68,18 +69,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Assets:
 
 
 def reference_scheduler() -> UniPCMultistepScheduler:
-    return UniPCMultistepScheduler(
-        num_train_timesteps=1000,
-        solver_order=2,
-        prediction_type="flow_prediction",
-        predict_x0=True,
-        solver_type="bh2",
-        lower_order_final=True,
-        use_flow_sigmas=True,
-        flow_shift=5.0,
-        use_karras_sigmas=False,
-        final_sigmas_type="zero",
-    )
+    return reference_unipc(5.0)
 
 
 @pytest.fixture(scope="module")

@@ -45,20 +45,6 @@ def droid_tolerances(droid_dir: Path) -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def diffusers_unipc() -> Callable[[float], Any]:
     """Factory for the oracle: diffusers' flow UniPC in the configuration Cosmos 3 uses."""
-    from diffusers import UniPCMultistepScheduler
+    from oracle.scheduler import reference_unipc
 
-    def make(shift: float) -> UniPCMultistepScheduler:
-        return UniPCMultistepScheduler(
-            num_train_timesteps=1000,
-            solver_order=2,
-            prediction_type="flow_prediction",
-            predict_x0=True,
-            solver_type="bh2",
-            lower_order_final=True,
-            use_flow_sigmas=True,
-            flow_shift=shift,
-            use_karras_sigmas=False,
-            final_sigmas_type="zero",
-        )
-
-    return make
+    return reference_unipc
