@@ -251,15 +251,7 @@ class Engine:
 
         self._sync()
         t0 = time.perf_counter()
-        conds = [_Seq(r, self.kv_cache.get(inp.cond.input_ids, inp.cond.positions),
-                      self.model.rope(inp.cond.positions).split(inp.cond.input_ids.shape[1])[1])
-                 for r, inp in enumerate(inputs)]
-        unconds: list[_Seq] = []
-        if any(cfg_steps):
-            for r, inp in enumerate(inputs):
-                assert inp.uncond is not None
-                unconds.append(_Seq(r, self.kv_cache.get(inp.uncond.input_ids, inp.uncond.positions),
-                                    self.model.rope(inp.uncond.positions).split(inp.uncond.input_ids.shape[1])[1]))
+        conds, unconds = self._sequences(inputs, any(cfg_steps))
         self._sync()
         timings["reasoner_prefill"] = 1e3 * (time.perf_counter() - t0)
 
@@ -282,6 +274,25 @@ class Engine:
         timings["denoise"] = 1e3 * (time.perf_counter() - t0)
         finals = [(out[0][r : r + 1], out[1][r : r + 1]) for r in range(len(inputs))]
         return finals, timings
+
+    def _sequences(self, inputs: list[DenoiseInputs], need_uncond: bool) -> tuple[list[_Seq], list[_Seq]]:
+        """The CFG branches this engine runs: Reasoner K/V (cached per prompt) + Generator rope per request.
+        (A subclass may run only some of them, e.g. one branch per GPU: wamrt.parallel.cfg.)"""
+        conds = [self._branch(r, inp.cond) for r, inp in enumerate(inputs)]
+        unconds: list[_Seq] = []
+        if need_uncond:
+            for r, inp in enumerate(inputs):
+                assert inp.uncond is not None
+                unconds.append(self._branch(r, inp.uncond))
+        return conds, unconds
+
+    def _branch(self, request: int, branch) -> _Seq:
+        kv = self.kv_cache.get(branch.input_ids, branch.positions)
+        return _Seq(request, kv, self.model.rope(branch.positions).split(branch.input_ids.shape[1])[1])
+
+    def _bucket_lengths(self, conds: list[_Seq], unconds: list[_Seq]) -> tuple[int, ...]:
+        """Prefix lengths that (with the shapes) identify a captured graph."""
+        return tuple(s.kv.length for s in conds + unconds)
 
     def _plan(self, opts: SamplingOptions):
         """Solver coefficients per (schedule, steps, shift, solver), built once: building a UniPC plan
@@ -377,7 +388,7 @@ class Engine:
         return x_v, x_a
 
     def _graph_loop(self, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim):
-        lengths = tuple(s.kv.length for s in conds + unconds)
+        lengths = self._bucket_lengths(conds, unconds)
         # Masks and domain ids are fixed by the contract, so the contract (not tensor values, which would
         # need a host sync) identifies them.
         key = (tuple(x_v.shape), tuple(x_a.shape), lengths, tuple(timesteps), tuple(cfg_steps), opts.guidance,
