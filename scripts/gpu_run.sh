@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (its own python3 with torch; diffusers carried as a wheel in .whl/).
-# Usage: WAMRT_GIT_SHA=<sha> bash scripts/gpu_run.sh PART[:SECONDS]...   parts: smoke edge nano tests load
+# Usage: WAMRT_GIT_SHA=<sha> bash scripts/gpu_run.sh PART[:SECONDS]...
+#   parts: smoke edge nano tests load quant-edge quant-nano (lossy rows E6-E8 + quality, issue 7)
 # `load` also needs the server stack as wheels in .whl/ (starlette, uvicorn, websockets, python-multipart).
 # Each part is killed after SECONDS (default 540) and packed whatever it finished.
 # Everything it measures is packed into $OUT/<part>.tgz (the device tool returns few files).
@@ -23,13 +24,19 @@ for spec in "$@"; do
              --peer diffusers --peer-warmup 1 --peer-runs 1 --out "$res" 2>&1 | tee "$res/log.txt" ;;
     edge|nano) wamrt bench latency --model "$part" --steps 4 2 --peer diffusers --trace --out "$res" 2>&1 \
              | tee "$res/log.txt" ;;
+    quant-edge|quant-nano)
+          wamrt bench latency --model "${part#quant-}" --rows E5 --steps 4 --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" \
+             --lossy-rows E6,E7,E8 --quality --out "$res" 2>&1 | tee "$res/log.txt"
+          timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/quant 2>&1 | tail -15 | tee -a "$res/log.txt" ;;
     load) python3 -m wamrt.cli serve --model random:nano --max-batch 8 --max-wait-ms 10 --max-queue 64 \
              --warmup 1 --port 8765 > "$res/server.txt" 2>&1 &
           srv=$!
           for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8765/readyz >/dev/null && break; sleep 2; done
           for lanes in 1 2 4 8; do
-            timeout 120 python3 -m wamrt.cli bench load --url ws://127.0.0.1:8765 --lanes "$lanes" --seconds 30 \
-              --model nano --out "$res/nano-load-$lanes.json" 2>&1 | tee -a "$res/log.txt"
+            base=(); [ "$lanes" != 1 ] && base=(--baseline "$res/nano-load-1.json")
+            timeout 120 python3 -m wamrt.cli bench load --url ws://127.0.0.1:8765 --lanes "$lanes" \
+              --seconds "${LOAD_SECONDS:-20}" --model nano "${base[@]}" --out "$res/nano-load-$lanes.json" 2>&1 \
+              | tee -a "$res/log.txt"
           done
           kill "$srv"; wait "$srv" ;;
     tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_engine_gpu.py tests/sampler 2>&1 \

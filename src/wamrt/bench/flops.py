@@ -44,3 +44,9 @@ def request_flops(cfg: Cosmos3Config, *, text: list[int], gen_tokens: int, cfg_s
     if reasoner_once:
         total += reasoner(cond) + (reasoner(uncond) if any(cfg_steps) else 0.0)
     return total
+
+# fp8 W8A8 Generator GEMMs (performance.md: rowwise torch._scaled_mm), tier 480, 4 / 2 steps.
+FP8_COMPUTE_FLOOR_MS = {("edge", 4): 68.0, ("edge", 2): 34.0, ("nano", 4): 282.0, ("nano", 2): 141.0,
+                        ("super", 4): 1211.0, ("super", 2): 605.0}
+FP8_PRACTICAL_FLOOR_MS = {("edge", 4): 98.0, ("edge", 2): 49.0, ("nano", 4): 385.0, ("nano", 2): 192.5}
+FP8_TARGET_MS = {("edge", 4): 118.0, ("edge", 2): 64.0, ("nano", 4): 434.0, ("nano", 2): 222.0}  # issue 7

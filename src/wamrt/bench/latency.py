@@ -16,7 +16,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -25,7 +25,15 @@ import torch
 from ..engine import Engine, EngineConfig
 from ..ops.attention import measure_backends
 from ..sample import sample_observation
-from .flops import COMPUTE_FLOOR_MS, PRACTICAL_FLOOR_MS, TARGET_MS, request_flops
+from .flops import (
+    COMPUTE_FLOOR_MS,
+    FP8_COMPUTE_FLOOR_MS,
+    FP8_PRACTICAL_FLOOR_MS,
+    FP8_TARGET_MS,
+    PRACTICAL_FLOOR_MS,
+    TARGET_MS,
+    request_flops,
+)
 from .stats import median_stages, summarize
 
 ROWS: dict[str, tuple[str, dict]] = {
@@ -173,63 +181,16 @@ def run(args: argparse.Namespace) -> int:
         rows = args.rows if steps == args.steps[0] else [r for r in args.rows if r in args.other_steps_rows]
         for row in rows:
             label, flags = ROWS[row]
-            econf = EngineConfig(**{"attention": best, **flags})
-            engine = Engine.from_policy(policy, econf)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats(dev)
+            engine = Engine.from_policy(policy, engine_config(dev, attention=best, **flags))
             warm = args.warmup if row in args.full_rows else args.quick_warmup
             runs = args.runs if row in args.full_rows else args.quick_runs
-            t_build = time.perf_counter()
-            # Observations are made before timing (arrays in -> actions out); seeds follow the server's
-            # default sequence, as a robot client that sends none gets.
-            observations = [sample_observation(i) for i in range(warm + runs)]
-            totals, stages = time_requests(partial(_infer, engine, observations, steps), warm, runs)
-            summary = summarize(totals)
-            cfg_steps = [True] * steps
-            flops = request_flops(cfg, text=[125, 30], gen_tokens=3092, cfg_steps=cfg_steps,
-                                  reasoner_once=econf.reuse_reasoner)
-            key = (args.model, steps)
-            result = {
-                "kind": "latency", "command": command, **env, "model": args.model, "tier": 480, "steps": steps,
-                "guidance": 3.0, "guidance_interval": None, "recipe": "bf16", "parallel": "none", "gpus": 1,
-                "batch": 1, "weights": "random", **summary, "warmup": warm,
-                "floor_ms": COMPUTE_FLOOR_MS.get(key), "practical_floor_ms": PRACTICAL_FLOOR_MS.get(key),
-                "target_ms": TARGET_MS.get(key), "stages_ms": median_stages(stages),
-                "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
-                "peer": None if peer_result is None else {"name": peer_result["name"], "p50_ms": peer_result["p50_ms"],
-                                                          "ci95_p50_ms": peer_result["ci95_p50_ms"],
-                                                          "stages_ms": peer_result["stages_ms"]},
-                "row": row, "label": label, "engine": asdict(econf), "layers": cfg.num_hidden_layers,
-                "text_tokens": {"cond": 125, "uncond": 30, "note": "stand-in tokenizer with performance.md's counts"},
-                "generator_tokens": 3092, "request_tflop": flops / 1e12,
-                "achieved_tflops": flops / 1e12 / (summary["p50_ms"] / 1e3),
-                "ratio_to_floor": summary["p50_ms"] / COMPUTE_FLOOR_MS[key] if key in COMPUTE_FLOOR_MS else None,
-                "ratio_to_target": summary["p50_ms"] / TARGET_MS[key] if key in TARGET_MS else None,
-                "attention_backend_ms": attention_ms, "kv_cache": {"hits": engine.kv_cache.hits,
-                                                                   "misses": engine.kv_cache.misses},
-                "row_wall_s": time.perf_counter() - t_build,
-            }
-            if peer_result is not None:
-                result["speedup_vs_peer"] = peer_result["p50_ms"] / summary["p50_ms"]
-            if args.trace and row == rows[-1]:
-                from torch.profiler import ProfilerActivity, profile
-
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    engine.infer(sample_observation(10_000), seed=1, steps=steps)
-                trace = out_dir / f"trace-{args.model}-s{steps}-{row}.json"
-                prof.export_chrome_trace(str(trace))
-                result["kernel_split_ms"] = kernel_split(prof)
-                print(f"kernel split (ms): {result['kernel_split_ms']} -> {trace}", flush=True)
+            result = measure_row(engine, RowSpec(row, label, steps), args, env, command, warm, runs,
+                                 peer_result=peer_result, attention_ms=attention_ms,
+                                 trace_dir=out_dir if args.trace and row == rows[-1] else None)
             rows_out.append(result)
             name = f"{args.model}-s{steps}-{row}.json"
             (out_dir / name).write_text(json.dumps(result, indent=2) + "\n")
-            st = result["stages_ms"]
-            print(f"[{args.model} {steps} steps] {row} p50 {summary['p50_ms']:.1f} ms "
-                  f"CI [{summary['ci95_p50_ms'][0]:.1f}, {summary['ci95_p50_ms'][1]:.1f}] p99 {summary['p99_ms']:.1f} "
-                  f"| vae {st.get('vae_encode', 0):.1f} prefill {st.get('reasoner_prefill', 0):.1f} "
-                  f"denoise {st.get('denoise', 0):.1f} | {result['achieved_tflops']:.0f} TFLOP/s "
-                  f"| x{result.get('speedup_vs_peer', float('nan')):.2f} vs peer | {row_wall(result)}", flush=True)
+            print_row(result)
             del engine
         if rows_out:
             try:
@@ -238,21 +199,114 @@ def run(args: argparse.Namespace) -> int:
                                f"{env.get('gpu')}")
             except ImportError:
                 print("matplotlib missing: no PNG", flush=True)
+    if args.lossy_rows:
+        from .lossy import run_lossy_rows
+
+        run_lossy_rows(policy, args, env, command, best, attention_ms, out_dir)
     print(json.dumps({"model": args.model, "rows": [{k: r[k] for k in ("row", "steps", "p50_ms")} for r in rows_out]}))
     del prep_geom
     return 0
 
 
-def _infer(engine: Engine, observations: list, steps: int, i: int):
-    return engine.infer(observations[i], steps=steps)
+def engine_config(device: torch.device, **flags) -> EngineConfig:
+    """CPU smoke runs keep every technique but the CUDA-only ones (compile is slow there, graphs absent)."""
+    if device.type != "cuda":
+        flags.update(compile=False, cuda_graph=False)
+    return EngineConfig(**flags)
 
 
-def row_wall(result: dict) -> str:
-    return f"{result['row_wall_s']:.0f}s wall"
+@dataclass(frozen=True)
+class RowSpec:
+    row: str
+    label: str
+    steps: int
+    recipe: str = "bf16"
+    guidance_interval: tuple[float, float] | None = None
+    lossy: bool = False
+
+
+def measure_row(engine: Engine, spec: RowSpec, args: argparse.Namespace, env: dict, command: str, warm: int,
+                runs: int, *, peer_result: dict | None = None, attention_ms: dict | None = None,
+                trace_dir: Path | None = None) -> dict:
+    """Time one waterfall row on a built engine; returns its result record (performance.md schema)."""
+    dev = engine.device
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)
+    econf = engine.config
+    t_build = time.perf_counter()
+    # Observations are made before timing (arrays in -> actions out); seeds follow the server's
+    # default sequence, as a robot client that sends none gets.
+    observations = [sample_observation(i) for i in range(warm + runs)]
+    overrides = {"steps": spec.steps}
+    if spec.guidance_interval is not None:
+        overrides["guidance_interval"] = spec.guidance_interval
+    totals, stages = time_requests(partial(_infer, engine, observations, overrides), warm, runs)
+    summary = summarize(totals)
+    timesteps = replace(engine.options, **overrides).make_schedule().timesteps
+    from ..sampler import guidance_active
+
+    cfg_steps = guidance_active(timesteps, spec.guidance_interval)
+    cfg = engine.model.config
+    flops = request_flops(cfg, text=[125, 30], gen_tokens=3092, cfg_steps=cfg_steps,
+                          reasoner_once=econf.reuse_reasoner)
+    fp8 = spec.recipe != "bf16"
+    key = (args.model, spec.steps)
+    floor = (FP8_COMPUTE_FLOOR_MS if fp8 else COMPUTE_FLOOR_MS).get(key)
+    practical = (FP8_PRACTICAL_FLOOR_MS if fp8 else PRACTICAL_FLOOR_MS).get(key)
+    target = (FP8_TARGET_MS if fp8 else TARGET_MS).get(key) if spec.guidance_interval is None else None
+    result = {
+        "kind": "latency", "command": command, **env, "model": args.model, "tier": 480, "steps": spec.steps,
+        "guidance": 3.0, "guidance_interval": list(spec.guidance_interval) if spec.guidance_interval else None,
+        "recipe": spec.recipe, "lossy": spec.lossy, "parallel": "none", "gpus": 1,
+        "batch": 1, "weights": "random", **summary, "warmup": warm,
+        "floor_ms": floor, "practical_floor_ms": practical, "target_ms": target,
+        "stages_ms": median_stages(stages),
+        "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
+        "peer": None if peer_result is None else {"name": peer_result["name"], "p50_ms": peer_result["p50_ms"],
+                                                  "ci95_p50_ms": peer_result["ci95_p50_ms"],
+                                                  "stages_ms": peer_result["stages_ms"]},
+        "row": spec.row, "label": spec.label, "engine": asdict(econf), "layers": cfg.num_hidden_layers,
+        "text_tokens": {"cond": 125, "uncond": 30, "note": "stand-in tokenizer with performance.md's counts"},
+        "generator_tokens": 3092, "request_tflop": flops / 1e12,
+        "achieved_tflops": flops / 1e12 / (summary["p50_ms"] / 1e3),
+        "ratio_to_floor": summary["p50_ms"] / floor if floor else None,
+        "ratio_to_target": summary["p50_ms"] / target if target else None,
+        "attention_backend_ms": attention_ms, "kv_cache": {"hits": engine.kv_cache.hits,
+                                                           "misses": engine.kv_cache.misses},
+        "row_wall_s": time.perf_counter() - t_build,
+    }
+    if peer_result is not None:
+        result["speedup_vs_peer"] = peer_result["p50_ms"] / summary["p50_ms"]
+    if trace_dir is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.infer(sample_observation(10_000), seed=1, **overrides)
+        trace = trace_dir / f"trace-{args.model}-s{spec.steps}-{spec.row}.json"
+        prof.export_chrome_trace(str(trace))
+        result["kernel_split_ms"] = kernel_split(prof)
+        print(f"kernel split (ms): {result['kernel_split_ms']} -> {trace}", flush=True)
+    return result
+
+
+def _infer(engine: Engine, observations: list, overrides: dict, i: int):
+    return engine.infer(observations[i], **overrides)
+
+
+def print_row(r: dict) -> None:
+    st = r["stages_ms"]
+    print(f"[{r['model']} {r['steps']} steps] {r['row']} ({r['recipe']}) p50 {r['p50_ms']:.1f} ms "
+          f"CI [{r['ci95_p50_ms'][0]:.1f}, {r['ci95_p50_ms'][1]:.1f}] p99 {r['p99_ms']:.1f} "
+          f"| vae {st.get('vae_encode', 0):.1f} prefill {st.get('reasoner_prefill', 0):.1f} "
+          f"denoise {st.get('denoise', 0):.1f} | {r['achieved_tflops']:.0f} TFLOP/s "
+          f"| x{r.get('speedup_vs_peer', float('nan')):.2f} vs peer | target {r['target_ms']} "
+          f"| peak {r['peak_mem_gib'] or 0:.1f} GiB | {r['row_wall_s']:.0f}s wall", flush=True)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="nano", choices=["edge", "nano", "super"])
+    ap.add_argument("--model", default="nano", choices=["edge", "nano", "super", "tiny-qwen", "tiny-edge"],
+                    help="tiny-* run the whole bench on CPU in seconds (smoke tests)")
     ap.add_argument("--layers", type=int, help="override the layer count (smoke tests)")
     ap.add_argument("--tiny-vae", action="store_true", help="tiny VAE instead of the Wan2.2 size (smoke tests)")
     ap.add_argument("--steps", type=int, nargs="+", default=[4])
@@ -270,5 +324,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--peer-warmup", type=int, default=3)
     ap.add_argument("--peer-runs", type=int, default=10)
     ap.add_argument("--trace", action="store_true", help="profile one extra request of the last row")
+    ap.add_argument("--lossy-rows", type=lambda s: [r for r in s.split(",") if r], default=[],
+                    help="lossy rows after the exact ones (E6 gen-fp8, E7 +2 steps, E8 +CFG on the first step only)")
+    ap.add_argument("--quality", action="store_true",
+                    help="with --lossy-rows: per-layer SQNR at full shape, chunk rel-L2 vs bf16, memory per recipe")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="bench/results/latency")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -37,6 +39,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--model", default="", help="label for the result file (e.g. nano)")
     ap.add_argument("--out", default=None, help="write the kind: load JSON result here")
+    ap.add_argument("--baseline", default=None,
+                    help="a 1-lane result file of the same model: adds requests/s, efficiency and tail ratios")
 
 
 def check_url(url: str) -> str:
@@ -139,7 +143,24 @@ def run_load(url: str, *, lanes: int, seconds: float, warmup: int = 1, steps: in
             "batch_hist": {str(k): v for k, v in sorted(hist.items())}, "errors": dict(errors)}
 
 
+def scaling_vs(summary: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+    """Throughput and tail relative to a baseline run (normally 1 lane) of the same request shape.
+
+    Every request has the same shape, so FLOPs per request cancel: GPU efficiency (requests/s x
+    FLOPs/request) relative to the baseline is the requests/s ratio."""
+    if baseline.get("model") != summary.get("model"):
+        raise ValueError(f"baseline model {baseline.get('model')!r} != {summary.get('model')!r}")
+    ratio = summary["throughput_rps"] / baseline["throughput_rps"]
+    return {"baseline": {"lanes": baseline["lanes"], "throughput_rps": baseline["throughput_rps"],
+                         "p50_ms": baseline["p50_ms"]},
+            "rps_vs_baseline": ratio, "efficiency_vs_baseline": ratio,
+            "max_over_baseline_p50": summary["max_ms"] / baseline["p50_ms"],
+            "p99_over_baseline_p50": summary["p99_ms"] / baseline["p50_ms"]}
+
+
 def _git_sha() -> str:
+    if os.environ.get("WAMRT_GIT_SHA"):
+        return os.environ["WAMRT_GIT_SHA"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
@@ -162,6 +183,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"{summary['lanes']} lanes, {summary['seconds']:.1f} s: {summary['requests']} requests, "
           f"{summary['throughput_rps']:.2f} req/s, p50 {summary['p50_ms']} ms, p90 {summary['p90_ms']} ms, "
           f"p99 {summary['p99_ms']} ms; batch sizes {summary['batch_hist']}; errors {summary['errors']}")
+    if args.baseline:
+        summary.update(scaling_vs(summary, json.loads(Path(args.baseline).read_text())))
+        print(f"vs 1 lane: x{summary['rps_vs_baseline']:.2f} requests/s, "
+              f"efficiency {summary['efficiency_vs_baseline']:.2f}, "
+              f"slowest request {summary['max_over_baseline_p50']:.2f}x the 1-lane p50")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=2)

@@ -1,0 +1,149 @@
+"""The lossy waterfall rows (E6 gen-fp8, E7 + 2 steps, E8 + CFG on the first step only) and what
+they cost in quality: per-layer SQNR of every swapped linear at full shape, the action chunk's
+relative L2 against bf16 with the same observation and noise, and weight memory per recipe.
+
+They run after the exact rows, on the same random weights: the model is quantized in place, so the
+bf16 reference chunks are computed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..engine import Engine
+from ..model import Cosmos3Transformer
+from ..pipeline.policy import Policy
+from ..quant import RECIPES, failing, layer_sqnr, quantize_model, unexercised
+from ..quant.sqnr import SQNR_BAR_DB
+from ..sample import sample_observation
+
+# row -> (label, steps, recipe, CFG on the first step only)
+LOSSY_ROWS: dict[str, tuple[str, int, str, bool]] = {
+    "E6": ("lossy: + gen-fp8 (Generator linears fp8 e4m3 W8A8)", 4, "gen-fp8", False),
+    "E7": ("lossy: + 2 sampling steps", 2, "gen-fp8", False),
+    "E8": ("lossy: + CFG on the first step only (guidance interval)", 2, "gen-fp8", True),
+}
+QUALITY_REQUESTS = 4  # observations (and seeds) every lossy configuration is compared on
+
+
+def first_step_interval(policy: Policy, steps: int) -> tuple[float, float]:
+    """A guidance interval that enables CFG at the first timestep only (the interval is strict)."""
+    ts = replace(policy.options, steps=steps).make_schedule().timesteps.tolist()
+    return (float(ts[1]), float(ts[0]) + 1.0)
+
+
+def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def weight_gib_per_recipe(model: Cosmos3Transformer) -> dict[str, float]:
+    """Bytes of parameters + buffers of the model under each recipe (built on the meta device)."""
+    out = {}
+    for name in ["bf16", *RECIPES]:
+        with torch.device("meta"):
+            m = Cosmos3Transformer(model.config).to(torch.bfloat16)
+        m.time_embedder.float()
+        if name != "bf16":
+            quantize_model(m, name)
+        tensors = [*m.parameters(), *m.buffers()]
+        out[name] = sum(t.numel() * t.element_size() for t in tensors) / 2**30
+    return out
+
+
+def _chunks(engine: Engine, overrides: dict) -> list[np.ndarray]:
+    return [engine.infer(sample_observation(500 + i), seed=1000 + i, **overrides).actions
+            for i in range(QUALITY_REQUESTS)]
+
+
+def run_lossy_rows(policy: Policy, args: argparse.Namespace, env: dict, command: str, attention: str,
+                   attention_ms: dict | None, out_dir: Path) -> list[dict]:
+    from .latency import RowSpec, engine_config, measure_row, print_row
+
+    dev = policy.device
+    rows = [r for r in args.lossy_rows if r in LOSSY_ROWS]
+    unknown = sorted(set(args.lossy_rows) - set(LOSSY_ROWS))
+    if unknown:
+        raise SystemExit(f"unknown lossy rows {unknown}; known: {list(LOSSY_ROWS)}")
+    specs = {}
+    for row in rows:
+        label, steps, recipe, first_only = LOSSY_ROWS[row]
+        specs[row] = RowSpec(row, label, steps, recipe, first_step_interval(policy, steps) if first_only else None,
+                             lossy=True)
+
+    def overrides(spec: RowSpec) -> dict:
+        o = {"steps": spec.steps}
+        if spec.guidance_interval is not None:
+            o["guidance_interval"] = spec.guidance_interval
+        return o
+
+    quality: dict = {}
+    if args.quality:
+        # bf16 references with the exact engine (E5), for each lossy configuration and for the 4-step baseline.
+        engine = Engine.from_policy(policy, engine_config(dev, attention=attention))
+        refs = {"baseline": _chunks(engine, {"steps": 4})}
+        for row, spec in specs.items():
+            refs[row] = _chunks(engine, overrides(spec))
+        # Scale of the differences: the same request with another noise seed.
+        other = [engine.infer(sample_observation(500 + i), seed=2000 + i, steps=4).actions
+                 for i in range(QUALITY_REQUESTS)]
+        quality["bf16_other_seed_rel_l2"] = float(np.mean([rel_l2(o, r) for o, r in zip(other, refs["baseline"],
+                                                                                          strict=True)]))
+        del engine
+        quality["weight_gib"] = weight_gib_per_recipe(policy.model)
+        reference = copy.deepcopy(policy.model)
+    torch.cuda.empty_cache() if dev.type == "cuda" else None
+    swapped = quantize_model(policy.model, "gen-fp8")
+    print(f"gen-fp8: {len(swapped)} linears swapped", flush=True)
+    if args.quality:
+        sq_engine = Engine.from_policy(policy, engine_config(dev, attention=attention, compile=False, cuda_graph=False))
+        table = layer_sqnr(reference, policy.model,
+                           lambda m: sq_engine.infer(sample_observation(500), seed=1000, steps=4))
+        del sq_engine, reference
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+        measured = [r for r in table if r.calls]
+        values = np.array([r.sqnr_db for r in measured])
+        quality["sqnr"] = {
+            "bar_db": SQNR_BAR_DB, "layers": len(table), "measured": len(measured),
+            "unexercised": [r.name for r in unexercised(table)],
+            "failing": [r.name for r in failing(table)],
+            "min_db": float(values.min()), "median_db": float(np.median(values)), "max_db": float(values.max()),
+            "per_layer_db": {r.name: round(r.sqnr_db, 3) for r in measured},
+            "activations": "one full DROID request (tier 480, 4 steps, CFG), random weights",
+        }
+        print(f"per-layer SQNR: min {values.min():.2f} / median {np.median(values):.2f} dB over {len(measured)} "
+              f"linears, {len(quality['sqnr']['failing'])} under {SQNR_BAR_DB} dB", flush=True)
+    results = []
+    for row, spec in specs.items():
+        engine = Engine.from_policy(policy, engine_config(dev, attention=attention))
+        result = measure_row(engine, spec, args, env, command, args.warmup, args.runs, attention_ms=attention_ms)
+        if args.quality:
+            got = _chunks(engine, overrides(spec))
+            result["quality"] = {
+                "rel_l2_vs_bf16_same_config": float(np.mean([rel_l2(g, r) for g, r in zip(got, refs[row],
+                                                                                        strict=True)])),
+                "rel_l2_vs_bf16_4_steps": float(np.mean([rel_l2(g, r) for g, r in zip(got, refs["baseline"],
+                                                                                    strict=True)])),
+                "bf16_other_seed_rel_l2": quality["bf16_other_seed_rel_l2"],
+                "requests": QUALITY_REQUESTS,
+            }
+        (out_dir / f"{args.model}-s{spec.steps}-{row}.json").write_text(json.dumps(result, indent=2) + "\n")
+        print_row(result)
+        if "quality" in result:
+            print(f"    chunk rel-L2 vs bf16: same config {result['quality']['rel_l2_vs_bf16_same_config']:.4f}, "
+                  f"vs 4-step bf16 {result['quality']['rel_l2_vs_bf16_4_steps']:.4f} "
+                  f"(another seed: {quality['bf16_other_seed_rel_l2']:.4f})", flush=True)
+        results.append(result)
+        del engine
+    if args.quality:
+        record = {"kind": "quality", "command": command, **env, "model": args.model, "recipe": "gen-fp8",
+                  "weights": "random", "tier": 480, **quality,
+                  "rows": {r["row"]: r.get("quality") for r in results}}
+        (out_dir / f"{args.model}-quality-gen-fp8.json").write_text(json.dumps(record, indent=2) + "\n")
+    return results
