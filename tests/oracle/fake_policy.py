@@ -24,6 +24,7 @@ class FakePolicy:
         self.lock = threading.Lock()
         self.active = 0
         self.max_active = 0
+        self.generic_threads: list[str] = []  # thread of every generic (FD/ID) call
 
     def infer_batch(self, observations: list[Mapping[str, Any]], *, seeds: list[int | None] | None = None,
                     **overrides: Any) -> list[ActionChunk | Exception]:
@@ -48,6 +49,38 @@ class FakePolicy:
                 except RequestError as exc:
                     out.append(exc)
             return out
+        finally:
+            with self.lock:
+                self.active -= 1
+
+    def generic(self, mode: str, **request: Any) -> Any:
+        """Forward / inverse dynamics stand-in: the real generic request checks, deterministic outputs
+        (ID: actions 0.25; FD: frame k filled with 8 * k), `delay` seconds of "model" time."""
+        import torch
+
+        from wamrt.pipeline.generic import GenericResult, generic_request
+
+        decode = request.pop("decode", False)
+        for key in ("steps", "guidance", "shift", "generator"):
+            request.pop(key, None)
+        self.generic_threads.append(threading.current_thread().name)
+        with self.lock:
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        try:
+            req = generic_request(mode=mode, **request)
+            time.sleep(self.delay)
+            actions = None
+            if mode != "forward_dynamics":
+                actions = torch.full((req.chunk_size, req.domain.raw_action_dim), 0.25)
+            frames = None
+            if decode:
+                h, w = req.canvas.content_h, req.canvas.content_w
+                ramp = (8 * torch.arange(req.chunk_size + 1, dtype=torch.uint8))[:, None, None, None]
+                frames = ramp.expand(-1, h, w, 3).contiguous()
+            total = 1e3 * self.delay + 2.0
+            return GenericResult(actions, torch.zeros(1, 1, 1, 1, 1), frames,
+                                 {"preprocess": 1.0, "denoise": 1e3 * self.delay, "vae_decode": 1.0, "total": total})
         finally:
             with self.lock:
                 self.active -= 1

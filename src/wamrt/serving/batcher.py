@@ -8,6 +8,9 @@ one arrived. The queue is bounded: over `max_queue` waiting jobs, `submit` raise
 The event loop never runs model work: it only enqueues and awaits a `concurrent.futures.Future`.
 A client that goes away cancels its future; a job still waiting is dropped from the queue right then
 (no stuck job), a job already running finishes and its result is discarded.
+
+A job may instead carry a `task` (a callable, e.g. a forward/inverse-dynamics request): it goes through
+the same bounded queue and the same engine thread, but always alone (different shapes, no batching).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -37,7 +40,7 @@ class BatchPolicy(Protocol):
 
 @dataclass
 class BatchResult:
-    chunk: ActionChunk
+    chunk: ActionChunk  # for a `task` job: whatever the task returned
     queue_ms: float  # submit -> batch start
     batch_ms: float  # wall time of the infer_batch call this request rode in
     batch_size: int
@@ -51,9 +54,12 @@ class Job:
     deadline: float | None = None  # monotonic
     enqueued: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
+    task: Callable[[], Any] | None = None  # run alone on the engine thread instead of infer_batch
 
     @property
     def key(self) -> Hashable:
+        if self.task is not None:
+            return ("task", id(self))  # never shares a batch
         return tuple(sorted(self.overrides.items()))
 
 
@@ -131,6 +137,10 @@ class Batcher:
                 if self._stopped:
                     return None
                 first = self._pending[0]
+                if first.task is not None:  # runs alone: no companions to wait for
+                    self._pending.popleft()
+                    self._notify_depth()
+                    return [first]
                 until = first.enqueued + self.max_wait
                 # Wait for companions of the same bucket, but never past the first job's max wait.
                 while (sum(j.key == first.key for j in self._pending) < self.max_batch
@@ -160,6 +170,9 @@ class Batcher:
                 self._run(live, now)
 
     def _run(self, jobs: list[Job], start: float) -> None:
+        if jobs[0].task is not None:
+            self._run_task(jobs[0], start)
+            return
         self.in_flight = len(jobs)
         try:
             results: list[Any] = self.policy.infer_batch(
@@ -180,3 +193,16 @@ class Batcher:
             else:
                 job.future.set_result(BatchResult(res, 1e3 * (start - job.enqueued), 1e3 * elapsed, len(jobs)))
 
+    def _run_task(self, job: Job, start: float) -> None:
+        assert job.task is not None
+        self.in_flight = 1
+        try:
+            result = job.task()
+        except Exception as exc:  # noqa: BLE001  # the task's own error goes to its caller
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(BatchResult(result, 1e3 * (start - job.enqueued),
+                                              1e3 * (time.monotonic() - start), 1))
+        finally:
+            self.in_flight = 0
+            self.batches_run += 1

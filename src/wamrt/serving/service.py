@@ -15,7 +15,8 @@ import numpy as np
 from .. import __version__
 from .batcher import Batcher, BatchPolicy, BatchResult, Job
 from .config import ServeConfig
-from .errors import NotReady, ServingError, as_serving_error
+from .dynamics import DynamicsRequest, generic_runner
+from .errors import InvalidRequest, NotReady, ServingError, as_serving_error
 from .metrics import Metrics
 from .observation import JOINTS, ParsedRequest
 from .safety import SafetyEnvelope
@@ -40,6 +41,19 @@ class InferOutcome:
     stage_durations: dict[str, float] = field(default_factory=dict)  # seconds, per policy stage
 
 
+@dataclass
+class DynamicsOutcome:
+    """A forward/inverse-dynamics result: actions (ID) or decoded frames (FD)."""
+
+    request_id: str
+    mode: str
+    actions: np.ndarray | None  # [chunk, raw_action_dim] float32 (inverse dynamics)
+    frames: np.ndarray | None  # uint8 [chunk + 1, H, W, 3] (forward dynamics)
+    seed: int
+    timing: dict[str, float]
+    stage_durations: dict[str, float]
+
+
 class Service:
     def __init__(self, policy: BatchPolicy, config: ServeConfig) -> None:
         self.policy, self.config = policy, config
@@ -50,6 +64,7 @@ class Service:
         self.ready = False
         self.warmup_error: str | None = None
         self._policy_meta = policy.metadata()
+        self.generic = generic_runner(policy)  # forward/inverse dynamics; None if the engine has no generic path
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -143,6 +158,48 @@ class Service:
         self.metrics.timing(surface, timing)
         stages = {k: v / 1e3 for k, v in tm.items()}
         return InferOutcome(rid, actions, chunk.seed, timing, meta, stages)
+
+    def enqueue_dynamics(self, req: DynamicsRequest) -> Future:
+        """Queue one FD/ID request: it runs alone on the engine thread (raises Busy when the queue is full)."""
+        if self.batcher is None:
+            raise NotReady("engine not started")
+        runner = self.generic
+        if runner is None:
+            raise InvalidRequest("this engine serves action_mode 'policy' only", field="extra_params.action_mode")
+
+        def task() -> tuple[Any, int]:
+            import torch
+
+            seed = req.seed
+            if seed is None:
+                seed = self.policy.next_seed() if hasattr(self.policy, "next_seed") else int(
+                    np.random.default_rng().integers(0, 2**31))
+            gen = torch.Generator().manual_seed(seed)
+            return runner(req.mode, **req.kwargs, generator=gen, decode=req.mode == "forward_dynamics"), seed
+
+        return self.batcher.submit(Job({}, None, {}, task=task))
+
+    async def run_dynamics(self, req: DynamicsRequest, *, surface: str, received: float,
+                           request_id: str | None = None, future: Future | None = None) -> DynamicsOutcome:
+        """One FD/ID request through the engine queue; cancelling the caller drops it if still queued."""
+        rid = request_id or new_request_id()
+        res: BatchResult = await asyncio.wrap_future(future or self.enqueue_dynamics(req))
+        result, seed = res.chunk
+        tm = dict(result.timings_ms)
+        pre = sum(tm.get(k, 0.0) for k in ("preprocess", "vae_encode", "tokenize"))
+        post = tm.get("vae_decode", 0.0)
+        model = max(tm.get("total", res.batch_ms) - pre - post, 0.0)
+        actions = frames = None
+        if result.actions is not None:
+            actions = np.asarray(result.actions, dtype=np.float32)
+            if not np.isfinite(actions).all():
+                raise FloatingPointError("the model produced non-finite actions")
+        if result.frames is not None:
+            frames = np.asarray(result.frames)
+        timing = {"queue_ms": res.queue_ms, "preprocess_ms": pre, "model_ms": model, "postprocess_ms": post,
+                  "batch_ms": res.batch_ms, "batch_size": 1.0, "total_ms": 1e3 * (time.monotonic() - received)}
+        self.metrics.timing(surface, timing)
+        return DynamicsOutcome(rid, req.mode, actions, frames, seed, timing, {k: v / 1e3 for k, v in tm.items()})
 
     def count_error(self, exc: BaseException) -> ServingError:
         err = as_serving_error(exc)

@@ -4,11 +4,15 @@
 clients poll `GET /v1/videos/{id}` until `completed`, then read `action {data, shape, dtype,
 raw_action_dim, action_mode, domain_id}`, `inference_time_s`, `stage_durations`, `peak_memory_mb`.
 `POST /v1/videos/sync` answers the finished record's JSON form at once (this runtime renders no MP4,
-so `/content` is empty, as vLLM-Omni's is for action-only outputs).
+so `/content` is empty for policy and inverse-dynamics jobs, as vLLM-Omni's is for action-only outputs;
+forward-dynamics jobs serve their predicted frames there as an MP4).
 
 The observation comes from `extra_params.robot_obs` (alias `observation`; openpi keys, arrays as
 nested lists or `{"b64", "dtype", "shape"}`), or from an `input_reference` image (the 540x640
 composite) plus `extra_params.action` = the current [7 joints, gripper] state.
+
+`extra_params.action_mode` `forward_dynamics` / `inverse_dynamics` run the generic contracts instead
+(`dynamics.py`): FD answers an MP4 of the predicted frames at `/content`, ID the actions in `action`.
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..client.wire import WireError, _decode_image, json_array, to_jsonable
-from .errors import Busy, InvalidRequest, NotFound, PayloadTooLarge, ServingError
+from ..client.wire import _decode_image, json_array, to_jsonable
+from .dynamics import DYNAMICS_MODES, DynamicsRequest, build_dynamics, encode_mp4
+from .errors import Busy, InvalidRequest, NotFound, PayloadTooLarge
 from .http_api import service_of, until_disconnect
 from .observation import GRIPPER, IMAGE, JOINTS, PROMPT, parse_params, parse_request
-from .service import InferOutcome, Service
+from .service import DynamicsOutcome, InferOutcome, Service
 
 DROID_DOMAIN = ("droid_lerobot", 8)
 _TOP_LEVEL_PARAMS = {"num_inference_steps": "steps", "guidance_scale": "guidance", "flow_shift": "shift"}
@@ -90,8 +95,8 @@ async def _read_fields(request: Request, limit: int) -> dict[str, Any]:
     return out
 
 
-def build_request(fields: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """Form/JSON fields -> (ParsedRequest, job-record extras). Refuses non-policy action modes."""
+def _mode(fields: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
+    """(prompt, extra_params, action_mode) with typed errors for each."""
     prompt = fields.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidRequest("is required", field="prompt")
@@ -99,8 +104,27 @@ def build_request(fields: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     if not isinstance(extra, dict):
         raise InvalidRequest("must be a JSON object", field="extra_params")
     mode = extra.get("action_mode", "policy")
+    if mode != "policy" and mode not in DYNAMICS_MODES:
+        raise InvalidRequest(f"must be one of {['policy', *DYNAMICS_MODES]}, got {mode!r}",
+                             field="extra_params.action_mode")
+    return prompt, extra, mode
+
+
+async def parse_job(fields: dict[str, Any], service: Service) -> tuple[Any, dict[str, Any]]:
+    """Fields -> (ParsedRequest | DynamicsRequest, job-record extras). FD/ID parsing (video decoding,
+    frame conversion) runs in a worker thread."""
+    _prompt, extra, mode = _mode(fields)
+    if mode == "policy":
+        return build_request(fields)
+    dreq = await asyncio.to_thread(build_dynamics, fields, extra, mode, service.defaults)
+    return dreq, dreq.record
+
+
+def build_request(fields: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Form/JSON fields of an `action_mode: policy` request -> (ParsedRequest, job-record extras)."""
+    prompt, extra, mode = _mode(fields)
     if mode != "policy":
-        raise InvalidRequest(f"only action_mode 'policy' is served, got {mode!r}", field="extra_params.action_mode")
+        raise InvalidRequest(f"expected action_mode 'policy', got {mode!r}", field="extra_params.action_mode")
     if extra.get("domain_name", DROID_DOMAIN[0]) != DROID_DOMAIN[0] or extra.get("domain_id", 8) != 8:
         raise InvalidRequest("only the droid_lerobot domain (8) is served", field="extra_params.domain_name")
     for name, want in (("action_chunk_size", 32), ("raw_action_dim", 8)):
@@ -153,6 +177,25 @@ def _action(out: InferOutcome) -> dict[str, Any]:
             "raw_action_dim": int(out.actions.shape[1]), "action_mode": "policy", "domain_id": DROID_DOMAIN[1]}
 
 
+async def dynamics_record(rec: dict[str, Any], out: DynamicsOutcome, req: DynamicsRequest) -> bytes | None:
+    """Fill a job record from a FD/ID result; returns the MP4 (forward dynamics) encoded off the loop."""
+    action = None
+    if out.actions is not None:
+        action = {"data": out.actions.tolist(), "shape": list(out.actions.shape), "dtype": "float32",
+                  "raw_action_dim": req.raw_action_dim, "action_mode": out.mode, "domain_id": req.domain_id}
+    mp4 = None
+    if out.frames is not None:
+        mp4 = await asyncio.to_thread(encode_mp4, out.frames, req.fps)
+        rec.update(file_name=f"{rec.get('id') or out.request_id}.mp4",
+                   video={"shape": list(out.frames.shape), "fps": req.fps, "bytes": len(mp4)})
+    rec.update(status="completed", progress=100, completed_at=int(time.time()),
+               inference_time_s=out.timing["total_ms"] / 1e3, stage_durations=out.stage_durations,
+               peak_memory_mb=_peak_memory_mb(), action=action, timing=out.timing,
+               metadata={"seed": out.seed, "action_mode": out.mode, "chunk_size": req.kwargs["chunk_size"],
+                         "domain": req.kwargs["domain"], "resolution_tier": req.kwargs["resolution_tier"]})
+    return mp4
+
+
 class VideoJobs:
     """In-memory job table, bounded: finished jobs are evicted oldest-first beyond `max_jobs`."""
 
@@ -160,17 +203,24 @@ class VideoJobs:
         self.service = service
         self.records: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.tasks: dict[str, asyncio.Task] = {}
+        self.content: dict[str, bytes] = {}  # forward-dynamics MP4s, dropped with their record
 
     def _make_room(self) -> None:
         while len(self.records) >= self.service.config.max_jobs:
             done = next((k for k, r in self.records.items() if r["status"] in ("completed", "failed")), None)
             if done is None:
                 raise Busy(f"{len(self.records)} video jobs are unfinished; retry later")
-            del self.records[done]
+            self.remove(done)
+
+    def remove(self, vid: str) -> None:
+        self.records.pop(vid, None)
+        self.content.pop(vid, None)
 
     def create(self, req: Any, extras: dict[str, Any]) -> dict[str, Any]:
         self._make_room()
-        future = self.service.enqueue(req)  # Busy -> 429 before any record exists
+        # Busy -> 429 before any record exists
+        dyn = isinstance(req, DynamicsRequest)
+        future = self.service.enqueue_dynamics(req) if dyn else self.service.enqueue(req)
         vid = f"video_gen_{uuid.uuid4().hex}"
         rec = {"id": vid, "object": "video", "model": extras["model"] or self.service.config.model_name,
                "prompt": extras["prompt"], "status": "queued", "progress": 0, "size": extras["size"],
@@ -186,9 +236,16 @@ class VideoJobs:
         rec = self.records[vid]
         rec["status"] = "in_progress"
         try:
-            out = await self.service.infer(req, surface="videos", received=time.monotonic(), request_id=vid,
-                                           future=future)
-            self.fill(rec, out)
+            if isinstance(req, DynamicsRequest):
+                dout = await self.service.run_dynamics(req, surface="videos", received=time.monotonic(),
+                                                       request_id=vid, future=future)
+                mp4 = await dynamics_record(rec, dout, req)
+                if mp4 is not None and vid in self.records:  # not deleted meanwhile
+                    self.content[vid] = mp4
+            else:
+                out = await self.service.infer(req, surface="videos", received=time.monotonic(), request_id=vid,
+                                               future=future)
+                self.fill(rec, out)
         except asyncio.CancelledError:
             rec.update(status="failed", error={"code": "cancelled", "message": "deleted"})
             raise
@@ -218,14 +275,15 @@ async def _guard(request: Request, work: Any) -> Response:
     service = service_of(request)
     try:
         return await work
-    except (ServingError, WireError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001  # typed (4xx) or internal_error, never a traceback
         err = service.count_error(exc)
         return JSONResponse(err.body(), status_code=err.status)
 
 
 async def create_video(request: Request) -> Response:
     async def work() -> Response:
-        req, extras = build_request(await _read_fields(request, service_of(request).config.max_frame_bytes))
+        service = service_of(request)
+        req, extras = await parse_job(await _read_fields(request, service.config.max_frame_bytes), service)
         return JSONResponse(jobs_of(request).create(req, extras))
     return await _guard(request, work())
 
@@ -233,7 +291,9 @@ async def create_video(request: Request) -> Response:
 async def create_video_sync(request: Request) -> Response:
     async def work() -> Response:
         service = service_of(request)
-        req, _extras = build_request(await _read_fields(request, service.config.max_frame_bytes))
+        req, _extras = await parse_job(await _read_fields(request, service.config.max_frame_bytes), service)
+        if isinstance(req, DynamicsRequest):
+            return await _dynamics_sync(request, service, req)
         out = await until_disconnect(request, service.infer(req, surface="videos_sync", received=time.monotonic()))
         rec: dict[str, Any] = {}
         VideoJobs.fill(rec, out)
@@ -248,6 +308,29 @@ async def create_video_sync(request: Request) -> Response:
                 "metadata": rec["metadata"]}
         return JSONResponse(body, headers=headers)
     return await _guard(request, work())
+
+
+async def _dynamics_sync(request: Request, service: Service, req: DynamicsRequest) -> Response:
+    """FD: the MP4 itself (vLLM-Omni's sync answer), or JSON with `b64_json` under `Accept: application/json`;
+    ID: the JSON form with `action`."""
+    out = await until_disconnect(request, service.run_dynamics(req, surface="videos_sync", received=time.monotonic()))
+    rec: dict[str, Any] = {"id": f"video_sync-{out.request_id}"}
+    mp4 = await dynamics_record(rec, out, req)
+    headers = {"X-Request-Id": rec["id"], "X-Model": service.config.model_name,
+               "X-Inference-Time-S": f"{rec['inference_time_s']:.6f}",
+               "X-Stage-Durations": json.dumps(out.stage_durations),
+               "X-Peak-Memory-MB": f"{rec['peak_memory_mb']:.1f}"}
+    if mp4 is not None and "application/json" not in (request.headers.get("accept") or ""):
+        return Response(mp4, media_type="video/mp4", headers=headers)
+    import base64
+
+    body = {"created": int(time.time()), "id": out.request_id,
+            "data": [{"b64_json": base64.b64encode(mp4).decode() if mp4 is not None else None, "url": None,
+                      "revised_prompt": None, "action": rec["action"]}],
+            "stage_durations": out.stage_durations, "peak_memory_mb": rec["peak_memory_mb"],
+            "inference_time_s": rec["inference_time_s"], "timing": out.timing, "metadata": rec["metadata"],
+            "video": rec.get("video")}
+    return JSONResponse(body, headers=headers)
 
 
 async def get_video(request: Request) -> Response:
@@ -270,7 +353,7 @@ async def delete_video(request: Request) -> Response:
     task = jobs.tasks.get(vid)
     if task is not None:
         task.cancel()  # a queued job is dropped; a running one finishes and is discarded
-    del jobs.records[vid]
+    jobs.remove(vid)
     return JSONResponse({"id": vid, "object": "video.deleted", "deleted": True})
 
 
@@ -278,7 +361,8 @@ async def video_content(request: Request) -> Response:
     rec = jobs_of(request).records.get(request.path_params["video_id"])
     if rec is None:
         return JSONResponse(NotFound("no such video job").body(), status_code=404)
-    return Response(b"", media_type="video/mp4")  # action-only output: no rollout video is rendered
+    # Forward dynamics: the predicted frames; policy / inverse dynamics are action-only (empty, as vLLM-Omni's).
+    return Response(jobs_of(request).content.get(request.path_params["video_id"], b""), media_type="video/mp4")
 
 
 async def list_models(request: Request) -> Response:
