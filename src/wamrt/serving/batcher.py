@@ -157,17 +157,21 @@ class Batcher:
 
     def _worker(self) -> None:
         while (batch := self._take_batch()) is not None:
-            now = time.monotonic()
-            live: list[Job] = []
-            for job in batch:
-                if not job.future.set_running_or_notify_cancel():
-                    continue  # client left while queued
-                if job.deadline is not None and now > job.deadline:
-                    job.future.set_exception(StaleObservation("observation expired while queued"))
-                    continue
-                live.append(job)
-            if live:
-                self._run(live, now)
+            self._process(batch)
+            del batch  # hold no finished job (nor its observation) while waiting for the next one
+
+    def _process(self, batch: list[Job]) -> None:
+        now = time.monotonic()
+        live: list[Job] = []
+        for job in batch:
+            if not job.future.set_running_or_notify_cancel():
+                continue  # client left while queued
+            if job.deadline is not None and now > job.deadline:
+                job.future.set_exception(StaleObservation("observation expired while queued"))
+                continue
+            live.append(job)
+        if live:
+            self._run(live, now)
 
     def _run(self, jobs: list[Job], start: float) -> None:
         if jobs[0].task is not None:

@@ -31,7 +31,7 @@ from .service import InferOutcome, Service, new_request_id
 VLLM_PATH = "/v1/realtime/robot/openpi"
 
 
-@dataclass
+@dataclass(eq=False)  # identity hash: the service keeps a set of open connections
 class Connection:
     vllm: bool
     session_id: str | None = None
@@ -66,10 +66,11 @@ async def _send_error(ws: WebSocket, conn: Connection, err: ServingError, rid: s
 async def openpi_socket(ws: WebSocket) -> None:
     service: Service = ws.app.state.service
     conn = Connection(vllm=ws.url.path.rstrip("/") == VLLM_PATH)
-    await ws.accept()
-    await ws.send_bytes(packb(service.handshake()))
     pending: asyncio.Task | None = None  # a receive started while an inference was running
+    service.connections.add(conn)
     try:
+        await ws.accept()
+        await ws.send_bytes(packb(service.handshake()))
         while True:
             message = await (pending or ws.receive())
             pending = None
@@ -109,6 +110,7 @@ async def openpi_socket(ws: WebSocket) -> None:
     except WebSocketDisconnect:
         return
     finally:
+        service.connections.discard(conn)
         if pending is not None and not pending.done():
             pending.cancel()
 

@@ -64,6 +64,7 @@ class Service:
         self.ready = False
         self.warmup_error: str | None = None
         self._policy_meta = policy.metadata()
+        self.connections: set[Any] = set()  # open websocket connections (openpi_ws registers them)
         self.generic = generic_runner(policy)  # forward/inverse dynamics; None if the engine has no generic path
 
     # --- lifecycle ---------------------------------------------------------------------------------
