@@ -1,0 +1,302 @@
+"""One engine over several GPUs of one host: rank 0 in the calling process, ranks 1.. as workers.
+
+`start(...)` spawns the workers (torch.multiprocessing, 'spawn'), joins the default process group as
+rank 0, builds rank 0's engine, waits for every worker's engine, and returns a `ParallelPolicy`: the
+same `infer_batch` / `infer` / `metadata` contract as `Engine`, so the server, the batcher and the
+benchmarks use it unchanged. Each `infer_batch` first sends the batch's inputs (observations, resolved
+seeds, overrides) to every worker over a pipe; then all ranks run the same engine call, meeting in the
+collectives; rank 0's result is the answer.
+
+Modes: "cfg" (2 ranks, one CFG branch each, full model per rank; `CfgParallelEngine`) and "tp" (n
+ranks, every layer's heads and MLP hidden split; `wamrt.parallel.tp`).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection as mpc
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from . import dist as pdist
+
+log = logging.getLogger("wamrt.parallel")
+MODES = ("cfg", "tp")
+
+
+@dataclass
+class ParallelSpec:
+    """What every rank builds. `model`: a checkpoint folder, a built-in name or `random:SIZE`."""
+
+    mode: str
+    model: str
+    world: int = 2
+    device: str = "cuda"  # "cuda" = one GPU per rank (NCCL); "cpu" = gloo (tests)
+    dtype: str | None = None  # "bfloat16" / "float32"; default bf16 on CUDA, fp32 on CPU
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    layers: int | None = None  # random:SIZE only: override the layer count (smoke tests)
+    tiny_vae: bool = False  # random:SIZE only
+    seed: int = 0
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype:
+            return getattr(torch, self.dtype)
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def build_policy(spec: ParallelSpec, rank: int, device: torch.device):
+    """This rank's Policy: the full model (cfg) or this rank's TP shard; VAE and tokenizer replicated."""
+    from ..pipeline.denoise import SamplingOptions
+    from ..pipeline.droid import DroidContract
+    from ..pipeline.policy import Policy, load_policy
+
+    dtype = spec.torch_dtype(device)
+    name = spec.model
+    if name.startswith("random:"):
+        from ..pipeline.random_weights import FixedLengthTokenizer, random_transformer, random_vae
+        from ..pipeline.vae import FrameEncoder
+
+        size = name.split(":", 1)[1]
+        if spec.mode == "tp":
+            from .tp import random_sharded
+
+            model = random_sharded(size, rank, spec.world, device, dtype, layers=spec.layers, seed=spec.seed)
+        else:
+            model = random_transformer(size, device, dtype, layers=spec.layers, seed=spec.seed)
+        encoder = FrameEncoder(random_vae(device, dtype, tiny=spec.tiny_vae or size.startswith("tiny")))
+        tok = FixedLengthTokenizer(model.config.vocab_size)
+        return Policy(model, encoder, tok, DroidContract(), SamplingOptions(),  # type: ignore[arg-type]
+                      name=f"{size} (random weights)")
+    from ..pipeline.builtin import BUILTIN_MODELS
+
+    if spec.mode != "tp" or name in BUILTIN_MODELS:
+        policy = load_policy(name, device=device, dtype=dtype)
+        if spec.mode == "tp":  # a built-in (tiny) model: load it whole, keep this rank's shard
+            from .tp import shard_model
+
+            shard_model(policy.model, rank, spec.world)
+        return policy
+    # A checkpoint folder: read only this rank's slices of the transformer.
+    import json
+    from pathlib import Path
+
+    from ..model import resolve_transformer_folder
+    from ..pipeline import policy as pp
+    from ..pipeline.tokens import CaptionTokenizer
+    from ..pipeline.vae import FrameEncoder, load_vae
+    from .tp import load_sharded
+
+    root = Path(name)
+    model = load_sharded(resolve_transformer_folder(root), rank, spec.world, device, dtype)
+    encoder = FrameEncoder(load_vae(pp._find_vae(root), device=device, dtype=dtype))
+    tok = CaptionTokenizer.from_pretrained(pp._find_tokenizer(root))
+    extra: dict[str, Any] = {}
+    for cfg_file in (root / pp.POLICY_CONFIG, root.parent / pp.POLICY_CONFIG):
+        if cfg_file.is_file():
+            extra = json.loads(cfg_file.read_text())
+            break
+    gi = extra.get("guidance_interval")
+    return Policy(model, encoder, tok, DroidContract(prompt_format=extra.get("prompt_format", "plain")),
+                  SamplingOptions(guidance_interval=tuple(gi) if gi else None), name=name)
+
+
+def build_engine(spec: ParallelSpec, policy, rank: int):
+    from ..engine import Engine, EngineConfig
+
+    config = EngineConfig(**spec.engine)
+    if spec.mode == "cfg":
+        from .cfg import CfgParallelEngine
+
+        return CfgParallelEngine.from_policy(policy, config)
+    engine = Engine.from_policy(policy, config)
+    return engine
+
+
+def fingerprint(model: torch.nn.Module) -> float:
+    """A cheap digest of the replicated weights (ranks must agree on them)."""
+    with torch.no_grad():
+        return float(model.proj_in.weight.double().sum() + model.embed_tokens.weight[:64].double().sum())
+
+
+def _worker(rank: int, spec: ParallelSpec, port: int, conn: mpc.Connection) -> None:
+    pdist.no_multicast_env()
+    try:
+        device = pdist.rank_device(spec.device, rank)
+        pdist.init_group(rank, spec.world, port, device)
+        policy = build_policy(spec, rank, device)
+        engine = build_engine(spec, policy, rank)
+        conn.send(("ready", fingerprint(policy.model)))
+    except BaseException:  # noqa: BLE001  # report any start-up failure to rank 0, then exit
+        conn.send(("error", traceback.format_exc()))
+        return
+    try:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            if msg[0] == "infer_batch":
+                _, observations, seeds, resolved, overrides = msg
+                for s in seeds:  # keep this engine's seed stream (and its noise prefetch) in step with rank 0's
+                    if s is None:
+                        engine.next_seed()
+                try:
+                    engine.infer_batch(observations, seeds=resolved, **overrides)
+                except Exception:  # noqa: BLE001  # rank 0 raised the same (validation): it reports it
+                    log.debug("worker %d: request failed", rank, exc_info=True)
+            elif msg[0] == "memory":
+                conn.send(torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
+    except (EOFError, KeyboardInterrupt):
+        pass
+    finally:
+        pdist.close_group()
+
+
+class ParallelPolicy:
+    """Rank 0's view: the engine contract, with every call mirrored on the worker ranks."""
+
+    def __init__(self, spec: ParallelSpec, engine: Any, policy: Any, procs: list, conns: list) -> None:
+        self.spec, self.engine, self.policy = spec, engine, policy
+        self._procs, self._conns = procs, conns
+        self.name = engine.name
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def _check_workers(self) -> None:
+        dead = [p.pid for p in self._procs if not p.is_alive()]
+        if dead:
+            from ..serving.errors import ServingError
+
+            raise ServingError(f"parallel worker process(es) {dead} exited; restart the server")
+
+    def infer_batch(self, observations: list[Mapping[str, Any]], *, seeds: list[int | None] | None = None,
+                    **overrides: Any) -> list:
+        seeds = list(seeds) if seeds else [None] * len(observations)
+        resolved = [self.engine.next_seed() if s is None else s for s in seeds]
+        self._check_workers()
+        msg = ("infer_batch", list(observations), seeds, resolved, overrides)
+        for c in self._conns:
+            c.send(msg)
+        return self.engine.infer_batch(observations, seeds=resolved, **overrides)
+
+    def infer(self, observation: Mapping[str, Any], *, seed: int | None = None, **overrides: Any):
+        result = self.infer_batch([observation], seeds=[seed], **overrides)[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def metadata(self) -> dict[str, Any]:
+        meta = self.engine.metadata()
+        meta["engine"] = {**meta.get("engine", {}), "parallel": self.spec.mode, "gpus": self.spec.world}
+        return meta
+
+    def peak_memory_gib(self) -> list[float | None]:
+        """Peak allocated memory per rank (GiB), rank 0 first."""
+        out: list[float | None] = [torch.cuda.max_memory_allocated(self.device) / 2**30
+                                   if self.device.type == "cuda" else None]
+        for c in self._conns:
+            c.send(("memory",))
+            out.append(c.recv())
+        return out
+
+    def close(self) -> None:
+        for c in self._conns:
+            try:
+                c.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+        pdist.close_group()
+
+    def __enter__(self) -> ParallelPolicy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _join_watching(world: int, port: int, device: torch.device, procs: list, timeout: float) -> None:
+    """Join the group as rank 0 on a helper thread, failing fast if a worker dies before it joins
+    (the rendezvous itself would wait for the whole collective timeout)."""
+    import threading
+
+    failure: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            pdist.init_group(0, world, port, device)
+        except BaseException as e:  # noqa: BLE001
+            failure.append(e)
+
+    t = threading.Thread(target=join, name="wamrt-rendezvous", daemon=True)
+    t.start()
+    end = time.monotonic() + timeout
+    while t.is_alive():
+        t.join(0.5)
+        dead = [p for p in procs if not p.is_alive()]
+        if dead and t.is_alive():
+            raise RuntimeError(f"worker {dead[0].name} exited with code {dead[0].exitcode} before joining the group")
+        if time.monotonic() > end:
+            raise RuntimeError("process group rendezvous timed out")
+    if failure:
+        raise failure[0]
+
+
+def start(spec: ParallelSpec, *, policy: Any = None, timeout: float = 1800.0) -> ParallelPolicy:
+    """Spawn ranks 1..world-1, join as rank 0 and build every rank's engine. `policy`: rank 0's
+    already-built Policy (cfg mode; e.g. a benchmark that measured it on one GPU first)."""
+    if spec.mode not in MODES:
+        raise ValueError(f"parallel mode must be one of {MODES}, got {spec.mode!r}")
+    if spec.mode == "cfg" and spec.world != 2:
+        raise ValueError("--parallel cfg runs on exactly 2 GPUs")
+    if spec.device.startswith("cuda") and torch.cuda.device_count() < spec.world:
+        raise ValueError(f"{spec.world} GPUs requested, {torch.cuda.device_count()} visible")
+    pdist.no_multicast_env()
+    port = pdist.free_port()
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    for rank in range(1, spec.world):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(rank, spec, port, child), name=f"wamrt-rank{rank}", daemon=True)
+        p.start()
+        procs.append(p)
+        conns.append(parent)
+    try:
+        device = pdist.rank_device(spec.device, 0)
+        _join_watching(spec.world, port, device, procs, timeout)
+        if policy is None:
+            policy = build_policy(spec, 0, device)
+        elif spec.mode == "tp":
+            raise ValueError("tp: rank 0's policy is built here (it is a shard)")
+        engine = build_engine(spec, policy, 0)
+        mine = fingerprint(policy.model)
+        end = time.monotonic() + timeout
+        for rank, c in enumerate(conns, start=1):
+            while not c.poll(1.0):
+                if not procs[rank - 1].is_alive() or time.monotonic() > end:
+                    raise RuntimeError(f"rank {rank} did not start (exit code {procs[rank - 1].exitcode})")
+            status, info = c.recv()
+            if status != "ready":
+                raise RuntimeError(f"rank {rank} failed to start:\n{info}")
+            if abs(info - mine) > 1e-6 * max(1.0, abs(mine)):
+                raise RuntimeError(f"rank {rank} built different replicated weights than rank 0 ({info} vs {mine})")
+    except BaseException:
+        for p in procs:
+            p.kill()
+        pdist.close_group()
+        raise
+    log.info("parallel %s over %d ranks ready (%s)", spec.mode, spec.world, asdict(spec))
+    return ParallelPolicy(spec, engine, policy, procs, conns)
+
+
+__all__ = ["MODES", "ParallelPolicy", "ParallelSpec", "build_engine", "build_policy", "start"]
