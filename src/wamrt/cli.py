@@ -24,6 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     latency.add_arguments(lat)
     lat.set_defaults(func=latency.run)
+    par = bench.add_parser("parallel", help="latency on 2 GPUs: --parallel cfg (vs one GPU) or tp (Super)")
+    from .bench import parallel as parallel_bench
+
+    parallel_bench.add_arguments(par)
+    par.set_defaults(func=parallel_bench.run)
     serve = sub.add_parser("serve", help="policy server: openpi websocket, /v1/policy/infer, /v1/videos")
     load = bench.add_parser("load", help="closed-loop websocket lanes against a loopback server")
     try:  # the server stack is an extra (wamrt[server]); everything else works without it
