@@ -39,6 +39,23 @@ for spec in "$@"; do
               | tee -a "$res/log.txt"
           done
           kill "$srv"; wait "$srv" ;;
+    x2) # nvidia-h200-x2 (issue 8). Multicast stays off in every process (the bench/test set it again).
+        export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+        budget=${X2_BUDGET:-570}
+        { python3 -c 'import torch; print("cuda devices:", torch.cuda.device_count(), torch.__version__)'
+          nvidia-smi topo -m; } 2>&1 | tee "$res/log.txt"
+        # 1. Nano: single-GPU E5 then --parallel cfg E5, same process, same weights (ratio in the cfg JSON).
+        timeout 230 python3 -m wamrt.cli bench parallel --model nano --parallel cfg --gpus 2 --baseline --steps 4 \
+          --warmup 10 --runs 25 --out "$res" 2>&1 | tee -a "$res/log.txt"
+        # 2. CFG-parallel vs single GPU within bf16 tolerance (Nano widths, 4 layers, E5 on both).
+        timeout 130 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/parallel/test_parallel_gpu.py 2>&1 \
+          | tee -a "$res/log.txt"
+        # 3. Super --parallel tp (each rank builds only its shard): engine p50, ratio to (bf16 floor / 2), and
+        #    the same engine behind a loopback server (one websocket lane; needs the server wheels in .whl/).
+        left=$(( budget - ($(date +%s) - t0) ))
+        echo "super tp gets ${left} s" | tee -a "$res/log.txt"
+        timeout "$left" python3 -m wamrt.cli bench parallel --model super --parallel tp --gpus 2 --steps 4 \
+          --warmup 5 --runs 20 --serve-seconds 20 --out "$res" 2>&1 | tee -a "$res/log.txt" ;;
     tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_engine_gpu.py tests/sampler 2>&1 \
              | tee "$res/log.txt" ;;
   esac
