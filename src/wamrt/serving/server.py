@@ -37,6 +37,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--engine", choices=["auto", "eager", "fast"], default="auto",
                     help="fast = fused/compiled/CUDA-graph engine (needs CUDA); eager = reference path; "
                          "auto = fast on CUDA, eager on CPU")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs of this host behind one engine (with --parallel)")
+    ap.add_argument("--parallel", choices=["none", "cfg", "tp"], default="none",
+                    help="cfg = one CFG branch per GPU (2 GPUs, full model each); tp = every layer split across "
+                         "--gpus GPUs (models too large for one GPU); see docs/deployment.md")
     ap.add_argument("--log-level", default="info")
 
 
@@ -62,12 +66,28 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = config_from_args(args)
+    if args.parallel != "none":
+        return _run_parallel(args, config)
     policy = load_policy(args.model, device=args.device)
     if args.engine == "fast" or (args.engine == "auto" and policy.device.type == "cuda"):
         from ..engine import Engine
 
         policy = Engine.from_policy(policy)  # same infer_batch/metadata contract, batched on the GPU
     uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level)).run()
+    return 0
+
+
+def _run_parallel(args: argparse.Namespace, config: ServeConfig) -> int:
+    """Rank 0 of a multi-GPU engine serves; the other ranks are worker processes it starts."""
+    from ..parallel import ParallelSpec, start
+
+    device = args.device or "cuda"
+    engine = {} if device.startswith("cuda") else dict(attention="auto", compile=False, cuda_graph=False)
+    policy = start(ParallelSpec(args.parallel, str(args.model), world=args.gpus, device=device, engine=engine))
+    try:
+        uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level)).run()
+    finally:
+        policy.close()
     return 0
 
 
