@@ -13,6 +13,7 @@ websocket lane (the serving latency). Writes `kind: latency` JSON files (../shar
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -152,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         results["none"] = res
         _write(out_dir, f"{args.model}-s{args.steps}-single.json", res)
         del engine
+        gc.collect()  # the engine and its captured graphs form a cycle (graph keep-alive -> engine)
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)

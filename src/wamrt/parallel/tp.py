@@ -43,19 +43,30 @@ class TPInfo:
     slices: dict[str, Slice]  # parameter name -> its slice of the full checkpoint tensor
 
 
-def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    from torch.distributed import _functional_collectives as funcol
+def _group_name(group: dist.ProcessGroup | None) -> str | None:
+    if group is None:
+        if not dist.is_initialized():
+            return None  # resolved at the first forward (a model sharded before the group exists)
+        group = dist.group.WORLD
+    return group.group_name
 
-    return funcol.all_reduce(x, "sum", group if group is not None else dist.group.WORLD)
+
+def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    # The functional collective ops by group name: plain tensors in, plain tensors out, so torch.compile
+    # traces them (a string constant, no ProcessGroup object) and CUDA graphs capture them.
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_reduce(x, "sum", group_name))
 
 
 class RowParallelLinear(nn.Linear):
     """y = all_reduce(x_local @ W_local^T) + b: the input features are split across ranks."""
 
-    tp_group: dist.ProcessGroup | None = None
+    tp_group_name: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _all_reduce(F.linear(x, self.weight), self.tp_group)
+        if self.tp_group_name is None:
+            self.tp_group_name = _group_name(None)
+        y = _all_reduce(F.linear(x, self.weight), self.tp_group_name)
         return y if self.bias is None else y + self.bias
 
 
@@ -78,7 +89,7 @@ def _row(lin: nn.Linear, name: str, rank: int, world: int, slices: dict[str, Sli
     lin.weight, slices[f"{name}.weight"] = _take(lin.weight, 1, rank, world)
     lin.in_features = lin.weight.shape[1]
     lin.__class__ = RowParallelLinear
-    lin.tp_group = group
+    lin.tp_group_name = _group_name(group)
 
 
 def check_divisible(cfg: Cosmos3Config, world: int) -> None:

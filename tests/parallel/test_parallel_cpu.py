@@ -1,0 +1,100 @@
+"""CFG-parallel and tensor parallel on the CPU: 2 processes (this one is rank 0, one spawned worker)
+over gloo, through the same `wamrt.parallel.start` front the server and the benchmark use.
+
+Tolerances (fp32): CFG-parallel runs each branch as its own Generator pass where the single-process
+engine batches both branches into one pass (same math, different GEMM row blocking); tensor parallel
+sums every row-parallel projection as two partial sums plus an all-reduce. Both only reorder fp32
+additions, so the actions agree to ~1e-6 (measured 1-5e-6), far inside TOL.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from wamrt import load_policy
+from wamrt.engine import Engine, EngineConfig
+from wamrt.parallel import ParallelSpec, start
+from wamrt.sample import sample_observation
+
+TOL = 2e-5
+ECONF = dict(attention="auto", compile=False, cuda_graph=False)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WAMRT_CACHE", str(tmp_path_factory.mktemp("cache")))  # inherited by the spawned worker
+    yield
+    mp.undo()
+
+
+def _single(name: str) -> Engine:
+    return Engine.from_policy(load_policy(name, device="cpu"), EngineConfig(**ECONF))
+
+
+def _compare(front, single, cases) -> None:
+    for kwargs in cases:
+        obs = [sample_observation(0), sample_observation(1)]
+        got = front.infer_batch(obs, seeds=[3, 4], **kwargs)
+        want = single.infer_batch(obs, seeds=[3, 4], **kwargs)
+        for g, w in zip(got, want, strict=True):
+            assert g.actions.shape == (32, 8)
+            assert np.abs(g.actions - w.actions).max() <= TOL, kwargs
+
+
+CASES = [dict(steps=2),  # CFG every step + the order-2 solver
+         dict(steps=3, guidance_interval=(960, 1001)),  # guided and unguided steps mixed
+         dict(steps=2, guidance=1.0)]  # no CFG at all: rank 0 broadcasts the conditional branch
+
+
+def test_cfg_parallel_equals_single_process(cache):
+    single = _single("tiny-droid")
+    with start(ParallelSpec("cfg", "tiny-droid", 2, "cpu", engine=ECONF)) as front:
+        _compare(front, single, CASES)
+        assert front.metadata()["engine"]["parallel"] == "cfg"
+        # seed stream: a request without a seed gets the single engine's default sequence
+        got = front.infer(sample_observation(5), steps=1)
+        want = single.infer(sample_observation(5), steps=1)
+        assert got.seed == want.seed and np.abs(got.actions - want.actions).max() <= TOL
+
+
+@pytest.mark.parametrize("name", ["tiny-droid", "tiny-droid-edge"])  # Qwen (SiLU) and Edge (ReLU², norms)
+def test_tensor_parallel_equals_single_process(cache, name):
+    single = _single(name)
+    with start(ParallelSpec("tp", name, 2, "cpu", engine=ECONF)) as front:
+        _compare(front, single, CASES[:2])
+        local = front.policy.model
+        assert local.config.num_attention_heads * 2 == local.tp.full_config.num_attention_heads
+
+
+def test_shard_model_halves_every_layer_and_builds_on_meta():
+    from wamrt.model import Cosmos3Transformer, get_config
+    from wamrt.parallel.tp import RowParallelLinear, random_sharded, shard_model
+
+    cfg = get_config("tiny-qwen")
+    full = Cosmos3Transformer(cfg)
+    part = random_sharded("tiny-qwen", 1, 2, torch.device("cpu"), torch.float32)
+    layer_full = sum(p.numel() for p in full.layers.parameters())
+    layer_part = sum(p.numel() for p in part.layers.parameters())
+    norms = sum(p.numel() for n, p in full.layers.named_parameters() if "norm" in n)
+    assert layer_part - norms == (layer_full - norms) // 2  # every projection halved, norms replicated
+    assert isinstance(part.layers[0].self_attn.to_out, RowParallelLinear)
+    assert isinstance(part.layers[0].mlp_moe_gen.down_proj, RowParallelLinear)
+    with pytest.raises(ValueError, match="divisible"):
+        shard_model(Cosmos3Transformer(cfg), 0, 3)
+
+
+def test_load_sharded_reads_only_the_slices(tmp_path):
+    from wamrt.model import Cosmos3Transformer, get_config, init_random_, save_transformer
+    from wamrt.parallel.tp import load_sharded, shard_model
+
+    full = init_random_(Cosmos3Transformer(get_config("tiny-edge")), seed=3)
+    save_transformer(full, tmp_path, max_shard_bytes=200_000)  # several files + an index
+    for rank in (0, 1):
+        got = load_sharded(tmp_path, rank, 2, torch.device("cpu"), torch.float32)
+        want = shard_model(init_random_(Cosmos3Transformer(get_config("tiny-edge")), seed=3), rank, 2)
+        want_params = dict(want.named_parameters())
+        for n, p in got.named_parameters():
+            torch.testing.assert_close(p, want_params[n], rtol=0, atol=0, msg=n)
