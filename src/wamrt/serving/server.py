@@ -41,6 +41,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--parallel", choices=["none", "cfg", "tp"], default="none",
                     help="cfg = one CFG branch per GPU (2 GPUs, full model each); tp = every layer split across "
                          "--gpus GPUs (models too large for one GPU); see docs/deployment.md")
+    ap.add_argument("--ray", action="store_true",
+                    help="serve on Ray Serve: --replicas engine replicas (each owning --gpus GPUs) behind one endpoint")
+    ap.add_argument("--replicas", type=int, default=1, help="Ray replicas (with --ray)")
+    ap.add_argument("--max-replicas", type=int, default=None,
+                    help="with --ray: autoscale between --replicas and this on ongoing requests per replica")
     ap.add_argument("--log-level", default="info")
 
 
@@ -66,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = config_from_args(args)
+    if getattr(args, "ray", False):
+        from . import ray_serve  # needs ray[serve]
+
+        return ray_serve.run(args, config)
     if args.parallel != "none":
         return _run_parallel(args, config)
     policy = load_policy(args.model, device=args.device)
