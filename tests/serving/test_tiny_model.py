@@ -36,3 +36,38 @@ def test_http_json(tiny_server: Any, obs: dict[str, Any]) -> None:
     assert np.asarray(r.json()["actions"]).shape == (32, 8)
     metrics = httpx.get(tiny_server.http_url + "/metrics").text
     assert 'wamrt_requests_total{surface="http"}' in metrics
+
+
+def test_remaining_surfaces_and_reset(tiny_server: Any, obs: dict[str, Any]) -> None:
+    """RoboArena dialect + reset (websockets), msgpack /v1/policy/infer + metadata, a /v1/videos policy job."""
+    import time
+
+    from openpi_client import msgpack_numpy as openpi_msgpack
+    from websockets.sync.client import connect
+
+    from wamrt.client.wire import packb, unpackb
+
+    url = tiny_server.http_url
+    obs = {k: (v[::4, ::4] if k.endswith("_left") else v) for k, v in obs.items()}  # smaller JSON; same canvas
+    with connect(tiny_server.ws_url, max_size=None) as ws:
+        assert openpi_msgpack.unpackb(ws.recv())["action_horizon"] == 32
+        ws.send(openpi_msgpack.packb({**obs, "endpoint": "infer", "session_id": "e1", "seed": 2}))
+        bare = openpi_msgpack.unpackb(ws.recv())
+        assert bare.shape == (32, 8) and bare.dtype == np.float32 and np.isfinite(bare).all()
+        ws.send(openpi_msgpack.packb({"endpoint": "reset"}))
+        assert ws.recv() == "reset successful"
+    r = httpx.post(url + "/v1/policy/infer", content=packb({**obs, "seed": 2}),
+                   headers={"content-type": "application/msgpack"}, timeout=120)
+    assert r.status_code == 200
+    np.testing.assert_array_equal(unpackb(r.content)["actions"], bare)  # same seed, same chunk on every surface
+    assert httpx.get(url + "/v1/policy/metadata").json()["sampler"]["num_steps"] == 1
+    robot = {k: (v.tolist() if isinstance(v, np.ndarray | np.generic) else v) for k, v in obs.items()}
+    rec = httpx.post(url + "/v1/videos", json={"prompt": obs["prompt"], "seed": 2,
+                                               "extra_params": {"robot_obs": robot}}).json()
+    for _ in range(600):
+        rec = httpx.get(f"{url}/v1/videos/{rec['id']}").json()
+        if rec["status"] in ("completed", "failed"):
+            break
+        time.sleep(0.05)
+    assert rec["status"] == "completed", rec
+    np.testing.assert_allclose(np.asarray(rec["action"]["data"], np.float32), bare, rtol=0, atol=1e-6)

@@ -53,6 +53,8 @@ def _domain(extra: dict[str, Any]) -> str:
         return extra["domain_name"]
     if "domain_id" in extra:
         wanted = extra["domain_id"]
+        if not isinstance(wanted, int) or isinstance(wanted, bool):
+            raise InvalidRequest(f"must be an integer, got {wanted!r}", field="extra_params.domain_id")
         for name, did in DOMAIN_IDS.items():
             if did == wanted and name in RAW_ACTION_DIMS:
                 return name
@@ -61,7 +63,7 @@ def _domain(extra: dict[str, Any]) -> str:
 
 
 def _int(value: Any, name: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise InvalidRequest(f"must be an integer in [{lo}, {hi}], got {value!r}", field=name)
     try:
         out = int(value)
@@ -73,6 +75,8 @@ def _int(value: Any, name: str, lo: int, hi: int) -> int:
 
 
 def _float(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise InvalidRequest(f"must be a number, got {type(value).__name__}", field=name)
     try:
         out = float(value)
     except (TypeError, ValueError) as exc:
@@ -198,7 +202,8 @@ def build_dynamics(fields: dict[str, Any], extra: dict[str, Any], mode: str, def
         dom = resolve_domain(domain)
     except RequestError as exc:
         raise InvalidRequest(str(exc)[len("domain: "):], field="extra_params.domain_name") from exc
-    if "raw_action_dim" in extra and extra["raw_action_dim"] != dom.raw_action_dim:
+    rad = extra.get("raw_action_dim", dom.raw_action_dim)
+    if not isinstance(rad, int) or isinstance(rad, bool) or rad != dom.raw_action_dim:
         raise InvalidRequest(f"must be {dom.raw_action_dim} for domain {dom.name!r}",
                              field="extra_params.raw_action_dim")
     image, video, source = _conditioning(fields, extra)
@@ -264,12 +269,19 @@ def build_dynamics(fields: dict[str, Any], extra: dict[str, Any], mode: str, def
     if "guidance_interval" in extra:
         raise InvalidRequest("guidance_interval applies to action_mode 'policy' only",
                              field="extra_params.guidance_interval")
+    view_point = extra.get("view_point", extra.get("action_view_point", "ego_view"))
+    if view_point is not None and not isinstance(view_point, str):
+        raise InvalidRequest("must be a string", field="extra_params.view_point")
+    use_system_prompt = extra.get("use_system_prompt", False)
+    if not isinstance(use_system_prompt, bool):
+        raise InvalidRequest("must be a boolean", field="extra_params.use_system_prompt")
+    negative = fields.get("negative_prompt") or None
+    if negative is not None and not isinstance(negative, str):
+        raise InvalidRequest("must be a string", field="negative_prompt")
     kwargs: dict[str, Any] = {
         "prompt": prompt, "domain": dom.name, "chunk_size": chunk, "image": image,
         "video": video, "raw_actions": raw_actions, "resolution_tier": tier,
-        "view_point": extra.get("view_point", extra.get("action_view_point", "ego_view")),
-        "negative_prompt": fields.get("negative_prompt") or None,
-        "use_system_prompt": bool(extra.get("use_system_prompt", False)), **sampler,
+        "view_point": view_point, "negative_prompt": negative, "use_system_prompt": use_system_prompt, **sampler,
     }
     if fps is not None:
         kwargs["fps"] = fps

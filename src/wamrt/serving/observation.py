@@ -76,16 +76,17 @@ def parse_request(msg: Any, *, reset_only_ok: bool = True) -> ParsedRequest:
     out = ParsedRequest(observation={})
     if "endpoint" in msg:
         out.had_endpoint = True
-        out.endpoint = msg["endpoint"]
-        if out.endpoint not in ("infer", "reset"):
-            raise InvalidRequest(f"must be 'infer' or 'reset', got {out.endpoint!r}", field="endpoint")
+        endpoint = msg["endpoint"]
+        if not isinstance(endpoint, str) or endpoint not in ("infer", "reset"):
+            raise InvalidRequest(f"must be 'infer' or 'reset', got {endpoint!r}", field="endpoint")
+        out.endpoint = endpoint
     if msg.get("session_id") is not None:
         sid = msg["session_id"]
         if not isinstance(sid, str | int) or isinstance(sid, bool) or len(str(sid)) > 256:
             raise InvalidRequest("must be a string of at most 256 characters", field="session_id")
         out.session_id = str(sid)
     if "reset" in msg:
-        out.reset = bool(msg["reset"])
+        out.reset = _flag(msg["reset"], "reset")
     if "embodiment" in msg:
         if not isinstance(msg["embodiment"], str):
             raise InvalidRequest("must be a string", field="embodiment")
@@ -97,6 +98,17 @@ def parse_request(msg: Any, *, reset_only_ok: bool = True) -> ParsedRequest:
     out.deadline = _deadline(msg.get("timestamp"), msg.get("max_age_ms"))
     out.observation = _observation(msg, out.notes)
     return out
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A boolean control value: bool, 0/1 or a numpy bool/int scalar (an array is refused, not truth-tested)."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value.item()
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or isinstance(value, bool) or isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise InvalidRequest(f"must be a boolean, got {type(value).__name__}", field=name)
 
 
 def _seed(value: Any) -> int | None:
@@ -120,7 +132,7 @@ def parse_params(params: Any) -> tuple[dict[str, Any], dict[str, bool]]:
     for raw_key, value in params.items():
         key = _str_key(raw_key)
         if key in PARAM_FLAGS:
-            flags[key] = bool(value)
+            flags[key] = _flag(value, f"params.{key}")
             continue
         name = PARAM_ALIASES.get(key)
         if name is None:

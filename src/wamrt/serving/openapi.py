@@ -30,6 +30,27 @@ _OBSERVATION = {
 }
 
 
+_VIDEO_FORM = {
+    "type": "object", "required": ["prompt"],
+    "properties": {
+        "prompt": {"type": "string"}, "model": {"type": "string"}, "negative_prompt": {"type": "string"},
+        "seed": {"type": "integer", "minimum": 0}, "num_inference_steps": {"type": "integer", "minimum": 1},
+        "guidance_scale": {"type": "number"}, "flow_shift": {"type": "number"}, "size": {"type": "string"},
+        "seconds": {"type": "string"}, "num_frames": {"type": "integer", "minimum": 1},
+        "fps": {"type": "number"},
+        "extra_params": {"type": "string", "description": "JSON object: action_mode (policy | forward_dynamics "
+                         "| inverse_dynamics), domain_name/domain_id, action_chunk_size, raw_action_dim, "
+                         "robot_obs/observation, action, video, image_size, view_point, num_steps, guidance, "
+                         "shift, guidance_interval, session_id"},
+        "input_reference": {"type": "string", "format": "binary", "description": "image (policy, FD) or video (ID)"},
+        "image_reference": {"type": "string", "description": 'JSON {"image_url": "data:..."}'},
+        "video_reference": {"type": "string", "description": 'JSON {"video_url": "data:..."}'},
+    },
+}
+_VIDEO_BODY = {"multipart/form-data": {"schema": _VIDEO_FORM}, "application/json": {"schema": _VIDEO_FORM}}
+_MP4 = {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}
+
+
 def _errors(*codes: int) -> dict[str, Any]:
     return {str(c): {"description": "typed error", "content": {"application/json": {"schema": _ERROR}}}
             for c in codes}
@@ -55,10 +76,27 @@ def openapi_spec() -> dict[str, Any]:
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
                 "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/v1/models": {"get": {"summary": "Served model", "responses": {"200": json_ok}}},
-            "/v1/videos": {"get": {"summary": "List jobs", "responses": {"200": json_ok}}},
+            "/v1/videos": {
+                "get": {"summary": "List jobs", "responses": {"200": json_ok}},
+                "post": {"summary": "Queue a policy / forward-dynamics / inverse-dynamics job",
+                         "requestBody": {"required": True, "content": _VIDEO_BODY},
+                         "responses": {"200": json_ok, **_errors(400, 401, 413, 429, 500, 503)}},
+            },
+            "/v1/videos/sync": {"post": {
+                "summary": "Run a job and answer at once (forward dynamics: the MP4, or JSON with Accept)",
+                "requestBody": {"required": True, "content": _VIDEO_BODY},
+                "responses": {"200": {"description": "OK", "content": {**json_ok["content"], **_MP4}},
+                              **_errors(400, 401, 413, 422, 429, 499, 500, 503)}}},
             "/v1/videos/{video_id}": {
                 "parameters": [{"name": "video_id", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "get": {"summary": "Job record", "responses": {"200": json_ok, **_errors(404)}},
+                "delete": {"summary": "Delete a job (a queued one is dropped)",
+                           "responses": {"200": json_ok, **_errors(404)}},
+            },
+            "/v1/videos/{video_id}/content": {
+                "parameters": [{"name": "video_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "get": {"summary": "Forward-dynamics MP4 (empty for action-only jobs)",
+                        "responses": {"200": {"description": "OK", "content": _MP4}, **_errors(404)}},
             },
         },
         "components": {"schemas": {"Error": {
