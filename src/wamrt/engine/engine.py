@@ -140,6 +140,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.kv_cache = ReasonerCache(model, config.kv_cache_size)
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._graph_pool = None  # shared by every captured graph (see _capture)
         self._seeds = np.random.default_rng(0)
         self._upcoming_seed = int(self._seeds.integers(0, 2**31))
         self._noise = GaussianPrefetcher()
@@ -436,7 +437,13 @@ class Engine:
             for _ in range(2):  # compile / autotune / cuDNN plan selection happen here, not in capture
                 run()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        with torch.cuda.graph(entry.graph):
+        # One memory pool for every bucket's graph: private pools cost the sum of all buckets (a server
+        # warming batch sizes 1..8 of Nano ran out of 141 GB at batch 6), a shared one about the largest.
+        # Safe here because replays are sequential on one stream, each replay writes every temporary it
+        # reads (K/V buffers included) and its outputs are cloned before any other graph replays.
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(entry.graph, pool=self._graph_pool):
             entry.outputs = run()
         # The graph reads tensors made before capture (the sampler plan's divisors): they must live as
         # long as the graph, or replays read freed memory.
