@@ -117,7 +117,8 @@ def plot_waterfall(rows: list[dict], path: Path, title: str) -> None:
     errs = [[r["p50_ms"] - r["ci95_p50_ms"][0] for r in rows], [r["ci95_p50_ms"][1] - r["p50_ms"] for r in rows]]
     if len(vals) > len(rows):
         errs = [e + [0.0] for e in errs]
-    colors = ["#4c72b0"] * len(rows) + ["#c44e52"] * (len(vals) - len(rows))
+    colors = ["#dd8452" if r.get("lossy") else "#4c72b0" for r in rows] + ["#c44e52"] * (len(vals) - len(rows))
+    names[: len(rows)] = [f"{r['row']}\n{r['steps']} st" + ("\nlossy" if r.get("lossy") else "") for r in rows]
     ax.bar(names, vals, yerr=errs, color=colors, capsize=3)
     for x, v in enumerate(vals):
         ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)

@@ -64,7 +64,7 @@ def _chunks(engine: Engine, overrides: dict) -> list[np.ndarray]:
 
 def run_lossy_rows(policy: Policy, args: argparse.Namespace, env: dict, command: str, attention: str,
                    attention_ms: dict | None, out_dir: Path) -> list[dict]:
-    from .latency import RowSpec, engine_config, measure_row, print_row
+    from .latency import RowSpec, engine_config, measure_row, plot_waterfall, print_row
 
     dev = policy.device
     rows = [r for r in args.lossy_rows if r in LOSSY_ROWS]
@@ -141,6 +141,13 @@ def run_lossy_rows(policy: Policy, args: argparse.Namespace, env: dict, command:
                   f"(another seed: {quality['bf16_other_seed_rel_l2']:.4f})", flush=True)
         results.append(result)
         del engine
+    exact = out_dir / f"{args.model}-s4-E5.json"
+    chart = ([json.loads(exact.read_text())] if exact.exists() else []) + results
+    try:
+        plot_waterfall(chart, out_dir / f"waterfall-{args.model}-lossy.png",
+                       f"Cosmos 3 {args.model}: exact E5 then lossy rows (random weights, tier 480, {env.get('gpu')})")
+    except ImportError:
+        print("matplotlib missing: no PNG", flush=True)
     if args.quality:
         record = {"kind": "quality", "command": command, **env, "model": args.model, "recipe": "gen-fp8",
                   "weights": "random", "tier": 480, **quality,
