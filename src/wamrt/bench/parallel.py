@@ -13,8 +13,12 @@ websocket lane (the serving latency). Writes `kind: latency` JSON files (../shar
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
+import os
+import platform
+import subprocess
 import sys
 import time
 from functools import partial
@@ -60,12 +64,43 @@ def _infer(policy: Any, observations: list, steps: int, i: int):
 
 
 def _time(policy: Any, args: argparse.Namespace) -> tuple[dict, dict, float]:
-    from .latency import time_requests
-
+    """Warm-up, then each request timed on the host clock (arrays in -> actions out), a different
+    observation each time (made before timing), seeds from the server's default sequence."""
     t0 = time.perf_counter()
     observations = [sample_observation(i) for i in range(args.warmup + args.runs)]
-    totals, stages = time_requests(partial(_infer, policy, observations, args.steps), args.warmup, args.runs)
+    infer = partial(_infer, policy, observations, args.steps)
+    for i in range(args.warmup):
+        infer(i)
+    totals, stages = [], []
+    for i in range(args.warmup, args.warmup + args.runs):
+        t = time.perf_counter()
+        chunk = infer(i)
+        totals.append(1e3 * (time.perf_counter() - t))
+        stages.append(chunk.timings_ms)
     return summarize(totals), median_stages(stages), time.perf_counter() - t0
+
+
+def environment() -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(), "git_sha": _git_sha(),
+           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    if torch.cuda.is_available():
+        env["gpu_count"] = torch.cuda.device_count()
+        try:
+            env["driver"] = subprocess.check_output(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], text=True).split()[0]
+        except (OSError, subprocess.CalledProcessError, IndexError):
+            pass
+    return env
+
+
+def _git_sha() -> str:
+    if os.environ.get("WAMRT_GIT_SHA"):
+        return os.environ["WAMRT_GIT_SHA"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def _result(args: argparse.Namespace, env: dict, command: str, parallel: str, gpus: int, summary: dict,
@@ -117,7 +152,6 @@ def _serve_check(policy: Any, seconds: float, steps: int) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from ..parallel import ParallelSpec, start
     from ..parallel.dist import no_multicast_env
-    from .latency import environment
 
     no_multicast_env()
     torch.backends.cuda.matmul.allow_tf32 = False
