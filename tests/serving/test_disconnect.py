@@ -29,9 +29,9 @@ MSGPACK = {"content-type": "application/msgpack"}
 # gc.get_objects() touches lazy torch attributes that warn on access.
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 VLLM = "/v1/realtime/robot/openpi"
-WARMUP_CYCLES, CYCLES = 10, 120  # 480 abandoned requests measured (~15 s under tracemalloc)
+WARMUP_CYCLES, CYCLES = 10, 100  # 400 abandoned requests measured (~11 s under tracemalloc)
 # Bound on traced Python memory growth over CYCLES cycles after warm-up. One leaked observation per
-# request would cost 4 x ~20 kB per cycle (~16 MB over the run); 2 MB allows interpreter noise only.
+# request would cost 4 x ~20 kB per cycle (~8 MB over the run); 2 MB allows interpreter noise only.
 MAX_GROWTH_BYTES = 2 * 2**20
 
 

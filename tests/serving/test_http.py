@@ -150,7 +150,9 @@ def test_stale_observation_rejected(fake_server: ServerThread, obs: dict[str, An
 
 
 def test_client_disconnect_leaves_no_stuck_job(obs: dict[str, Any]) -> None:
-    policy = FakePolicy(delay=0.4)
+    # The engine call (1 s) outlasts all four clients (4 x 0.15 s): only the first request ever starts,
+    # the other three are dropped from the queue (one slot of slack for a slow disconnect under load).
+    policy = FakePolicy(delay=1.0)
     with ServerThread(policy, ServeConfig(max_batch=1, max_wait_ms=0)) as server:
         url = server.http_url + "/v1/policy/infer"
         for _ in range(4):  # first rides the engine, the others wait in the queue; all hang up
@@ -164,5 +166,5 @@ def test_client_disconnect_leaves_no_stuck_job(obs: dict[str, Any]) -> None:
         _ok(server.http_url, obs)
         assert len(policy.calls) == calls_before + 1
         # The abandoned requests never all ran: at most the ones already taken by the engine did.
-        assert calls_before <= 1 + 2  # warm-up + at most two that had started before their client left
+        assert calls_before <= 1 + 2  # warm-up + the first (+ at most one whose hang-up landed late)
     assert json.dumps(server.service.handshake())  # handshake stays JSON-serialisable
