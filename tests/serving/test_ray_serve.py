@@ -116,17 +116,19 @@ def test_two_replicas_serve_ws_and_http_and_survive_a_replica_kill(endpoint):
 
     round_s = time.monotonic() - t0
 
-    # Kill one replica while both have a long request in flight (~4 rounds' worth of steps).
-    slow = dict(obs, params={"num_steps": int(min(1000, max(40, 16 / max(round_s, 0.05))))})
+    # Kill one replica while both have a long request in flight.
+    slow = dict(obs, params={"num_steps": 150})
     results.clear()
     lanes = [threading.Thread(target=ws_lane, args=("victim", doomed, slow)),
              threading.Thread(target=ws_lane, args=("survivor", kept, slow))]
     for t in lanes:
         t.start()
-    time.sleep(min(1.0, round_s))
+    time.sleep(0.5)
+    t_kill = time.monotonic()
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
     for t in lanes:
         t.join(120)
+    print(f"4-step round {round_s:.2f} s; 150-step survivor finished {time.monotonic() - t_kill:.2f} s after the kill")
     assert isinstance(results["victim"], ConnectionClosed | ServerError), results["victim"]
     assert results["survivor"]["actions"].shape == (32, 8), results["survivor"]
 
