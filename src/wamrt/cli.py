@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import sim_cli  # light: each simulator command imports mujoco/pyarrow itself
 
     sim_cli.add_subcommands(sub)
+    from . import train_cli
+
+    train_cli.add_subcommands(sub)
     return ap
 
 

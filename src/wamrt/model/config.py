@@ -142,6 +142,13 @@ CONFIGS: dict[str, Cosmos3Config] = {
         qk_norm_for_text=False, use_und_k_norm_for_gen=True, rope_theta=1e8, rms_norm_eps=1e-5,
         vocab_size=512, **_ACTION,
     ),
+    # The small policy trained in-repo on the simulator (wamrt.train; the embedded `panda-droid` model):
+    # Qwen flavour, sized for CPU serving (~0.3 s per 4-step CFG request on 2 cores at tier 256).
+    "policy-s": Cosmos3Config(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, rope_axes_dim=(12, 10, 10), hidden_act="silu", rope_theta=5e6,
+        rms_norm_eps=1e-6, vocab_size=512, **_ACTION,
+    ),
 }
 
 

@@ -16,7 +16,14 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ..model import Cosmos3Transformer, action_positions, generator_offset, text_positions, vision_positions
+from ..model import (
+    Cosmos3Config,
+    Cosmos3Transformer,
+    action_positions,
+    generator_offset,
+    text_positions,
+    vision_positions,
+)
 from .canvas import compose_droid_canvas, pad_to_bucket
 from .denoise import Branch, DenoiseInputs, DenoiseResult, SamplingOptions, denoise
 from .errors import RequestError
@@ -127,23 +134,39 @@ def prepare_droid(
     vision[:, :, :1] = latent0
     action = torch.from_numpy(act.init).to(device)[None]  # [1, 33, 64]
 
-    cfg = model.config
-    ph, pw = -(-lat_h // cfg.latent_patch_size), -(-lat_w // cfg.latent_patch_size)
-
-    def branch(ids: tuple[int, ...]) -> Branch:
-        off = generator_offset(cfg, len(ids))
-        pos = torch.cat([text_positions(len(ids)), vision_positions(cfg, lat_t, ph, pw, off, contract.fps),
-                         action_positions(cfg, rows, off, contract.fps, start_frame=0)], dim=1)
-        return Branch(torch.tensor([ids], dtype=torch.long, device=device), pos[None].to(device))
-
     inputs = DenoiseInputs(
-        cond=branch(cond_ids), uncond=branch(uncond_ids), vision=vision,
-        vision_noisy=(torch.arange(lat_t, device=device) >= 1)[None],
-        action=action, action_noisy=(torch.arange(rows, device=device) >= contract.history)[None],
+        cond=droid_branch(model.config, cond_ids, (lat_t, lat_h, lat_w), contract, device),
+        uncond=droid_branch(model.config, uncond_ids, (lat_t, lat_h, lat_w), contract, device), vision=vision,
+        vision_noisy=droid_vision_noisy(lat_t, device),
+        action=action, action_noisy=droid_action_noisy(contract, device),
         domain_ids=torch.tensor([contract.domain_id], device=device), raw_action_dim=contract.raw_action_dim,
     )
     timings["pack"] = 1e3 * (time.perf_counter() - t0)
     return PreparedDroid(inputs, prompt, seed, canvas, padded.image_size, timings)
+
+
+def droid_branch(cfg: Cosmos3Config, ids: tuple[int, ...], latent_thw: tuple[int, int, int],
+                 contract: DroidContract, device: torch.device | str = "cpu") -> Branch:
+    """One CFG branch of a DROID request: its token ids and the positions of the packed sequence
+    [text | lat_t x ph x pw vision patches | history + chunk action rows]. Shared by inference
+    (`prepare_droid`) and training (`wamrt.train`), so both pack the same way."""
+    lat_t, lat_h, lat_w = latent_thw
+    ph, pw = -(-lat_h // cfg.latent_patch_size), -(-lat_w // cfg.latent_patch_size)
+    rows = contract.chunk + contract.history
+    off = generator_offset(cfg, len(ids))
+    pos = torch.cat([text_positions(len(ids)), vision_positions(cfg, lat_t, ph, pw, off, contract.fps),
+                     action_positions(cfg, rows, off, contract.fps, start_frame=0)], dim=1)
+    return Branch(torch.tensor([ids], dtype=torch.long, device=device), pos[None].to(device))
+
+
+def droid_vision_noisy(lat_t: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[1, lat_t] bool: latent frame 0 (the observation) is clean, the future frames are generated."""
+    return (torch.arange(lat_t, device=device) >= 1)[None]
+
+
+def droid_action_noisy(contract: DroidContract, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[1, history + chunk] bool: the state row(s) are clean, the chunk rows are generated."""
+    return (torch.arange(contract.chunk + contract.history, device=device) >= contract.history)[None]
 
 
 def droid_metadata(name: str, contract: DroidContract, options: SamplingOptions) -> dict[str, Any]:

@@ -4,6 +4,7 @@ action chunks through the eager reference path."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from .denoise import SamplingOptions
 from .droid import ActionChunk, DroidContract, droid_metadata, run_droid
 from .errors import RequestError
 from .generic import GenericResult, run_generic
+from .geometry import FRAMEWORK_VIDEO_RES_SIZE_INFO
 from .tokens import CaptionTokenizer
 from .vae import FrameEncoder, load_vae
 
@@ -114,6 +116,20 @@ def validate_options(opts: SamplingOptions) -> None:
         raise RequestError(f"must be [lo, hi] with lo < hi, got {gi!r}", field="guidance_interval")
 
 
+# Policies trained in-repo (`wamrt train`, scripts/gpu_train.sh) and committed as package data. An
+# environment variable WAMRT_<NAME> (e.g. WAMRT_PANDA_DROID) points a name at another folder (tests).
+TRAINED_MODELS = {"panda-droid": Path(__file__).resolve().parents[1] / "assets" / "panda-droid"}
+
+
+def trained_path(name: str) -> Path:
+    override = os.environ.get("WAMRT_" + name.upper().replace("-", "_"))
+    folder = Path(override) if override else TRAINED_MODELS[name]
+    if not (folder / POLICY_CONFIG).is_file():
+        raise RequestError(f"the trained model {name!r} is not present at {folder} (train it with "
+                           f"scripts/gpu_train.sh and unpack its checkpoint.tgz there)", field="model")
+    return folder
+
+
 def _find_tokenizer(root: Path) -> Path:
     for candidate in (root / "tokenizer", root, root.parent / "tokenizer"):
         if (candidate / "tokenizer.json").is_file() or (candidate / "tokenizer_config.json").is_file():
@@ -154,7 +170,10 @@ def load_policy(
         size = name.split(":", 1)[1]
         return random_policy(size, dev, dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32),
                              tiny_vae=size.startswith("tiny"))
-    root = builtin_path(name) if name in BUILTIN_MODELS else Path(name)
+    if name in BUILTIN_MODELS:
+        root = builtin_path(name)
+    else:
+        root = trained_path(name) if name in TRAINED_MODELS else Path(name)
     if not root.exists():
         raise RequestError(f"no checkpoint at {root} (built-in models: {', '.join(BUILTIN_MODELS)})",
                            field="model")
@@ -177,7 +196,10 @@ def load_policy(
     fmt = prompt_format or extra.get("prompt_format", "plain")
     if fmt not in ("plain", "json"):
         raise RequestError(f"must be 'plain' or 'json', got {fmt!r}", field="prompt_format")
-    contract = DroidContract(prompt_format=fmt)
+    tier = str(extra.get("tier", DroidContract.tier))  # a small trained policy may use a smaller bucket tier
+    if tier not in FRAMEWORK_VIDEO_RES_SIZE_INFO:
+        raise RequestError(f"unknown resolution tier {tier!r} in {POLICY_CONFIG}", field="tier")
+    contract = DroidContract(prompt_format=fmt, tier=tier)
     if options is None:
         gi = extra.get("guidance_interval")
         options = SamplingOptions(guidance_interval=tuple(gi) if gi else None)

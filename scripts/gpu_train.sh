@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Train the embedded panda-droid policy on the lent H200, in ONE device call (< 600 s), or evaluate one.
+#
+#   bash scripts/gpu_train.sh            # MODE=train: setup, demos, training, sanity rollout
+#   MODE=eval CKPT=src/wamrt/assets/panda-droid bash scripts/gpu_train.sh   # 200-episode eval + gate runs
+#
+# Carried (git-ignored) folders: .whl/ (mujoco 4.0.0 + mujoco-core/studio, glfw, pyopengl, diffusers,
+# importlib_metadata; installed --no-deps into /tmp/site) and .gl/ (libglvnd EGL/GL debs, unpacked into /).
+# Knobs (env): DEMOS DEMO_S WORKERS TRAIN_MIN BATCH EPISODES LANES ROLL_S EVAL_EPISODES GATE_EPISODES
+#   EVAL_S GATE_S SIZE; PY (python, default python3); SKIP_INSTALL=1 (local tests: use the current env).
+# Writes into $OUT: checkpoint.tgz (the checkpoint folder), run.tgz (logs, demo stats, rollout/gate JSON),
+# train_log.txt, summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+MODE=${MODE:-train}
+PY=${PY:-python3}
+WORK=${WORK:-/tmp/wamrt-train}
+DEMOS=${DEMOS:-400}          # episodes attempted (recording stops at DEMO_S anyway)
+DEMO_S=${DEMO_S:-75}
+WORKERS=${WORKERS:-15}
+TRAIN_MIN=${TRAIN_MIN:-5.5}
+BATCH=${BATCH:-128}
+SIZE=${SIZE:-policy-s}
+EPISODES=${EPISODES:-50}
+LANES=${LANES:-8}
+ROLL_S=${ROLL_S:-100}
+EVAL_EPISODES=${EVAL_EPISODES:-200}
+GATE_EPISODES=${GATE_EPISODES:-100}
+EVAL_S=${EVAL_S:-240}
+GATE_S=${GATE_S:-150}
+RES=$WORK/res
+mkdir -p "$RES"
+log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/summary.txt"; }
+wamrt() { "$PY" -m wamrt.cli "$@"; }
+
+# ---- (i) setup --------------------------------------------------------------------------------------
+if [ "${SKIP_INSTALL:-0}" != 1 ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { log "FATAL: wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD/src
+  for f in .gl/*.deb; do dpkg -x "$f" / || log "warning: dpkg -x $f failed"; done
+  ldconfig 2>/dev/null || true
+fi
+export PYTHONUNBUFFERED=1 PYOPENGL_PLATFORM=${PYOPENGL_PLATFORM:-egl}
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+probe='import mujoco; c = mujoco.GLContext(64, 64); c.make_current(); r = mujoco.Renderer(mujoco.MjModel.from_xml_string("<mujoco/>"), 32, 32); c.free()'
+gl_ok() { MUJOCO_GL=$1 PYOPENGL_PLATFORM=$1 timeout 60 "$PY" -c "$probe" >"$RES/gl-$1.txt" 2>&1; }
+if [ -n "${MUJOCO_GL:-}" ] && gl_ok "$MUJOCO_GL"; then GL=$MUJOCO_GL
+elif gl_ok egl; then GL=egl
+else
+  vendor=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
+  for cand in $vendor /usr/share/glvnd/egl_vendor.d/10_nvidia.json /etc/glvnd/egl_vendor.d/10_nvidia.json; do
+    [ -f "$cand" ] && export __EGL_VENDOR_LIBRARY_FILENAMES=$cand && break
+  done
+  if gl_ok egl; then GL=egl
+  elif gl_ok osmesa; then GL=osmesa; log "WARNING: EGL failed, rendering with OSMesa (CPU, slow)"
+  else
+    log "FATAL: no headless GL (EGL and OSMesa both failed). EGL probe said:"; tail -5 "$RES/gl-egl.txt"
+    ls /usr/local/nvidia/share/glvnd/egl_vendor.d /usr/share/glvnd/egl_vendor.d 2>&1 | head; exit 1
+  fi
+fi
+export MUJOCO_GL=$GL PYOPENGL_PLATFORM=$GL
+log "setup done: MUJOCO_GL=$GL ${__EGL_VENDOR_LIBRARY_FILENAMES:+vendor=$__EGL_VENDOR_LIBRARY_FILENAMES}"
+
+pack() {
+  [ -d "$CKPT" ] && [ "$MODE" = train ] && tar czf "$OUT/checkpoint.tgz" -C "$(dirname "$CKPT")" "$(basename "$CKPT")"
+  cp "$RES/summary.txt" "$OUT/summary.txt" 2>/dev/null
+  [ -f "$CKPT/train_log.txt" ] && [ "$MODE" = train ] && cp "$CKPT/train_log.txt" "$OUT/train_log.txt"
+  tar czf "$OUT/run.tgz" -C "$RES" . 2>/dev/null
+  echo "==== summary ($MODE, $(( $(date +%s) - T0 )) s) ===="; cat "$RES/summary.txt"
+  ls -la "$OUT"
+}
+
+if [ "$MODE" = train ]; then
+  CKPT=${CKPT:-$WORK/panda-droid}
+  rm -rf "$CKPT" "$WORK/demos"
+  # ---- (ii) demos ---------------------------------------------------------------------------------------
+  log "demos: pick_place, up to $DEMOS episodes, $WORKERS workers, $DEMO_S s"
+  timeout $((DEMO_S + 60)) "$PY" -m wamrt.cli train record --task pick_place --episodes "$DEMOS" --workers "$WORKERS" \
+    --seconds "$DEMO_S" --out "$WORK/demos" 2>&1 | tail -3 | tee -a "$RES/demos.txt"
+  cp "$WORK/demos"/stats_*.json "$RES/" 2>/dev/null
+  n=$(ls "$WORK/demos"/*.npz 2>/dev/null | wc -l)
+  log "demos: $n episodes written ($(du -sh "$WORK/demos" | cut -f1))"
+  [ "$n" -gt 0 ] || { log "FATAL: no demos"; pack; exit 1; }
+  # ---- (iii) training -----------------------------------------------------------------------------------
+  log "train: $SIZE, $TRAIN_MIN min, batch $BATCH"
+  timeout "$("$PY" -c "print(int($TRAIN_MIN * 60 + 120))")" "$PY" -m wamrt.cli train fit --demos "$WORK/demos" \
+    --out "$CKPT" --minutes "$TRAIN_MIN" --batch "$BATCH" --size "$SIZE" --log-every 100 2>&1 \
+    | grep -v Warning | tee "$RES/train_stdout.txt" | grep -E "^(step|done|data|wrote)" | awk 'NR % 5 == 1 || /done|wrote|data/'
+  [ -f "$CKPT/wamrt.json" ] || { log "FATAL: training wrote no checkpoint"; pack; exit 1; }
+  log "train: $(grep '^done' "$CKPT/train_log.txt")  last: $(grep '^step' "$CKPT/train_log.txt" | tail -1 | cut -c1-110)"
+  log "checkpoint: $(du -sh "$CKPT" | cut -f1) at $CKPT"
+  # ---- (v) sanity rollout -------------------------------------------------------------------------------
+  log "rollout: $EPISODES episodes, $LANES lanes (in-process Policy, eager reference path)"
+  timeout "$ROLL_S" "$PY" -m wamrt.cli rollout --policy "$CKPT" --task pick_place --episodes "$EPISODES" \
+    --lanes "$LANES" --seed0 0 --out "$RES/rollout-sanity.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$RES/summary.txt"
+  pack
+else
+  CKPT=${CKPT:?MODE=eval needs CKPT=checkpoint folder}
+  log "eval: $EVAL_EPISODES episodes of pick_place, $LANES lanes, 4 steps, guidance 3"
+  timeout "$EVAL_S" "$PY" -m wamrt.cli rollout --policy "$CKPT" --task pick_place --episodes "$EVAL_EPISODES" \
+    --lanes "$LANES" --seed0 0 --out "$RES/rollout-pick_place-$EVAL_EPISODES.json" 2>&1 | grep -v Warning | tail -2 \
+    | tee -a "$RES/summary.txt"
+  log "gate self: $GATE_EPISODES seeds"
+  timeout "$GATE_S" "$PY" -m wamrt.cli eval gate --task pick_place --episodes "$GATE_EPISODES" --lanes "$LANES" \
+    --baseline "$CKPT" --candidate "$CKPT" --out "$RES/gate-self.json" 2>&1 | grep -v Warning | tail -5 \
+    | tee -a "$RES/summary.txt"
+  log "gate broken (1 sampling step): $GATE_EPISODES seeds"
+  timeout "$GATE_S" "$PY" -m wamrt.cli eval gate --task pick_place --episodes "$GATE_EPISODES" --lanes "$LANES" \
+    --baseline "$CKPT" --candidate "$CKPT:steps=1" --out "$RES/gate-steps1.json" 2>&1 | grep -v Warning | tail -5 \
+    | tee -a "$RES/summary.txt"
+  pack
+fi

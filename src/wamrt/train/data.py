@@ -1,0 +1,203 @@
+"""Training data: scripted-expert episodes stored as the padded canvases the policy's VAE encodes.
+
+Recording runs the expert exactly as `wamrt demos record` does (`wamrt.sim.record.record_episode`), turns
+every rendered observation into the openpi DROID dict (`wamrt.sim.droid.droid_observation`) and then into
+pixels with the serving pipeline's own functions (`compose_droid_canvas` + `pad_to_bucket` at the policy's
+tier), so training sees byte for byte what `prepare_droid` feeds the VAE at inference. One uncompressed
+`.npz` per episode (canvases are ~250 KB per frame at tier 256; compression costs more than it saves here):
+
+  canvas uint8 [T, H, W, 3]   padded bucket canvas of the observation before action t
+  state float32 [T, 8]        the DROID state row (7 joints, 1 - gripper closure) of that observation
+  actions float32 [T, 8]      the expert's action t (7 joint targets, gripper 0 open .. 1 closed)
+  meta                        JSON: task, seed, prompt, success, length, tier, image_size
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _canvas_of(obs_dict: dict[str, Any], tier: str) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+    from ..pipeline.canvas import compose_droid_canvas, pad_to_bucket
+
+    padded = pad_to_bucket(compose_droid_canvas(obs_dict), tier)
+    return padded.pixels, padded.image_size
+
+
+def record_canvas_episode(env: Any, expert: Any, seed: int, tier: str) -> tuple[dict[str, np.ndarray], dict]:
+    """One expert episode -> canvases, state rows, actions (the sim's own recorder runs the episode)."""
+    from ..pipeline.noise import droid_state_row
+    from ..sim.droid import droid_observation
+    from ..sim.env import Observation
+    from ..sim.record import record_episode
+
+    arrays, success = record_episode(env, expert, seed)
+    prompt = env.layout.instruction
+    canvases, states = [], []
+    size = None
+    for t in range(len(arrays["actions"])):
+        images = {cam: arrays[f"image_{cam}"][t] for cam in env.camera_hw}
+        obs = Observation(images, arrays["joint_position"][t], float(arrays["gripper_position"][t]), prompt, t)
+        d = droid_observation(obs)
+        pixels, size = _canvas_of(d, tier)
+        canvases.append(pixels)
+        states.append(droid_state_row(d["observation/joint_position"], d["observation/gripper_position"]))
+    out = {"canvas": np.stack(canvases), "state": np.stack(states).astype(np.float32),
+           "actions": arrays["actions"].astype(np.float32)}
+    meta = {"task": env.spec.name, "seed": int(seed), "prompt": prompt, "success": bool(success),
+            "length": len(out["actions"]), "tier": tier, "image_size": list(size or ())}
+    return out, meta
+
+
+def _record_worker(args: tuple[str, list[int], str, str, dict[str, Any]]) -> list[dict]:
+    task, seeds, out_dir, tier, env_kwargs = args
+    import torch
+
+    torch.set_num_threads(1)
+    from ..sim.env import PandaEnv
+    from ..sim.expert import ScriptedExpert
+
+    metas = []
+    with PandaEnv(task, **env_kwargs) as env:
+        expert = ScriptedExpert()
+        for seed in seeds:
+            arrays, meta = record_canvas_episode(env, expert, seed, tier)
+            if not meta["success"]:
+                metas.append(meta)
+                continue
+            name = f"{task}_{seed:06d}.npz"
+            meta["file"] = name
+            np.savez(Path(out_dir) / name, meta=np.array(json.dumps(meta)), **arrays)
+            metas.append(meta)
+    return metas
+
+
+def record_canvas_demos(task: str, seeds: Sequence[int], out_dir: str | Path, *, tier: str = "256",
+                        workers: int = 1, env_kwargs: dict[str, Any] | None = None,
+                        deadline_s: float | None = None) -> list[dict]:
+    """Record successful expert episodes in `workers` spawned processes; returns every episode's meta
+    (failed ones carry no `file`). `deadline_s` stops handing out work after that many seconds."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = [int(s) for s in seeds]
+    per = 4  # seeds per work item: small items keep the deadline tight and the workers busy
+    items = [(task, seeds[i:i + per], str(out), tier, dict(env_kwargs or {})) for i in range(0, len(seeds), per)]
+    metas: list[dict] = []
+    t0 = time.perf_counter()
+    if workers <= 1:
+        for it in items:
+            metas += _record_worker(it)
+            if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
+                break
+    else:
+        with mp.get_context("spawn").Pool(workers) as pool:
+            for res in pool.imap_unordered(_record_worker, items):
+                metas += res
+                if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
+                    pool.terminate()
+                    break
+    (out / f"manifest_{task}.json").write_text(json.dumps(metas, indent=1))
+    return metas
+
+
+@dataclass
+class DemoSet:
+    """All frames of a set of episodes, flattened. Index i is one training sample (frame i and the chunk
+    of actions that follows it in its episode)."""
+
+    canvas: np.ndarray  # uint8 [N, H, W, 3]
+    state: np.ndarray  # float32 [N, 8]
+    actions: np.ndarray  # float32 [N, 8]
+    episode_start: np.ndarray  # int64 [N]: index of the first frame of this frame's episode
+    episode_end: np.ndarray  # int64 [N]: index one past its last frame
+    prompt: list[str]  # per frame
+    image_size: tuple[int, int, int, int]
+    tier: str
+    episodes: int
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+
+def load_demo_set(files: Sequence[str | Path]) -> DemoSet:
+    canv, st, act, starts, ends, prompts = [], [], [], [], [], []
+    n = 0
+    size, tier = None, None
+    for f in sorted(files):
+        with np.load(f) as z:
+            meta = json.loads(str(z["meta"]))
+            c, s, a = z["canvas"], z["state"], z["actions"]
+        if tier is not None and meta["tier"] != tier:
+            raise ValueError(f"{f}: tier {meta['tier']} differs from {tier}")
+        tier, size = meta["tier"], tuple(meta["image_size"])
+        t = len(a)
+        canv.append(c)
+        st.append(s)
+        act.append(a)
+        starts.append(np.full(t, n))
+        ends.append(np.full(t, n + t))
+        prompts += [meta["prompt"]] * t
+        n += t
+    if not canv:
+        raise ValueError("no episodes")
+    return DemoSet(np.concatenate(canv), np.concatenate(st), np.concatenate(act), np.concatenate(starts),
+                   np.concatenate(ends), prompts, size, tier, len(canv))  # type: ignore[arg-type]
+
+
+def chunk_indices(ds: DemoSet, idx: np.ndarray, chunk: int) -> np.ndarray:
+    """[B, chunk] frame indices of the actions that follow each sample (the last one repeated at the end)."""
+    steps = idx[:, None] + np.arange(chunk)[None]
+    return np.minimum(steps, ds.episode_end[idx, None] - 1)
+
+
+def future_frame_indices(ds: DemoSet, idx: np.ndarray, latent_t: int, temporal: int) -> np.ndarray:
+    """[B, latent_t] pixel frames standing for each latent frame: frame t, then t + 4k (k = 1..), clamped.
+
+    Latent frame k of a causal Wan clip covers pixel frames 4k-3..4k; the training target uses the
+    single-frame latent of its last frame (frame 0 is exact, the future frames are an approximation of the
+    clip latent, used only as the auxiliary vision target)."""
+    steps = idx[:, None] + temporal * np.arange(latent_t)[None]
+    return np.minimum(steps, ds.episode_end[idx, None] - 1)
+
+
+def episode_from_observations(observations: Sequence[dict[str, Any]], actions: np.ndarray, tier: str = "256"
+                              ) -> tuple[dict[str, np.ndarray], dict]:
+    """openpi DROID observation dicts (+ the action taken after each) -> the arrays of one recorded episode,
+    built exactly as the recorder builds them (tests, other data sources)."""
+    from ..pipeline.noise import droid_state_row
+
+    canv, states, size = [], [], None
+    for d in observations:
+        pixels, size = _canvas_of(d, tier)
+        canv.append(pixels)
+        states.append(droid_state_row(d["observation/joint_position"], d["observation/gripper_position"]))
+    arrays = {"canvas": np.stack(canv), "state": np.stack(states).astype(np.float32),
+              "actions": np.asarray(actions, np.float32)}
+    meta = {"prompt": observations[0]["prompt"], "tier": tier, "image_size": list(size or ()),
+            "length": len(actions), "success": True}
+    return arrays, meta
+
+
+def demo_set_from_episodes(episodes: Sequence[tuple[dict[str, np.ndarray], dict]]) -> DemoSet:
+    canv, st, act, starts, ends, prompts = [], [], [], [], [], []
+    n = 0
+    for arrays, meta in episodes:
+        t = len(arrays["actions"])
+        canv.append(arrays["canvas"])
+        st.append(arrays["state"])
+        act.append(arrays["actions"])
+        starts.append(np.full(t, n))
+        ends.append(np.full(t, n + t))
+        prompts += [meta["prompt"]] * t
+        n += t
+    meta0 = episodes[0][1]
+    return DemoSet(np.concatenate(canv), np.concatenate(st), np.concatenate(act), np.concatenate(starts),
+                   np.concatenate(ends), prompts, tuple(meta0["image_size"]), meta0["tier"], len(episodes))  # type: ignore[arg-type]

@@ -1,0 +1,384 @@
+"""Flow-matching post-training of a small Cosmos 3 policy through the serving request path.
+
+Per sample (frame t of an expert episode):
+  * vision: latent frame 0 = the VAE latent of the observation canvas (clean, exactly what `prepare_droid`
+    encodes), latent frames 1..8 = the latents of future frames t+4k (noisy: the auxiliary target);
+  * actions: row 0 = the clean DROID state row, rows 1..32 = the expert's next 32 actions in model space
+    (gripper flipped, as `droid_actions` flips it back), columns >= 8 zero;
+  * text: the instruction's DROID prompt, replaced by the empty prompt (the CFG unconditional branch) with
+    probability `text_dropout`; token ids and the positions of the packed sequence come from the branches
+    `prepare_droid` itself builds for that instruction (`request_layout`).
+Rectified flow as the sampler defines it (`wamrt.sampler.schedules`): x_sigma = (1 - sigma) x0 + sigma noise,
+the model predicts v = noise - x0 at timestep 1000 sigma (UniPC's x0 = x - sigma v; Euler x += dsigma v), sigma
+drawn as shift*u / (1 + (shift - 1) u) so training concentrates where the shifted 4-step schedule evaluates.
+Loss: masked velocity MSE over the noisy vision frames + action_weight x masked MSE over the noisy action
+rows' real columns.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..model import Cosmos3Transformer, get_config, init_random_, save_transformer
+from ..model.rope import Rope
+from ..model.transformer import GeneratorTokens, stack_reasoner_kv
+from ..pipeline.builtin import write_tokenizer, write_vae
+from ..pipeline.denoise import Branch
+from ..pipeline.droid import DroidContract, prepare_droid
+from ..pipeline.tokens import CaptionTokenizer
+from ..pipeline.vae import FrameEncoder, load_vae
+from .data import DemoSet, chunk_indices, future_frame_indices
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class TrainConfig:
+    size: str = "policy-s"  # a registered wamrt.model config
+    tier: str = "256"  # resolution tier of the DROID canvas bucket (written to wamrt.json)
+    batch: int = 64
+    lr: float = 3e-4
+    min_lr_frac: float = 0.1
+    weight_decay: float = 0.01
+    warmup: int = 200
+    minutes: float = 5.0  # wall-clock budget of the optimisation loop
+    max_steps: int | None = None
+    ema: float = 0.999
+    text_dropout: float = 0.1
+    action_weight: float = 10.0
+    sigma_shift: float = 5.0
+    aug_shift_px: int = 6  # random translation of the whole canvas, pixels (0: off)
+    aug_colour: float = 0.1  # brightness / contrast / per-channel gain jitter amplitude (0: off)
+    seed: int = 0
+    vae_seed: int = 7
+    log_every: int = 50
+    grad_clip: float = 1.0
+
+
+@dataclass
+class RequestLayout:
+    """The fixed packing of one instruction, as `prepare_droid` builds it."""
+
+    cond: Branch
+    uncond: Branch
+    vision_noisy: torch.Tensor  # [1, T]
+    action_noisy: torch.Tensor  # [1, rows]
+    domain_id: int
+    raw_action_dim: int
+    latent_thw: tuple[int, int, int]
+
+
+def request_layout(instruction: str, *, model: Cosmos3Transformer, encoder: FrameEncoder,
+                   tokenizer: CaptionTokenizer, contract: DroidContract, device: torch.device) -> RequestLayout:
+    """Run the inference preparation itself on a blank observation with this instruction and keep what does
+    not depend on pixels or state: token ids, positions, masks (the DROID canvas is always 540x640)."""
+    obs = {"observation/image": np.zeros((540, 640, 3), np.uint8), "observation/joint_position": np.zeros(7),
+           "observation/gripper_position": 0.0, "prompt": instruction}
+    prep = prepare_droid(obs, model=model, encoder=encoder, tokenizer=tokenizer, contract=contract, seed=0,
+                         device=device)
+    inp = prep.inputs
+    assert inp.uncond is not None and inp.action_noisy is not None and inp.domain_ids is not None
+    _, _, t, h, w = inp.vision.shape
+    return RequestLayout(inp.cond, inp.uncond, inp.vision_noisy, inp.action_noisy, int(inp.domain_ids[0]),
+                         int(inp.raw_action_dim or 8), (t, h, w))
+
+
+def training_init_(model: Cosmos3Transformer, seed: int) -> Cosmos3Transformer:
+    """Seeded start: N/sqrt(fan_in) matrices, unit norms, zero biases/modality embeddings, small output heads."""
+    init_random_(model, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            owner = name.split(".")[-2] if "." in name else ""
+            if "norm" in owner:
+                p.fill_(1.0)
+            elif p.ndim == 1 or name.endswith("bias.weight"):
+                p.zero_()
+        model.proj_out.weight.mul_(0.1)
+        model.action_proj_out.fc.weight.mul_(0.1)
+    return model
+
+
+def sample_sigmas(n: int, shift: float, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    u = torch.rand(n, generator=gen, device=device).clamp(1e-4, 1 - 1e-4)
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def augment(pixels: torch.Tensor, gen: torch.Generator, shift_px: int, colour: float) -> torch.Tensor:
+    """pixels float [B, F, 3, H, W] in [0, 255]; one random transform per sample, shared by its F frames."""
+    b, f, c, h, w = pixels.shape
+    dev = pixels.device
+    if shift_px > 0:
+        d = torch.randint(-shift_px, shift_px + 1, (2, b), generator=gen, device=dev)
+        theta = torch.zeros(b, 2, 3, device=dev)
+        theta[:, 0, 0] = theta[:, 1, 1] = 1.0
+        theta[:, 0, 2] = 2.0 * d[0] / w
+        theta[:, 1, 2] = 2.0 * d[1] / h
+        grid = F.affine_grid(theta, [b, c, h, w], align_corners=False)
+        grid = grid.repeat_interleave(f, dim=0)
+        pixels = F.grid_sample(pixels.reshape(b * f, c, h, w), grid, mode="nearest", padding_mode="border",
+                               align_corners=False).reshape(b, f, c, h, w)
+    if colour > 0:
+        r = lambda *s: (torch.rand(*s, generator=gen, device=dev) * 2 - 1) * colour  # noqa: E731
+        bright = 1 + r(b, 1, 1, 1, 1)
+        gain = 1 + 0.5 * r(b, 1, 3, 1, 1)
+        contrast = 1 + r(b, 1, 1, 1, 1)
+        mean = pixels.mean(dim=(2, 3, 4), keepdim=True)
+        pixels = ((pixels - mean) * contrast + mean) * bright * gain
+    return pixels.clamp(0, 255)
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    samples: int = 0
+    elapsed_s: float = 0.0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+class PolicyTrainer:
+    """Owns the model, its frozen VAE and tokenizer (written into `out_dir` first), the data and the loop."""
+
+    def __init__(self, cfg: TrainConfig, ds: DemoSet, out_dir: str | Path, *, device: str | torch.device | None = None,
+                 log_path: str | Path | None = None) -> None:
+        self.cfg, self.ds = cfg, ds
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log_path = Path(log_path) if log_path else self.out / "train_log.txt"
+        if ds.tier != cfg.tier:
+            raise ValueError(f"demos were recorded at tier {ds.tier}, training asks for tier {cfg.tier}")
+        torch.manual_seed(cfg.seed)
+        self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.np_rng = np.random.default_rng(cfg.seed)
+        cuda = self.device.type == "cuda"
+        # The VAE runs in the dtype the served policy uses on this device (load_policy: bf16 on CUDA).
+        self.vae_dtype = torch.bfloat16 if cuda else torch.float32
+        write_vae(self.out / "vae", cfg.vae_seed)  # frozen random Wan2.2-layout VAE (see docs/train.md)
+        write_tokenizer(self.out / "tokenizer")
+        self.encoder = FrameEncoder(load_vae(self.out / "vae", device=self.device, dtype=self.vae_dtype))
+        self.tokenizer = CaptionTokenizer.from_pretrained(self.out / "tokenizer")
+        self.contract = DroidContract(prompt_format="plain", tier=cfg.tier)
+        self.model = training_init_(Cosmos3Transformer(get_config(cfg.size)), cfg.seed).to(self.device).train()
+        self.ema = [p.detach().clone().float() for p in self.model.parameters()]
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            (no_decay if p.ndim == 1 or "norm" in name or "embed" in name else decay).append(p)
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95),
+                                     fused=cuda)
+        self.autocast = cuda
+        # Layouts per instruction (+ the shared unconditional branch), built by prepare_droid itself.
+        self.layouts: dict[str, RequestLayout] = {}
+        with torch.no_grad():
+            for p in sorted(set(ds.prompt)):
+                self.layouts[p] = request_layout(p, model=self.model, encoder=self.encoder, tokenizer=self.tokenizer,
+                                                 contract=self.contract, device=self.device)
+        first = next(iter(self.layouts.values()))
+        self.latent_thw = first.latent_thw
+        self.branches: dict[str, Branch] = {"": first.uncond}
+        for p, lay in self.layouts.items():
+            self.branches[p] = lay.cond
+        self.prompt_ids = np.array([sorted(self.layouts).index(p) for p in ds.prompt])
+        self.prompt_names = sorted(self.layouts)
+        # Data on the device: uint8 canvases, state rows, actions.
+        self.canvas = torch.from_numpy(ds.canvas).to(self.device)
+        self.state_rows = torch.from_numpy(ds.state).to(self.device)
+        self.actions = torch.from_numpy(ds.actions).to(self.device)
+        self.state = TrainState()
+        self._latent_cache: torch.Tensor | None = None
+
+    def cache_latents(self, chunk: int = 64) -> None:
+        """Encode every frame once (exact when augmentation is off; makes CPU training ~10x faster)."""
+        parts = []
+        for i in range(0, len(self.canvas), chunk):
+            px = self.canvas[i:i + chunk].permute(0, 3, 1, 2).float()[:, None]  # [n, 1, 3, H, W]
+            parts.append(self.encode_frames(px)[:, :, 0])  # [n, C, h, w]
+        self._latent_cache = torch.cat(parts)
+
+    # ---- batch ---------------------------------------------------------------------------------------------
+    def encode_frames(self, pixels: torch.Tensor) -> torch.Tensor:
+        """float pixels [B, F, 3, H, W] in [0, 255] -> latents [B, C, F, lat_h, lat_w] (content crop, as at
+        inference: `prepare_droid` keeps latent0[..., :lat_h, :lat_w])."""
+        b, f, c, h, w = pixels.shape
+        x = (pixels.reshape(b * f, c, 1, h, w) / 127.5 - 1.0)
+        with torch.no_grad():
+            lat = self.encoder.encode(x).clone()  # [B*F, C, 1, h/16, w/16]; clone leaves inference mode
+        _, lh, lw = self.latent_thw
+        lat = lat[..., :lh, :lw]
+        return lat.reshape(b, f, *lat.shape[1:2], lh, lw).permute(0, 2, 1, 3, 4).contiguous()
+
+    def clean_batch(self, idx: np.ndarray, *, augment_images: bool = True) -> dict[str, Any]:
+        """The clean (x0) tensors of samples `idx`: vision latents [B, C, T, h, w], actions [B, rows, 64]."""
+        lat_t = self.latent_thw[0]
+        frames = torch.from_numpy(future_frame_indices(self.ds, idx, lat_t, self.encoder.temporal)).to(self.device)
+        aug = augment_images and bool(self.cfg.aug_shift_px or self.cfg.aug_colour)
+        if self._latent_cache is not None and not aug:
+            vision = self._latent_cache[frames].permute(0, 2, 1, 3, 4).contiguous()  # [B, C, T, h, w]
+        else:
+            pixels = self.canvas[frames].permute(0, 1, 4, 2, 3).float()  # [B, T, 3, H, W]
+            if aug:
+                pixels = augment(pixels, self.gen, self.cfg.aug_shift_px, self.cfg.aug_colour)
+            vision = self.encode_frames(pixels)
+        b = len(idx)
+        rows = self.contract.chunk + self.contract.history
+        width = self.model.config.action_dim or 64
+        action = torch.zeros(b, rows, width, device=self.device)
+        it = torch.from_numpy(idx).to(self.device)
+        action[:, 0, :8] = self.state_rows[it]
+        chunk = self.actions[torch.from_numpy(chunk_indices(self.ds, idx, self.contract.chunk)).to(self.device)]
+        chunk = chunk.clone()
+        chunk[..., -1] = 1.0 - chunk[..., -1]  # model space: the gripper flipped (droid_actions flips back)
+        action[:, self.contract.history:, :8] = chunk
+        prompts = [self.prompt_names[i] for i in self.prompt_ids[idx]]
+        return {"vision": vision, "action": action, "prompts": prompts}
+
+    # ---- forward / loss ------------------------------------------------------------------------------------
+    def velocity(self, prompts: list[str], sigma: torch.Tensor, x_v: torch.Tensor, x_a: torch.Tensor):
+        """The Generator's velocities for a batch, each sample against its own branch (cond or uncond),
+        exactly as the denoising loop calls it: Reasoner K/V per prompt, then one Generator pass."""
+        model = self.model
+        kvs: dict[str, Any] = {}
+        ropes: dict[str, Rope] = {}
+        for p in sorted(set(prompts)):
+            br = self.branches[p]
+            r_und, r_gen = model.rope(br.positions).split(br.input_ids.shape[1])
+            kvs[p] = model.prefill_reasoner(br.input_ids, r_und)
+            ropes[p] = r_gen
+        kv = stack_reasoner_kv([kvs[p] for p in prompts])
+        rope = Rope(torch.cat([ropes[p].cos for p in prompts]), torch.cat([ropes[p].sin for p in prompts]))
+        lay = next(iter(self.layouts.values()))
+        b = len(prompts)
+        tok = GeneratorTokens(
+            timesteps=sigma * 1000.0, vision=x_v, vision_noisy=lay.vision_noisy.expand(b, -1),
+            action=x_a, action_noisy=lay.action_noisy.expand(b, -1),
+            domain_ids=torch.full((b,), lay.domain_id, device=self.device, dtype=torch.long),
+        )
+        return model.generator_step(tok, rope, kv)
+
+    def loss(self, batch: dict[str, Any], sigma: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        cfg = self.cfg
+        v0, a0 = batch["vision"], batch["action"]
+        b = v0.shape[0]
+        lay = next(iter(self.layouts.values()))
+        if sigma is None:
+            sigma = sample_sigmas(b, cfg.sigma_shift, self.gen, self.device)
+        prompts = list(batch["prompts"])
+        if cfg.text_dropout > 0:
+            drop = torch.rand(b, generator=self.gen, device=self.device) < cfg.text_dropout
+            prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
+        vn = lay.vision_noisy[0][None, None, :, None, None]  # [1, 1, T, 1, 1]
+        cols = torch.arange(a0.shape[-1], device=self.device) < lay.raw_action_dim
+        an = (lay.action_noisy[0][:, None] & cols[None, :])[None]  # [1, rows, A]
+        eps_v = torch.randn(v0.shape, generator=self.gen, device=self.device)
+        eps_a = torch.randn(a0.shape, generator=self.gen, device=self.device)
+        s_v, s_a = sigma.view(b, 1, 1, 1, 1), sigma.view(b, 1, 1)
+        x_v = torch.where(vn, (1 - s_v) * v0 + s_v * eps_v, v0)
+        x_a = torch.where(an, (1 - s_a) * a0 + s_a * eps_a, a0)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.velocity(prompts, sigma, x_v, x_a)
+        assert out.vision is not None and out.action is not None
+        mv = vn.expand_as(v0).float()
+        ma = an.expand_as(a0).float()
+        lv = (((out.vision.float() - (eps_v - v0)) ** 2) * mv).sum() / mv.sum()
+        la = (((out.action.float() - (eps_a - a0)) ** 2) * ma).sum() / ma.sum()
+        return {"loss": lv + cfg.action_weight * la, "vision": lv, "action": la}
+
+    # ---- optimisation --------------------------------------------------------------------------------------
+    def lr_at(self, progress: float) -> float:
+        cfg = self.cfg
+        warm = min(1.0, (self.state.step + 1) / max(1, cfg.warmup))
+        cos = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return cfg.lr * warm * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * cos)
+
+    def sample_indices(self) -> np.ndarray:
+        return self.np_rng.integers(0, len(self.ds), self.cfg.batch)
+
+    def train_step(self, progress: float = 0.0) -> dict[str, float]:
+        lr = self.lr_at(progress)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        batch = self.clean_batch(self.sample_indices())
+        losses = self.loss(batch)
+        self.opt.zero_grad(set_to_none=True)
+        losses["loss"].backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        decay = min(self.cfg.ema, (1 + self.state.step) / (10 + self.state.step))
+        with torch.no_grad():
+            params = [p.detach().float() for p in self.model.parameters()]
+            torch._foreach_lerp_(self.ema, params, 1 - decay)
+        self.state.step += 1
+        self.state.samples += self.cfg.batch
+        vals = torch.stack([losses["loss"].detach(), losses["action"].detach(), losses["vision"].detach(),
+                            gnorm.detach().float()]).tolist()  # one host sync per step
+        return {"loss": vals[0], "action": vals[1], "vision": vals[2], "lr": lr, "grad_norm": vals[3]}
+
+    def log(self, line: str) -> None:
+        print(line, flush=True)
+        with open(self.log_path, "a") as f:
+            f.write(line + "\n")
+
+    def train(self) -> TrainState:
+        cfg = self.cfg
+        budget = cfg.minutes * 60.0
+        self.log(f"train: {json.dumps(asdict(cfg))}")
+        self.log(f"data: {self.ds.episodes} episodes, {len(self.ds)} frames, prompts {len(self.layouts)}, "
+                 f"latent {self.latent_thw}, device {self.device}, "
+                 f"params {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f} M")
+        t0 = time.perf_counter()
+        win_t, win_n, acc = t0, 0, []
+        while True:
+            elapsed = time.perf_counter() - t0
+            progress = elapsed / budget if budget > 0 else 1.0
+            if cfg.max_steps is not None:
+                progress = max(progress, self.state.step / cfg.max_steps)
+            if progress >= 1.0:
+                break
+            m = self.train_step(progress)
+            if not math.isfinite(m["loss"]):
+                raise FloatingPointError(f"non-finite loss at step {self.state.step}: {m}")
+            acc.append(m)
+            win_n += cfg.batch
+            if self.state.step % cfg.log_every == 0 or self.state.step == 1:
+                now = time.perf_counter()
+                mean = {k: float(np.mean([a[k] for a in acc])) for k in acc[0]}
+                rate = win_n / max(now - win_t, 1e-9)
+                rec = {"step": self.state.step, "elapsed_s": round(now - t0, 1), **mean, "samples_per_s": rate}
+                self.state.history.append(rec)
+                self.log(f"step {self.state.step:6d}  t {now - t0:7.1f}s  loss {mean['loss']:.4f}  "
+                         f"action {mean['action']:.5f}  vision {mean['vision']:.4f}  lr {mean['lr']:.2e}  "
+                         f"gnorm {mean['grad_norm']:.2f}  {rate:.1f} samples/s")
+                win_t, win_n, acc = now, 0, []
+        self.state.elapsed_s = time.perf_counter() - t0
+        self.log(f"done: {self.state.step} steps, {self.state.samples} samples in {self.state.elapsed_s:.1f}s")
+        return self.state
+
+    # ---- checkpoint ----------------------------------------------------------------------------------------
+    def ema_model(self) -> Cosmos3Transformer:
+        model = Cosmos3Transformer(self.model.config)
+        with torch.no_grad():
+            for p, e in zip(model.parameters(), self.ema, strict=True):
+                p.copy_(e.cpu())
+        return model.eval()
+
+    def save(self, extra: dict[str, Any] | None = None) -> Path:
+        """Write transformer/ (EMA weights, bf16) and wamrt.json next to the vae/ and tokenizer/ folders."""
+        model = self.ema_model().to(torch.bfloat16)
+        save_transformer(model, self.out / "transformer")
+        meta = {"format_version": FORMAT_VERSION, "contract": "droid", "prompt_format": "plain",
+                "tier": self.cfg.tier, "guidance_interval": None,
+                "weights": f"trained by wamrt.train (EMA {self.cfg.ema}), {self.state.step} steps, "
+                           f"{self.state.samples} samples",
+                "train": {**asdict(self.cfg), "episodes": self.ds.episodes, "frames": len(self.ds),
+                          "steps": self.state.step, "elapsed_s": round(self.state.elapsed_s, 1), **(extra or {})}}
+        (self.out / "wamrt.json").write_text(json.dumps(meta, indent=2) + "\n")
+        return self.out
