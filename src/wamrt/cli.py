@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import train_cli
 
     train_cli.add_subcommands(sub)
+    from . import demo_cli
+
+    demo_cli.add_subcommands(sub)
     return ap
 
 

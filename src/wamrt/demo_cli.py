@@ -1,0 +1,140 @@
+"""`wamrt demo`: serve a policy (default: the embedded trained `panda-droid`) with `wamrt serve` and run closed-loop
+simulator episodes against it through the real openpi websocket protocol; prints the success rate and latency and
+writes an mp4 of the first episode."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    ap = sub.add_parser("demo", help="serve the embedded policy and run closed-loop sim episodes over websocket")
+    ap.add_argument("--model", default="panda-droid")
+    ap.add_argument("--task", default="pick_place")
+    ap.add_argument("--episodes", type=int, default=3)
+    ap.add_argument("--seed0", type=int, default=0)
+    ap.add_argument("--execute-steps", type=int, default=8)
+    ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--video", type=Path, default=Path("wamrt-demo.mp4"), help="mp4 of the first episode")
+    ap.add_argument("--device", default="cpu")
+    ap.set_defaults(func=run)
+
+
+class WebsocketAgent:
+    """An eval agent whose policy is a remote server: same `infer(obs, seed)` contract as PolicyAgent's."""
+
+    def __init__(self, url: str) -> None:
+        from .client.ws import PolicyClient
+
+        self.client = PolicyClient(url)
+
+    def infer(self, obs: dict[str, Any], *, seed: int | None = None) -> Any:
+        reply = self.client.infer({**obs, "seed": seed} if seed is not None else obs)
+        actions = reply["actions"] if isinstance(reply, dict) else reply
+
+        class _Chunk:
+            pass
+
+        chunk = _Chunk()
+        chunk.actions = np.asarray(actions, dtype=np.float32)  # type: ignore[attr-defined]
+        return chunk
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError("the server did not become ready")
+
+
+def _write_mp4(frames: list[np.ndarray], path: Path, fps: int = 15) -> None:
+    import av
+
+    h, w = frames[0].shape[:2]
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = w - w % 2, h - h % 2, "yuv420p"
+        for f in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f[: h - h % 2, : w - w % 2]),
+                                                               format="rgb24")))
+        out.mux(stream.encode())
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from . import sim  # noqa: F401
+    except (ImportError, RuntimeError) as e:
+        print(f"error: the simulator is unavailable: {e}", file=sys.stderr)
+        return 2
+    from .eval.agents import PolicyAgent
+    from .eval.runner import run_episode, summarize
+    from .eval.stats import wilson_ci
+    from .sim.env import PandaEnv
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "wamrt.cli", "serve", "--model", args.model, "--port", str(port),
+           "--device", args.device, "--engine", "eager", "--max-batch", "1"]
+    print(f"serving {args.model}: {' '.join(cmd[1:])}", flush=True)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_ready(port, server)
+        url = f"ws://127.0.0.1:{port}"
+        agent = PolicyAgent(WebsocketAgent(url), execute_steps=args.execute_steps)
+        results = []
+        with PandaEnv(args.task) as env:
+            for i in range(args.episodes):
+                seed = args.seed0 + i
+                if i == 0:
+                    frames: list[np.ndarray] = []
+                    orig_step = env.step
+
+                    def step(action: np.ndarray, *, render: bool = True, _orig=orig_step) -> Any:
+                        obs = _orig(action, render=True)
+                        frames.append(obs.images["front"])
+                        return obs
+
+                    env.step = step  # type: ignore[method-assign]
+                    r = run_episode(env, agent, seed, args.max_steps)
+                    env.step = orig_step  # type: ignore[method-assign]
+                    if frames:
+                        _write_mp4(frames, args.video)
+                else:
+                    r = run_episode(env, agent, seed, args.max_steps)
+                results.append(r)
+                print(f"episode {i} (seed {seed}): {'success' if r.success else 'failure'} in {r.steps} steps, "
+                      f"{r.requests} requests{', error: ' + r.error.splitlines()[-1] if r.error else ''}", flush=True)
+        s = summarize(results)
+        lo, hi = wilson_ci(s["successes"], s["episodes"])
+        print(json.dumps({**s, "success_ci95": [lo, hi], "video": str(args.video)}))
+        print(f"{args.task}: {s['successes']}/{s['episodes']} successes; websocket round trip p50 "
+              f"{s['infer_p50_ms']:.0f} ms; video {args.video}")
+        return 0
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
