@@ -11,6 +11,7 @@ code with more of them on. Every configuration computes the same function as the
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -141,6 +142,10 @@ class Engine:
         self.kv_cache = ReasonerCache(model, config.kv_cache_size)
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._graph_pool = None  # shared by every captured graph (see _capture)
+        # K/V buffers of captured graphs live here, outside the graph pool (see _capture).
+        self._kv_arena: torch.Tensor | None = None  # [layers, 2 (k, v), elements]
+        self._arena_cursor: int | None = None  # set while a graph is being warmed up / captured
+        self._kinds_needed: set[bool] | None = None
         self._seeds = np.random.default_rng(0)
         self._upcoming_seed = int(self._seeds.integers(0, 2**31))
         self._noise = GaussianPrefetcher()
@@ -311,10 +316,14 @@ class Engine:
         """Per step kind (with / without CFG): the groups one Generator pass serves, each as (rows of the
         request batch, Reasoner K/V or K/V buffers, rope, attention op). Built once per request batch."""
         kinds: dict[bool, list] = {}
+        if self._arena_cursor is not None:
+            self._arena_cursor = 0
         for cfg_on in (False, True):
             seqs = conds + (unconds if cfg_on else [])
             if cfg_on and not unconds:
                 continue
+            if not cfg_on and unconds and self._kinds_needed == {True}:
+                continue  # CFG at every step: a cond-only pass never runs, so no buffers for it
             if self.config.batch_cfg:
                 kinds[cfg_on] = [([s.request for s in seqs], *self._kv_buffers(seqs))]
             else:
@@ -330,10 +339,14 @@ class Engine:
         cfg = self.model.config
         groups, g_len = cfg.kv_groups, seqs[0].rope.cos.shape[1]
         umax = keys[0].shape[2]
+        shape = (len(seqs), cfg.num_attention_heads, umax + g_len, cfg.head_dim)
+        region = self._arena_region(math.prod(shape))
         kb, vb = [], []
-        for k, v in zip(keys, values, strict=True):
-            shape = (k.shape[0], cfg.num_attention_heads, umax + g_len, cfg.head_dim)
-            kbuf, vbuf = k.new_empty(shape), v.new_empty(shape)
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            if region is None:
+                kbuf, vbuf = k.new_empty(shape), v.new_empty(shape)
+            else:
+                kbuf, vbuf = (self._kv_arena[layer, i, region].view(shape) for i in (0, 1))
             kbuf[:, :, :umax] = k.repeat_interleave(groups, dim=1)
             vbuf[:, :, :umax] = v.repeat_interleave(groups, dim=1)
             kb.append(kbuf)
@@ -344,6 +357,22 @@ class Engine:
         else:
             attn = PrefixOffsetAttention(offsets, backend=self.config.attention)
         return _KVBuffers(kb, vb, umax), rope, attn
+
+    def _arena_region(self, n: int) -> slice | None:
+        """The next n elements of the K/V arena while a graph is warmed up or captured, else None."""
+        if self._arena_cursor is None:
+            return None
+        start, self._arena_cursor = self._arena_cursor, self._arena_cursor + n
+        assert self._kv_arena is not None and self._arena_cursor <= self._kv_arena.shape[-1], "arena too small"
+        return slice(start, self._arena_cursor)
+
+    def _arena_elements(self, conds: list[_Seq], unconds: list[_Seq], cfg_steps: list[bool]) -> int:
+        """Upper bound of the K/V elements one loop takes per layer and per k or v (see _step_batches)."""
+        cfg = self.model.config
+        g_len = conds[0].rope.cos.shape[1]
+        kinds = [conds + unconds] if unconds and all(cfg_steps) else [conds] + ([conds + unconds] if unconds else [])
+        return sum(len(seqs) * cfg.num_attention_heads * (max(s.kv.length for s in seqs) + g_len) * cfg.head_dim
+                   for seqs in kinds)
 
     def _generator_step(self, tok: GeneratorTokens, bufs: _KVBuffers, rope: Rope, attn) -> tuple[torch.Tensor, ...]:
         model = self.model
@@ -373,6 +402,7 @@ class Engine:
 
     def _loop(self, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim):
         dtype, n = self.model.dtype, x_v.shape[0]
+        self._kinds_needed = set(cfg_steps)
         kinds = self._step_batches(conds, unconds, n)
         hist_v, hist_a = plan.init_history(), plan.init_history()
         for i, t in enumerate(timesteps):
@@ -431,23 +461,36 @@ class Engine:
             return self._loop(ins["x_v"], ins["x_a"], ins["static"], s_conds, s_unconds, plan, timesteps, cfg_steps,
                               opts, raw_dim)
 
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # compile / autotune / cuDNN plan selection happen here, not in capture
-                run()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        # One memory pool for every bucket's graph: private pools cost the sum of all buckets (a server
-        # warming batch sizes 1..8 of Nano ran out of 141 GB at batch 6), a shared one about the largest.
-        # Safe here because replays are sequential on one stream, each replay writes every temporary it
-        # reads (K/V buffers included) and its outputs are cloned before any other graph replays.
+        # Memory shared by every bucket's graph: the K/V buffers (28 GiB at Nano batch 8) come from one
+        # arena allocated outside capture, and the temporaries from one graph pool. Made inside each
+        # capture, the buffers stayed allocated per graph: a server warming batch sizes 1..8 of Nano ran
+        # out of 141 GB at batch 6-7. Sharing is safe because replays are sequential on one stream, each
+        # replay writes every buffer it reads (prefixes and Generator K/V included) before reading it,
+        # and its outputs are cloned before any other graph replays. A bigger bucket gets a bigger arena;
+        # graphs captured on the old one keep it alive, so warm the largest batch first.
+        need = self._arena_elements(conds, unconds, cfg_steps)
+        if self._kv_arena is None or self._kv_arena.shape[-1] < need:
+            self._kv_arena = None
+            self._kv_arena = torch.empty(self.model.config.num_hidden_layers, 2, need, device=self.device,
+                                         dtype=conds[0].kv.keys[0].dtype)
+        arena = self._kv_arena
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(entry.graph, pool=self._graph_pool):
-            entry.outputs = run()
-        # The graph reads tensors made before capture (the sampler plan's divisors): they must live as
-        # long as the graph, or replays read freed memory.
-        entry.keepalive = (plan, run)
+        self._arena_cursor = 0
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compile / autotune / cuDNN plan selection happen here, not in capture
+                    run()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            with torch.cuda.graph(entry.graph, pool=self._graph_pool):
+                entry.outputs = run()
+        finally:
+            self._arena_cursor = None
+        # The graph reads tensors made before capture (the sampler plan's divisors, the K/V arena): they
+        # must live as long as the graph, or replays read freed memory.
+        entry.keepalive = (plan, run, arena)
         return entry
 
     # E0/E1: the reference call pattern (full forward per branch per step) --------------------------

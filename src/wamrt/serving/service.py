@@ -78,15 +78,16 @@ class Service:
 
         try:
             assert self.batcher is not None
-            for i in range(self.config.warmup_requests):
-                await self.batcher.run(Job(sample_observation(i), 0, dict(self.defaults)))
             if (self._policy_meta.get("engine") or {}).get("cuda_graph"):
                 # The engine captures one CUDA graph per batch size on first use: submit k requests at
                 # once for every k up to max_batch so the batcher forms those batches now, before the
-                # first lanes arrive, rather than stalling them with captures.
-                for k in range(2, self.config.max_batch + 1):
+                # first lanes arrive, rather than stalling them with captures. Largest first: the first
+                # capture then sizes the K/V arena every later graph shares.
+                for k in range(self.config.max_batch, 1, -1):
                     await asyncio.gather(*(self.batcher.run(Job(sample_observation(j), 0, dict(self.defaults)))
                                            for j in range(k)))
+            for i in range(self.config.warmup_requests):
+                await self.batcher.run(Job(sample_observation(i), 0, dict(self.defaults)))
             self.ready = True
         except Exception as exc:  # keep serving /healthz; /readyz reports the failure
             self.warmup_error = f"{type(exc).__name__}: {exc}"
