@@ -62,7 +62,9 @@ class CfgParallelEngine(Engine):
         if self.rank == 0:
             return [self._branch(r, inp.cond) for r, inp in enumerate(inputs)], []
         if not need_uncond:
-            return [], []
+            # No guided step: rank 1 only receives rank 0's velocities. It still holds the conditional
+            # branch (never run: see _velocities) so the graph machinery has its usual shapes and dtypes.
+            return [self._branch(r, inp.cond) for r, inp in enumerate(inputs)], []
         return [self._branch(r, inp.uncond) for r, inp in enumerate(inputs)], []
 
     def _bucket_lengths(self, conds: list[_Seq], unconds: list[_Seq]) -> tuple[int, ...]:

@@ -262,6 +262,10 @@ def start(spec: ParallelSpec, *, policy: Any = None, timeout: float = 1800.0) ->
     if spec.device.startswith("cuda") and torch.cuda.device_count() < spec.world:
         raise ValueError(f"{spec.world} GPUs requested, {torch.cuda.device_count()} visible")
     pdist.no_multicast_env()
+    from ..pipeline.builtin import BUILTIN_MODELS, builtin_path
+
+    if spec.model in BUILTIN_MODELS:
+        builtin_path(spec.model)  # build the cached folder once here, not racing in every rank
     port = pdist.free_port()
     ctx = mp.get_context("spawn")
     procs, conns = [], []
