@@ -26,7 +26,7 @@ for spec in "$@"; do
              | tee "$res/log.txt" ;;
     quant-edge|quant-nano)
           wamrt bench latency --model "${part#quant-}" --rows E5 --steps 4 --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" \
-             --lossy-rows E6,E7,E8 --quality --out "$res" 2>&1 | tee "$res/log.txt"
+             --lossy-rows E6,E7,E8 --quality --trace --out "$res" 2>&1 | tee "$res/log.txt"
           timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/quant 2>&1 | tail -15 | tee -a "$res/log.txt" ;;
     load) python3 -m wamrt.cli serve --model random:nano --max-batch 8 --max-wait-ms 10 --max-queue 64 \
              --warmup 1 --port 8765 > "$res/server.txt" 2>&1 &

@@ -122,7 +122,8 @@ def run_lossy_rows(policy: Policy, args: argparse.Namespace, env: dict, command:
     results = []
     for row, spec in specs.items():
         engine = Engine.from_policy(policy, engine_config(dev, attention=attention))
-        result = measure_row(engine, spec, args, env, command, args.warmup, args.runs, attention_ms=attention_ms)
+        result = measure_row(engine, spec, args, env, command, args.warmup, args.runs, attention_ms=attention_ms,
+                             trace_dir=out_dir if args.trace and row == rows[0] else None)
         if args.quality:
             got = _chunks(engine, overrides(spec))
             result["quality"] = {
