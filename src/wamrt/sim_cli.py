@@ -40,13 +40,17 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     rollout = sub.add_parser("rollout", help="closed-loop success rate of a policy (or the expert) in sim")
     _add_run_arguments(rollout)
     rollout.add_argument("--policy", default=EXPERT,
-                         help="'expert' (default), a built-in model (tiny-droid) or a checkpoint folder")
+                         help="'expert' (default), a built-in model (tiny-droid), a checkpoint folder, or the "
+                              "ws:// URL of a `wamrt serve` (lanes are then concurrent websocket clients)")
+    rollout.add_argument("--url", help="same as --policy URL: roll out against a running server")
+    rollout.add_argument("--api-key", help="for a server started with --api-key")
     _add_sampling_arguments(rollout)
     rollout.set_defaults(func=run_rollout)
 
     ev = sub.add_parser("eval", help="evaluation").add_subparsers(dest="eval", required=True)
     gate = ev.add_parser("gate", help="paired baseline vs candidate rollouts on the same seeds -> verdict",
-                         description="SPEC: NAME[:key=value,...], e.g. tiny-droid:steps=2,guidance=3 "
+                         description="SPEC: NAME[:key=value,...], e.g. tiny-droid:steps=2,guidance=3 or "
+                                     "ws://127.0.0.1:8000:steps=1 for a running server "
                                      "(keys: " + ", ".join(SPEC_KEYS) + ").")
     _add_run_arguments(gate)
     gate.add_argument("--baseline", required=True, metavar="SPEC")
@@ -189,11 +193,17 @@ def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: di
     from dataclasses import asdict, replace
 
     from .eval.agents import ExpertAgent, PolicyAgent
+    from .eval.remote import RemoteAgentFactory, is_url
 
     execute = spec.execute_steps or args.execute_steps
     common = {"lanes": args.lanes, "max_steps": args.max_steps}
     if spec.name == EXPERT:
         return Side(label, ExpertAgent, "process", {"agent": EXPERT, **common})
+    if is_url(spec.name):
+        # Process lanes, each its own websocket client: the server batches them like separate robots.
+        factory = RemoteAgentFactory(spec.name, execute, dict(spec.overrides), getattr(args, "api_key", None))
+        return Side(label, factory, "process", {"agent": "remote", "url": spec.name, "execute_steps": execute,
+                                                **spec.overrides, **common})
     if spec.name not in cache:
         cache[spec.name] = _load_policy(spec.name, args)
     policy = cache[spec.name]
@@ -257,6 +267,10 @@ def run_rollout(args: argparse.Namespace) -> int:
     try:
         _check_task(args.task)
         _check_counts(args)
+        if args.url:
+            if args.policy != EXPERT and args.policy != args.url:
+                raise UsageError("give either --url or --policy, not both")
+            args.policy = args.url
         overrides = _cli_overrides(args)
         if args.policy == EXPERT and overrides:
             raise UsageError("sampling options (--steps, --guidance, ...) do not apply to the expert")

@@ -92,3 +92,35 @@ def test_building_the_parser_does_not_import_mujoco():
             "print(sorted(m for m in ('mujoco', 'torch', 'pyarrow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"
+
+
+def test_rollout_against_a_server_over_websocket_lanes(tmp_path, capsys):
+    """`wamrt rollout --url`: process lanes are concurrent openpi websocket clients of one server; each
+    request carries the episode's request seed and the sampling override, and the result says 'remote'."""
+    from oracle.fake_policy import FakePolicy
+
+    from wamrt.eval.agents import request_seed
+    from wamrt.serving import ServeConfig, ServerThread
+
+    class Recording(FakePolicy):
+        def __init__(self) -> None:
+            super().__init__(delay=0.05)
+            self.seen: list[tuple[int | None, dict]] = []
+
+        def infer_batch(self, observations, *, seeds=None, **overrides):
+            self.seen += [(s, dict(overrides)) for s in (seeds or [None] * len(observations))]
+            return super().infer_batch(observations, seeds=seeds, **overrides)
+
+    policy = Recording()
+    out = tmp_path / "rollout.json"
+    with ServerThread(policy, ServeConfig(max_batch=4, max_wait_ms=20.0)) as srv:
+        policy.seen.clear()  # warm-up requests
+        rc = _run(["rollout", "--task", "lift", "--url", srv.ws_url, "--episodes", "2", "--lanes", "2",
+                   "--seed0", "5", "--max-steps", "16", "--steps", "2", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["agent"] == "remote" and res["config"]["url"] == srv.ws_url
+    assert res["episodes"] == 2 and res["summary"]["errors"] == 0
+    want = {request_seed(ep, k) for ep in (5, 6) for k in (0, 1)}  # 16 steps / 8 executed = 2 requests
+    assert {s for s, _ in policy.seen} == want
+    assert all(o.get("steps") == 2 for _, o in policy.seen)

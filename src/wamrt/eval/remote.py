@@ -1,0 +1,69 @@
+"""A policy served by `wamrt serve`, used by simulator lanes as concurrent websocket clients.
+
+Each lane process opens its own openpi websocket on first use, so the server's batcher sees the lanes
+as separate robots and can batch them. Per-request seeds and sampling overrides travel in the request
+(`seed`, `params`), so a seeded rollout through the server draws the same noise as an in-process one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .agents import PolicyAgent
+
+# SamplingOptions names -> the wire's `params` keys (serving/observation.py PARAM_ALIASES).
+_WIRE_PARAMS = {"steps": "num_steps", "guidance": "guidance", "shift": "shift",
+                "guidance_interval": "guidance_interval"}
+
+
+def is_url(name: str) -> bool:
+    return name.startswith(("ws://", "wss://"))
+
+
+@dataclass
+class RemoteChunk:
+    actions: np.ndarray
+
+
+class RemotePolicy:
+    """`infer(obs, seed=..., **overrides)` over the openpi websocket; connects lazily (picklable)."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+        if not is_url(url):
+            raise ValueError(f"expected a ws:// or wss:// URL, got {url!r}")
+        self.url, self.api_key, self.timeout_s = url, api_key, timeout_s
+        self._client: Any = None
+
+    def infer(self, obs: dict[str, Any], *, seed: int | None = None, **overrides: Any) -> RemoteChunk:
+        if self._client is None:
+            from ..client.ws import PolicyClient
+
+            self._client = PolicyClient(self.url, api_key=self.api_key)
+        msg = dict(obs)
+        if seed is not None:
+            msg["seed"] = int(seed)
+        unknown = set(overrides) - set(_WIRE_PARAMS)
+        if unknown:
+            raise ValueError(f"cannot send sampling overrides {sorted(unknown)} to a server")
+        params = {_WIRE_PARAMS[k]: (list(v) if isinstance(v, tuple) else v) for k, v in overrides.items()}
+        if params:
+            msg["params"] = params
+        reply = self._client.infer(msg, timeout=self.timeout_s)
+        actions = reply["actions"] if isinstance(reply, dict) else reply
+        return RemoteChunk(np.asarray(actions, dtype=np.float32))
+
+
+@dataclass
+class RemoteAgentFactory:
+    """Picklable factory for process lanes: one websocket client per lane."""
+
+    url: str
+    execute_steps: int = 8
+    overrides: dict[str, Any] = field(default_factory=dict)
+    api_key: str | None = None
+
+    def __call__(self) -> PolicyAgent:
+        return PolicyAgent(RemotePolicy(self.url, self.api_key), execute_steps=self.execute_steps, **self.overrides)
