@@ -6,6 +6,7 @@
 #
 # Carried (git-ignored) folders: .whl/ (mujoco 4.0.0 + mujoco-core/studio, glfw, pyopengl, diffusers,
 # importlib_metadata; installed --no-deps into /tmp/site) and .gl/ (libglvnd EGL/GL debs, unpacked into /).
+# Seeds: demos 100000.. (train record default), evaluation 0.., gates 1000.. (never a training layout).
 # Knobs (env): DEMOS DEMO_S WORKERS TRAIN_MIN BATCH EPISODES LANES ROLL_S EVAL_EPISODES GATE_EPISODES
 #   EVAL_S GATE_S SIZE; PY (python, default python3); SKIP_INSTALL=1 (local tests: use the current env).
 # Writes into $OUT: checkpoint.tgz (the checkpoint folder), run.tgz (logs, demo stats, rollout/gate JSON),
@@ -25,7 +26,7 @@ TRAIN_MIN=${TRAIN_MIN:-5.5}
 BATCH=${BATCH:-128}
 SIZE=${SIZE:-policy-s}
 EPISODES=${EPISODES:-50}
-LANES=${LANES:-8}
+LANES=${LANES:-14}           # simulator processes = websocket clients (the server batches up to this many)
 ROLL_S=${ROLL_S:-100}
 EVAL_EPISODES=${EVAL_EPISODES:-200}
 GATE_EPISODES=${GATE_EPISODES:-100}
@@ -65,6 +66,20 @@ fi
 export MUJOCO_GL=$GL PYOPENGL_PLATFORM=$GL
 log "setup done: MUJOCO_GL=$GL ${__EGL_VENDOR_LIBRARY_FILENAMES:+vendor=$__EGL_VENDOR_LIBRARY_FILENAMES}"
 
+# Rollouts go through the real server (`wamrt serve`: fast engine, CUDA graphs, batching across lanes);
+# the lanes are simulator processes, each an openpi websocket client (`wamrt rollout --url`).
+PORT=${PORT:-8770}
+URL=ws://127.0.0.1:$PORT
+serve_start() {
+  "$PY" -m wamrt.cli serve --model "$CKPT" --port "$PORT" --max-batch "$LANES" --max-wait-ms 5 --max-queue 256 \
+    > "$RES/server.txt" 2>&1 &
+  SRV=$!
+  for _ in $(seq 1 90); do curl -sf "http://127.0.0.1:$PORT/readyz" >/dev/null && { log "server ready ($URL)"; return 0; }
+    kill -0 "$SRV" 2>/dev/null || break; sleep 2; done
+  log "FATAL: server not ready"; tail -20 "$RES/server.txt"; return 1
+}
+serve_stop() { [ -n "${SRV:-}" ] && kill "$SRV" 2>/dev/null; wait "${SRV:-}" 2>/dev/null; SRV=; }
+
 pack() {
   [ -d "$CKPT" ] && [ "$MODE" = train ] && tar czf "$OUT/checkpoint.tgz" -C "$(dirname "$CKPT")" "$(basename "$CKPT")"
   cp "$RES/summary.txt" "$OUT/summary.txt" 2>/dev/null
@@ -94,23 +109,29 @@ if [ "$MODE" = train ]; then
   log "train: $(grep '^done' "$CKPT/train_log.txt")  last: $(grep '^step' "$CKPT/train_log.txt" | tail -1 | cut -c1-110)"
   log "checkpoint: $(du -sh "$CKPT" | cut -f1) at $CKPT"
   # ---- (v) sanity rollout -------------------------------------------------------------------------------
-  log "rollout: $EPISODES episodes, $LANES lanes (in-process Policy, eager reference path)"
-  timeout "$ROLL_S" "$PY" -m wamrt.cli rollout --policy "$CKPT" --task pick_place --episodes "$EPISODES" \
-    --lanes "$LANES" --seed0 0 --out "$RES/rollout-sanity.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$RES/summary.txt"
+  log "rollout: $EPISODES episodes, $LANES lanes against the server"
+  if serve_start; then
+    timeout "$ROLL_S" "$PY" -m wamrt.cli rollout --url "$URL" --task pick_place --episodes "$EPISODES" \
+      --lanes "$LANES" --seed0 0 --out "$RES/rollout-sanity.json" 2>&1 | grep -v Warning | tail -3 \
+      | tee -a "$RES/summary.txt"
+  fi
+  serve_stop
   pack
 else
   CKPT=${CKPT:?MODE=eval needs CKPT=checkpoint folder}
+  serve_start || { pack; exit 1; }
   log "eval: $EVAL_EPISODES episodes of pick_place, $LANES lanes, 4 steps, guidance 3"
-  timeout "$EVAL_S" "$PY" -m wamrt.cli rollout --policy "$CKPT" --task pick_place --episodes "$EVAL_EPISODES" \
+  timeout "$EVAL_S" "$PY" -m wamrt.cli rollout --url "$URL" --task pick_place --episodes "$EVAL_EPISODES" \
     --lanes "$LANES" --seed0 0 --out "$RES/rollout-pick_place-$EVAL_EPISODES.json" 2>&1 | grep -v Warning | tail -2 \
     | tee -a "$RES/summary.txt"
   log "gate self: $GATE_EPISODES seeds"
-  timeout "$GATE_S" "$PY" -m wamrt.cli eval gate --task pick_place --episodes "$GATE_EPISODES" --lanes "$LANES" \
-    --baseline "$CKPT" --candidate "$CKPT" --out "$RES/gate-self.json" 2>&1 | grep -v Warning | tail -5 \
+  timeout "$GATE_S" "$PY" -m wamrt.cli eval gate --task pick_place --episodes "$GATE_EPISODES" --lanes "$LANES" --seed0 1000 \
+    --baseline "$URL" --candidate "$URL" --out "$RES/gate-self.json" 2>&1 | grep -v Warning | tail -5 \
     | tee -a "$RES/summary.txt"
   log "gate broken (1 sampling step): $GATE_EPISODES seeds"
-  timeout "$GATE_S" "$PY" -m wamrt.cli eval gate --task pick_place --episodes "$GATE_EPISODES" --lanes "$LANES" \
-    --baseline "$CKPT" --candidate "$CKPT:steps=1" --out "$RES/gate-steps1.json" 2>&1 | grep -v Warning | tail -5 \
+  timeout "$GATE_S" "$PY" -m wamrt.cli eval gate --task pick_place --episodes "$GATE_EPISODES" --lanes "$LANES" --seed0 1000 \
+    --baseline "$URL" --candidate "$URL:steps=1" --out "$RES/gate-steps1.json" 2>&1 | grep -v Warning | tail -5 \
     | tee -a "$RES/summary.txt"
+  serve_stop
   pack
 fi
