@@ -76,3 +76,19 @@ def test_euler_solver_option_is_honoured(policy):
     assert np.abs(got.actions - ref.actions).max() <= TOL
     assert np.abs(unipc.actions - ref.actions).max() > 1e-3  # the solver really changed
     assert SamplingOptions().solver == "unipc"
+
+
+def test_compiled_engine_matches_and_leaves_the_shared_model_uncompiled(policy):
+    """The production path (fused + regional torch.compile) equals the uncompiled engine, and compiling
+    one engine does not change what another engine or the eager Policy on the same model runs."""
+    import types
+
+    obs = sample_observation(3)
+    plain = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
+    want = plain.infer(obs, seed=11, steps=2).actions
+    compiled = Engine.from_policy(policy, EngineConfig(attention="auto", compile=True, cuda_graph=False))
+    got = compiled.infer(obs, seed=11, steps=2).actions
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+    for layer in policy.model.layers:
+        assert isinstance(layer.generator_post, types.MethodType)  # not a compiled wrapper on the model
+    assert np.array_equal(plain.infer(obs, seed=11, steps=2).actions, want)

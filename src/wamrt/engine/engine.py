@@ -105,6 +105,10 @@ class _KVBuffers:
     start: int  # where the Generator part begins
 
 
+def _post(layer, g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    return layer.generator_post(g, o)
+
+
 def _pre_into(layer, g: torch.Tensor, rope: Rope, kbuf: torch.Tensor, vbuf: torch.Tensor, start: int) -> torch.Tensor:
     """The Generator layer's projections, writing K/V (heads repeated for GQA) into the step buffers.
     Compiled, the RoPE/norm epilogue and the buffer store become one kernel."""
@@ -152,18 +156,17 @@ class Engine:
         self._noise_shape: tuple[int, ...] | None = None
         self._plans: dict[tuple, Any] = {}
         self._backend = BackendAttention(generator=config.attention if config.attention != "gqa" else "auto")
-        self._pre = _pre_into
+        self._pre, self._post = _pre_into, _post
         if config.compile:
             fuse_generator(model)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             torch._dynamo.config.inline_inbuilt_nn_modules = True  # parameters as inputs: one graph, all layers
             # Regional compilation: one compiled graph for the repeated layer code (parameters are
             # graph inputs), re-used by every layer. generator_pre runs inside the compiled _pre_into.
+            # Compiled wrappers live on the engine, not on the model's layers: engines (and the eager
+            # reference Policy) share one model, and a compile=False engine must run uncompiled code.
             self._pre = torch.compile(_pre_into, dynamic=False)
-            for layer in model.layers:
-                if not getattr(layer, "_wamrt_compiled", False):  # engines may share one model
-                    layer.generator_post = torch.compile(layer.generator_post, dynamic=False)
-                    layer._wamrt_compiled = True
+            self._post = torch.compile(_post, dynamic=False)
         if config.cuda_graph and self.device.type != "cuda":
             raise ValueError("cuda_graph needs a CUDA device")
 
@@ -379,7 +382,7 @@ class Engine:
         g = model.embed_generator(tok)
         for layer, kbuf, vbuf in zip(model.layers, bufs.keys, bufs.values, strict=True):
             q = self._pre(layer, g, rope, kbuf, vbuf, bufs.start)
-            g = layer.generator_post(g, attn(q, kbuf, vbuf, causal=False))
+            g = self._post(layer, g, attn(q, kbuf, vbuf, causal=False))
         out = model.decode_generator(model.norm_moe_gen(g), tok)
         return out.vision, out.action
 
