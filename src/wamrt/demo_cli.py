@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -26,7 +28,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     ap.add_argument("--execute-steps", type=int, default=8)
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--video", type=Path, default=Path("wamrt-demo.mp4"), help="mp4 of the first episode")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    ap.add_argument("--engine", choices=["auto", "eager", "fast"], default="auto",
+                    help="the server's engine (auto: the fast engine on CUDA, the eager path on CPU)")
     ap.set_defaults(func=run)
 
 
@@ -96,11 +100,22 @@ def run(args: argparse.Namespace) -> int:
 
     port = _free_port()
     cmd = [sys.executable, "-m", "wamrt.cli", "serve", "--model", args.model, "--port", str(port),
-           "--device", args.device, "--engine", "eager", "--max-batch", "1"]
+           "--engine", args.engine, "--max-batch", "1"] + (["--device", args.device] if args.device else [])
     print(f"serving {args.model}: {' '.join(cmd[1:])}", flush=True)
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # The simulator renders in this process while the server infers: on a small CPU, leave it a core
+    # (two torch threads on two busy cores measured ~10x slower than one).
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
+    # The server's log goes to a file: an unread pipe would block the server once it filled.
+    log_file = tempfile.NamedTemporaryFile("w+", prefix="wamrt-demo-server-", suffix=".log", delete=False)
+    server = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        _wait_ready(port, server)
+        try:
+            _wait_ready(port, server)
+        except (RuntimeError, TimeoutError):
+            log_file.flush()
+            print(Path(log_file.name).read_text()[-4000:], file=sys.stderr)
+            raise
         url = f"ws://127.0.0.1:{port}"
         agent = PolicyAgent(WebsocketAgent(url), execute_steps=args.execute_steps)
         results = []
@@ -138,3 +153,5 @@ def run(args: argparse.Namespace) -> int:
             server.wait(timeout=20)
         except subprocess.TimeoutExpired:
             server.kill()
+        log_file.close()
+        Path(log_file.name).unlink(missing_ok=True)
