@@ -2,12 +2,13 @@
 # Train the embedded panda-droid policy on the lent H200, in ONE device call (< 600 s), or evaluate one.
 #
 #   bash scripts/gpu_train.sh            # MODE=train: setup, demos, training, sanity rollout
-#   MODE=eval CKPT=src/wamrt/assets/panda-droid bash scripts/gpu_train.sh   # 200-episode eval + gate runs
+#   MODE=eval CKPT=src/wamrt/assets/panda-droid bash scripts/gpu_train.sh   # 200-episode eval + paired gates
+#   MODE=eval CKPT=... BASE_FROM=rollout.json GATES="interval gen-fp8" ...     # more gates, same baseline
 #
 # Carried (git-ignored) folders: .whl/ (mujoco 4.0.0 + mujoco-core/studio, glfw, pyopengl, diffusers,
 # importlib_metadata; installed --no-deps into /tmp/site) and .gl/ (libglvnd EGL/GL debs, unpacked into /).
-# Seeds: demos 100000.. (train record default), evaluation 0.., gates 1000.. (never a training layout).
-# Knobs (env): DEMOS DEMO_S WORKERS TRAIN_MIN BATCH EPISODES LANES ROLL_S EVAL_EPISODES GATE_EPISODES
+# Seeds: demos 100000.. (train record default); evaluation and its paired gates 0.. (never trained on).
+# Knobs (env): DEMOS DEMO_S WORKERS TRAIN_MIN BATCH EPISODES LANES ROLL_S EVAL_EPISODES GATES BASE_FROM
 #   EVAL_S GATE_S SIZE; PY (python, default python3); SKIP_INSTALL=1 (local tests: use the current env).
 # Writes into $OUT: checkpoint.tgz (the checkpoint folder), run.tgz (logs, demo stats, rollout/gate JSON),
 # train_log.txt, summary.txt.
@@ -29,9 +30,9 @@ EPISODES=${EPISODES:-50}
 LANES=${LANES:-14}           # simulator processes = websocket clients (the server batches up to this many)
 ROLL_S=${ROLL_S:-100}
 EVAL_EPISODES=${EVAL_EPISODES:-200}
-GATE_EPISODES=${GATE_EPISODES:-100}
-EVAL_S=${EVAL_S:-240}
-GATE_S=${GATE_S:-150}
+GATES=${GATES:-"self steps1 steps2 interval gen-fp8"}  # gen-fp8 last
+EVAL_S=${EVAL_S:-150}
+GATE_S=${GATE_S:-90}
 RES=$WORK/res
 mkdir -p "$RES"
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/summary.txt"; }
@@ -120,18 +121,42 @@ if [ "$MODE" = train ]; then
 else
   CKPT=${CKPT:?MODE=eval needs CKPT=checkpoint folder}
   serve_start || { pack; exit 1; }
-  log "eval: $EVAL_EPISODES episodes of pick_place, $LANES lanes, 4 steps, guidance 3"
-  timeout "$EVAL_S" "$PY" -m wamrt.cli rollout --url "$URL" --task pick_place --episodes "$EVAL_EPISODES" \
-    --lanes "$LANES" --seed0 0 --out "$RES/rollout-pick_place-$EVAL_EPISODES.json" 2>&1 | grep -v Warning | tail -2 \
-    | tee -a "$RES/summary.txt"
-  log "gate self: $GATE_EPISODES seeds"
-  timeout "$GATE_S" "$PY" -m wamrt.cli eval gate --task pick_place --episodes "$GATE_EPISODES" --lanes "$LANES" --seed0 1000 \
-    --baseline "$URL" --candidate "$URL" --out "$RES/gate-self.json" 2>&1 | grep -v Warning | tail -5 \
-    | tee -a "$RES/summary.txt"
-  log "gate broken (1 sampling step): $GATE_EPISODES seeds"
-  timeout "$GATE_S" "$PY" -m wamrt.cli eval gate --task pick_place --episodes "$GATE_EPISODES" --lanes "$LANES" --seed0 1000 \
-    --baseline "$URL" --candidate "$URL:steps=1" --out "$RES/gate-steps1.json" 2>&1 | grep -v Warning | tail -5 \
-    | tee -a "$RES/summary.txt"
+  BASE=$RES/rollout-pick_place-$EVAL_EPISODES.json
+  if [ -n "${BASE_FROM:-}" ]; then  # a rollout JSON carried from an earlier call: pair new gates with it
+    cp "$BASE_FROM" "$BASE" && log "baseline: $BASE_FROM"
+  else
+    log "eval: $EVAL_EPISODES episodes of pick_place, $LANES lanes, 4 steps, guidance 3"
+    timeout "$EVAL_S" "$PY" -m wamrt.cli rollout --url "$URL" --task pick_place --episodes "$EVAL_EPISODES" \
+      --lanes "$LANES" --seed0 0 --out "$BASE" 2>&1 | grep -v Warning | tail -2 | tee -a "$RES/summary.txt"
+  fi
+  # Every gate pairs its candidate with that rollout (same seeds, same per-request noise): the baseline
+  # runs once. self / steps1 show the gate works both ways (issue 6); the rest are issue 7's lossy levers.
+  gate() {
+    log "gate $1: candidate $2, $EVAL_EPISODES paired seeds"
+    timeout "$GATE_S" "$PY" -m wamrt.cli eval gate --task pick_place --episodes "$EVAL_EPISODES" --lanes "$LANES" \
+      --seed0 0 --baseline "$BASE" --candidate "$2" --out "$RES/gate-$1.json" 2>&1 | grep -v Warning | tail -4 \
+      | tee -a "$RES/summary.txt"
+  }
+  [ -f "$BASE" ] || GATES=
+  for g in $GATES; do
+    case $g in
+      self) gate self "$URL" ;;
+      steps1) gate steps1 "$URL:steps=1" ;;
+      steps2) gate steps2 "$URL:steps=2" ;;
+      interval)  # CFG on the first step only: the interval is strict, so (t1, t0 + 1) keeps the first timestep
+        iv=$("$PY" -c "from wamrt.pipeline.denoise import SamplingOptions as S
+t = S(steps=4).make_schedule().timesteps.tolist(); print(f'{int(t[1])}-{int(t[0]) + 1}')")
+        gate interval "$URL:guidance_interval=$iv" ;;
+      gen-fp8)  # a second server on the quantized artifact (last: it replaces the bf16 server)
+        serve_stop
+        "$PY" -m wamrt.cli quantize --model "$CKPT" --recipe gen-fp8 --out "$WORK/gen-fp8" 2>&1 | tail -1 \
+          | tee -a "$RES/summary.txt"
+        CKPT_BF16=$CKPT; CKPT=$WORK/gen-fp8
+        serve_start && gate gen-fp8 "$URL"
+        CKPT=$CKPT_BF16 ;;
+      *) log "unknown gate $g" ;;
+    esac
+  done
   serve_stop
   pack
 fi

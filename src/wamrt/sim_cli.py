@@ -12,6 +12,7 @@ execute_steps (rows executed per chunk). Example: `tiny-droid:steps=2,guidance=3
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import threading
 from collections.abc import Callable
@@ -53,7 +54,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                                      "ws://127.0.0.1:8000:steps=1 for a running server "
                                      "(keys: " + ", ".join(SPEC_KEYS) + ").")
     _add_run_arguments(gate)
-    gate.add_argument("--baseline", required=True, metavar="SPEC")
+    gate.add_argument("--baseline", required=True, metavar="SPEC",
+                      help="a SPEC, or a `wamrt rollout --out` result JSON of the same task and seeds (reused)")
     gate.add_argument("--candidate", required=True, metavar="SPEC")
     gate.add_argument("--margin", type=float, default=0.05, help="non-inferiority margin (default 0.05)")
     gate.add_argument("--alpha", type=float, default=0.05, help="McNemar significance level (default 0.05)")
@@ -185,6 +187,25 @@ class Side:
     backend: str
     config: dict[str, Any]
     gpu: str = "cpu"
+    outcomes: list[bool] | None = None  # already known (a recorded rollout): nothing to run
+
+
+def recorded_side(path: str, task: str, seeds: list[int]) -> Side:
+    """A `kind: rollout` result file as one side of a gate: its per-seed outcomes, checked to be the same
+    task and exactly the gate's seeds, so one baseline run can be paired with several candidates."""
+    try:
+        res = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read rollout result {path}: {e}") from e
+    if res.get("kind") != "rollout" or "outcomes" not in res:
+        raise UsageError(f"{path} is not a rollout result with per-seed outcomes")
+    got = res.get("seeds")
+    got = list(range(got["first"], got["last"] + 1)) if isinstance(got, dict) else list(got or [])
+    if res.get("task") != task or got != seeds:
+        raise UsageError(f"{path} holds task {res.get('task')!r} seeds {got[:1]}..{got[-1:]}; the gate needs "
+                         f"{task!r} seeds {seeds[0]}..{seeds[-1]}")
+    return Side(path, lambda: None, "recorded", {**res.get("config", {}), "recorded": path},
+                res.get("gpu", "cpu"), [bool(x) for x in res["outcomes"]])
 
 
 def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: dict[str, Any]) -> Side:
@@ -295,12 +316,14 @@ def run_gate(args: argparse.Namespace) -> int:
     try:
         _check_task(args.task)
         _check_counts(args)
+        seeds = list(range(args.seed0, args.seed0 + args.episodes))
         cache: dict[str, Any] = {}  # one load per model: specs differing only in sampling share weights
-        sides = [_load_side(parse_spec(s), s, args, cache) for s in (args.baseline, args.candidate)]
+        sides = [recorded_side(s, args.task, seeds) if s.endswith(".json")
+                 else _load_side(parse_spec(s), s, args, cache) for s in (args.baseline, args.candidate)]
     except UsageError as e:
         return _error(str(e))
-    seeds = list(range(args.seed0, args.seed0 + args.episodes))
-    base_ok, cand_ok = ([r.success for r in _run_side(side, args, seeds)] for side in sides)
+    base_ok, cand_ok = (side.outcomes if side.outcomes is not None
+                        else [r.success for r in _run_side(side, args, seeds)] for side in sides)
     d = gate(base_ok, cand_ok, alpha=args.alpha, margin=args.margin)
     print(_rate_line(f"baseline  {args.baseline}", sum(base_ok), len(seeds)))
     print(_rate_line(f"candidate {args.candidate}", sum(cand_ok), len(seeds)))

@@ -124,3 +124,24 @@ def test_rollout_against_a_server_over_websocket_lanes(tmp_path, capsys):
     want = {request_seed(ep, k) for ep in (5, 6) for k in (0, 1)}  # 16 steps / 8 executed = 2 requests
     assert {s for s, _ in policy.seen} == want
     assert all(o.get("steps") == 2 for _, o in policy.seen)
+
+
+def test_gate_reuses_a_recorded_baseline_and_checks_its_seeds(tmp_path, capsys):
+    """One baseline rollout file pairs with several candidates; a file of other seeds or another task is refused."""
+    base = tmp_path / "base.json"
+    assert _run(["rollout", "--task", "lift", "--policy", "expert", "--episodes", "2", "--seed0", "3",
+                 "--out", str(base)]) == 0
+    rec = json.loads(base.read_text())
+    rec["outcomes"] = [1, 0]  # pretend the baseline failed seed 4: the gate must read this, not re-run it
+    base.write_text(json.dumps(rec))
+    out = tmp_path / "gate.json"
+    assert _run(["eval", "gate", "--task", "lift", "--baseline", str(base), "--candidate", "expert",
+                 "--episodes", "2", "--seed0", "3", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["baseline_successes"] == 1 and res["candidate_successes"] == 2
+    capsys.readouterr()
+    assert _run(["eval", "gate", "--task", "lift", "--baseline", str(base), "--candidate", "expert",
+                 "--episodes", "2", "--seed0", "4"]) == 2
+    assert "seeds" in capsys.readouterr().err
+    assert _run(["eval", "gate", "--task", "pick_place", "--baseline", str(base), "--candidate", "expert",
+                 "--episodes", "2", "--seed0", "3"]) == 2
