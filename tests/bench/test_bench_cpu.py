@@ -1,0 +1,49 @@
+"""`wamrt bench latency` end to end on CPU with a tiny model: the result files keep performance.md's
+schema (the GPU runs that produce the committed results use the same code), and the load scaling math."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from wamrt.bench.load import scaling_vs
+from wamrt.cli import main
+
+LATENCY_KEYS = ("kind", "git_sha", "command", "date", "gpu", "torch", "model", "tier", "steps", "guidance",
+                "guidance_interval", "recipe", "parallel", "gpus", "batch", "weights", "p50_ms", "p90_ms", "p99_ms",
+                "ci95_p50_ms", "n", "warmup", "floor_ms", "stages_ms", "peak_mem_gib", "peer")
+
+
+def test_latency_exact_and_lossy_rows_write_schema_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    rc = main(["bench", "latency", "--model", "tiny-qwen", "--device", "cpu", "--tiny-vae", "--rows", "E3",
+               "--steps", "2", "--warmup", "0", "--runs", "2", "--full-rows", "E3", "--lossy-rows", "E7", "--quality",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    exact = json.loads((tmp_path / "tiny-qwen-s2-E3.json").read_text())
+    lossy = json.loads((tmp_path / "tiny-qwen-s2-E7.json").read_text())
+    for row in (exact, lossy):
+        missing = [k for k in LATENCY_KEYS if k not in row]
+        assert not missing, missing
+        assert row["kind"] == "latency" and row["n"] == 2 and row["p50_ms"] > 0
+    assert exact["recipe"] == "bf16" and not exact["lossy"]
+    assert lossy["recipe"] == "gen-fp8" and lossy["lossy"] and lossy["steps"] == 2
+    q = lossy["quality"]
+    assert 0 < q["rel_l2_vs_bf16_same_config"] < q["bf16_other_seed_rel_l2"]  # fp8 moves less than new noise
+    quality = json.loads((tmp_path / "tiny-qwen-quality-gen-fp8.json").read_text())
+    assert quality["kind"] == "quality" and quality["sqnr"]["failing"] == []
+    assert quality["sqnr"]["min_db"] >= quality["sqnr"]["bar_db"]
+    w = quality["weight_gib"]
+    assert w["gen-fp8+reasoner-w8"] < w["gen-fp8"] < w["bf16"]
+    assert (tmp_path / "waterfall-tiny-qwen-lossy.png").stat().st_size > 0
+
+
+def test_load_scaling_ratios():
+    one = {"model": "nano", "lanes": 1, "throughput_rps": 1.5, "p50_ms": 700.0}
+    eight = {"model": "nano", "lanes": 8, "throughput_rps": 1.35, "max_ms": 6300.0, "p99_ms": 6000.0}
+    s = scaling_vs(eight, one)
+    assert s["efficiency_vs_baseline"] == pytest.approx(0.9)
+    assert s["max_over_baseline_p50"] == pytest.approx(9.0)
+    with pytest.raises(ValueError, match="baseline model"):
+        scaling_vs({**eight, "model": "edge"}, one)
