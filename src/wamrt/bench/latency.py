@@ -9,11 +9,7 @@ schema, plus a PNG waterfall.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -24,6 +20,7 @@ import torch
 
 from ..engine import Engine, EngineConfig
 from ..ops.attention import measure_backends
+from ..provenance import environment
 from ..sample import sample_observation
 from .flops import (
     COMPUTE_FLOOR_MS,
@@ -50,30 +47,6 @@ ROWS: dict[str, tuple[str, dict]] = {
     # Alternative to E5 (not cumulative): the CFG branches' attention as one masked call.
     "E5-mask": ("E5 with one masked attention call for both CFG branches", dict(cfg_attention="mask")),
 }
-
-
-def git_sha() -> str:
-    if os.environ.get("WAMRT_GIT_SHA"):
-        return os.environ["WAMRT_GIT_SHA"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def environment() -> dict:
-    env = {"torch": torch.__version__, "python": platform.python_version(), "git_sha": git_sha(),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        try:
-            env["driver"] = subprocess.check_output(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], text=True).strip()
-        except (OSError, subprocess.CalledProcessError):
-            pass
-    else:
-        env["gpu"] = "cpu"
-    return env
 
 
 def time_requests(fn, warmup: int, runs: int) -> tuple[list[float], list[dict]]:

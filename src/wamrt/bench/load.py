@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
-import os
 import platform
-import subprocess
 import sys
 import threading
 import time
@@ -25,6 +23,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
+
+from ..provenance import git_sha
 
 MAX_LANES = 64
 MAX_SECONDS = 600.0
@@ -158,15 +158,6 @@ def scaling_vs(summary: dict[str, Any], baseline: dict[str, Any]) -> dict[str, A
             "p99_over_baseline_p50": summary["p99_ms"] / baseline["p50_ms"]}
 
 
-def _git_sha() -> str:
-    if os.environ.get("WAMRT_GIT_SHA"):
-        return os.environ["WAMRT_GIT_SHA"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         summary = run_load(args.url, lanes=args.lanes, seconds=args.seconds, warmup=args.warmup_requests,
@@ -177,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    summary.update(model=args.model, git_sha=_git_sha(), command=" ".join(sys.argv),
+    summary.update(model=args.model, git_sha=git_sha(), command=" ".join(sys.argv),
                    date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), gpu=gpu, torch=torch.__version__,
                    host=platform.node())
     print(f"{summary['lanes']} lanes, {summary['seconds']:.1f} s: {summary['requests']} requests, "

@@ -13,12 +13,8 @@ websocket lane (the serving latency). Writes `kind: latency` JSON files (../shar
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from functools import partial
@@ -27,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..provenance import environment
 from ..sample import sample_observation
 from .flops import COMPUTE_FLOOR_MS, PRACTICAL_FLOOR_MS, TARGET_MS, request_flops
 from .stats import median_stages, summarize
@@ -78,29 +75,6 @@ def _time(policy: Any, args: argparse.Namespace) -> tuple[dict, dict, float]:
         totals.append(1e3 * (time.perf_counter() - t))
         stages.append(chunk.timings_ms)
     return summarize(totals), median_stages(stages), time.perf_counter() - t0
-
-
-def environment() -> dict:
-    env = {"torch": torch.__version__, "python": platform.python_version(), "git_sha": _git_sha(),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
-    if torch.cuda.is_available():
-        env["gpu_count"] = torch.cuda.device_count()
-        try:
-            env["driver"] = subprocess.check_output(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], text=True).split()[0]
-        except (OSError, subprocess.CalledProcessError, IndexError):
-            pass
-    return env
-
-
-def _git_sha() -> str:
-    if os.environ.get("WAMRT_GIT_SHA"):
-        return os.environ["WAMRT_GIT_SHA"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _result(args: argparse.Namespace, env: dict, command: str, parallel: str, gpus: int, summary: dict,

@@ -6,27 +6,17 @@ from package metadata, so writing a result never imports torch.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import shlex
-import subprocess
 import sys
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from ..provenance import git_sha, utc_now
 from .runner import EpisodeResult, summarize
 from .stats import GateDecision, paired_bootstrap_ci, wilson_ci
-
-
-def _git_sha() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).parent)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
 
 
 def _torch_version() -> str | None:
@@ -37,8 +27,8 @@ def _torch_version() -> str | None:
 
 
 def common_fields(kind: str, gpu: str = "cpu", command: str | None = None) -> dict[str, Any]:
-    return {"kind": kind, "git_sha": _git_sha(), "command": command or shlex.join(sys.argv),
-            "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "gpu": gpu, "torch": _torch_version()}
+    return {"kind": kind, "git_sha": git_sha(), "command": command or shlex.join(sys.argv),
+            "date": utc_now(), "gpu": gpu, "torch": _torch_version()}
 
 
 def _seeds_field(seeds: Sequence[int]) -> dict[str, int] | list[int]:

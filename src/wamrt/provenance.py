@@ -1,0 +1,45 @@
+"""Where a result came from: the git commit and the machine, for every committed result file.
+
+Light on purpose (torch is imported only inside `environment`): simulator lanes write result files too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+
+def git_sha() -> str:
+    """`WAMRT_GIT_SHA` when set (the GPU machine gets a copy of the tree without .git), else HEAD."""
+    if os.environ.get("WAMRT_GIT_SHA"):
+        return os.environ["WAMRT_GIT_SHA"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def environment() -> dict:
+    """torch / python / git sha / date / GPU name, count and driver ("cpu" without CUDA)."""
+    import torch
+
+    env = {"torch": torch.__version__, "python": platform.python_version(), "git_sha": git_sha(),
+           "date": utc_now(), "gpu": "cpu"}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpu_count"] = torch.cuda.device_count()
+        try:
+            env["driver"] = subprocess.check_output(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], text=True).split()[0]
+        except (OSError, subprocess.CalledProcessError, IndexError):
+            pass
+    return env
