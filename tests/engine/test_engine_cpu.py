@@ -92,3 +92,54 @@ def test_compiled_engine_matches_and_leaves_the_shared_model_uncompiled(policy):
     for layer in policy.model.layers:
         assert isinstance(layer.generator_post, types.MethodType)  # not a compiled wrapper on the model
     assert np.array_equal(plain.infer(obs, seed=11, steps=2).actions, want)
+
+
+def _prompted(i: int, prompt: str) -> dict:
+    obs = sample_observation(i)
+    obs["prompt"] = prompt
+    return obs
+
+
+def test_prompt_buckets_compute_the_exact_function_and_share_one_key(policy):
+    """Prefixes padded to a bucket with masked keys give the exact engine's actions, and prompts of different
+    lengths inside one bucket get the same graph key (one capture serves them all on the GPU)."""
+    short, longer = "pick up the cube", "pick up the red cube and put it on the blue pad"
+    exact = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
+    bucketed = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False,
+                                                       prompt_bucket=64))
+    obs = [_prompted(0, short), _prompted(1, longer)]
+    for kw in (dict(steps=2), dict(steps=2, guidance_interval=(960, 1001))):  # CFG + cond-only step kinds
+        want = exact.infer_batch(obs, seeds=[3, 4], **kw)
+        got = bucketed.infer_batch(obs, seeds=[3, 4], **kw)
+        for g, w in zip(got, want, strict=True):
+            assert np.abs(g.actions - w.actions).max() <= TOL, kw
+
+    keys = []
+    for prompt in (short, longer):
+        prep = bucketed.infer(_prompted(0, prompt), seed=1, steps=1)  # fills the Reasoner cache
+        assert prep.actions.shape == (32, 8)
+        conds, unconds = bucketed._sequences([_inputs(bucketed, prompt)], True)
+        lengths = [s.kv.length for s in conds + unconds]
+        p_conds, p_unconds = bucketed._pad_prefixes(conds, unconds)
+        padded = p_conds + p_unconds
+        assert len({s.kv.length for s in padded}) == 1 and padded[0].kv.length % 64 == 0
+        assert [int(s.kv.key_mask.sum()) for s in padded] == lengths  # the real tokens, nothing else
+        keys.append(bucketed._bucket_lengths(p_conds, p_unconds))
+        assert exact._bucket_lengths(conds, unconds) == tuple(lengths)
+    assert keys[0] == keys[1], "two prompt lengths in one bucket must share a graph key"
+    assert bucketed.metadata()["engine"]["prompt_bucket"] == 64
+
+
+def _inputs(engine: Engine, prompt: str):
+    from wamrt.pipeline.droid import prepare_droid
+
+    return prepare_droid(_prompted(0, prompt), model=engine.model, encoder=engine.encoder,
+                         tokenizer=engine.tokenizer, contract=engine.contract, seed=0, device=engine.device).inputs
+
+
+def test_prompt_bucket_configuration_is_checked(policy):
+    with pytest.raises(ValueError, match="prompt_bucket must be >= 0"):
+        Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False, prompt_bucket=-1))
+    with pytest.raises(ValueError, match="batch_cfg"):
+        Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False, prompt_bucket=32,
+                                                batch_cfg=False))

@@ -38,11 +38,12 @@ def test_serve_defaults_match_the_issue() -> None:
     assert (args.max_batch, args.max_wait_ms, args.max_queue, args.warmup) == (8, 5.0, 64, 1)
     cfg = config_from_args(args)
     assert cfg.sampler_defaults() == {}  # the policy's own: 4 steps, guidance 3.0, shift 5.0 (+ Edge interval)
-    assert cfg.safety_file is None and cfg.max_frame_bytes == 64 * 2**20
+    assert cfg.safety_file is None and cfg.max_frame_bytes == 64 * 2**20 and cfg.prompt_bucket == 0
     args = build_parser().parse_args(["serve", "--api-key", "k", "--max-batch", "2", "--max-wait-ms", "1.5",
                                       "--max-queue", "9", "--steps", "2", "--guidance", "1.5", "--shift", "4",
-                                      "--guidance-interval", "960", "1001", "--port", "8123"])
+                                      "--guidance-interval", "960", "1001", "--port", "8123", "--prompt-bucket", "32"])
     cfg = config_from_args(args)
+    assert cfg.prompt_bucket == 32
     assert (cfg.api_key, cfg.max_batch, cfg.max_wait_ms, cfg.max_queue, cfg.port) == ("k", 2, 1.5, 9, 8123)
     assert cfg.sampler_defaults() == {"steps": 2, "guidance": 1.5, "shift": 4.0, "guidance_interval": (960, 1001)}
 

@@ -46,6 +46,8 @@ ROWS: dict[str, tuple[str, dict]] = {
     "E5": ("+ whole denoise loop as one CUDA graph", dict()),
     # Alternative to E5 (not cumulative): the CFG branches' attention as one masked call.
     "E5-mask": ("E5 with one masked attention call for both CFG branches", dict(cfg_attention="mask")),
+    # What a server pays for one graph per prompt-length bucket instead of one per exact length combination.
+    "E5-bucket": ("E5 with prompts padded to 64-token buckets (masked keys)", dict(prompt_bucket=64)),
 }
 
 

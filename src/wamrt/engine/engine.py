@@ -22,7 +22,13 @@ import numpy as np
 import torch
 
 from ..model import Cosmos3Transformer, GeneratorTokens, ReasonerKV, Rope
-from ..ops.attention import BackendAttention, MaskedBatchAttention, PrefixOffsetAttention, diffusers_gqa_attention
+from ..ops.attention import (
+    BackendAttention,
+    KeyMaskAttention,
+    MaskedBatchAttention,
+    PrefixOffsetAttention,
+    diffusers_gqa_attention,
+)
 from ..pipeline.denoise import DenoiseInputs, DenoiseResult, SamplingOptions
 from ..pipeline.droid import ActionChunk, DroidContract, PreparedDroid, droid_actions, droid_metadata, prepare_droid
 from ..pipeline.errors import RequestError
@@ -45,6 +51,11 @@ class EngineConfig:
     # How batched sequences with different prefix lengths attend: "split" = one unmasked call per
     # sequence on its valid keys; "mask" = one masked call for the batch.
     cfg_attention: str = "split"
+    # > 0: every Reasoner prefix in a batch is left-padded up to a multiple of this many tokens and the
+    # padding keys are masked by a mask tensor, so one captured graph serves every prompt length in the
+    # bucket (a new instruction length otherwise costs a capture: 7-23 s at Nano). The price is a masked
+    # attention kernel over a few padded keys. 0: exact lengths, unmasked per-sequence attention.
+    prompt_bucket: int = 0
     compile: bool = True  # fuse + regional torch.compile of the Generator layer halves
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
     kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
@@ -169,6 +180,10 @@ class Engine:
             self._post = torch.compile(_post, dynamic=False)
         if config.cuda_graph and self.device.type != "cuda":
             raise ValueError("cuda_graph needs a CUDA device")
+        if config.prompt_bucket < 0:
+            raise ValueError(f"prompt_bucket must be >= 0 tokens, got {config.prompt_bucket}")
+        if config.prompt_bucket and not (config.reuse_reasoner and config.batch_cfg):
+            raise ValueError("prompt_bucket needs reuse_reasoner=True and batch_cfg=True (the K/V-buffer loop)")
 
     @classmethod
     def from_policy(cls, policy: Policy, config: EngineConfig = EngineConfig()) -> Engine:
@@ -189,7 +204,8 @@ class Engine:
             self._noise.prefetch(self._upcoming_seed, self._noise_shape)
 
     def metadata(self) -> dict[str, Any]:
-        engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "cuda_graph")}
+        engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "cuda_graph",
+                                                       "prompt_bucket")}
         return {**droid_metadata(self.name, self.contract, self.options), "engine": engine}
 
     def infer(self, observation: Mapping[str, Any], *, seed: int | None = None, **overrides: Any) -> ActionChunk:
@@ -261,6 +277,8 @@ class Engine:
         self._sync()
         t0 = time.perf_counter()
         conds, unconds = self._sequences(inputs, any(cfg_steps))
+        if self.config.prompt_bucket:
+            conds, unconds = self._pad_prefixes(conds, unconds)
         self._sync()
         timings["reasoner_prefill"] = 1e3 * (time.perf_counter() - t0)
 
@@ -300,8 +318,27 @@ class Engine:
         return _Seq(request, kv, self.model.rope(branch.positions).split(branch.input_ids.shape[1])[1])
 
     def _bucket_lengths(self, conds: list[_Seq], unconds: list[_Seq]) -> tuple[int, ...]:
-        """Prefix lengths that (with the shapes) identify a captured graph."""
+        """Prefix lengths that (with the shapes) identify a captured graph (padded ones with prompt buckets)."""
         return tuple(s.kv.length for s in conds + unconds)
+
+    def _padded_length(self, tokens: int) -> int:
+        b = self.config.prompt_bucket
+        return -(-tokens // b) * b if b else tokens
+
+    def _pad_prefixes(self, conds: list[_Seq], unconds: list[_Seq]) -> tuple[list[_Seq], list[_Seq]]:
+        """Every sequence's Reasoner K/V left-padded with zeros to one bucketed width, with a key mask marking
+        its real tokens. Zeros, not garbage: a masked key's value still enters the kernel's arithmetic."""
+        seqs = conds + unconds
+        width = self._padded_length(max(s.kv.length for s in seqs))
+        pos = torch.arange(width, device=self.device)
+        out = []
+        for s in seqs:
+            pad = width - s.kv.length
+            kv = ReasonerKV([torch.nn.functional.pad(k, (0, 0, pad, 0)) for k in s.kv.keys],
+                            [torch.nn.functional.pad(v, (0, 0, pad, 0)) for v in s.kv.values],
+                            key_mask=(pos >= pad)[None])
+            out.append(_Seq(s.request, kv, s.rope))
+        return out[: len(conds)], out[len(conds):]
 
     def _plan(self, opts: SamplingOptions):
         """Solver coefficients per (schedule, steps, shift, solver), built once: building a UniPC plan
@@ -355,7 +392,13 @@ class Engine:
             kb.append(kbuf)
             vb.append(vbuf)
         rope = Rope(torch.cat([s.rope.cos for s in seqs]), torch.cat([s.rope.sin for s in seqs]))
-        if self.config.cfg_attention == "mask" and any(offsets):
+        masks = [s.kv.key_mask for s in seqs]
+        if any(m is not None for m in masks):  # prompt buckets: equal padded widths, validity as data
+            assert all(m is not None for m in masks) and not any(offsets)
+            valid = torch.cat(masks)  # type: ignore[arg-type]
+            valid = torch.cat([valid, valid.new_ones(len(seqs), g_len)], dim=1)
+            attn = KeyMaskAttention(valid, backend=self.config.attention)
+        elif self.config.cfg_attention == "mask" and any(offsets):
             attn = MaskedBatchAttention(offsets, umax + g_len, self.device, backend=self.config.attention)
         else:
             attn = PrefixOffsetAttention(offsets, backend=self.config.attention)
@@ -439,8 +482,9 @@ class Engine:
         ins["x_v"].copy_(x_v)
         ins["x_a"].copy_(x_a)
         for dst, src in zip(ins["seqs"], conds + unconds, strict=True):
-            torch._foreach_copy_(dst.kv.keys + dst.kv.values + [dst.rope.cos, dst.rope.sin],
-                                 src.kv.keys + src.kv.values + [src.rope.cos, src.rope.sin])
+            masks = ([dst.kv.key_mask], [src.kv.key_mask]) if dst.kv.key_mask is not None else ([], [])
+            torch._foreach_copy_(dst.kv.keys + dst.kv.values + [dst.rope.cos, dst.rope.sin] + masks[0],
+                                 src.kv.keys + src.kv.values + [src.rope.cos, src.rope.sin] + masks[1])
         entry.graph.replay()
         assert entry.outputs is not None
         return entry.outputs[0].clone(), entry.outputs[1].clone()
@@ -451,7 +495,8 @@ class Engine:
         entry = _Graph()
 
         def clone_seq(s: _Seq) -> _Seq:
-            kv = ReasonerKV([k.clone() for k in s.kv.keys], [v.clone() for v in s.kv.values])
+            mask = s.kv.key_mask.clone() if s.kv.key_mask is not None else None
+            kv = ReasonerKV([k.clone() for k in s.kv.keys], [v.clone() for v in s.kv.values], key_mask=mask)
             return _Seq(s.request, kv, Rope(s.rope.cos.clone(), s.rope.sin.clone()))
 
         seqs = [clone_seq(s) for s in conds + unconds]

@@ -87,16 +87,13 @@ class PrefixOffsetAttention:
         return torch.cat(outs, dim=0).transpose(1, 2)  # [B, H, Sq, d] view
 
 
-class MaskedBatchAttention:
-    """The alternative to PrefixOffsetAttention: one call for the whole batch, padding keys masked out
-    (valid[b, j] = j >= offsets[b]). Fewer, larger kernel calls, but a masked kernel."""
+class KeyMaskAttention:
+    """Generator attention over padded keys whose validity is a tensor (valid [B, Sk], True = attend): one
+    masked call for the whole batch. The mask is data, not Python ints, so one captured CUDA graph serves
+    every prefix length that fits the padded width (the engine's prompt buckets)."""
 
-    def __init__(self, offsets: Sequence[int], key_len: int, device: torch.device, backend: str = "cudnn",
-                 reasoner: str = "auto") -> None:
-        self.offsets = list(offsets)
-        pos = torch.arange(key_len, device=device)
-        # Built from Python ints (no host-to-device copy), so it can be made inside graph capture.
-        self.mask = torch.stack([pos >= o for o in self.offsets])[:, None, None, :]  # [B, 1, 1, Sk]
+    def __init__(self, valid: torch.Tensor, backend: str = "cudnn", reasoner: str = "auto") -> None:
+        self.mask = valid[:, None, None, :]  # [B, 1, 1, Sk]
         self.backend, self.reasoner = backend, reasoner
 
     def __call__(self, q, k, v, *, causal: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,6 +106,18 @@ class MaskedBatchAttention:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
         with sdpa_kernel(kernels + [SDPBackend.EFFICIENT_ATTENTION]):  # in case cuDNN refuses the mask
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+
+class MaskedBatchAttention(KeyMaskAttention):
+    """The alternative to PrefixOffsetAttention: one call for the whole batch, padding keys masked out
+    (valid[b, j] = j >= offsets[b]). Fewer, larger kernel calls, but a masked kernel."""
+
+    def __init__(self, offsets: Sequence[int], key_len: int, device: torch.device, backend: str = "cudnn",
+                 reasoner: str = "auto") -> None:
+        self.offsets = list(offsets)
+        pos = torch.arange(key_len, device=device)
+        # Built from Python ints (no host-to-device copy), so it can be made inside graph capture.
+        super().__init__(torch.stack([pos >= o for o in self.offsets]), backend, reasoner)
 
 
 def measure_backends(q_shape: tuple[int, int, int, int], kv_heads: int, kv_len: int, *, dtype: torch.dtype,

@@ -68,7 +68,8 @@ class CfgParallelEngine(Engine):
         return [self._branch(r, inp.uncond) for r, inp in enumerate(inputs)], []
 
     def _bucket_lengths(self, conds: list[_Seq], unconds: list[_Seq]) -> tuple[int, ...]:
-        return self._lengths
+        # Each rank pads its own branches (prompt buckets), but the key comes from every length on both.
+        return tuple(self._padded_length(n) for n in self._lengths)
 
     def _step_batches(self, conds, unconds, n):
         local = super()._step_batches(conds, [], n)[False] if conds else []

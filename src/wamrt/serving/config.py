@@ -24,6 +24,7 @@ class ServeConfig:
     warmup_requests: int = 1
     max_jobs: int = 256  # /v1/videos records kept (oldest finished ones are evicted first)
     model_name: str = "tiny-droid"
+    prompt_bucket: int = 0  # the fast engine's EngineConfig.prompt_bucket (0: exact prompt lengths)
     extra_metadata: dict[str, Any] = field(default_factory=dict)
 
     def sampler_defaults(self) -> dict[str, Any]:

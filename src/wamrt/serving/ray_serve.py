@@ -49,15 +49,16 @@ class PolicyReplica:
             from ..parallel import ParallelSpec, start
 
             engine = {} if device.startswith("cuda") else dict(attention="auto", compile=False, cuda_graph=False)
+            engine["prompt_bucket"] = self.config.prompt_bucket
             self.policy: Any = start(ParallelSpec(parallel, model, world=gpus, device=device, engine=engine))
         else:
             from ..pipeline.policy import load_policy
 
             self.policy = load_policy(model, device=device)
             if self.policy.device.type == "cuda":
-                from ..engine import Engine
+                from ..engine import Engine, EngineConfig
 
-                self.policy = Engine.from_policy(self.policy)
+                self.policy = Engine.from_policy(self.policy, EngineConfig(prompt_bucket=self.config.prompt_bucket))
         log.info("replica %s: %s on %s", self.replica, model, device)
 
     def __serve_build_asgi_app__(self):

@@ -37,6 +37,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--engine", choices=["auto", "eager", "fast"], default="auto",
                     help="fast = fused/compiled/CUDA-graph engine (needs CUDA); eager = reference path; "
                          "auto = fast on CUDA, eager on CPU")
+    ap.add_argument("--prompt-bucket", type=int, default=0, metavar="TOKENS",
+                    help="fast engine: pad instruction prefixes to a multiple of TOKENS (masked) so one CUDA graph "
+                         "serves every instruction length in the bucket and any mix of them in a batch; "
+                         "0 = exact lengths (a capture per new length combination); see docs/engine.md")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs of this host behind one engine (with --parallel)")
     ap.add_argument("--parallel", choices=["none", "cfg", "tp"], default="none",
                     help="cfg = one CFG branch per GPU (2 GPUs, full model each); tp = every layer split across "
@@ -56,6 +60,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         steps=args.steps, guidance=args.guidance, shift=args.shift,
         guidance_interval=tuple(args.guidance_interval) if args.guidance_interval else None,
         safety_file=args.safety, warmup_requests=args.warmup, model_name=str(args.model),
+        prompt_bucket=args.prompt_bucket,
     )
 
 
@@ -79,9 +84,10 @@ def run(args: argparse.Namespace) -> int:
         return _run_parallel(args, config)
     policy = load_policy(args.model, device=args.device)
     if args.engine == "fast" or (args.engine == "auto" and policy.device.type == "cuda"):
-        from ..engine import Engine
+        from ..engine import Engine, EngineConfig
 
-        policy = Engine.from_policy(policy)  # same infer_batch/metadata contract, batched on the GPU
+        # same infer_batch/metadata contract, batched on the GPU
+        policy = Engine.from_policy(policy, EngineConfig(prompt_bucket=config.prompt_bucket))
     uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level)).run()
     return 0
 
@@ -92,6 +98,7 @@ def _run_parallel(args: argparse.Namespace, config: ServeConfig) -> int:
 
     device = args.device or "cuda"
     engine = {} if device.startswith("cuda") else dict(attention="auto", compile=False, cuda_graph=False)
+    engine["prompt_bucket"] = config.prompt_bucket
     policy = start(ParallelSpec(args.parallel, str(args.model), world=args.gpus, device=device, engine=engine))
     try:
         uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level)).run()
