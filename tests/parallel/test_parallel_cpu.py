@@ -98,3 +98,15 @@ def test_load_sharded_reads_only_the_slices(tmp_path):
         want_params = dict(want.named_parameters())
         for n, p in got.named_parameters():
             torch.testing.assert_close(p, want_params[n], rtol=0, atol=0, msg=n)
+
+
+def test_cfg_parallel_with_prompt_buckets_equals_single_process(cache):
+    """Each rank pads only its own branch (cond on rank 0, uncond on rank 1) to the bucket; the graph key
+    comes from both lengths, and the actions stay the exact single-process engine's."""
+    single = _single("tiny-droid")
+    with start(ParallelSpec("cfg", "tiny-droid", 2, "cpu", engine={**ECONF, "prompt_bucket": 16})) as front:
+        _compare(front, single, CASES[:2])
+        assert front.metadata()["engine"]["prompt_bucket"] == 16
+        engine = front.engine  # rank 0's
+        engine._lengths = (13, 5)
+        assert engine._bucket_lengths([], []) == (16, 16)
