@@ -158,3 +158,25 @@ def test_sampling_convention_toy_and_checkpoint_serves(tmp_path, monkeypatch):
     assert pol.contract.tier == "256"
     chunk = pol.infer(obs0[0][0])
     assert chunk.actions.shape == (32, 8) and np.isfinite(chunk.actions).all()
+
+
+def test_frame0_augmented_future_frames_from_the_clean_cache(tmp_path):
+    """Default augmentation path: one VAE encode per sample (frame 0, augmented); the future frames are the
+    clean cached latents, exactly; --aug-future re-encodes all of them augmented."""
+    eps, _ = _toy_episodes()
+    cfg = TrainConfig(size="tiny-qwen", batch=4, aug_shift_px=6, aug_colour=0.1, log_every=1000)
+    tr = PolicyTrainer(cfg, demo_set_from_episodes(eps), tmp_path / "ckpt", device="cpu")
+    tr.cache_latents()
+    idx = np.arange(4)
+    clean = tr.clean_batch(idx, augment_images=False)["vision"]
+    calls = []
+    encode = tr.encode_frames
+    tr.encode_frames = lambda px: calls.append(px.shape[1]) or encode(px)
+    aug = tr.clean_batch(idx)["vision"]
+    assert calls == [1] and aug.shape == clean.shape
+    assert torch.equal(aug[:, :, 1:], clean[:, :, 1:])
+    assert (aug[:, :, 0] - clean[:, :, 0]).abs().max() > 1e-3  # frame 0 really was augmented
+    tr.cfg.aug_future = True
+    calls.clear()
+    every = tr.clean_batch(idx)["vision"]
+    assert calls == [clean.shape[2]] and not torch.equal(every[:, :, 1:], clean[:, :, 1:])
