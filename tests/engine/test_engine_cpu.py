@@ -143,3 +143,63 @@ def test_prompt_bucket_configuration_is_checked(policy):
     with pytest.raises(ValueError, match="batch_cfg"):
         Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False, prompt_bucket=32,
                                                 batch_cfg=False))
+
+
+class _Rerun:
+    """Stands in for a captured CUDA graph: replay re-runs the captured closure on the same static buffers
+    and writes the same output tensors. An input the replay path forgets to refresh (K/V, rope, masks,
+    latents) then gives a stale result, as it would on the GPU."""
+
+    def __init__(self, run, outputs) -> None:
+        self.run, self.outputs = run, outputs
+
+    def replay(self) -> None:
+        for dst, src in zip(self.outputs, self.run(), strict=True):
+            dst.copy_(src)
+
+
+class RerunGraphEngine(Engine):
+    def _record(self, entry, run):
+        outputs = run()
+        entry.graph = _Rerun(run, outputs)
+        return outputs
+
+
+def _graph_engine(policy, **kw) -> Engine:
+    from dataclasses import replace
+
+    engine = RerunGraphEngine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False,
+                                                               **kw))
+    engine.config = replace(engine.config, cuda_graph=True)  # the graph path, minus the CUDA check
+    return engine
+
+
+def test_graph_path_static_inputs_arena_and_buckets_on_cpu(policy):
+    """The capture/replay bookkeeping (static inputs, K/V arena sized by _arena_elements, one entry per
+    bucket) without a GPU: batch sizes 2 and 1 and both step kinds, interleaved, equal the eager engine."""
+    eager = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
+    graphs = _graph_engine(policy)
+    obs = [sample_observation(0), sample_observation(1)]
+    for kw in (dict(steps=2), dict(steps=2, guidance_interval=(960, 1001))):
+        want2 = [c.actions for c in eager.infer_batch(obs, seeds=[3, 4], **kw)]
+        want1 = eager.infer_batch(obs[1:], seeds=[5], **kw)[0].actions
+        for _ in range(2):  # capture, then replay, in alternating buckets
+            got2 = [c.actions for c in graphs.infer_batch(obs, seeds=[3, 4], **kw)]
+            got1 = graphs.infer_batch(obs[1:], seeds=[5], **kw)[0].actions
+            for g, w in zip(got2 + [got1], want2 + [want1], strict=True):
+                assert np.abs(g - w).max() <= TOL, kw
+    assert len(graphs.graphs) == 4  # 2 batch sizes x 2 guidance patterns
+
+
+def test_prompt_bucket_graph_replays_a_new_prompt_length_correctly_on_cpu(policy):
+    """One bucketed graph, captured for a short instruction, replayed for a longer one, gives the longer
+    one's exact actions (its K/V, rope and key mask all refreshed); without buckets that is a 2nd graph."""
+    short, longer = "pick up the cube", "pick up the red cube and put it on the blue pad"
+    eager = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
+    bucketed, exact = _graph_engine(policy, prompt_bucket=64), _graph_engine(policy)
+    for prompt in (short, longer, short):
+        want = eager.infer(_prompted(2, prompt), seed=6, steps=2).actions
+        for engine in (bucketed, exact):
+            got = engine.infer(_prompted(2, prompt), seed=6, steps=2).actions
+            assert np.abs(got - want).max() <= TOL, prompt
+    assert len(bucketed.graphs) == 1 and len(exact.graphs) == 2

@@ -134,7 +134,7 @@ class _Graph:
     """A captured denoising loop plus the static buffers it reads and writes."""
 
     def __init__(self) -> None:
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph: Any = None  # torch.cuda.CUDAGraph, made by Engine._record
         self.inputs: dict[str, Any] = {}
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.keepalive: tuple = ()
@@ -522,24 +522,30 @@ class Engine:
             self._kv_arena = torch.empty(self.model.config.num_hidden_layers, 2, need, device=self.device,
                                          dtype=conds[0].kv.keys[0].dtype)
         arena = self._kv_arena
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
         self._arena_cursor = 0
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # compile / autotune / cuDNN plan selection happen here, not in capture
-                    run()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            with torch.cuda.graph(entry.graph, pool=self._graph_pool):
-                entry.outputs = run()
+            entry.outputs = self._record(entry, run)
         finally:
             self._arena_cursor = None
         # The graph reads tensors made before capture (the sampler plan's divisors, the K/V arena): they
         # must live as long as the graph, or replays read freed memory.
         entry.keepalive = (plan, run, arena)
         return entry
+
+    def _record(self, entry: _Graph, run) -> tuple[torch.Tensor, torch.Tensor]:
+        """Warm `run` up on a side stream, then capture it into `entry.graph` in the pool every graph shares.
+        (The only CUDA-specific step of capture: tests stand in for it on the CPU.)"""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile / autotune / cuDNN plan selection happen here, not in capture
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        entry.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(entry.graph, pool=self._graph_pool):
+            return run()
 
     # E0/E1: the reference call pattern (full forward per branch per step) --------------------------
     def _reference_loop(self, inp: DenoiseInputs, opts: SamplingOptions, timesteps, cfg_steps):
