@@ -96,7 +96,18 @@ def run(args: argparse.Namespace) -> int:
     from .eval.agents import PolicyAgent
     from .eval.runner import run_episode, summarize
     from .eval.stats import wilson_ci
+    from .pipeline.errors import RequestError
+    from .pipeline.policy import TRAINED_MODELS, trained_path
     from .sim.env import PandaEnv
+
+    if args.model in TRAINED_MODELS:  # say so here, not as a server that dies during start-up
+        try:
+            trained_path(args.model)
+        except RequestError as e:
+            print(f"error: {e}\n"
+                  f"  --model tiny-droid runs the same loop on an untrained policy (random weights: it moves the "
+                  f"arm, it does not succeed); --model DIR serves a checkpoint folder", file=sys.stderr)
+            return 2
 
     port = _free_port()
     cmd = [sys.executable, "-m", "wamrt.cli", "serve", "--model", args.model, "--port", str(port),
@@ -112,10 +123,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             _wait_ready(port, server)
-        except (RuntimeError, TimeoutError):
+        except (RuntimeError, TimeoutError) as e:
             log_file.flush()
             print(Path(log_file.name).read_text()[-4000:], file=sys.stderr)
-            raise
+            print(f"error: {e} (its log is above)", file=sys.stderr)
+            return 1
         url = f"ws://127.0.0.1:{port}"
         agent = PolicyAgent(WebsocketAgent(url), execute_steps=args.execute_steps)
         results = []
