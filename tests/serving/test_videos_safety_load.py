@@ -175,3 +175,17 @@ def test_bench_load_refuses_non_loopback(url: str) -> None:
     with pytest.raises(ValueError):
         check_url(url)
     assert check_url("ws://127.0.0.1:1/v1/realtime/robot/openpi")
+
+
+@pytest.mark.parametrize(("field", "value"), [("num_inference_steps", 3.7), ("num_inference_steps", True),
+                                              ("guidance_scale", "nan"), ("seed", 1.5), ("seed", -1)])
+def test_video_policy_fields_are_not_coerced(field: str, value: Any, obs: dict[str, Any]) -> None:
+    """JSON numbers reach the policy path unconverted: a fractional step count is refused, not truncated."""
+    from wamrt.serving.errors import InvalidRequest
+    from wamrt.serving.videos import build_request
+
+    fields = {"prompt": obs["prompt"], field: value,
+              "extra_params": {"action_mode": "policy", "robot_obs": _robot_obs(obs)}}
+    with pytest.raises(InvalidRequest) as err:
+        build_request(fields)
+    assert err.value.field == field

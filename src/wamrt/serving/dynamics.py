@@ -27,6 +27,7 @@ from ..pipeline.domains import DOMAIN_IDS, RAW_ACTION_DIMS, resolve_domain
 from ..pipeline.errors import RequestError
 from ..pipeline.generic import TIERS, generic_request
 from .errors import InvalidRequest
+from .fields import as_float, as_int
 
 DYNAMICS_MODES = ("forward_dynamics", "inverse_dynamics")
 MAX_CHUNK = 256  # actions per request (chunk + 1 video frames); bounds decode and memory
@@ -60,30 +61,6 @@ def _domain(extra: dict[str, Any]) -> str:
                 return name
         raise InvalidRequest(f"no action domain has id {wanted!r}", field="extra_params.domain_id")
     return "droid_lerobot"
-
-
-def _int(value: Any, name: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise InvalidRequest(f"must be an integer in [{lo}, {hi}], got {value!r}", field=name)
-    try:
-        out = int(value)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequest(f"must be an integer in [{lo}, {hi}], got {value!r}", field=name) from exc
-    if out != value and not isinstance(value, str) or not lo <= out <= hi:
-        raise InvalidRequest(f"must be an integer in [{lo}, {hi}], got {value!r}", field=name)
-    return out
-
-
-def _float(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise InvalidRequest(f"must be a number, got {type(value).__name__}", field=name)
-    try:
-        out = float(value)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequest(f"must be a number, got {value!r}", field=name) from exc
-    if not np.isfinite(out):
-        raise InvalidRequest(f"must be finite, got {value!r}", field=name)
-    return out
 
 
 def decode_video(raw: bytes, name: str) -> np.ndarray:
@@ -216,7 +193,7 @@ def build_dynamics(fields: dict[str, Any], extra: dict[str, Any], mode: str, def
             raise InvalidRequest("inverse_dynamics predicts the actions; do not send them", field="extra_params.action")
         chunk = len(video) - 1
         if "action_chunk_size" in extra:
-            want = _int(extra["action_chunk_size"], "extra_params.action_chunk_size", 1, MAX_CHUNK)
+            want = as_int(extra["action_chunk_size"], "extra_params.action_chunk_size", 1, MAX_CHUNK)
             if len(video) != want + 1:
                 raise InvalidRequest(f"video has {len(video)} frames; action_chunk_size {want} needs {want + 1}",
                                      field=source)
@@ -239,20 +216,20 @@ def build_dynamics(fields: dict[str, Any], extra: dict[str, Any], mode: str, def
             raise InvalidRequest("contains NaN or inf", field="extra_params.action")
         chunk = len(raw_actions)
         if "action_chunk_size" in extra:
-            want = _int(extra["action_chunk_size"], "extra_params.action_chunk_size", 1, MAX_CHUNK)
+            want = as_int(extra["action_chunk_size"], "extra_params.action_chunk_size", 1, MAX_CHUNK)
             if want != chunk:
                 raise InvalidRequest(f"{chunk} action rows but action_chunk_size {want}", field="extra_params.action")
     if not 1 <= chunk <= MAX_CHUNK or chunk % 4:
         raise InvalidRequest(f"the chunk must be a multiple of 4 (the VAE's temporal stride) in [4, {MAX_CHUNK}], "
                              f"got {chunk}", field=source if mode == "inverse_dynamics" else "extra_params.action")
     if fields.get("num_frames") not in (None, ""):
-        nf = _int(fields["num_frames"], "num_frames", 1, MAX_CHUNK + 1)
+        nf = as_int(fields["num_frames"], "num_frames", 1, MAX_CHUNK + 1)
         if nf not in (chunk, chunk + 1):  # vLLM-Omni's rule: action_chunk_size in {num_frames - 1, num_frames}
             raise InvalidRequest(f"{nf} frames do not fit a chunk of {chunk} actions", field="num_frames")
-    tier = _int(extra.get("image_size", extra.get("resolution", 480)), "extra_params.image_size", 1, 10_000)
+    tier = as_int(extra.get("image_size", extra.get("resolution", 480)), "extra_params.image_size", 1, 10_000)
     if tier not in TIERS:
         raise InvalidRequest(f"must be one of {list(TIERS)}", field="extra_params.image_size")
-    fps = _float(fields["fps"], "fps") if fields.get("fps") not in (None, "") else None
+    fps = as_float(fields["fps"], "fps") if fields.get("fps") not in (None, "") else None
     sampler = dict(DEFAULT_SAMPLER)
     sampler.update({k: v for k, v in defaults.items() if k in sampler})
     for top, key in (("num_inference_steps", "steps"), ("guidance_scale", "guidance"), ("flow_shift", "shift")):
@@ -261,9 +238,9 @@ def build_dynamics(fields: dict[str, Any], extra: dict[str, Any], mode: str, def
     for key, name in (("num_steps", "steps"), ("guidance", "guidance"), ("shift", "shift")):
         if key in extra:
             sampler[name] = extra[key]
-    sampler["steps"] = _int(sampler["steps"], "num_inference_steps", 1, 1000)
-    sampler["guidance"] = _float(sampler["guidance"], "guidance_scale")
-    sampler["shift"] = _float(sampler["shift"], "flow_shift")
+    sampler["steps"] = as_int(sampler["steps"], "num_inference_steps", 1, 1000)
+    sampler["guidance"] = as_float(sampler["guidance"], "guidance_scale")
+    sampler["shift"] = as_float(sampler["shift"], "flow_shift")
     if sampler["guidance"] < 0 or sampler["shift"] <= 0:
         raise InvalidRequest("guidance must be >= 0 and shift > 0", field="guidance_scale")
     if "guidance_interval" in extra:
@@ -295,7 +272,7 @@ def build_dynamics(fields: dict[str, Any], extra: dict[str, Any], mode: str, def
                 "fps": "fps", "prompt": "prompt", "negative_prompt": "negative_prompt"}.get(exc.field or "", exc.field)
         msg = str(exc)[len(exc.field) + 2:] if exc.field else str(exc)
         raise InvalidRequest(msg, field=name) from exc
-    seed = _int(fields["seed"], "seed", 0, 2**63 - 1) if fields.get("seed") not in (None, "") else None
+    seed = as_int(fields["seed"], "seed", 0, 2**63 - 1) if fields.get("seed") not in (None, "") else None
     canvas = req.canvas
     record = {"model": fields.get("model"), "prompt": prompt,
               "size": fields.get("size") or f"{canvas.content_w}x{canvas.content_h}",

@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from ..client.wire import _decode_image, json_array, to_jsonable
 from .dynamics import DYNAMICS_MODES, DynamicsRequest, build_dynamics, encode_mp4
 from .errors import Busy, InvalidRequest, NotFound, PayloadTooLarge
+from .fields import as_float, as_int
 from .http_api import service_of, until_disconnect
 from .observation import GRIPPER, IMAGE, JOINTS, PROMPT, parse_params, parse_request
 from .service import DynamicsOutcome, InferOutcome, Service
@@ -59,13 +60,6 @@ def _json_field(value: Any, name: str) -> Any:
         except ValueError as exc:
             raise InvalidRequest(f"is not valid JSON ({exc})", field=name) from exc
     return value
-
-
-def _number(value: Any, name: str, kind: type) -> Any:
-    try:
-        return kind(value)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequest(f"must be a {kind.__name__}, got {value!r}", field=name) from exc
 
 
 async def _read_fields(request: Request, limit: int) -> dict[str, Any]:
@@ -158,14 +152,14 @@ def build_request(fields: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     params: dict[str, Any] = {}
     for key, name in _TOP_LEVEL_PARAMS.items():
         if fields.get(key) not in (None, ""):
-            params[name] = _number(fields[key], key, int if name == "steps" else float)
+            params[name] = as_int(fields[key], key, 1, 1000) if name == "steps" else as_float(fields[key], key)
     for key in ("num_steps", "guidance", "shift", "guidance_interval"):
         if key in extra:
             params[key] = extra[key]
     if params:
         obs["params"] = params
     if fields.get("seed") not in (None, ""):
-        obs["seed"] = _number(fields["seed"], "seed", int)
+        obs["seed"] = as_int(fields["seed"], "seed", 0, 2**63 - 1)
     parse_params(obs.get("params"))  # early, typed errors for bad sampler values
     record = {"model": fields.get("model"), "prompt": prompt, "size": fields.get("size") or "640x540",
               "seconds": str(fields.get("seconds") or "4")}
