@@ -203,3 +203,11 @@ def test_prompt_bucket_graph_replays_a_new_prompt_length_correctly_on_cpu(policy
             got = engine.infer(_prompted(2, prompt), seed=6, steps=2).actions
             assert np.abs(got - want).max() <= TOL, prompt
     assert len(bucketed.graphs) == 1 and len(exact.graphs) == 2
+
+
+def test_compile_mode_is_checked_and_reported(policy):
+    with pytest.raises(ValueError, match="compile_mode"):
+        Engine.from_policy(policy, EngineConfig(attention="auto", cuda_graph=False, compile_mode="reduce-overhead"))
+    engine = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False,
+                                                     compile_mode="max-autotune-no-cudagraphs"))
+    assert engine.metadata()["engine"]["compile_mode"] == "max-autotune-no-cudagraphs"

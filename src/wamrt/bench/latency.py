@@ -48,6 +48,9 @@ ROWS: dict[str, tuple[str, dict]] = {
     "E5-mask": ("E5 with one masked attention call for both CFG branches", dict(cfg_attention="mask")),
     # What a server pays for one graph per prompt-length bucket instead of one per exact length combination.
     "E5-bucket": ("E5 with prompts padded to 64-token buckets (masked keys)", dict(prompt_bucket=64)),
+    # Triton GEMM templates autotuned against cuBLAS, elementwise epilogues fused into the winners.
+    "E5-autotune": ("E5 compiled with mode max-autotune-no-cudagraphs",
+                    dict(compile_mode="max-autotune-no-cudagraphs")),
 }
 
 

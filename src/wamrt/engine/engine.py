@@ -41,6 +41,8 @@ from .fuse import fuse_generator
 
 log = logging.getLogger(__name__)
 
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -57,6 +59,11 @@ class EngineConfig:
     # attention kernel over a few padded keys. 0: exact lengths, unmasked per-sequence attention.
     prompt_bucket: int = 0
     compile: bool = True  # fuse + regional torch.compile of the Generator layer halves
+    # torch.compile mode of those halves. "max-autotune-no-cudagraphs" lets Inductor time Triton GEMM
+    # templates against cuBLAS and fuse SiLU*up / ReLU^2 / residual adds into a winning template's
+    # epilogue (the "other kernels" share of the profile); minutes of autotuning at capture. Our own
+    # graph capture replaces Inductor's cudagraphs, hence the -no-cudagraphs modes only.
+    compile_mode: str = "default"
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
     kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
     graph_cache_size: int = 16
@@ -154,6 +161,15 @@ class Engine:
         self.model, self.encoder, self.tokenizer = model, encoder, tokenizer
         self.contract, self.options, self.config, self.name = contract, options, config, name
         self.device = next(model.parameters()).device
+        # Checked before anything touches the shared model (fusing swaps its layers' classes).
+        if config.cuda_graph and self.device.type != "cuda":
+            raise ValueError("cuda_graph needs a CUDA device")
+        if config.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {config.compile_mode!r}")
+        if config.prompt_bucket < 0:
+            raise ValueError(f"prompt_bucket must be >= 0 tokens, got {config.prompt_bucket}")
+        if config.prompt_bucket and not (config.reuse_reasoner and config.batch_cfg):
+            raise ValueError("prompt_bucket needs reuse_reasoner=True and batch_cfg=True (the K/V-buffer loop)")
         self.kv_cache = ReasonerCache(model, config.kv_cache_size)
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._graph_pool = None  # shared by every captured graph (see _capture)
@@ -176,14 +192,9 @@ class Engine:
             # graph inputs), re-used by every layer. generator_pre runs inside the compiled _pre_into.
             # Compiled wrappers live on the engine, not on the model's layers: engines (and the eager
             # reference Policy) share one model, and a compile=False engine must run uncompiled code.
-            self._pre = torch.compile(_pre_into, dynamic=False)
-            self._post = torch.compile(_post, dynamic=False)
-        if config.cuda_graph and self.device.type != "cuda":
-            raise ValueError("cuda_graph needs a CUDA device")
-        if config.prompt_bucket < 0:
-            raise ValueError(f"prompt_bucket must be >= 0 tokens, got {config.prompt_bucket}")
-        if config.prompt_bucket and not (config.reuse_reasoner and config.batch_cfg):
-            raise ValueError("prompt_bucket needs reuse_reasoner=True and batch_cfg=True (the K/V-buffer loop)")
+            mode = None if config.compile_mode == "default" else config.compile_mode
+            self._pre = torch.compile(_pre_into, dynamic=False, mode=mode)
+            self._post = torch.compile(_post, dynamic=False, mode=mode)
 
     @classmethod
     def from_policy(cls, policy: Policy, config: EngineConfig = EngineConfig()) -> Engine:
@@ -204,8 +215,8 @@ class Engine:
             self._noise.prefetch(self._upcoming_seed, self._noise_shape)
 
     def metadata(self) -> dict[str, Any]:
-        engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "cuda_graph",
-                                                       "prompt_bucket")}
+        engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "compile_mode",
+                                                       "cuda_graph", "prompt_bucket")}
         return {**droid_metadata(self.name, self.contract, self.options), "engine": engine}
 
     def infer(self, observation: Mapping[str, Any], *, seed: int | None = None, **overrides: Any) -> ActionChunk:
