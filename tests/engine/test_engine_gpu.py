@@ -102,21 +102,35 @@ def test_prompt_buckets_one_graph_serves_two_prompt_lengths(nano):
     bit what the compiled engine without graphs computes for each, and within bf16 noise of the exact
     (unpadded, per-sequence attention) graph engine."""
     from wamrt.engine import Engine, EngineConfig
+    from wamrt.pipeline.random_weights import FixedLengthTokenizer
     from wamrt.sample import sample_observation
+
+    class VariableLength(FixedLengthTokenizer):
+        """The benchmark tokenizer gives every instruction 125 tokens; here the length follows the text
+        (115 and 119 tokens for the two DROID captions below: one 64-token bucket, two exact lengths)."""
+
+        def encode(self, caption, system_prompt=None):
+            self.cond_len = 70 + len(caption) // 8
+            return super().encode(caption, system_prompt)
+
+    tok = VariableLength(nano.model.config.vocab_size)
+
+    def engine_with(**kw) -> Engine:
+        return Engine(nano.model, nano.encoder, tok, nano.contract, nano.options, EngineConfig(**kw))
 
     obs = []
     for prompt in ("pick up the cube", "pick up the red cube and put it on the blue pad"):
         o = sample_observation(3)
         o["prompt"] = prompt
         obs.append(o)
-    eager = Engine.from_policy(nano, EngineConfig(cuda_graph=False, prompt_bucket=64))
+    eager = engine_with(cuda_graph=False, prompt_bucket=64)
     want = [eager.infer(o, seed=4).actions for o in obs]
     del eager
-    exact = Engine.from_policy(nano, EngineConfig())
+    exact = engine_with()
     exact_out = [exact.infer(o, seed=4).actions for o in obs]
     assert len(exact.graphs) == 2  # what buckets avoid: one capture per prompt length
     del exact
-    engine = Engine.from_policy(nano, EngineConfig(prompt_bucket=64))
+    engine = engine_with(prompt_bucket=64)
     for _ in range(2):
         got = [engine.infer(o, seed=4).actions for o in obs]
         for g, w in zip(got, want, strict=True):
