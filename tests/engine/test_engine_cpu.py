@@ -114,7 +114,7 @@ def test_prompt_buckets_compute_the_exact_function_and_share_one_key(policy):
         for g, w in zip(got, want, strict=True):
             assert np.abs(g.actions - w.actions).max() <= TOL, kw
 
-    keys = []
+    keys, cond_lengths = [], []
     for prompt in (short, longer):
         prep = bucketed.infer(_prompted(0, prompt), seed=1, steps=1)  # fills the Reasoner cache
         assert prep.actions.shape == (32, 8)
@@ -125,7 +125,9 @@ def test_prompt_buckets_compute_the_exact_function_and_share_one_key(policy):
         assert len({s.kv.length for s in padded}) == 1 and padded[0].kv.length % 64 == 0
         assert [int(s.kv.key_mask.sum()) for s in padded] == lengths  # the real tokens, nothing else
         keys.append(bucketed._bucket_lengths(p_conds, p_unconds))
+        cond_lengths.append(lengths[0])
         assert exact._bucket_lengths(conds, unconds) == tuple(lengths)
+    assert cond_lengths[0] != cond_lengths[1]
     assert keys[0] == keys[1], "two prompt lengths in one bucket must share a graph key"
     assert bucketed.metadata()["engine"]["prompt_bucket"] == 64
 
