@@ -2,6 +2,8 @@
 # Runs on the lent H200 (its own python3 with torch; diffusers carried as a wheel in .whl/).
 # Usage: WAMRT_GIT_SHA=<sha> bash scripts/gpu_run.sh PART[:SECONDS]...
 #   parts: smoke edge nano tests load quant-edge quant-nano (lossy rows E6-E8 + quality, issue 7)
+#          rows-edge rows-nano (E5 and its untimed alternatives in one process: E5-bucket, E5-mask, E5-autotune;
+#          autotuning can take minutes at Nano, so give it a part of its own, e.g. rows-nano:560)
 # `load` also needs the server stack as wheels in .whl/ (starlette, uvicorn, websockets, python-multipart).
 # Each part is killed after SECONDS (default 540) and packed whatever it finished.
 # Everything it measures is packed into $OUT/<part>.tgz (the device tool returns few files).
@@ -28,6 +30,10 @@ for spec in "$@"; do
           wamrt bench latency --model "${part#quant-}" --rows E5 --steps 4 --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" \
              --lossy-rows E6,E7,E8 --quality --trace --out "$res" 2>&1 | tee "$res/log.txt"
           timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/quant 2>&1 | tail -15 | tee -a "$res/log.txt" ;;
+    rows-edge|rows-nano)
+          wamrt bench latency --model "${part#rows-}" --rows E5,E5-bucket,E5-mask,E5-autotune \
+             --full-rows E5,E5-bucket,E5-mask,E5-autotune --steps 4 \
+             --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" --out "$res" 2>&1 | tee "$res/log.txt" ;;
     load) python3 -m wamrt.cli serve --model random:nano --max-batch 8 --max-wait-ms 10 --max-queue 64 \
              --warmup 1 --port 8765 > "$res/server.txt" 2>&1 &
           srv=$!

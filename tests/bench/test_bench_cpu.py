@@ -47,3 +47,20 @@ def test_load_scaling_ratios():
     assert s["max_over_baseline_p50"] == pytest.approx(9.0)
     with pytest.raises(ValueError, match="baseline model"):
         scaling_vs({**eight, "model": "edge"}, one)
+
+
+def test_latency_rows_opt_in_and_unknown(tmp_path, monkeypatch):
+    """The untimed alternatives are opt-in (autotuning would eat a default GPU run's time limit) and run; a
+    misspelt row is a clear error, not a KeyError halfway through a run."""
+    from wamrt.bench.latency import DEFAULT_ROWS, ROWS
+
+    assert "E5-autotune" not in DEFAULT_ROWS and "E5-bucket" not in DEFAULT_ROWS and "E5" in DEFAULT_ROWS
+    assert set(DEFAULT_ROWS) < set(ROWS)
+    with pytest.raises(SystemExit, match="unknown rows"):
+        main(["bench", "latency", "--model", "tiny-qwen", "--device", "cpu", "--rows", "E3,E9", "--out", str(tmp_path)])
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    rc = main(["bench", "latency", "--model", "tiny-qwen", "--device", "cpu", "--tiny-vae", "--rows", "E5-bucket",
+               "--full-rows", "E5-bucket", "--steps", "1", "--warmup", "0", "--runs", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    row = json.loads((tmp_path / "tiny-qwen-s1-E5-bucket.json").read_text())
+    assert row["n"] == 1 and row["p50_ms"] > 0
