@@ -8,7 +8,7 @@
 # Carried (git-ignored) folders: .whl/ (mujoco 4.0.0 + mujoco-core/studio, glfw, pyopengl, diffusers,
 # importlib_metadata; installed --no-deps into /tmp/site) and .gl/ (libglvnd EGL/GL debs, unpacked into /).
 # Seeds: demos 100000.. (train record default); evaluation and its paired gates 0.. (never trained on).
-# Knobs (env): DEMOS DEMO_S WORKERS TRAIN_MIN BATCH EPISODES LANES ROLL_S EVAL_EPISODES GATES BASE_FROM
+# Knobs (env): DEMOS DEMO_S WORKERS TRAIN_MIN VAL_EPISODES BATCH EPISODES LANES ROLL_S EVAL_EPISODES GATES BASE_FROM
 #   EVAL_S GATE_S SIZE; PY (python, default python3); SKIP_INSTALL=1 (local tests: use the current env).
 # Writes into $OUT: checkpoint.tgz (the checkpoint folder), run.tgz (logs, demo stats, rollout/gate JSON),
 # train_log.txt, summary.txt.
@@ -24,6 +24,7 @@ DEMOS=${DEMOS:-400}          # episodes attempted (recording stops at DEMO_S any
 DEMO_S=${DEMO_S:-75}
 WORKERS=${WORKERS:-15}
 TRAIN_MIN=${TRAIN_MIN:-5.5}
+VAL_EPISODES=${VAL_EPISODES:-20}  # held out of training (at most a tenth of the demos); the log reports their loss
 BATCH=${BATCH:-128}
 SIZE=${SIZE:-policy-s}
 EPISODES=${EPISODES:-50}
@@ -104,10 +105,11 @@ if [ "$MODE" = train ]; then
   # ---- (iii) training -----------------------------------------------------------------------------------
   log "train: $SIZE, $TRAIN_MIN min, batch $BATCH"
   timeout "$("$PY" -c "print(int($TRAIN_MIN * 60 + 120))")" "$PY" -m wamrt.cli train fit --demos "$WORK/demos" \
-    --out "$CKPT" --minutes "$TRAIN_MIN" --batch "$BATCH" --size "$SIZE" --log-every 100 2>&1 \
+    --out "$CKPT" --minutes "$TRAIN_MIN" --batch "$BATCH" --size "$SIZE" --val-episodes "$(( n / 10 < VAL_EPISODES ? n / 10 : VAL_EPISODES ))" \
+    --log-every 100 2>&1 \
     | grep -v Warning | tee "$RES/train_stdout.txt" | grep -E "^(step|done|data|wrote)" | awk 'NR % 5 == 1 || /done|wrote|data/'
   [ -f "$CKPT/wamrt.json" ] || { log "FATAL: training wrote no checkpoint"; pack; exit 1; }
-  log "train: $(grep '^done' "$CKPT/train_log.txt")  last: $(grep '^step' "$CKPT/train_log.txt" | tail -1 | cut -c1-110)"
+  log "train: $(grep '^done' "$CKPT/train_log.txt")  last: $(grep '^step' "$CKPT/train_log.txt" | tail -1 | cut -c1-170)"
   log "checkpoint: $(du -sh "$CKPT" | cut -f1) at $CKPT"
   # ---- (v) sanity rollout -------------------------------------------------------------------------------
   log "rollout: $EPISODES episodes, $LANES lanes against the server"

@@ -43,6 +43,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--aug-colour", type=float, default=0.1, help="colour jitter amplitude (0: off)")
     fit.add_argument("--aug-future", action="store_true",
                      help="augment and re-encode the future frames too (9 VAE encodes per sample instead of 1)")
+    fit.add_argument("--val-episodes", type=int, default=0,
+                     help="hold out the last N episodes; the log then reports their action loss")
     fit.add_argument("--seed", type=int, default=0)
     fit.add_argument("--log-every", type=int, default=50)
     fit.add_argument("--device")
@@ -85,7 +87,8 @@ def run_fit(args: argparse.Namespace) -> int:
     cfg = TrainConfig(size=args.size, tier=args.tier, batch=args.batch, lr=args.lr, warmup=args.warmup,
                       minutes=args.minutes, max_steps=args.max_steps, ema=args.ema, text_dropout=args.text_dropout,
                       action_weight=args.action_weight, sigma_shift=args.sigma_shift, aug_shift_px=args.aug_shift,
-                      aug_colour=args.aug_colour, aug_future=args.aug_future, seed=args.seed,
+                      aug_colour=args.aug_colour, aug_future=args.aug_future, val_episodes=args.val_episodes,
+                      seed=args.seed,
                       log_every=args.log_every)
     trainer = PolicyTrainer(cfg, ds, args.out, device=args.device, log_path=args.log)
     if not (cfg.aug_shift_px or cfg.aug_colour) or not cfg.aug_future:

@@ -180,3 +180,22 @@ def test_frame0_augmented_future_frames_from_the_clean_cache(tmp_path):
     calls.clear()
     every = tr.clean_batch(idx)["vision"]
     assert calls == [clean.shape[2]] and not torch.equal(every[:, :, 1:], clean[:, :, 1:])
+
+
+def test_held_out_episodes_are_never_sampled_and_their_loss_is_fixed(tmp_path):
+    eps, _ = _toy_episodes(n_episodes=4, length=4)
+    cfg = TrainConfig(size="tiny-qwen", batch=6, lr=3e-3, warmup=10, aug_shift_px=0, aug_colour=0.0,
+                      val_episodes=1, val_batch=3, log_every=1000)
+    tr = PolicyTrainer(cfg, demo_set_from_episodes(eps), tmp_path / "ckpt", device="cpu")
+    tr.cache_latents()
+    assert list(tr.train_idx) == list(range(12)) and set(tr.val_idx) <= {12, 13, 14, 15} and len(tr.val_idx) == 3
+    drawn = np.concatenate([tr.sample_indices() for _ in range(50)])
+    assert drawn.max() < 12  # the held-out episode never reaches the optimiser
+    first, again = tr.val_loss(), tr.val_loss()
+    assert first == again and np.isfinite(first["val_action"])  # same noise and sigmas every call
+    for _ in range(5):
+        tr.train_step(0.0)
+    assert tr.val_loss() != first and tr.model.training
+    with pytest.raises(ValueError, match="val_episodes"):
+        PolicyTrainer(TrainConfig(size="tiny-qwen", val_episodes=4), demo_set_from_episodes(eps), tmp_path / "b",
+                      device="cpu")

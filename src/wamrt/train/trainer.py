@@ -65,6 +65,11 @@ class TrainConfig:
     seed: int = 0
     vae_seed: int = 7
     log_every: int = 50
+    # Episodes held out of training (the last ones in file order): every log line then also reports the
+    # action loss on a fixed batch of their frames, so a run that fails closed-loop says whether it
+    # under-fitted or did not generalise.
+    val_episodes: int = 0
+    val_batch: int = 128
     grad_clip: float = 1.0
 
 
@@ -199,6 +204,18 @@ class PolicyTrainer:
         self.actions = torch.from_numpy(ds.actions).to(self.device)
         self.state = TrainState()
         self._latent_cache: torch.Tensor | None = None
+        # Held-out frames: whole episodes, never sampled for training.
+        starts = np.unique(ds.episode_start)
+        if not 0 <= cfg.val_episodes < len(starts):
+            raise ValueError(f"val_episodes must be in [0, {len(starts) - 1}] for {len(starts)} episodes, "
+                             f"got {cfg.val_episodes}")
+        first_val = int(starts[len(starts) - cfg.val_episodes]) if cfg.val_episodes else len(ds)
+        self.train_idx = np.arange(first_val)
+        self.val_idx: np.ndarray | None = None
+        if cfg.val_episodes:
+            pool = np.arange(first_val, len(ds))
+            pick = np.random.default_rng(cfg.seed + 1).choice(len(pool), min(cfg.val_batch, len(pool)), replace=False)
+            self.val_idx = np.sort(pool[pick])
 
     def cache_latents(self, chunk: int = 64) -> None:
         """Encode every frame once (exact when augmentation is off; makes CPU training ~10x faster)."""
@@ -273,22 +290,24 @@ class PolicyTrainer:
         )
         return model.generator_step(tok, rope, kv)
 
-    def loss(self, batch: dict[str, Any], sigma: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def loss(self, batch: dict[str, Any], sigma: torch.Tensor | None = None, *, gen: torch.Generator | None = None,
+             text_dropout: bool = True) -> dict[str, torch.Tensor]:
         cfg = self.cfg
+        gen = gen or self.gen
         v0, a0 = batch["vision"], batch["action"]
         b = v0.shape[0]
         lay = next(iter(self.layouts.values()))
         if sigma is None:
-            sigma = sample_sigmas(b, cfg.sigma_shift, self.gen, self.device)
+            sigma = sample_sigmas(b, cfg.sigma_shift, gen, self.device)
         prompts = list(batch["prompts"])
-        if cfg.text_dropout > 0:
-            drop = torch.rand(b, generator=self.gen, device=self.device) < cfg.text_dropout
+        if text_dropout and cfg.text_dropout > 0:
+            drop = torch.rand(b, generator=gen, device=self.device) < cfg.text_dropout
             prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
         vn = lay.vision_noisy[0][None, None, :, None, None]  # [1, 1, T, 1, 1]
         cols = torch.arange(a0.shape[-1], device=self.device) < lay.raw_action_dim
         an = (lay.action_noisy[0][:, None] & cols[None, :])[None]  # [1, rows, A]
-        eps_v = torch.randn(v0.shape, generator=self.gen, device=self.device)
-        eps_a = torch.randn(a0.shape, generator=self.gen, device=self.device)
+        eps_v = torch.randn(v0.shape, generator=gen, device=self.device)
+        eps_a = torch.randn(a0.shape, generator=gen, device=self.device)
         s_v, s_a = sigma.view(b, 1, 1, 1, 1), sigma.view(b, 1, 1)
         x_v = torch.where(vn, (1 - s_v) * v0 + s_v * eps_v, v0)
         x_a = torch.where(an, (1 - s_a) * a0 + s_a * eps_a, a0)
@@ -309,7 +328,20 @@ class PolicyTrainer:
         return cfg.lr * warm * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * cos)
 
     def sample_indices(self) -> np.ndarray:
-        return self.np_rng.integers(0, len(self.ds), self.cfg.batch)
+        return self.train_idx[self.np_rng.integers(0, len(self.train_idx), self.cfg.batch)]
+
+    def val_loss(self) -> dict[str, float] | None:
+        """Loss of the live (not EMA) weights on the fixed held-out batch: same sigmas and noise every time,
+        no text dropout, no grad."""
+        if self.val_idx is None:
+            return None
+        gen = torch.Generator(device=self.device).manual_seed(self.cfg.seed + 1)
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            losses = self.loss(self.clean_batch(self.val_idx, augment_images=False), gen=gen, text_dropout=False)
+        self.model.train(was_training)
+        return {"val_action": float(losses["action"]), "val_vision": float(losses["vision"])}
 
     def train_step(self, progress: float = 0.0) -> dict[str, float]:
         lr = self.lr_at(progress)
@@ -342,7 +374,8 @@ class PolicyTrainer:
         self.log(f"train: {json.dumps(asdict(cfg))}")
         self.log(f"data: {self.ds.episodes} episodes, {len(self.ds)} frames, prompts {len(self.layouts)}, "
                  f"latent {self.latent_thw}, device {self.device}, "
-                 f"params {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f} M")
+                 f"params {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f} M, "
+                 f"held out {cfg.val_episodes} episodes ({len(self.ds) - len(self.train_idx)} frames)")
         t0 = time.perf_counter()
         win_t, win_n, acc = t0, 0, []
         while True:
@@ -361,12 +394,14 @@ class PolicyTrainer:
                 now = time.perf_counter()
                 mean = {k: float(np.mean([a[k] for a in acc])) for k in acc[0]}
                 rate = win_n / max(now - win_t, 1e-9)
-                rec = {"step": self.state.step, "elapsed_s": round(now - t0, 1), **mean, "samples_per_s": rate}
+                val = self.val_loss() or {}
+                rec = {"step": self.state.step, "elapsed_s": round(now - t0, 1), **mean, **val, "samples_per_s": rate}
                 self.state.history.append(rec)
+                held = f"  val action {val['val_action']:.5f}" if val else ""
                 self.log(f"step {self.state.step:6d}  t {now - t0:7.1f}s  loss {mean['loss']:.4f}  "
-                         f"action {mean['action']:.5f}  vision {mean['vision']:.4f}  lr {mean['lr']:.2e}  "
+                         f"action {mean['action']:.5f}  vision {mean['vision']:.4f}{held}  lr {mean['lr']:.2e}  "
                          f"gnorm {mean['grad_norm']:.2f}  {rate:.1f} samples/s")
-                win_t, win_n, acc = now, 0, []
+                win_t, win_n, acc = time.perf_counter(), 0, []
         self.state.elapsed_s = time.perf_counter() - t0
         self.log(f"done: {self.state.step} steps, {self.state.samples} samples in {self.state.elapsed_s:.1f}s")
         return self.state
