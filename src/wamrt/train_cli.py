@@ -90,7 +90,11 @@ def run_fit(args: argparse.Namespace) -> int:
                       aug_colour=args.aug_colour, aug_future=args.aug_future, val_episodes=args.val_episodes,
                       seed=args.seed,
                       log_every=args.log_every)
-    trainer = PolicyTrainer(cfg, ds, args.out, device=args.device, log_path=args.log)
+    try:
+        trainer = PolicyTrainer(cfg, ds, args.out, device=args.device, log_path=args.log)
+    except ValueError as e:  # tier mismatch, held-out count
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not (cfg.aug_shift_px or cfg.aug_colour) or not cfg.aug_future:
         trainer.cache_latents()
     trainer.train()

@@ -165,6 +165,18 @@ class PolicyTrainer:
         self.log_path = Path(log_path) if log_path else self.out / "train_log.txt"
         if ds.tier != cfg.tier:
             raise ValueError(f"demos were recorded at tier {ds.tier}, training asks for tier {cfg.tier}")
+        # Held-out frames: whole episodes, never sampled for training.
+        starts = np.unique(ds.episode_start)
+        if not 0 <= cfg.val_episodes < len(starts):
+            raise ValueError(f"val_episodes must be in [0, {len(starts) - 1}] for {len(starts)} episodes, "
+                             f"got {cfg.val_episodes}")
+        first_val = int(starts[len(starts) - cfg.val_episodes]) if cfg.val_episodes else len(ds)
+        self.train_idx = np.arange(first_val)
+        self.val_idx: np.ndarray | None = None
+        if cfg.val_episodes:
+            pool = np.arange(first_val, len(ds))
+            pick = np.random.default_rng(cfg.seed + 1).choice(len(pool), min(cfg.val_batch, len(pool)), replace=False)
+            self.val_idx = np.sort(pool[pick])
         torch.manual_seed(cfg.seed)
         self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.np_rng = np.random.default_rng(cfg.seed)
@@ -204,18 +216,6 @@ class PolicyTrainer:
         self.actions = torch.from_numpy(ds.actions).to(self.device)
         self.state = TrainState()
         self._latent_cache: torch.Tensor | None = None
-        # Held-out frames: whole episodes, never sampled for training.
-        starts = np.unique(ds.episode_start)
-        if not 0 <= cfg.val_episodes < len(starts):
-            raise ValueError(f"val_episodes must be in [0, {len(starts) - 1}] for {len(starts)} episodes, "
-                             f"got {cfg.val_episodes}")
-        first_val = int(starts[len(starts) - cfg.val_episodes]) if cfg.val_episodes else len(ds)
-        self.train_idx = np.arange(first_val)
-        self.val_idx: np.ndarray | None = None
-        if cfg.val_episodes:
-            pool = np.arange(first_val, len(ds))
-            pick = np.random.default_rng(cfg.seed + 1).choice(len(pool), min(cfg.val_batch, len(pool)), replace=False)
-            self.val_idx = np.sort(pool[pick])
 
     def cache_latents(self, chunk: int = 64) -> None:
         """Encode every frame once (exact when augmentation is off; makes CPU training ~10x faster)."""
