@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .net import free_port
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -32,32 +33,6 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     ap.add_argument("--engine", choices=["auto", "eager", "fast"], default="auto",
                     help="the server's engine (auto: the fast engine on CUDA, the eager path on CPU)")
     ap.set_defaults(func=run)
-
-
-class WebsocketAgent:
-    """An eval agent whose policy is a remote server: same `infer(obs, seed)` contract as PolicyAgent's."""
-
-    def __init__(self, url: str) -> None:
-        from .client.ws import PolicyClient
-
-        self.client = PolicyClient(url)
-
-    def infer(self, obs: dict[str, Any], *, seed: int | None = None) -> Any:
-        reply = self.client.infer({**obs, "seed": seed} if seed is not None else obs)
-        actions = reply["actions"] if isinstance(reply, dict) else reply
-
-        class _Chunk:
-            pass
-
-        chunk = _Chunk()
-        chunk.actions = np.asarray(actions, dtype=np.float32)  # type: ignore[attr-defined]
-        return chunk
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
@@ -94,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: the simulator is unavailable: {e}", file=sys.stderr)
         return 2
     from .eval.agents import PolicyAgent
+    from .eval.remote import RemotePolicy
     from .eval.runner import run_episode, summarize
     from .eval.stats import wilson_ci
     from .pipeline.errors import RequestError
@@ -109,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
                   f"arm, it does not succeed); --model DIR serves a checkpoint folder", file=sys.stderr)
             return 2
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "wamrt.cli", "serve", "--model", args.model, "--port", str(port),
            "--engine", args.engine, "--max-batch", "1"] + (["--device", args.device] if args.device else [])
     print(f"serving {args.model}: {' '.join(cmd[1:])}", flush=True)
@@ -129,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {e} (its log is above)", file=sys.stderr)
             return 1
         url = f"ws://127.0.0.1:{port}"
-        agent = PolicyAgent(WebsocketAgent(url), execute_steps=args.execute_steps)
+        agent = PolicyAgent(RemotePolicy(url), execute_steps=args.execute_steps)
         results = []
         with PandaEnv(args.task) as env:
             for i in range(args.episodes):

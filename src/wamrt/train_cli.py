@@ -88,14 +88,13 @@ def run_fit(args: argparse.Namespace) -> int:
                       minutes=args.minutes, max_steps=args.max_steps, ema=args.ema, text_dropout=args.text_dropout,
                       action_weight=args.action_weight, sigma_shift=args.sigma_shift, aug_shift_px=args.aug_shift,
                       aug_colour=args.aug_colour, aug_future=args.aug_future, val_episodes=args.val_episodes,
-                      seed=args.seed,
-                      log_every=args.log_every)
+                      seed=args.seed, log_every=args.log_every)
     try:
         trainer = PolicyTrainer(cfg, ds, args.out, device=args.device, log_path=args.log)
     except ValueError as e:  # tier mismatch, held-out count
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not (cfg.aug_shift_px or cfg.aug_colour) or not cfg.aug_future:
+    if trainer.uses_latent_cache:
         trainer.cache_latents()
     trainer.train()
     out = trainer.save({"command": " ".join(sys.argv)})

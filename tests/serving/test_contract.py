@@ -44,6 +44,9 @@ def test_serve_defaults_match_the_issue() -> None:
                                       "--guidance-interval", "960", "1001", "--port", "8123", "--prompt-bucket", "32"])
     cfg = config_from_args(args)
     assert cfg.prompt_bucket == 32
+    assert cfg.engine_settings("cuda:0") == {"prompt_bucket": 32}  # the engine's own defaults otherwise
+    assert cfg.engine_settings("cpu") == {"attention": "auto", "compile": False, "cuda_graph": False,
+                                          "prompt_bucket": 32}
     assert (cfg.api_key, cfg.max_batch, cfg.max_wait_ms, cfg.max_queue, cfg.port) == ("k", 2, 1.5, 9, 8123)
     assert cfg.sampler_defaults() == {"steps": 2, "guidance": 1.5, "shift": 4.0, "guidance_interval": (960, 1001)}
 

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from ..provenance import git_sha
+from ..provenance import environment
 
 MAX_LANES = 64
 MAX_SECONDS = 600.0
@@ -165,12 +165,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"wamrt bench load: {exc}", file=sys.stderr)
         return 2
-    import torch
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    summary.update(model=args.model, git_sha=git_sha(), command=" ".join(sys.argv),
-                   date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), gpu=gpu, torch=torch.__version__,
-                   host=platform.node())
+    summary.update(model=args.model, command=" ".join(sys.argv), host=platform.node(), **environment())
     print(f"{summary['lanes']} lanes, {summary['seconds']:.1f} s: {summary['requests']} requests, "
           f"{summary['throughput_rps']:.2f} req/s, p50 {summary['p50_ms']} ms, p90 {summary['p90_ms']} ms, "
           f"p99 {summary['p99_ms']} ms; batch sizes {summary['batch_hist']}; errors {summary['errors']}")

@@ -143,7 +143,7 @@ CONFIGS: dict[str, Cosmos3Config] = {
         vocab_size=512, **_ACTION,
     ),
     # The small policy trained in-repo on the simulator (wamrt.train; the embedded `panda-droid` model):
-    # Qwen flavour, sized for CPU serving (~0.3 s per 4-step CFG request on 2 cores at tier 256).
+    # Qwen flavour, small enough to serve on a CPU (~0.8 s per 4-step CFG request on 2 cores at tier 256).
     "policy-s": Cosmos3Config(
         hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, rope_axes_dim=(12, 10, 10), hidden_act="silu", rope_theta=5e6,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -23,12 +22,6 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=15)
 def no_multicast_env() -> None:
     """Force the multicast switches off in this process's environment (and so in its children)."""
     os.environ.update(NO_MULTICAST)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_device(device: str, rank: int) -> torch.device:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from ..net import free_port
 from . import dist as pdist
 
 log = logging.getLogger("wamrt.parallel")
@@ -266,7 +267,7 @@ def start(spec: ParallelSpec, *, policy: Any = None, timeout: float = 1800.0) ->
 
     if spec.model in BUILTIN_MODELS:
         builtin_path(spec.model)  # build the cached folder once here, not racing in every rank
-    port = pdist.free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     procs, conns = [], []
     for rank in range(1, spec.world):

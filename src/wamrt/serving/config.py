@@ -27,6 +27,12 @@ class ServeConfig:
     prompt_bucket: int = 0  # the fast engine's EngineConfig.prompt_bucket (0: exact prompt lengths)
     extra_metadata: dict[str, Any] = field(default_factory=dict)
 
+    def engine_settings(self, device: str) -> dict[str, Any]:
+        """EngineConfig fields for the fast engine on `device` (CPU: no compile, no graphs; tests)."""
+        base: dict[str, Any] = {} if device.startswith("cuda") else dict(attention="auto", compile=False,
+                                                                         cuda_graph=False)
+        return {**base, "prompt_bucket": self.prompt_bucket}
+
     def sampler_defaults(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name in ("steps", "guidance", "shift", "guidance_interval"):

@@ -48,9 +48,8 @@ class PolicyReplica:
         if parallel != "none":
             from ..parallel import ParallelSpec, start
 
-            engine = {} if device.startswith("cuda") else dict(attention="auto", compile=False, cuda_graph=False)
-            engine["prompt_bucket"] = self.config.prompt_bucket
-            self.policy: Any = start(ParallelSpec(parallel, model, world=gpus, device=device, engine=engine))
+            self.policy: Any = start(ParallelSpec(parallel, model, world=gpus, device=device,
+                                                  engine=self.config.engine_settings(device)))
         else:
             from ..pipeline.policy import load_policy
 
@@ -58,7 +57,7 @@ class PolicyReplica:
             if self.policy.device.type == "cuda":
                 from ..engine import Engine, EngineConfig
 
-                self.policy = Engine.from_policy(self.policy, EngineConfig(prompt_bucket=self.config.prompt_bucket))
+                self.policy = Engine.from_policy(self.policy, EngineConfig(**self.config.engine_settings(device)))
         log.info("replica %s: %s on %s", self.replica, model, device)
 
     def __serve_build_asgi_app__(self):

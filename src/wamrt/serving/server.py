@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import socket
 import threading
 import time
 from typing import Any, Self
 
 import uvicorn
 
+from ..net import free_port
 from .app import build_app
 from .batcher import BatchPolicy
 from .config import ServeConfig
@@ -35,7 +35,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--safety", default=None, metavar="FILE", help="action safety envelope (JSON or TOML)")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up requests before /readyz says ready")
     ap.add_argument("--engine", choices=["auto", "eager", "fast"], default="auto",
-                    help="fast = fused/compiled/CUDA-graph engine (needs CUDA); eager = reference path; "
+                    help="fast = the batching engine (fused, compiled, CUDA graphs on a GPU); eager = reference path; "
                          "auto = fast on CUDA, eager on CPU")
     ap.add_argument("--prompt-bucket", type=int, default=0, metavar="TOKENS",
                     help="fast engine: pad instruction prefixes to a multiple of TOKENS (masked) so one CUDA graph "
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         from ..engine import Engine, EngineConfig
 
         # same infer_batch/metadata contract, batched on the GPU
-        policy = Engine.from_policy(policy, EngineConfig(prompt_bucket=config.prompt_bucket))
+        policy = Engine.from_policy(policy, EngineConfig(**config.engine_settings(str(policy.device))))
     uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level)).run()
     return 0
 
@@ -97,20 +97,13 @@ def _run_parallel(args: argparse.Namespace, config: ServeConfig) -> int:
     from ..parallel import ParallelSpec, start
 
     device = args.device or "cuda"
-    engine = {} if device.startswith("cuda") else dict(attention="auto", compile=False, cuda_graph=False)
-    engine["prompt_bucket"] = config.prompt_bucket
-    policy = start(ParallelSpec(args.parallel, str(args.model), world=args.gpus, device=device, engine=engine))
+    policy = start(ParallelSpec(args.parallel, str(args.model), world=args.gpus, device=device,
+                                engine=config.engine_settings(device)))
     try:
         uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level)).run()
     finally:
         policy.close()
     return 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:

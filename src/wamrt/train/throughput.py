@@ -27,7 +27,8 @@ def _time_mode(ds, aug_future: bool, args: argparse.Namespace) -> dict:
     cfg = TrainConfig(size=args.size, tier=ds.tier, batch=args.batch, aug_future=aug_future, log_every=10**9)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = PolicyTrainer(cfg, ds, tmp, device=args.device)
-        trainer.cache_latents()
+        if trainer.uses_latent_cache:
+            trainer.cache_latents()
         sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
         prep_ms: list[float] = []
         clean_batch = trainer.clean_batch

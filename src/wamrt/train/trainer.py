@@ -217,6 +217,12 @@ class PolicyTrainer:
         self.state = TrainState()
         self._latent_cache: torch.Tensor | None = None
 
+    @property
+    def uses_latent_cache(self) -> bool:
+        """Every path but `aug_future` with augmentation on reads clean latents from the cache."""
+        augmenting = bool(self.cfg.aug_shift_px or self.cfg.aug_colour)
+        return not (augmenting and self.cfg.aug_future)
+
     def cache_latents(self, chunk: int = 64) -> None:
         """Encode every frame once (exact when augmentation is off; makes CPU training ~10x faster)."""
         parts = []
