@@ -34,26 +34,19 @@ def _canvas_of(obs_dict: dict[str, Any], tier: str) -> tuple[np.ndarray, tuple[i
 
 def record_canvas_episode(env: Any, expert: Any, seed: int, tier: str) -> tuple[dict[str, np.ndarray], dict]:
     """One expert episode -> canvases, state rows, actions (the sim's own recorder runs the episode)."""
-    from ..pipeline.noise import droid_state_row
     from ..sim.droid import droid_observation
     from ..sim.env import Observation
     from ..sim.record import record_episode
 
     arrays, success = record_episode(env, expert, seed)
     prompt = env.layout.instruction
-    canvases, states = [], []
-    size = None
-    for t in range(len(arrays["actions"])):
-        images = {cam: arrays[f"image_{cam}"][t] for cam in env.camera_hw}
-        obs = Observation(images, arrays["joint_position"][t], float(arrays["gripper_position"][t]), prompt, t)
-        d = droid_observation(obs)
-        pixels, size = _canvas_of(d, tier)
-        canvases.append(pixels)
-        states.append(droid_state_row(d["observation/joint_position"], d["observation/gripper_position"]))
-    out = {"canvas": np.stack(canvases), "state": np.stack(states).astype(np.float32),
-           "actions": arrays["actions"].astype(np.float32)}
-    meta = {"task": env.spec.name, "seed": int(seed), "prompt": prompt, "success": bool(success),
-            "length": len(out["actions"]), "tier": tier, "image_size": list(size or ())}
+    observations = [
+        droid_observation(Observation({cam: arrays[f"image_{cam}"][t] for cam in env.camera_hw},
+                                      arrays["joint_position"][t], float(arrays["gripper_position"][t]), prompt, t))
+        for t in range(len(arrays["actions"]))
+    ]
+    out, meta = episode_from_observations(observations, arrays["actions"], tier)
+    meta.update(task=env.spec.name, seed=int(seed), success=bool(success))
     return out, meta
 
 
@@ -128,28 +121,15 @@ class DemoSet:
 
 
 def load_demo_set(files: Sequence[str | Path]) -> DemoSet:
-    canv, st, act, starts, ends, prompts = [], [], [], [], [], []
-    n = 0
-    size, tier = None, None
+    episodes: list[tuple[dict[str, np.ndarray], dict]] = []
     for f in sorted(files):
         with np.load(f) as z:
             meta = json.loads(str(z["meta"]))
-            c, s, a = z["canvas"], z["state"], z["actions"]
-        if tier is not None and meta["tier"] != tier:
-            raise ValueError(f"{f}: tier {meta['tier']} differs from {tier}")
-        tier, size = meta["tier"], tuple(meta["image_size"])
-        t = len(a)
-        canv.append(c)
-        st.append(s)
-        act.append(a)
-        starts.append(np.full(t, n))
-        ends.append(np.full(t, n + t))
-        prompts += [meta["prompt"]] * t
-        n += t
-    if not canv:
-        raise ValueError("no episodes")
-    return DemoSet(np.concatenate(canv), np.concatenate(st), np.concatenate(act), np.concatenate(starts),
-                   np.concatenate(ends), prompts, size, tier, len(canv))  # type: ignore[arg-type]
+            arrays = {k: z[k] for k in ("canvas", "state", "actions")}
+        if episodes and meta["tier"] != episodes[0][1]["tier"]:
+            raise ValueError(f"{f}: tier {meta['tier']} differs from {episodes[0][1]['tier']}")
+        episodes.append((arrays, meta))
+    return demo_set_from_episodes(episodes)
 
 
 def chunk_indices(ds: DemoSet, idx: np.ndarray, chunk: int) -> np.ndarray:
@@ -187,6 +167,9 @@ def episode_from_observations(observations: Sequence[dict[str, Any]], actions: n
 
 
 def demo_set_from_episodes(episodes: Sequence[tuple[dict[str, np.ndarray], dict]]) -> DemoSet:
+    """Recorded (or built) episodes, each (arrays, meta), flattened into one DemoSet."""
+    if not episodes:
+        raise ValueError("no episodes")
     canv, st, act, starts, ends, prompts = [], [], [], [], [], []
     n = 0
     for arrays, meta in episodes:
