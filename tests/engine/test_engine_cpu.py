@@ -122,6 +122,7 @@ def test_prompt_buckets_compute_the_exact_function_and_share_one_key(policy):
         lengths = [s.kv.length for s in conds + unconds]
         p_conds, p_unconds = bucketed._pad_prefixes(conds, unconds)
         padded = p_conds + p_unconds
+        assert bucketed._pad_prefixes(conds, unconds)[0][0].kv is p_conds[0].kv  # padded once per prompt
         assert len({s.kv.length for s in padded}) == 1 and padded[0].kv.length % 64 == 0
         assert [int(s.kv.key_mask.sum()) for s in padded] == lengths  # the real tokens, nothing else
         keys.append(bucketed._bucket_lengths(p_conds, p_unconds))

@@ -171,6 +171,9 @@ class Engine:
         if config.prompt_bucket and not (config.reuse_reasoner and config.batch_cfg):
             raise ValueError("prompt_bucket needs reuse_reasoner=True and batch_cfg=True (the K/V-buffer loop)")
         self.kv_cache = ReasonerCache(model, config.kv_cache_size)
+        # Prompt buckets: padded copies of cached Reasoner K/V per (entry, width), so an episode repeating
+        # its instruction pads once, not on every request. The entry itself is kept to check identity.
+        self._padded: OrderedDict[tuple[int, int], tuple[ReasonerKV, ReasonerKV]] = OrderedDict()
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._graph_pool = None  # shared by every captured graph (see _capture)
         # K/V buffers of captured graphs live here, outside the graph pool (see _capture).
@@ -341,15 +344,23 @@ class Engine:
         its real tokens. Zeros, not garbage: a masked key's value still enters the kernel's arithmetic."""
         seqs = conds + unconds
         width = self._padded_length(max(s.kv.length for s in seqs))
-        pos = torch.arange(width, device=self.device)
-        out = []
-        for s in seqs:
-            pad = width - s.kv.length
-            kv = ReasonerKV([torch.nn.functional.pad(k, (0, 0, pad, 0)) for k in s.kv.keys],
-                            [torch.nn.functional.pad(v, (0, 0, pad, 0)) for v in s.kv.values],
-                            key_mask=(pos >= pad)[None])
-            out.append(_Seq(s.request, kv, s.rope))
+        out = [_Seq(s.request, self._padded_kv(s.kv, width), s.rope) for s in seqs]
         return out[: len(conds)], out[len(conds):]
+
+    def _padded_kv(self, kv: ReasonerKV, width: int) -> ReasonerKV:
+        key = (id(kv), width)
+        hit = self._padded.get(key)
+        if hit is not None and hit[0] is kv:
+            self._padded.move_to_end(key)
+            return hit[1]
+        pad = width - kv.length
+        padded = ReasonerKV([torch.nn.functional.pad(k, (0, 0, pad, 0)) for k in kv.keys],
+                            [torch.nn.functional.pad(v, (0, 0, pad, 0)) for v in kv.values],
+                            key_mask=(torch.arange(width, device=self.device) >= pad)[None])
+        self._padded[key] = (kv, padded)
+        while len(self._padded) > self.config.kv_cache_size:
+            self._padded.popitem(last=False)
+        return padded
 
     def _plan(self, opts: SamplingOptions):
         """Solver coefficients per (schedule, steps, shift, solver), built once: building a UniPC plan
