@@ -214,7 +214,7 @@ def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: di
     from dataclasses import asdict, replace
 
     from .eval.agents import ExpertAgent, PolicyAgent
-    from .eval.remote import RemoteAgentFactory, is_url
+    from .eval.remote import RemoteAgentFactory, effective_sampling, is_url, server_metadata
 
     execute = spec.execute_steps or args.execute_steps
     common = {"lanes": args.lanes, "max_steps": args.max_steps}
@@ -222,9 +222,16 @@ def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: di
         return Side(label, ExpertAgent, "process", {"agent": EXPERT, **common})
     if is_url(spec.name):
         # Process lanes, each its own websocket client: the server batches them like separate robots.
-        factory = RemoteAgentFactory(spec.name, execute, dict(spec.overrides), getattr(args, "api_key", None))
+        api_key = getattr(args, "api_key", None)
+        factory = RemoteAgentFactory(spec.name, execute, dict(spec.overrides), api_key)
+        try:
+            server = server_metadata(spec.name, api_key)
+        except (OSError, ValueError) as e:  # the rollout itself will say whether the server is there
+            server = {"error": f"no metadata from the server: {e}"}
         return Side(label, factory, "process", {"agent": "remote", "url": spec.name, "execute_steps": execute,
-                                                **spec.overrides, **common})
+                                                **spec.overrides, "server": server,
+                                                "effective": effective_sampling(server, dict(spec.overrides)),
+                                                **common})
     if spec.name not in cache:
         cache[spec.name] = _load_policy(spec.name, args)
     policy = cache[spec.name]

@@ -45,6 +45,14 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                      help="augment and re-encode the future frames too (9 VAE encodes per sample instead of 1)")
     fit.add_argument("--val-episodes", type=int, default=0,
                      help="hold out the last N episodes; the log then reports their action loss")
+    fit.add_argument("--normalization", choices=("relative", "absolute", "none"), default="relative",
+                     help="action presentation stored in wamrt.json: joints relative to the state with per-row "
+                          "statistics (default), the statistics alone, or raw radians")
+    fit.add_argument("--mixed-prompts", action="store_true",
+                     help="every sample draws its own instruction (masked attention) instead of one per batch")
+    fit.add_argument("--snapshot-minutes", type=float, nargs="*", default=(),
+                     help="also save the EMA weights as complete checkpoints at these wall-clock minutes "
+                          "(OUT/snapshots/<m>min)")
     fit.add_argument("--seed", type=int, default=0)
     fit.add_argument("--log-every", type=int, default=50)
     fit.add_argument("--device")
@@ -88,7 +96,8 @@ def run_fit(args: argparse.Namespace) -> int:
                       minutes=args.minutes, max_steps=args.max_steps, ema=args.ema, text_dropout=args.text_dropout,
                       action_weight=args.action_weight, sigma_shift=args.sigma_shift, aug_shift_px=args.aug_shift,
                       aug_colour=args.aug_colour, aug_future=args.aug_future, val_episodes=args.val_episodes,
-                      seed=args.seed, log_every=args.log_every)
+                      seed=args.seed, log_every=args.log_every, normalization=args.normalization,
+                      prompt_batches=not args.mixed_prompts, snapshot_minutes=tuple(args.snapshot_minutes))
     try:
         trainer = PolicyTrainer(cfg, ds, args.out, device=args.device, log_path=args.log)
     except ValueError as e:  # tier mismatch, held-out count

@@ -120,6 +120,9 @@ def test_rollout_against_a_server_over_websocket_lanes(tmp_path, capsys):
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["config"]["agent"] == "remote" and res["config"]["url"] == srv.ws_url
+    # the result names what the server served, from its own metadata, and what the requests overrode
+    assert "error" not in res["config"]["server"] and res["config"]["server"]["max_batch"] == 4
+    assert res["config"]["effective"]["steps"] == 2
     assert res["episodes"] == 2 and res["summary"]["errors"] == 0
     want = {request_seed(ep, k) for ep in (5, 6) for k in (0, 1)}  # 16 steps / 8 executed = 2 requests
     assert {s for s, _ in policy.seen} == want

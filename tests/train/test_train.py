@@ -136,7 +136,8 @@ def test_sampling_convention_toy_and_checkpoint_serves(tmp_path, monkeypatch):
     import wamrt
 
     _, obs0 = _toy_episodes()
-    tr = _trainer(tmp_path, ema=0.95, batch=4)
+    # Raw radians: the toy's offsets from the state are constant, so normalized targets would be trivial.
+    tr = _trainer(tmp_path, ema=0.95, batch=4, normalization="none")
 
     def chunk_error(folder) -> float:
         pol = wamrt.load_policy(folder)
@@ -189,8 +190,8 @@ def test_held_out_episodes_are_never_sampled_and_their_loss_is_fixed(tmp_path):
     tr = PolicyTrainer(cfg, demo_set_from_episodes(eps), tmp_path / "ckpt", device="cpu")
     tr.cache_latents()
     assert list(tr.train_idx) == list(range(12)) and set(tr.val_idx) <= {12, 13, 14, 15} and len(tr.val_idx) == 3
-    drawn = np.concatenate([tr.sample_indices() for _ in range(50)])
-    assert drawn.max() < 12  # the held-out episode never reaches the optimiser
+    drawn = torch.cat([tr.sample_batch()[0] for _ in range(50)])
+    assert int(drawn.max()) < 12  # the held-out episode never reaches the optimiser
     first, again = tr.val_loss(), tr.val_loss()
     assert first == again and np.isfinite(first["val_action"])  # same noise and sigmas every call
     for _ in range(5):
@@ -199,3 +200,63 @@ def test_held_out_episodes_are_never_sampled_and_their_loss_is_fixed(tmp_path):
     with pytest.raises(ValueError, match="val_episodes"):
         PolicyTrainer(TrainConfig(size="tiny-qwen", val_episodes=4), demo_set_from_episodes(eps), tmp_path / "b",
                       device="cpu")
+
+
+def test_normalized_training_targets_are_what_the_served_contract_undoes(tmp_path):
+    """Train-time normalization is the exact inverse of the served denormalization: the chunk rows of a
+    training batch, passed through the checkpoint's `actions_out` with the frame's raw state, are the expert's
+    actions; the saved wamrt.json gives load_policy the same statistics."""
+    import json
+
+    import wamrt
+    from wamrt.pipeline.droid import droid_actions
+    from wamrt.pipeline.denoise import DenoiseResult
+
+    rng = np.random.default_rng(3)
+    eps = []
+    for e in range(3):  # actions that move away from the state by a different offset per frame
+        joints = rng.uniform(-1, 1, 7)
+        obs = _obs(rng, joints, 0.2 * e)
+        actions = np.concatenate([joints + rng.normal(0, 0.1, (5, 7)), rng.integers(0, 2, (5, 1))], axis=1)
+        eps.append(episode_from_observations([obs] * 5, actions))
+    tr = PolicyTrainer(TrainConfig(size="tiny-qwen", batch=4, aug_shift_px=0, aug_colour=0.0, log_every=1000),
+                       demo_set_from_episodes(eps), tmp_path / "ckpt", device="cpu")
+    norm = tr.contract.normalization
+    assert norm is not None and norm.relative == (True,) * 7 + (False,)
+    idx = np.array([0, 3, 7, 12])
+    rows = tr.clean_batch(idx, augment_images=False)["action"][:, 1:, :8].numpy()
+    for b, i in enumerate(idx):
+        stop = tr.ds.episode_end[i]
+        steps = np.minimum(i + np.arange(32), stop - 1)
+        raw = droid_actions(DenoiseResult(None, torch.from_numpy(np.pad(rows[b], ((1, 0), (0, 56))))[None]),
+                            tr.contract, tr.ds.state[i])
+        np.testing.assert_allclose(raw, tr.ds.actions[steps], rtol=0, atol=2e-6)
+    # statistics come from the training frames: the normalized targets are centred and unit-scale there
+    every = tr.clean_batch(np.arange(len(tr.ds)), augment_images=False)["action"][:, 1:, :8]
+    assert every.mean(0).abs().max() < 1e-4 and (every.std(0, unbiased=False) - 1).abs().max() < 1e-3
+    folder = tr.save()
+    saved = json.loads((folder / "wamrt.json").read_text())["action_normalization"]
+    assert saved["relative"] == [True] * 7 + [False] and len(saved["action_std"]) == 32
+    assert wamrt.load_policy(folder).contract.normalization == norm
+
+
+def test_prompt_batches_use_one_instruction_and_no_key_mask(tmp_path):
+    """One instruction per batch: the Generator attends to one unpadded prefix (no key mask), and the
+    unconditional prompt replaces a whole batch at the text-dropout rate."""
+    tr = _trainer(tmp_path, text_dropout=0.3)
+    seen, empty = set(), 0
+    for _ in range(60):
+        idx, prompts, dropped = tr.sample_batch()
+        assert dropped and len(set(prompts)) == 1 and len(prompts) == tr.cfg.batch
+        if prompts[0] == "":
+            empty += 1
+        else:
+            assert {tr.ds.prompt[i] for i in idx.tolist()} == {prompts[0]}  # frames of that instruction
+        seen.add(prompts[0])
+    assert seen == {"", PROMPT, "put the red cube on the green pad"} and 6 <= empty <= 35
+    masks = []
+    original = tr.model.attention
+    tr.model.attention = lambda q, k, v, *, causal, key_mask: masks.append(key_mask) or original(
+        q, k, v, causal=causal, key_mask=key_mask)
+    tr.train_step(0.0)
+    assert masks and all(m is None for m in masks)

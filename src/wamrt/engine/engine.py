@@ -160,6 +160,7 @@ class Engine:
     ) -> None:
         self.model, self.encoder, self.tokenizer = model, encoder, tokenizer
         self.contract, self.options, self.config, self.name = contract, options, config, name
+        self.quantization: str | None = None  # the quantization recipe of the weights (from_policy sets it)
         self.device = next(model.parameters()).device
         # Checked before anything touches the shared model (fusing swaps its layers' classes).
         if config.cuda_graph and self.device.type != "cuda":
@@ -201,8 +202,10 @@ class Engine:
 
     @classmethod
     def from_policy(cls, policy: Policy, config: EngineConfig = EngineConfig()) -> Engine:
-        return cls(policy.model, policy.encoder, policy.tokenizer, policy.contract, policy.options, config,
-                   name=policy.name)
+        engine = cls(policy.model, policy.encoder, policy.tokenizer, policy.contract, policy.options, config,
+                     name=policy.name)
+        engine.quantization = policy.quantization
+        return engine
 
     # ---------------------------------------------------------------------------------------------
     def next_seed(self) -> int:
@@ -220,7 +223,8 @@ class Engine:
     def metadata(self) -> dict[str, Any]:
         engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "compile_mode",
                                                        "cuda_graph", "prompt_bucket")}
-        return {**droid_metadata(self.name, self.contract, self.options), "engine": engine}
+        return {**droid_metadata(self.name, self.contract, self.options), "quantization": self.quantization,
+                "engine": engine}
 
     def infer(self, observation: Mapping[str, Any], *, seed: int | None = None, **overrides: Any) -> ActionChunk:
         result = self.infer_batch([observation], seeds=[seed], **overrides)[0]
@@ -253,7 +257,7 @@ class Engine:
                 finals, timings = self._denoise([p for _, p in prepared], opts)
                 t0 = time.perf_counter()
                 for (i, prep), (xv, xa) in zip(prepared, finals, strict=True):
-                    actions = droid_actions(DenoiseResult(xv, xa), self.contract)
+                    actions = droid_actions(DenoiseResult(xv, xa), self.contract, prep.state)
                     if not np.isfinite(actions).all():
                         results[i] = FloatingPointError("the model produced non-finite actions")
                         continue

@@ -23,6 +23,37 @@ def is_url(name: str) -> bool:
     return name.startswith(("ws://", "wss://"))
 
 
+def server_metadata(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The server's own account of what it serves (GET /v1/policy/metadata beside the websocket), so a
+    rollout or gate result names its candidate by model, sampler, quantization and engine, not by URL only."""
+    import json
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    scheme = "https" if parts.scheme == "wss" else "http"
+    req = urllib.request.Request(f"{scheme}://{parts.netloc}/v1/policy/metadata", headers={"Accept": "application/json"})
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        meta = json.loads(resp.read())
+    policy = meta.get("policy", {}) if isinstance(meta, dict) else {}
+    return {"model": meta.get("model"), "sampler": meta.get("sampler"), "quantization": policy.get("quantization"),
+            "engine": policy.get("engine"), "action_normalization": policy.get("action_normalization"),
+            "max_batch": meta.get("max_batch")}
+
+
+def effective_sampling(server: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """What a candidate's requests ran with: the server's defaults, then the request's overrides."""
+    sampler = dict(server.get("sampler") or {})
+    out = {"steps": sampler.get("num_steps"), "guidance": sampler.get("guidance"), "shift": sampler.get("shift"),
+           "guidance_interval": sampler.get("guidance_interval")}
+    for k, v in overrides.items():
+        out[k] = list(v) if isinstance(v, tuple) else v
+    out["quantization"] = server.get("quantization")
+    return out
+
+
 @dataclass
 class RemoteChunk:
     actions: np.ndarray

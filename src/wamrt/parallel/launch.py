@@ -103,7 +103,7 @@ def build_policy(spec: ParallelSpec, rank: int, device: torch.device):
             extra = json.loads(cfg_file.read_text())
             break
     gi = extra.get("guidance_interval")
-    return Policy(model, encoder, tok, DroidContract(prompt_format=extra.get("prompt_format", "plain")),
+    return Policy(model, encoder, tok, pp.contract_from_config(extra),
                   SamplingOptions(guidance_interval=tuple(gi) if gi else None), name=name)
 
 

@@ -27,6 +27,7 @@ from ..model import (
 from .canvas import compose_droid_canvas, pad_to_bucket
 from .denoise import Branch, DenoiseInputs, DenoiseResult, SamplingOptions, denoise
 from .errors import RequestError
+from .normalization import ActionNormalization
 from .noise import GaussianPrefetcher, initial_action, state_row_from_observation, vision_noise
 from .prompts import droid_prompt
 from .tokens import CaptionTokenizer
@@ -46,6 +47,9 @@ class DroidContract:
     domain_id: int = 8  # droid_lerobot
     raw_action_dim: int = 8  # 7 joint positions + gripper
     history: int = 1  # clean state rows before the predicted chunk
+    # None (the released checkpoints): raw state row in, raw joint targets out. A checkpoint trained here
+    # may store statistics (wamrt.json "action_normalization"; see wamrt.pipeline.normalization).
+    normalization: ActionNormalization | None = None
 
 
 @dataclass
@@ -58,6 +62,7 @@ class PreparedDroid:
     canvas: np.ndarray  # [540, 640, 3] uint8 (pixel frame 0 before padding)
     image_size: tuple[int, int, int, int]  # canvas h, w, content h, w
     timings_ms: dict[str, float] = field(default_factory=dict)
+    state: np.ndarray | None = None  # [raw_dim] the raw model-space state row (what relative actions add to)
 
 
 @dataclass
@@ -129,7 +134,8 @@ def prepare_droid(
     shape = (1, encoder.latent_channels, lat_t, lat_h, lat_w)
     stream = noise.get(seed, shape) if noise is not None else vision_noise(seed, shape)
     rows = contract.chunk + contract.history
-    act = initial_action(state, seed, rows=rows, max_action_dim=model.config.action_dim or 0, stream=stream)
+    model_state = contract.normalization.state_in(state) if contract.normalization is not None else state
+    act = initial_action(model_state, seed, rows=rows, max_action_dim=model.config.action_dim or 0, stream=stream)
     vision = torch.from_numpy(stream).to(device, copy=True)  # copy: frame 0 is overwritten below
     vision[:, :, :1] = latent0
     action = torch.from_numpy(act.init).to(device)[None]  # [1, 33, 64]
@@ -142,7 +148,7 @@ def prepare_droid(
         domain_ids=torch.tensor([contract.domain_id], device=device), raw_action_dim=contract.raw_action_dim,
     )
     timings["pack"] = 1e3 * (time.perf_counter() - t0)
-    return PreparedDroid(inputs, prompt, seed, canvas, padded.image_size, timings)
+    return PreparedDroid(inputs, prompt, seed, canvas, padded.image_size, timings, state)
 
 
 def droid_branch(cfg: Cosmos3Config, ids: tuple[int, ...], latent_thw: tuple[int, int, int],
@@ -176,13 +182,21 @@ def droid_metadata(name: str, contract: DroidContract, options: SamplingOptions)
         "action_dim": contract.raw_action_dim, "control_hz": contract.fps, "image_size": [540, 640],
         "prompt_format": contract.prompt_format, "domain_id": contract.domain_id, "num_steps": options.steps,
         "guidance": options.guidance, "shift": options.shift, "guidance_interval": options.guidance_interval,
+        "action_normalization": None if contract.normalization is None else
+        ("per-row statistics, joints relative to the state" if any(contract.normalization.relative)
+         else "per-row statistics"),
     }
 
 
-def droid_actions(result: DenoiseResult, contract: DroidContract) -> np.ndarray:
-    """Final action state [1, 33, 64] -> [32, 8] float32: drop the state row, flip the gripper back."""
+def droid_actions(result: DenoiseResult, contract: DroidContract, state: np.ndarray | None = None) -> np.ndarray:
+    """Final action state [1, 33, 64] -> [32, 8] float32: drop the state row, undo the checkpoint's
+    normalization if it has one (`state`: the request's raw state row), flip the gripper back."""
     assert result.action is not None
     out = result.action[0, contract.history:, : contract.raw_action_dim].float().cpu().numpy().copy()
+    if contract.normalization is not None:
+        if state is None:
+            raise ValueError("a normalized contract needs the request's state row to undo the normalization")
+        out = contract.normalization.actions_out(out, state)
     out[:, -1] = 1.0 - out[:, -1]
     return out
 
@@ -206,7 +220,7 @@ def run_droid(
     with torch.inference_mode():
         result = denoise(model, prep.inputs, options, record=record)
     t0 = time.perf_counter()
-    actions = droid_actions(result, contract)
+    actions = droid_actions(result, contract, prep.state)
     timings = {**prep.timings_ms, **result.timings_ms, "postprocess": 1e3 * (time.perf_counter() - t0)}
     timings["total"] = 1e3 * (time.perf_counter() - t_start)
     return ActionChunk(actions, seed, prep.prompt, timings), prep, result

@@ -20,6 +20,8 @@ from .droid import ActionChunk, DroidContract, droid_metadata, run_droid
 from .errors import RequestError
 from .generic import GenericResult, run_generic
 from .geometry import FRAMEWORK_VIDEO_RES_SIZE_INFO
+from .normalization import KEY as NORM_KEY
+from .normalization import ActionNormalization
 from .tokens import CaptionTokenizer
 from .vae import FrameEncoder, load_vae
 
@@ -38,9 +40,11 @@ class Policy:
         options: SamplingOptions,
         *,
         name: str = "",
+        quantization: str | None = None,
     ) -> None:
         self.model, self.encoder, self.tokenizer = model, encoder, tokenizer
         self.contract, self.options, self.name = contract, options, name
+        self.quantization = quantization  # the `wamrt quantize` recipe the weights were loaded from, if any
         # The framework server's seed stream: one draw per request from default_rng(0).
         self._seeds = np.random.default_rng(0)
 
@@ -96,12 +100,28 @@ class Policy:
         return out
 
     def metadata(self) -> dict[str, Any]:
-        return droid_metadata(self.name, self.contract, self.options)
+        return {**droid_metadata(self.name, self.contract, self.options), "quantization": self.quantization}
 
     def __repr__(self) -> str:
         c = self.model.config
         return (f"Policy({self.name!r}, {c.num_hidden_layers} layers x {c.hidden_size}, {c.hidden_act}, "
                 f"{self.model.dtype}, {self.device}, prompt={self.contract.prompt_format})")
+
+
+def contract_from_config(extra: Mapping[str, Any], *, prompt_format: str | None = None,
+                         source: str = POLICY_CONFIG) -> DroidContract:
+    """The DROID contract a checkpoint's wamrt.json asks for (prompt format, tier, normalization)."""
+    fmt = prompt_format or extra.get("prompt_format", "plain")
+    if fmt not in ("plain", "json"):
+        raise RequestError(f"must be 'plain' or 'json', got {fmt!r}", field="prompt_format")
+    tier = str(extra.get("tier", DroidContract.tier))  # a small trained policy may use a smaller bucket tier
+    if tier not in FRAMEWORK_VIDEO_RES_SIZE_INFO:
+        raise RequestError(f"unknown resolution tier {tier!r} in {POLICY_CONFIG}", field="tier")
+    norm = extra.get(NORM_KEY)
+    base = DroidContract()
+    normalization = (ActionNormalization.from_json(norm, raw_dim=base.raw_action_dim, chunk=base.chunk, source=source)
+                     if norm is not None else None)
+    return DroidContract(prompt_format=fmt, tier=tier, normalization=normalization)  # type: ignore[arg-type]
 
 
 def validate_options(opts: SamplingOptions) -> None:
@@ -185,22 +205,18 @@ def load_policy(
             extra = json.loads(cfg_file.read_text())
             break
     folder = resolve_transformer_folder(root)
+    quantization: str | None = None
     if (folder / "recipe.json").is_file() and (folder / "manifest.json").is_file():
         from ..quant import load_artifact  # a `wamrt quantize` artifact: hashes verified before loading
 
         model = load_artifact(folder, dev, dt)
+        quantization = json.loads((folder / "recipe.json").read_text()).get("recipe", {}).get("name")
     else:
         model = load_transformer(folder, device=dev, dtype=dt)
     encoder = FrameEncoder(load_vae(Path(vae) if vae else _find_vae(root), device=dev, dtype=dt))
     tok = CaptionTokenizer.from_pretrained(Path(tokenizer) if tokenizer else _find_tokenizer(root))
-    fmt = prompt_format or extra.get("prompt_format", "plain")
-    if fmt not in ("plain", "json"):
-        raise RequestError(f"must be 'plain' or 'json', got {fmt!r}", field="prompt_format")
-    tier = str(extra.get("tier", DroidContract.tier))  # a small trained policy may use a smaller bucket tier
-    if tier not in FRAMEWORK_VIDEO_RES_SIZE_INFO:
-        raise RequestError(f"unknown resolution tier {tier!r} in {POLICY_CONFIG}", field="tier")
-    contract = DroidContract(prompt_format=fmt, tier=tier)
+    contract = contract_from_config(extra, prompt_format=prompt_format, source=str(root / POLICY_CONFIG))
     if options is None:
         gi = extra.get("guidance_interval")
         options = SamplingOptions(guidance_interval=tuple(gi) if gi else None)
-    return Policy(model, encoder, tok, contract, options, name=name)
+    return Policy(model, encoder, tok, contract, options, name=name, quantization=quantization)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,11 +35,14 @@ from ..model.transformer import GeneratorTokens, stack_reasoner_kv
 from ..pipeline.builtin import write_tokenizer, write_vae
 from ..pipeline.denoise import Branch
 from ..pipeline.droid import DroidContract, prepare_droid
+from ..pipeline.normalization import KEY as NORM_KEY
+from ..pipeline.normalization import ActionNormalization
 from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder, load_vae
-from .data import DemoSet, chunk_indices, future_frame_indices
+from .data import DemoSet, chunk_indices
 
 FORMAT_VERSION = 1
+NORMALIZATIONS = ("relative", "absolute", "none")
 
 
 @dataclass
@@ -71,6 +75,18 @@ class TrainConfig:
     val_episodes: int = 0
     val_batch: int = 128
     grad_clip: float = 1.0
+    # How actions are presented to the model (stored in wamrt.json, undone by the served contract):
+    # "relative": joints as offsets from the state row, every (chunk row, column) scaled by its training
+    # statistics, the state row standardised; "absolute": the same statistics without the offset; "none": raw
+    # radians, as the released DROID checkpoints take them.
+    normalization: str = "relative"
+    # True: one instruction per batch (and the unconditional prompt for a whole batch with probability
+    # text_dropout), so the Generator attends to one prefix length without a key mask and the Reasoner runs
+    # once per step. False: every sample draws its own instruction (a masked attention call per layer).
+    prompt_batches: bool = True
+    # Wall-clock minutes at which the EMA weights are also saved as complete checkpoints (out/snapshots/<m>min),
+    # so success can be plotted against training time.
+    snapshot_minutes: tuple[float, ...] = ()
 
 
 @dataclass
@@ -177,6 +193,8 @@ class PolicyTrainer:
             pool = np.arange(first_val, len(ds))
             pick = np.random.default_rng(cfg.seed + 1).choice(len(pool), min(cfg.val_batch, len(pool)), replace=False)
             self.val_idx = np.sort(pool[pick])
+        if cfg.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {cfg.normalization!r}")
         torch.manual_seed(cfg.seed)
         self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.np_rng = np.random.default_rng(cfg.seed)
@@ -187,7 +205,8 @@ class PolicyTrainer:
         write_tokenizer(self.out / "tokenizer")
         self.encoder = FrameEncoder(load_vae(self.out / "vae", device=self.device, dtype=self.vae_dtype))
         self.tokenizer = CaptionTokenizer.from_pretrained(self.out / "tokenizer")
-        self.contract = DroidContract(prompt_format="plain", tier=cfg.tier)
+        self.normalization = self.fit_normalization() if cfg.normalization != "none" else None
+        self.contract = DroidContract(prompt_format="plain", tier=cfg.tier, normalization=self.normalization)
         self.model = training_init_(Cosmos3Transformer(get_config(cfg.size)), cfg.seed).to(self.device).train()
         self.ema = [p.detach().clone().float() for p in self.model.parameters()]
         decay, no_decay = [], []
@@ -210,12 +229,33 @@ class PolicyTrainer:
             self.branches[p] = lay.cond
         self.prompt_ids = np.array([sorted(self.layouts).index(p) for p in ds.prompt])
         self.prompt_names = sorted(self.layouts)
-        # Data on the device: uint8 canvases, state rows, actions.
+        # Data and indexing on the device (a host-to-device copy from pageable memory drains the stream, so
+        # none happens inside a training step): uint8 canvases, state rows, actions, episode ends.
         self.canvas = torch.from_numpy(ds.canvas).to(self.device)
-        self.state_rows = torch.from_numpy(ds.state).to(self.device)
+        self.raw_state = torch.from_numpy(ds.state).to(self.device)  # model space (gripper flipped), raw
+        model_state = self.normalization.state_in(ds.state) if self.normalization is not None else ds.state
+        self.state_rows = torch.from_numpy(np.ascontiguousarray(model_state)).to(self.device)
         self.actions = torch.from_numpy(ds.actions).to(self.device)
+        self.episode_end = torch.from_numpy(ds.episode_end).to(self.device)
+        norm = self.normalization.arrays() if self.normalization is not None else None
+        self._norm = {k: torch.from_numpy(v).to(self.device) for k, v in norm.items()} if norm else None
+        # Training frames per instruction (prompt_batches) and how often each instruction is drawn.
+        train_prompts = self.prompt_ids[self.train_idx]
+        self.prompt_pools = [torch.from_numpy(self.train_idx[train_prompts == i]).to(self.device)
+                             for i in range(len(self.prompt_names))]
+        counts = np.array([len(p) for p in self.prompt_pools], np.float64)
+        self.prompt_weights = counts / counts.sum()
+        self.train_idx_t = torch.from_numpy(self.train_idx).to(self.device)
         self.state = TrainState()
         self._latent_cache: torch.Tensor | None = None
+
+    def fit_normalization(self) -> ActionNormalization:
+        """Statistics of the training frames only (held-out episodes excluded), in model space."""
+        ds, idx = self.ds, self.train_idx
+        chunks = ds.actions[chunk_indices(ds, idx, DroidContract.chunk)].copy()  # [N, chunk, 8]
+        chunks[..., -1] = 1.0 - chunks[..., -1]
+        relative = self.cfg.normalization == "relative"
+        return ActionNormalization.fit(ds.state[idx], chunks, tuple([relative] * 7 + [False]))
 
     @property
     def uses_latent_cache(self) -> bool:
@@ -243,10 +283,18 @@ class PolicyTrainer:
         lat = lat[..., :lh, :lw]
         return lat.reshape(b, f, *lat.shape[1:2], lh, lw).permute(0, 2, 1, 3, 4).contiguous()
 
-    def clean_batch(self, idx: np.ndarray, *, augment_images: bool = True) -> dict[str, Any]:
-        """The clean (x0) tensors of samples `idx`: vision latents [B, C, T, h, w], actions [B, rows, 64]."""
+    def clean_batch(self, idx: np.ndarray | torch.Tensor, *, augment_images: bool = True,
+                    prompts: list[str] | None = None) -> dict[str, Any]:
+        """The clean (x0) tensors of samples `idx` (frame indices, numpy or on the device): vision latents
+        [B, C, T, h, w], actions [B, rows, 64] (normalized as the contract says), and their instructions."""
+        if isinstance(idx, np.ndarray):
+            prompts = prompts or [self.prompt_names[i] for i in self.prompt_ids[idx]]
+            idx = torch.from_numpy(idx).to(self.device)
+        assert prompts is not None and len(prompts) == len(idx)
         lat_t = self.latent_thw[0]
-        frames = torch.from_numpy(future_frame_indices(self.ds, idx, lat_t, self.encoder.temporal)).to(self.device)
+        last = self.episode_end[idx, None] - 1
+        # Latent frame k stands for pixel frame t + 4k (see data.future_frame_indices), clamped to the episode.
+        frames = torch.minimum(idx[:, None] + self.encoder.temporal * torch.arange(lat_t, device=self.device), last)
         aug = augment_images and bool(self.cfg.aug_shift_px or self.cfg.aug_colour)
         if self._latent_cache is not None and not aug:
             vision = self._latent_cache[frames].permute(0, 2, 1, 3, 4).contiguous()  # [B, C, T, h, w]
@@ -264,14 +312,15 @@ class PolicyTrainer:
         rows = self.contract.chunk + self.contract.history
         width = self.model.config.action_dim or 64
         action = torch.zeros(b, rows, width, device=self.device)
-        it = torch.from_numpy(idx).to(self.device)
-        action[:, 0, :8] = self.state_rows[it]
-        chunk = self.actions[torch.from_numpy(chunk_indices(self.ds, idx, self.contract.chunk)).to(self.device)]
-        chunk = chunk.clone()
+        action[:, 0, :8] = self.state_rows[idx]
+        steps = torch.minimum(idx[:, None] + torch.arange(self.contract.chunk, device=self.device), last)
+        chunk = self.actions[steps].clone()
         chunk[..., -1] = 1.0 - chunk[..., -1]  # model space: the gripper flipped (droid_actions flips back)
+        if self._norm is not None:  # the inverse of ActionNormalization.actions_out, on the device
+            n = self._norm
+            chunk = (chunk - self.raw_state[idx, None, :] * n["relative"] - n["action_mean"]) / n["action_std"]
         action[:, self.contract.history:, :8] = chunk
-        prompts = [self.prompt_names[i] for i in self.prompt_ids[idx]]
-        return {"vision": vision, "action": action, "prompts": prompts}
+        return {"vision": vision, "action": action, "prompts": list(prompts)}
 
     # ---- forward / loss ------------------------------------------------------------------------------------
     def velocity(self, prompts: list[str], sigma: torch.Tensor, x_v: torch.Tensor, x_a: torch.Tensor):
@@ -306,7 +355,7 @@ class PolicyTrainer:
         if sigma is None:
             sigma = sample_sigmas(b, cfg.sigma_shift, gen, self.device)
         prompts = list(batch["prompts"])
-        if text_dropout and cfg.text_dropout > 0:
+        if text_dropout and cfg.text_dropout > 0 and not batch.get("dropout_done"):
             drop = torch.rand(b, generator=gen, device=self.device) < cfg.text_dropout
             prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
         vn = lay.vision_noisy[0][None, None, :, None, None]  # [1, 1, T, 1, 1]
@@ -333,8 +382,20 @@ class PolicyTrainer:
         cos = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return cfg.lr * warm * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * cos)
 
-    def sample_indices(self) -> np.ndarray:
-        return self.train_idx[self.np_rng.integers(0, len(self.train_idx), self.cfg.batch)]
+    def sample_batch(self) -> tuple[torch.Tensor, list[str], bool]:
+        """Frame indices of one training batch (on the device) and their prompts; with `prompt_batches` one
+        instruction for the whole batch, replaced by the unconditional prompt with probability text_dropout
+        (the third value says that this text dropout was already applied)."""
+        cfg = self.cfg
+        if not cfg.prompt_batches:
+            pick = torch.randint(0, len(self.train_idx_t), (cfg.batch,), generator=self.gen, device=self.device)
+            idx = self.train_idx_t[pick]
+            return idx, [self.prompt_names[i] for i in self.prompt_ids[idx.cpu().numpy()]], False
+        p = int(self.np_rng.choice(len(self.prompt_pools), p=self.prompt_weights))
+        pool = self.prompt_pools[p]
+        idx = pool[torch.randint(0, len(pool), (cfg.batch,), generator=self.gen, device=self.device)]
+        name = "" if self.np_rng.random() < cfg.text_dropout else self.prompt_names[p]
+        return idx, [name] * cfg.batch, True
 
     def val_loss(self) -> dict[str, float] | None:
         """Loss of the live (not EMA) weights on the fixed held-out batch: same sigmas and noise every time,
@@ -349,11 +410,15 @@ class PolicyTrainer:
         self.model.train(was_training)
         return {"val_action": float(losses["action"]), "val_vision": float(losses["vision"])}
 
-    def train_step(self, progress: float = 0.0) -> dict[str, float]:
+    def train_step(self, progress: float = 0.0, *, sync: bool = True) -> dict[str, Any]:
+        """One optimiser step. sync=False returns the metrics as one device tensor [loss, action, vision,
+        grad norm] (no host sync: the training loop reads them at log time) plus the learning rate."""
         lr = self.lr_at(progress)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        batch = self.clean_batch(self.sample_indices())
+        idx, prompts, dropped = self.sample_batch()
+        batch = self.clean_batch(idx, prompts=prompts)
+        batch["dropout_done"] = dropped
         losses = self.loss(batch)
         self.opt.zero_grad(set_to_none=True)
         losses["loss"].backward()
@@ -366,8 +431,11 @@ class PolicyTrainer:
         self.state.step += 1
         self.state.samples += self.cfg.batch
         vals = torch.stack([losses["loss"].detach(), losses["action"].detach(), losses["vision"].detach(),
-                            gnorm.detach().float()]).tolist()  # one host sync per step
-        return {"loss": vals[0], "action": vals[1], "vision": vals[2], "lr": lr, "grad_norm": vals[3]}
+                            gnorm.detach().float()])
+        if not sync:
+            return {"metrics": vals, "lr": lr}
+        v = vals.tolist()
+        return {"loss": v[0], "action": v[1], "vision": v[2], "lr": lr, "grad_norm": v[3]}
 
     def log(self, line: str) -> None:
         print(line, flush=True)
@@ -384,21 +452,29 @@ class PolicyTrainer:
                  f"held out {cfg.val_episodes} episodes ({len(self.ds) - len(self.train_idx)} frames)")
         t0 = time.perf_counter()
         win_t, win_n, acc = t0, 0, []
+        snapshots = sorted(cfg.snapshot_minutes)
         while True:
             elapsed = time.perf_counter() - t0
+            if snapshots and elapsed >= 60.0 * snapshots[0]:
+                m = snapshots.pop(0)
+                self.state.elapsed_s = elapsed
+                folder = self.save(folder=self.out / "snapshots" / f"{m:g}min")
+                self.log(f"snapshot: {folder} at step {self.state.step}")
             progress = elapsed / budget if budget > 0 else 1.0
             if cfg.max_steps is not None:
                 progress = max(progress, self.state.step / cfg.max_steps)
             if progress >= 1.0:
                 break
-            m = self.train_step(progress)
-            if not math.isfinite(m["loss"]):
-                raise FloatingPointError(f"non-finite loss at step {self.state.step}: {m}")
+            m = self.train_step(progress, sync=False)
             acc.append(m)
             win_n += cfg.batch
             if self.state.step % cfg.log_every == 0 or self.state.step == 1:
                 now = time.perf_counter()
-                mean = {k: float(np.mean([a[k] for a in acc])) for k in acc[0]}
+                vals = torch.stack([a["metrics"] for a in acc]).mean(0).tolist()  # the window's one host sync
+                mean = {"loss": vals[0], "action": vals[1], "vision": vals[2], "grad_norm": vals[3],
+                        "lr": float(np.mean([a["lr"] for a in acc]))}
+                if not math.isfinite(mean["loss"]):
+                    raise FloatingPointError(f"non-finite loss by step {self.state.step}: {mean}")
                 rate = win_n / max(now - win_t, 1e-9)
                 val = self.val_loss() or {}
                 rec = {"step": self.state.step, "elapsed_s": round(now - t0, 1), **mean, **val, "samples_per_s": rate}
@@ -420,15 +496,21 @@ class PolicyTrainer:
                 p.copy_(e.cpu())
         return model.eval()
 
-    def save(self, extra: dict[str, Any] | None = None) -> Path:
-        """Write transformer/ (EMA weights, bf16) and wamrt.json next to the vae/ and tokenizer/ folders."""
+    def save(self, extra: dict[str, Any] | None = None, folder: str | Path | None = None) -> Path:
+        """Write transformer/ (EMA weights, bf16) and wamrt.json next to the vae/ and tokenizer/ folders.
+        `folder` (a snapshot): a complete checkpoint elsewhere, with copies of vae/ and tokenizer/."""
+        out = Path(folder) if folder is not None else self.out
+        if out != self.out:
+            for part in ("vae", "tokenizer"):
+                shutil.copytree(self.out / part, out / part, dirs_exist_ok=True)
         model = self.ema_model().to(torch.bfloat16)
-        save_transformer(model, self.out / "transformer")
+        save_transformer(model, out / "transformer")
         meta = {"format_version": FORMAT_VERSION, "contract": "droid", "prompt_format": "plain",
                 "tier": self.cfg.tier, "guidance_interval": None,
+                **({NORM_KEY: self.normalization.to_json()} if self.normalization is not None else {}),
                 "weights": f"trained by wamrt.train (EMA {self.cfg.ema}), {self.state.step} steps, "
                            f"{self.state.samples} samples",
                 "train": {**asdict(self.cfg), "episodes": self.ds.episodes, "frames": len(self.ds),
                           "steps": self.state.step, "elapsed_s": round(self.state.elapsed_s, 1), **(extra or {})}}
-        (self.out / "wamrt.json").write_text(json.dumps(meta, indent=2) + "\n")
-        return self.out
+        (out / "wamrt.json").write_text(json.dumps(meta, indent=2) + "\n")
+        return out

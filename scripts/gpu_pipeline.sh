@@ -1,0 +1,209 @@
+#!/usr/bin/env bash
+# The whole panda-droid run on the lent H200 as ONE background pipeline that outlives device calls:
+# demos -> several training variants at once -> a short closed-loop selection -> the 200-episode evaluation of
+# the best one through `wamrt serve` -> paired gates (self, 1 step, 2 steps, CFG on the first step, gen-fp8)
+# -> lift and two-cube rollouts. Each device call only starts or waits on it and copies what exists to $OUT.
+#
+#   bash scripts/gpu_pipeline.sh start   # call 1: install, start the pipeline (setsid), then wait
+#   bash scripts/gpu_pipeline.sh wait    # later calls (within the machine's 30 s warm window)
+#
+# Carry .whl and .gl (see scripts/gpu_lib.sh). Seeds: demos 100000.. (train record default), selection
+# 1000..1000+SEL_EPISODES, evaluation and its gates 0..EVAL_EPISODES-1: neither was trained on.
+# Knobs (env): DEMOS DEMO_S WORKERS TRAIN_MIN BATCH VARIANTS VARIANT_<v> TRAIN_ARGS SEL_EPISODES SEL_LANES
+#   EVAL_EPISODES LANES EVAL_S GATE_S OTHER_EPISODES ROLL_ARGS WAIT_S PY (absolute) SKIP_INSTALL=1 (local test:
+#   the current env) WORK OUT. A local smoke test of the whole flow on a CPU:
+#   SKIP_INSTALL=1 PY=$PWD/.venv/bin/python DEMOS=4 DEMO_S=10 WORKERS=2 TRAIN_MIN=0.2 BATCH=4 \
+#   TRAIN_ARGS="--size tiny-qwen" SEL_EPISODES=2 SEL_LANES=2 EVAL_EPISODES=2 LANES=2 OTHER_EPISODES=1 \
+#   ROLL_ARGS="--max-steps 16" bash scripts/gpu_pipeline.sh start
+# $OUT gets: summary.txt, results.tgz (every rollout / gate JSON, logs, train logs), checkpoint-<v>.tgz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+T0=${T0:-$(date +%s)}
+export T0
+OUT=${OUT:-/tmp/out}
+PY=${PY:-python3}
+WORK=${WORK:-/tmp/wamrt-pipe}
+RES=$WORK/res
+mkdir -p "$OUT" "$RES"
+DEMOS=${DEMOS:-600}        # attempted; recording stops handing out work after DEMO_S
+DEMO_S=${DEMO_S:-75}
+WORKERS=${WORKERS:-15}
+TRAIN_MIN=${TRAIN_MIN:-9.5}
+BATCH=${BATCH:-128}
+SNAPSHOTS=${SNAPSHOTS:-"3 6"}  # minutes: EMA snapshots (success against training time)
+# Variants trained side by side (the H200 is not saturated by one 7.7 M-parameter run): name -> extra flags.
+VARIANTS=${VARIANTS:-"aug noaug"}
+VARIANT_aug=${VARIANT_aug:-""}
+VARIANT_noaug=${VARIANT_noaug:-"--aug-shift 0 --aug-colour 0"}
+VARIANT_raw=${VARIANT_raw:-"--normalization none"}
+SEL_EPISODES=${SEL_EPISODES:-32}
+SEL_LANES=${SEL_LANES:-8}
+EVAL_EPISODES=${EVAL_EPISODES:-200}
+LANES=${LANES:-16}
+EVAL_S=${EVAL_S:-200}
+GATE_S=${GATE_S:-150}
+OTHER_EPISODES=${OTHER_EPISODES:-50}
+WAIT_S=${WAIT_S:-570}
+TRAIN_ARGS=${TRAIN_ARGS:-}  # appended to every variant (local tests: --size tiny-qwen)
+ROLL_ARGS=${ROLL_ARGS:-}    # appended to every rollout and gate (local tests: --max-steps 16)
+# shellcheck source=scripts/gpu_lib.sh
+source scripts/gpu_lib.sh
+export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+wamrt() { "$PY" -m wamrt.cli "$@"; }
+
+collect() {  # copy what exists now into $OUT (small files; at most 8 come back)
+  cp "$RES/summary.txt" "$OUT/summary.txt" 2>/dev/null
+  tar czf "$OUT/results.tgz" -C "$RES" --exclude='*.npz' . 2>/dev/null
+  local v m best
+  for v in $VARIANTS; do
+    [ -f "$WORK/ckpt-$v/wamrt.json" ] && tar czf "$OUT/checkpoint-$v.tgz" -C "$WORK" --exclude=snapshots "ckpt-$v"
+  done
+  best=$(cat "$WORK/best" 2>/dev/null)
+  for m in $SNAPSHOTS; do  # the selected variant's snapshots, one file each (16 MiB a file comes back)
+    [ -n "$best" ] && [ -f "$WORK/ckpt-$best/snapshots/${m}min/wamrt.json" ] \
+      && tar czf "$OUT/snapshot-$best-${m}min.tgz" -C "$WORK/ckpt-$best/snapshots" "${m}min"
+  done
+  ls -la "$OUT"
+}
+
+wait_pipeline() {
+  local until=$(( $(date +%s) + WAIT_S )) seen=0 n
+  while [ "$(date +%s)" -lt "$until" ] && [ ! -f "$WORK/done" ]; do
+    n=$(wc -l < "$RES/summary.txt" 2>/dev/null || echo 0)
+    [ "$n" -gt "$seen" ] && { tail -n +$((seen + 1)) "$RES/summary.txt"; seen=$n; }
+    sleep 5
+  done
+  [ -f "$WORK/done" ] && echo "==== pipeline done ====" || echo "==== still running ($(( $(date +%s) - T0 )) s) ===="
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
+  collect
+  echo "==== summary ===="; cat "$RES/summary.txt"
+}
+
+gate() {  # gate NAME CANDIDATE_SPEC: paired with the recorded baseline rollout (same seeds, same request noise)
+  log "gate $1: candidate $2"
+  timeout "$GATE_S" "$PY" -m wamrt.cli eval gate --task pick_place --episodes "$EVAL_EPISODES" --lanes "$LANES" \
+    --seed0 0 --baseline "$BASE" --candidate "$2" --out "$RES/gate-$1.json" $ROLL_ARGS > "$RES/gate-$1.txt" 2>&1
+  grep -E "^(candidate|difference|verdict)" "$RES/gate-$1.txt" | tr '\n' ' ' | sed "s/^/  $1: /" | tee -a "$RES/summary.txt"
+  echo | tee -a "$RES/summary.txt"
+}
+
+run_pipeline() {
+  # ---- demos ---------------------------------------------------------------------------------------------
+  log "demos: pick_place, up to $DEMOS episodes, $WORKERS workers, $DEMO_S s"
+  timeout $((DEMO_S + 90)) "$PY" -m wamrt.cli train record --task pick_place --episodes "$DEMOS" --workers "$WORKERS" \
+    --seconds "$DEMO_S" --out "$WORK/demos" > "$RES/demos.txt" 2>&1
+  cp "$WORK/demos"/stats_*.json "$RES/" 2>/dev/null
+  local n
+  n=$(ls "$WORK/demos"/*.npz 2>/dev/null | wc -l)
+  log "demos: $n episodes ($(du -sh "$WORK/demos" | cut -f1)); $(tail -1 "$RES/demos.txt" | cut -c1-200)"
+  [ "$n" -gt 0 ] || { log "FATAL: no demos"; return 1; }
+  local val=$(( n / 10 < 20 ? n / 10 : 20 ))
+  # ---- training, all variants at once --------------------------------------------------------------------
+  local v pids=()
+  for v in $VARIANTS; do
+    local flags_var="VARIANT_$v"
+    log "train $v: $TRAIN_MIN min, batch $BATCH, held out $val episodes, flags: ${!flags_var}"
+    # shellcheck disable=SC2086
+    timeout "$("$PY" -c "print(int($TRAIN_MIN * 60 + 240))")" "$PY" -m wamrt.cli train fit --demos "$WORK/demos" \
+      --out "$WORK/ckpt-$v" --minutes "$TRAIN_MIN" --batch "$BATCH" --val-episodes "$val" --log-every 100 \
+      --snapshot-minutes $SNAPSHOTS \
+      ${!flags_var} $TRAIN_ARGS > "$RES/train-$v.txt" 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  for v in $VARIANTS; do
+    cp "$WORK/ckpt-$v/train_log.txt" "$RES/train_log-$v.txt" 2>/dev/null
+    log "train $v: $(grep '^done' "$RES/train-$v.txt" | head -1); last: $(grep '^step' "$RES/train-$v.txt" | tail -1 | cut -c1-190)"
+    [ -f "$WORK/ckpt-$v/wamrt.json" ] || log "train $v: NO CHECKPOINT; $(grep -v Warning "$RES/train-$v.txt" | tail -3)"
+  done
+  # ---- selection: a short closed-loop rollout of each variant, all at once --------------------------------
+  # Each server already has the evaluation's batch size, so the winner's keeps serving the evaluation.
+  local port=8780 best="" best_k=-1 k
+  local -a rpids=() up=()
+  for v in $VARIANTS; do
+    [ -f "$WORK/ckpt-$v/wamrt.json" ] || continue
+    port=$((port + 1))
+    serve_launch "$v" "$WORK/ckpt-$v" "$port" "$LANES"
+  done
+  for v in $VARIANTS; do
+    [ -f "$WORK/ckpt-$v/wamrt.json" ] || continue
+    if serve_ready "$v"; then up+=("$v")
+    else  # prompt buckets had not run on a GPU before this script: fall back to exact prompt lengths
+      local pv="PORT_$v"
+      log "server $v: retrying without prompt buckets"
+      PROMPT_BUCKET=0 serve_launch "$v" "$WORK/ckpt-$v" "${!pv}" "$LANES" && serve_ready "$v" && up+=("$v")
+    fi
+  done
+  for v in "${up[@]}"; do
+    local pv="PORT_$v"
+    timeout 150 "$PY" -m wamrt.cli rollout --url "ws://127.0.0.1:${!pv}" --task pick_place --episodes "$SEL_EPISODES" \
+      --lanes "$SEL_LANES" --seed0 1000 --out "$RES/select-$v.json" $ROLL_ARGS > "$RES/select-$v.txt" 2>&1 &
+    rpids+=($!)
+  done
+  [ ${#rpids[@]} -gt 0 ] && wait "${rpids[@]}"
+  for v in "${up[@]}"; do
+    [ -f "$RES/select-$v.json" ] || continue
+    read -r k _ <<< "$(successes "$RES/select-$v.json")"
+    log "select $v: $(grep -E '^pick_place' "$RES/select-$v.txt" | head -1)"
+    [ "$k" -gt "$best_k" ] && { best=$v; best_k=$k; }
+  done
+  for v in $VARIANTS; do [ "$v" = "$best" ] || serve_stop "$v"; done
+  [ -n "$best" ] || { log "FATAL: no variant could be rolled out"; return 1; }
+  echo "$best" > "$WORK/best"
+  log "best variant: $best ($best_k/$SEL_EPISODES on seeds 1000..)"
+  CKPT=$WORK/ckpt-$best
+  local pb="PORT_$best"
+  URL=ws://127.0.0.1:${!pb}
+  # ---- evaluation through the server: baseline rollout, then the paired gates -----------------------------
+  "$PY" -m wamrt.cli quantize --model "$CKPT" --recipe gen-fp8 --out "$WORK/gen-fp8" > "$RES/quantize.txt" 2>&1 &
+  local qpid=$!
+  BASE=$RES/rollout-pick_place-$EVAL_EPISODES.json
+  log "eval: $EVAL_EPISODES episodes of pick_place, $LANES lanes, 4 steps, guidance 3"
+  timeout "$EVAL_S" "$PY" -m wamrt.cli rollout --url "$URL" --task pick_place --episodes "$EVAL_EPISODES" \
+    --lanes "$LANES" --seed0 0 --out "$BASE" $ROLL_ARGS > "$RES/eval.txt" 2>&1
+  log "eval: $(grep -E '^pick_place' "$RES/eval.txt" | head -1)"
+  [ -f "$BASE" ] || { log "FATAL: no baseline rollout"; tail -5 "$RES/eval.txt"; return 1; }
+  # gen-fp8 runs on its own server beside the bf16 one, its gate concurrently with the bf16 gates.
+  wait "$qpid"; log "quantize: $(tail -1 "$RES/quantize.txt" | cut -c1-160)"
+  local fpid=""
+  if [ -f "$WORK/gen-fp8/wamrt.json" ] && serve_start fp8 "$WORK/gen-fp8" 8771 "$LANES"; then
+    gate gen-fp8 ws://127.0.0.1:8771 & fpid=$!
+  fi
+  gate self "$URL"
+  gate steps1 "$URL:steps=1"
+  gate steps2 "$URL:steps=2"
+  local iv  # CFG on the first step only: the interval is strict, so (t1, t0 + 1) keeps the first timestep
+  iv=$("$PY" -c "from wamrt.pipeline.denoise import SamplingOptions as S
+t = S(steps=4).make_schedule().timesteps.tolist(); print(f'{int(t[1])}-{int(t[0]) + 1}')")
+  gate interval "$URL:guidance_interval=$iv"
+  gate guidance0 "$URL:guidance=0"
+  [ -n "$fpid" ] && wait "$fpid"
+  serve_stop fp8
+  # ---- the other tasks (the policy was trained on pick_place only) ---------------------------------------
+  local task
+  for task in lift pick_place_two; do
+    timeout 120 "$PY" -m wamrt.cli rollout --url "$URL" --task "$task" --episodes "$OTHER_EPISODES" \
+      --lanes "$LANES" --seed0 0 --out "$RES/rollout-$task-$OTHER_EPISODES.json" $ROLL_ARGS > "$RES/other-$task.txt" 2>&1
+    log "other: $(grep -E "^$task" "$RES/other-$task.txt" | head -1)"
+  done
+  grep -E "capturing a CUDA graph" -c "$RES/server-$best.txt" | sed 's/^/graph captures (served policy, whole run): /' \
+    | tee -a "$RES/summary.txt"
+  serve_stop "$best"
+}
+
+case ${1:-start} in
+  start)
+    rm -rf "$WORK"; mkdir -p "$RES"
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    install_carried || exit 1
+    choose_gl || exit 1
+    # The pipeline runs from a snapshot of this tree: a later call re-sends the tree, which must not change
+    # the code under a running stage.
+    mkdir -p "$WORK/src" && cp -r scripts src pyproject.toml "$WORK/src/"
+    (cd "$WORK/src" && MUJOCO_GL=$MUJOCO_GL PYOPENGL_PLATFORM=$PYOPENGL_PLATFORM setsid nohup bash -c \
+      "bash scripts/gpu_pipeline.sh run; touch '$WORK/done'" > "$WORK/pipeline.log" 2>&1 < /dev/null &)
+    wait_pipeline ;;
+  run) run_pipeline || log "pipeline stopped early" ;;
+  wait) wait_pipeline ;;
+  *) echo "usage: $0 start|wait" >&2; exit 2 ;;
+esac
