@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,7 +69,13 @@ def _record_worker(args: tuple[str, list[int], str, str, dict[str, Any]]) -> lis
                 continue
             name = f"{task}_{seed:06d}.npz"
             meta["file"] = name
-            np.savez(Path(out_dir) / name, meta=np.array(json.dumps(meta)), **arrays)
+            # Written under a temporary name and renamed: a deadline terminates the pool mid-write, and a
+            # truncated .npz must never be read as an episode.
+            final = Path(out_dir) / name
+            tmp = final.with_suffix(".npz.part")
+            with open(tmp, "wb") as f:
+                np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
+            os.replace(tmp, final)
             metas.append(meta)
     return metas
 
