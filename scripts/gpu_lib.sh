@@ -1,4 +1,4 @@
-# Shared by scripts/gpu_train.sh and scripts/gpu_pipeline.sh (sourced, not run): install the carried wheels,
+# Sourced by scripts/gpu_pipeline.sh: install the carried wheels,
 # pick a headless GL, start / stop `wamrt serve`. Expects PY, RES (results folder) and T0 (start time) set.
 
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/summary.txt"; }

@@ -231,7 +231,7 @@ def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: di
         return Side(label, factory, "process", {"agent": "remote", "url": spec.name, "execute_steps": execute,
                                                 **spec.overrides, "server": server,
                                                 "effective": effective_sampling(server, dict(spec.overrides)),
-                                                **common})
+                                                **common}, gpu=str(server.get("gpu", "unknown")))
     if spec.name not in cache:
         cache[spec.name] = _load_policy(spec.name, args)
     policy = cache[spec.name]

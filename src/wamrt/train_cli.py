@@ -53,6 +53,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--snapshot-minutes", type=float, nargs="*", default=(),
                      help="also save the EMA weights as complete checkpoints at these wall-clock minutes "
                           "(OUT/snapshots/<m>min)")
+    fit.add_argument("--init-from", metavar="CKPT",
+                     help="continue a trained checkpoint (its weights, VAE and normalization; fresh optimiser)")
     fit.add_argument("--seed", type=int, default=0)
     fit.add_argument("--log-every", type=int, default=50)
     fit.add_argument("--device")
@@ -84,20 +86,21 @@ def run_record(args: argparse.Namespace) -> int:
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    from .train.data import load_demo_set
+    from .train.data import load_demo_dirs
     from .train.trainer import PolicyTrainer, TrainConfig
 
-    files = [f for d in args.demos for f in sorted(Path(d).glob("*.npz"))]
-    if not files:
-        print(f"error: no .npz episodes in {args.demos} (write them with `wamrt train record`)", file=sys.stderr)
+    try:
+        ds = load_demo_dirs(args.demos)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    ds = load_demo_set(files)
     cfg = TrainConfig(size=args.size, tier=args.tier, batch=args.batch, lr=args.lr, warmup=args.warmup,
                       minutes=args.minutes, max_steps=args.max_steps, ema=args.ema, text_dropout=args.text_dropout,
                       action_weight=args.action_weight, sigma_shift=args.sigma_shift, aug_shift_px=args.aug_shift,
                       aug_colour=args.aug_colour, aug_future=args.aug_future, val_episodes=args.val_episodes,
                       seed=args.seed, log_every=args.log_every, normalization=args.normalization,
-                      prompt_batches=not args.mixed_prompts, snapshot_minutes=tuple(args.snapshot_minutes))
+                      prompt_batches=not args.mixed_prompts, snapshot_minutes=tuple(args.snapshot_minutes),
+                      init_from=str(args.init_from) if args.init_from else None)
     try:
         trainer = PolicyTrainer(cfg, ds, args.out, device=args.device, log_path=args.log)
     except ValueError as e:  # tier mismatch, held-out count

@@ -18,8 +18,8 @@ REL = (True,) * 7 + (False,)
 def _fitted(seed: int = 0) -> tuple[ActionNormalization, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     states = rng.normal(0, 0.5, (200, 8)).astype(np.float32)
-    chunks = (states[:, None, :] * np.asarray(REL) + rng.normal(0, 1, (200, 32, 8)) * np.linspace(0.02, 0.4, 32)[:, None]
-              ).astype(np.float32)
+    spread = np.linspace(0.02, 0.4, 32)[:, None]  # per chunk row
+    chunks = (states[:, None, :] * np.asarray(REL) + rng.normal(0, 1, (200, 32, 8)) * spread).astype(np.float32)
     chunks[..., 7] = rng.integers(0, 2, (200, 32))
     states[:, 6] = 0.3  # a joint that never moves: its std is floored, not zero
     return ActionNormalization.fit(states, chunks, REL), states, chunks

@@ -209,8 +209,8 @@ def test_normalized_training_targets_are_what_the_served_contract_undoes(tmp_pat
     import json
 
     import wamrt
-    from wamrt.pipeline.droid import droid_actions
     from wamrt.pipeline.denoise import DenoiseResult
+    from wamrt.pipeline.droid import droid_actions
 
     rng = np.random.default_rng(3)
     eps = []
@@ -260,3 +260,43 @@ def test_prompt_batches_use_one_instruction_and_no_key_mask(tmp_path):
         q, k, v, causal=causal, key_mask=key_mask)
     tr.train_step(0.0)
     assert masks and all(m is None for m in masks)
+
+
+def test_init_from_continues_a_checkpoint(tmp_path):
+    """A second job starts where the first stopped: the saved (EMA, bf16) weights, the same VAE and the same
+    normalization statistics, so the continued model keeps the first one's output space."""
+    from wamrt.pipeline.policy import load_policy
+
+    eps, _ = _toy_episodes()
+    cfg = TrainConfig(size="tiny-qwen", batch=4, aug_shift_px=0, aug_colour=0.0, log_every=1000)
+    first = PolicyTrainer(cfg, demo_set_from_episodes(eps), tmp_path / "a", device="cpu")
+    for _ in range(3):
+        first.train_step(0.0)
+    saved = first.save()
+    cfg2 = TrainConfig(size="tiny-qwen", batch=4, aug_shift_px=0, aug_colour=0.0, log_every=1000, seed=5,
+                       init_from=str(saved))
+    second = PolicyTrainer(cfg2, demo_set_from_episodes(eps[:2]), tmp_path / "b", device="cpu")
+    ref = load_policy(saved).model.float()
+    for (name, p), q in zip(second.model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.detach(), q.detach()), name
+    assert second.contract.normalization == first.contract.normalization  # not refitted on the new demos
+    assert (tmp_path / "b" / "vae" / "config.json").read_bytes() == (saved / "vae" / "config.json").read_bytes()
+    with pytest.raises(ValueError, match="not a trained checkpoint"):
+        PolicyTrainer(TrainConfig(size="tiny-qwen", init_from=str(tmp_path)), demo_set_from_episodes(eps),
+                      tmp_path / "c", device="cpu")
+
+
+def test_open_loop_reproduces_the_served_request(tmp_path):
+    """wamrt.train.openloop rebuilds each request from the stored canvas and state row: its chunk is the one
+    Policy.infer returns for the original observation with the same seed."""
+    import wamrt
+    from wamrt.train.openloop import open_loop_chunks
+
+    _, obs0 = _toy_episodes()
+    tr = _trainer(tmp_path)  # the same toy episodes, 4 frames each
+    folder = tr.save()
+    policy = wamrt.load_policy(folder, device="cpu")
+    frames = np.array([0, 4])  # frame 0 of the first two episodes
+    chunks = open_loop_chunks(policy, tr.ds, frames, seed=11)
+    for n, (obs, _) in enumerate(obs0[:2]):
+        np.testing.assert_allclose(chunks[n], policy.infer(obs, seed=11 + n).actions, rtol=0, atol=1e-4)

@@ -33,7 +33,7 @@ from ..pipeline.denoise import DenoiseInputs, DenoiseResult, SamplingOptions
 from ..pipeline.droid import ActionChunk, DroidContract, PreparedDroid, droid_actions, droid_metadata, prepare_droid
 from ..pipeline.errors import RequestError
 from ..pipeline.noise import GaussianPrefetcher
-from ..pipeline.policy import Policy, validate_options
+from ..pipeline.policy import Policy, device_name, validate_options
 from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
 from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
@@ -224,7 +224,7 @@ class Engine:
         engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "compile_mode",
                                                        "cuda_graph", "prompt_bucket")}
         return {**droid_metadata(self.name, self.contract, self.options), "quantization": self.quantization,
-                "engine": engine}
+                "gpu": device_name(self.device), "engine": engine}
 
     def infer(self, observation: Mapping[str, Any], *, seed: int | None = None, **overrides: Any) -> ActionChunk:
         result = self.infer_batch([observation], seeds=[seed], **overrides)[0]

@@ -32,7 +32,8 @@ def server_metadata(url: str, api_key: str | None = None, timeout_s: float = 10.
 
     parts = urlsplit(url)
     scheme = "https" if parts.scheme == "wss" else "http"
-    req = urllib.request.Request(f"{scheme}://{parts.netloc}/v1/policy/metadata", headers={"Accept": "application/json"})
+    req = urllib.request.Request(f"{scheme}://{parts.netloc}/v1/policy/metadata",
+                                 headers={"Accept": "application/json"})
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
@@ -40,7 +41,7 @@ def server_metadata(url: str, api_key: str | None = None, timeout_s: float = 10.
     policy = meta.get("policy", {}) if isinstance(meta, dict) else {}
     return {"model": meta.get("model"), "sampler": meta.get("sampler"), "quantization": policy.get("quantization"),
             "engine": policy.get("engine"), "action_normalization": policy.get("action_normalization"),
-            "max_batch": meta.get("max_batch")}
+            "gpu": policy.get("gpu", "unknown"), "max_batch": meta.get("max_batch")}
 
 
 def effective_sampling(server: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

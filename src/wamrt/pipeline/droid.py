@@ -27,8 +27,8 @@ from ..model import (
 from .canvas import compose_droid_canvas, pad_to_bucket
 from .denoise import Branch, DenoiseInputs, DenoiseResult, SamplingOptions, denoise
 from .errors import RequestError
-from .normalization import ActionNormalization
 from .noise import GaussianPrefetcher, initial_action, state_row_from_observation, vision_noise
+from .normalization import ActionNormalization
 from .prompts import droid_prompt
 from .tokens import CaptionTokenizer
 from .vae import FrameEncoder

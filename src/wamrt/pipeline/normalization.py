@@ -50,7 +50,8 @@ class ActionNormalization:
 
     # ---- arrays ------------------------------------------------------------------------------------
     def arrays(self) -> dict[str, np.ndarray]:
-        return {"state_mean": np.asarray(self.state_mean, np.float32), "state_std": np.asarray(self.state_std, np.float32),
+        return {"state_mean": np.asarray(self.state_mean, np.float32),
+                "state_std": np.asarray(self.state_std, np.float32),
                 "action_mean": np.asarray(self.action_mean, np.float32),
                 "action_std": np.asarray(self.action_std, np.float32),
                 "relative": np.asarray(self.relative, np.float32)}

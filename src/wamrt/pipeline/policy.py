@@ -100,12 +100,18 @@ class Policy:
         return out
 
     def metadata(self) -> dict[str, Any]:
-        return {**droid_metadata(self.name, self.contract, self.options), "quantization": self.quantization}
+        return {**droid_metadata(self.name, self.contract, self.options), "quantization": self.quantization,
+                "gpu": device_name(self.device)}
 
     def __repr__(self) -> str:
         c = self.model.config
         return (f"Policy({self.name!r}, {c.num_hidden_layers} layers x {c.hidden_size}, {c.hidden_act}, "
                 f"{self.model.dtype}, {self.device}, prompt={self.contract.prompt_format})")
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name (what a result file records), or "cpu"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def contract_from_config(extra: Mapping[str, Any], *, prompt_format: str | None = None,
@@ -136,7 +142,7 @@ def validate_options(opts: SamplingOptions) -> None:
         raise RequestError(f"must be [lo, hi] with lo < hi, got {gi!r}", field="guidance_interval")
 
 
-# Policies trained in-repo (`wamrt train`, scripts/gpu_train.sh) and committed as package data. An
+# Policies trained in-repo (`wamrt train`, scripts/gpu_pipeline.sh) and committed as package data. An
 # environment variable WAMRT_<NAME> (e.g. WAMRT_PANDA_DROID) points a name at another folder (tests).
 TRAINED_MODELS = {"panda-droid": Path(__file__).resolve().parents[1] / "assets" / "panda-droid"}
 
@@ -146,7 +152,7 @@ def trained_path(name: str) -> Path:
     folder = Path(override) if override else TRAINED_MODELS[name]
     if not (folder / POLICY_CONFIG).is_file():
         raise RequestError(f"the trained model {name!r} is not present at {folder} (train it with "
-                           f"scripts/gpu_train.sh and unpack its checkpoint.tgz there)", field="model")
+                           f"scripts/gpu_pipeline.sh and unpack its checkpoint-<variant>.tgz there)", field="model")
     return folder
 
 

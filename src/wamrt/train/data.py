@@ -139,6 +139,15 @@ def load_demo_set(files: Sequence[str | Path]) -> DemoSet:
     return demo_set_from_episodes(episodes)
 
 
+def load_demo_dirs(dirs: Sequence[str | Path]) -> DemoSet:
+    """Every recorded episode (*.npz) in these folders; FileNotFoundError naming them when there is none."""
+    files = [f for d in dirs for f in sorted(Path(d).glob("*.npz"))]
+    if not files:
+        where = ", ".join(map(str, dirs))
+        raise FileNotFoundError(f"no .npz episodes in {where} (write them with `wamrt train record`)")
+    return load_demo_set(files)
+
+
 def chunk_indices(ds: DemoSet, idx: np.ndarray, chunk: int) -> np.ndarray:
     """[B, chunk] frame indices of the actions that follow each sample (the last one repeated at the end)."""
     steps = idx[:, None] + np.arange(chunk)[None]

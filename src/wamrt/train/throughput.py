@@ -67,13 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     from ..provenance import environment
-    from .data import load_demo_set
+    from .data import load_demo_dirs
 
-    files = sorted(args.demos.glob("*.npz"))
-    if not files:
-        print(f"error: no .npz episodes in {args.demos}", file=sys.stderr)
+    try:
+        ds = load_demo_dirs([args.demos])
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    ds = load_demo_set(files)
     modes = {name: _time_mode(ds, aug_future, args) for name, aug_future in (("frame0", False), ("aug-future", True))}
     result = {"kind": "train-throughput", **environment(), "command": " ".join(sys.argv),
               "threads": torch.get_num_threads(), "size": args.size, "batch": args.batch, "warmup": args.warmup,

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..model import Cosmos3Transformer, get_config, init_random_, save_transformer
+from ..model import Cosmos3Transformer, get_config, init_random_, load_transformer, save_transformer
 from ..model.rope import Rope
 from ..model.transformer import GeneratorTokens, stack_reasoner_kv
 from ..pipeline.builtin import write_tokenizer, write_vae
@@ -39,6 +39,7 @@ from ..pipeline.normalization import KEY as NORM_KEY
 from ..pipeline.normalization import ActionNormalization
 from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder, load_vae
+from ..provenance import environment
 from .data import DemoSet, chunk_indices
 
 FORMAT_VERSION = 1
@@ -87,6 +88,9 @@ class TrainConfig:
     # Wall-clock minutes at which the EMA weights are also saved as complete checkpoints (out/snapshots/<m>min),
     # so success can be plotted against training time.
     snapshot_minutes: tuple[float, ...] = ()
+    # A trained checkpoint to continue from (its weights, VAE and normalization statistics; a fresh optimiser
+    # with warm-up), so training can span several GPU jobs.
+    init_from: str | None = None
 
 
 @dataclass
@@ -201,13 +205,29 @@ class PolicyTrainer:
         cuda = self.device.type == "cuda"
         # The VAE runs in the dtype the served policy uses on this device (load_policy: bf16 on CUDA).
         self.vae_dtype = torch.bfloat16 if cuda else torch.float32
-        write_vae(self.out / "vae", cfg.vae_seed)  # frozen random Wan2.2-layout VAE (see docs/train.md)
+        init = Path(cfg.init_from) if cfg.init_from else None
+        if init is not None:  # continue a checkpoint: its VAE, its output space, its weights
+            if not (init / "wamrt.json").is_file() or not (init / "transformer").is_dir():
+                raise ValueError(f"init_from {init} is not a trained checkpoint (no wamrt.json / transformer/)")
+            shutil.copytree(init / "vae", self.out / "vae", dirs_exist_ok=True)
+        else:
+            write_vae(self.out / "vae", cfg.vae_seed)  # frozen random Wan2.2-layout VAE (see docs/train.md)
         write_tokenizer(self.out / "tokenizer")
         self.encoder = FrameEncoder(load_vae(self.out / "vae", device=self.device, dtype=self.vae_dtype))
         self.tokenizer = CaptionTokenizer.from_pretrained(self.out / "tokenizer")
-        self.normalization = self.fit_normalization() if cfg.normalization != "none" else None
+        if init is not None:  # the statistics the weights were trained against, not refitted ones
+            stored = json.loads((init / "wamrt.json").read_text()).get(NORM_KEY)
+            self.normalization = (ActionNormalization.from_json(stored, raw_dim=8, chunk=DroidContract.chunk)
+                                  if stored is not None else None)
+        else:
+            self.normalization = self.fit_normalization() if cfg.normalization != "none" else None
         self.contract = DroidContract(prompt_format="plain", tier=cfg.tier, normalization=self.normalization)
         self.model = training_init_(Cosmos3Transformer(get_config(cfg.size)), cfg.seed).to(self.device).train()
+        if init is not None:
+            start = load_transformer(init / "transformer", device=self.device, dtype=torch.float32)
+            if start.config != self.model.config:
+                raise ValueError(f"init_from {init} holds a different model than --size {cfg.size}")
+            self.model.load_state_dict(start.state_dict())
         self.ema = [p.detach().clone().float() for p in self.model.parameters()]
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
@@ -511,6 +531,7 @@ class PolicyTrainer:
                 "weights": f"trained by wamrt.train (EMA {self.cfg.ema}), {self.state.step} steps, "
                            f"{self.state.samples} samples",
                 "train": {**asdict(self.cfg), "episodes": self.ds.episodes, "frames": len(self.ds),
-                          "steps": self.state.step, "elapsed_s": round(self.state.elapsed_s, 1), **(extra or {})}}
+                          "steps": self.state.step, "elapsed_s": round(self.state.elapsed_s, 1), **(extra or {})},
+                "provenance": environment()}
         (out / "wamrt.json").write_text(json.dumps(meta, indent=2) + "\n")
         return out

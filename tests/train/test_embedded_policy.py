@@ -1,0 +1,39 @@
+"""The embedded trained policy `panda-droid`: present, small, reproducible from what its wamrt.json records,
+and served through the normalized DROID contract."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+import wamrt
+from wamrt.pipeline.policy import TRAINED_MODELS
+
+FOLDER = TRAINED_MODELS["panda-droid"]
+LIMIT_MB = 60  # issue 12: the embedded checkpoint stays <= 60 MB
+
+
+def test_embedded_policy_is_small_and_records_how_it_was_made():
+    size = sum(f.stat().st_size for f in FOLDER.rglob("*") if f.is_file()) / 1e6
+    assert size <= LIMIT_MB, size
+    meta = json.loads((FOLDER / "wamrt.json").read_text())
+    assert meta["contract"] == "droid" and meta["tier"] == "256"
+    assert len(meta["provenance"]["git_sha"]) == 40 and "gpu_pipeline.sh" in meta["provenance"]["command"]
+    train = meta["train"]
+    assert train["normalization"] == "relative" and train["seed"] == 0 and train["steps"] > 0
+    assert "--aug-shift 0" in train["command"]
+
+
+def test_embedded_policy_serves_raw_joint_targets_near_the_state():
+    from wamrt.sample import sample_observation
+
+    policy = wamrt.load_policy("panda-droid", device="cpu")
+    assert policy.contract.normalization is not None and policy.contract.tier == "256"
+    assert policy.metadata()["action_normalization"].startswith("per-row")
+    obs = sample_observation()
+    obs["observation/joint_position"] = np.array([0.0, -0.35, 0.0, -2.3, 0.0, 1.95, 0.785], np.float32)  # sim home
+    chunk = policy.infer(obs, seed=0)
+    assert chunk.actions.shape == (32, 8) and np.isfinite(chunk.actions).all()
+    # relative actions: the first rows stay within a few control steps of motion of the current joints
+    assert np.abs(chunk.actions[0, :7] - obs["observation/joint_position"]).max() < 0.3
