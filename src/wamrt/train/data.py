@@ -154,16 +154,6 @@ def chunk_indices(ds: DemoSet, idx: np.ndarray, chunk: int) -> np.ndarray:
     return np.minimum(steps, ds.episode_end[idx, None] - 1)
 
 
-def future_frame_indices(ds: DemoSet, idx: np.ndarray, latent_t: int, temporal: int) -> np.ndarray:
-    """[B, latent_t] pixel frames standing for each latent frame: frame t, then t + 4k (k = 1..), clamped.
-
-    Latent frame k of a causal Wan clip covers pixel frames 4k-3..4k; the training target uses the
-    single-frame latent of its last frame (frame 0 is exact, the future frames are an approximation of the
-    clip latent, used only as the auxiliary vision target)."""
-    steps = idx[:, None] + temporal * np.arange(latent_t)[None]
-    return np.minimum(steps, ds.episode_end[idx, None] - 1)
-
-
 def episode_from_observations(observations: Sequence[dict[str, Any]], actions: np.ndarray, tier: str = "256"
                               ) -> tuple[dict[str, np.ndarray], dict]:
     """openpi DROID observation dicts (+ the action taken after each) -> the arrays of one recorded episode,

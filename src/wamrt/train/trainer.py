@@ -4,7 +4,8 @@ Per sample (frame t of an expert episode):
   * vision: latent frame 0 = the VAE latent of the observation canvas (clean, exactly what `prepare_droid`
     encodes), latent frames 1..8 = the latents of future frames t+4k (noisy: the auxiliary target);
   * actions: row 0 = the clean DROID state row, rows 1..32 = the expert's next 32 actions in model space
-    (gripper flipped, as `droid_actions` flips it back), columns >= 8 zero;
+    (gripper flipped, as `droid_actions` flips it back), columns >= 8 zero; both normalized by the statistics
+    the checkpoint stores (`wamrt.pipeline.normalization`; `normalization="none"` keeps raw radians);
   * text: the instruction's DROID prompt, replaced by the empty prompt (the CFG unconditional branch) with
     probability `text_dropout`; token ids and the positions of the packed sequence come from the branches
     `prepare_droid` itself builds for that instruction (`request_layout`).
@@ -313,7 +314,9 @@ class PolicyTrainer:
         assert prompts is not None and len(prompts) == len(idx)
         lat_t = self.latent_thw[0]
         last = self.episode_end[idx, None] - 1
-        # Latent frame k stands for pixel frame t + 4k (see data.future_frame_indices), clamped to the episode.
+        # Latent frame k stands for pixel frame t + 4k, clamped to the episode: latent frame k of a causal Wan clip
+        # covers pixel frames 4k-3..4k, and the target uses the single-frame latent of its last frame (frame 0 is
+        # exact; the future frames approximate the clip latent and serve only as the auxiliary vision target).
         frames = torch.minimum(idx[:, None] + self.encoder.temporal * torch.arange(lat_t, device=self.device), last)
         aug = augment_images and bool(self.cfg.aug_shift_px or self.cfg.aug_colour)
         if self._latent_cache is not None and not aug:
