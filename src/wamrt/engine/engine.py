@@ -157,10 +157,11 @@ class Engine:
         options: SamplingOptions = SamplingOptions(),
         config: EngineConfig = EngineConfig(),
         name: str = "",
+        quantization: str | None = None,
     ) -> None:
         self.model, self.encoder, self.tokenizer = model, encoder, tokenizer
         self.contract, self.options, self.config, self.name = contract, options, config, name
-        self.quantization: str | None = None  # the quantization recipe of the weights (from_policy sets it)
+        self.quantization = quantization  # the `wamrt quantize` recipe of the weights, if any (metadata)
         self.device = next(model.parameters()).device
         # Checked before anything touches the shared model (fusing swaps its layers' classes).
         if config.cuda_graph and self.device.type != "cuda":
@@ -202,10 +203,8 @@ class Engine:
 
     @classmethod
     def from_policy(cls, policy: Policy, config: EngineConfig = EngineConfig()) -> Engine:
-        engine = cls(policy.model, policy.encoder, policy.tokenizer, policy.contract, policy.options, config,
-                     name=policy.name)
-        engine.quantization = policy.quantization
-        return engine
+        return cls(policy.model, policy.encoder, policy.tokenizer, policy.contract, policy.options, config,
+                   name=policy.name, quantization=policy.quantization)
 
     # ---------------------------------------------------------------------------------------------
     def next_seed(self) -> int:

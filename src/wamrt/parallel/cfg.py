@@ -46,7 +46,7 @@ class CfgParallelEngine(Engine):
         from ..engine import EngineConfig
 
         return cls(policy.model, policy.encoder, policy.tokenizer, policy.contract, policy.options,
-                   config or EngineConfig(), name=policy.name, group=group)
+                   config or EngineConfig(), name=policy.name, quantization=policy.quantization, group=group)
 
     def metadata(self) -> dict:
         meta = super().metadata()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -49,27 +50,32 @@ class ActionNormalization:
         return len(self.action_mean)
 
     # ---- arrays ------------------------------------------------------------------------------------
-    def arrays(self) -> dict[str, np.ndarray]:
+    @cached_property
+    def _arrays(self) -> dict[str, np.ndarray]:  # built once: state_in / actions_out run on every request
         return {"state_mean": np.asarray(self.state_mean, np.float32),
                 "state_std": np.asarray(self.state_std, np.float32),
                 "action_mean": np.asarray(self.action_mean, np.float32),
                 "action_std": np.asarray(self.action_std, np.float32),
                 "relative": np.asarray(self.relative, np.float32)}
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The statistics as float32 arrays (copies: the cached ones are shared by every request)."""
+        return {k: v.copy() for k, v in self._arrays.items()}
+
     def state_in(self, state: np.ndarray) -> np.ndarray:
         """Raw model-space state row [raw_dim] (or [..., raw_dim]) -> normalized, float32."""
-        a = self.arrays()
+        a = self._arrays
         return ((np.asarray(state, np.float32) - a["state_mean"]) / a["state_std"]).astype(np.float32)
 
     def actions_in(self, chunk: np.ndarray, state: np.ndarray) -> np.ndarray:
         """Raw model-space chunk [chunk, raw_dim] and the raw state row it starts from -> normalized."""
-        a = self.arrays()
+        a = self._arrays
         base = np.asarray(state, np.float32)[..., None, :] * a["relative"]
         return ((np.asarray(chunk, np.float32) - base - a["action_mean"]) / a["action_std"]).astype(np.float32)
 
     def actions_out(self, chunk: np.ndarray, state: np.ndarray) -> np.ndarray:
         """Inverse of `actions_in`: the model's normalized chunk -> raw model-space rows, float32."""
-        a = self.arrays()
+        a = self._arrays
         base = np.asarray(state, np.float32)[..., None, :] * a["relative"]
         return (np.asarray(chunk, np.float32) * a["action_std"] + a["action_mean"] + base).astype(np.float32)
 
