@@ -218,7 +218,8 @@ class PolicyTrainer:
         self.tokenizer = CaptionTokenizer.from_pretrained(self.out / "tokenizer")
         if init is not None:  # the statistics the weights were trained against, not refitted ones
             stored = json.loads((init / "wamrt.json").read_text()).get(NORM_KEY)
-            self.normalization = (ActionNormalization.from_json(stored, raw_dim=8, chunk=DroidContract.chunk)
+            self.normalization = (ActionNormalization.from_json(stored, raw_dim=DroidContract.raw_action_dim,
+                                                                  chunk=DroidContract.chunk)
                                   if stored is not None else None)
         else:
             self.normalization = self.fit_normalization() if cfg.normalization != "none" else None
