@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole panda-droid run on the lent H200 as ONE background pipeline that outlives device calls:
-# demos -> several training variants at once -> a short closed-loop selection -> the 200-episode evaluation of
+# demos (recorded while phase A trains) -> training variants side by side, in phases -> a short closed-loop selection -> the 200-episode evaluation of
 # the best one through `wamrt serve` -> paired gates (self, 1 step, 2 steps, CFG on the first step, gen-fp8)
 # -> lift and two-cube rollouts. Each device call only starts or waits on it and copies what exists to $OUT.
 #
@@ -10,11 +10,11 @@
 #
 # Carry .whl and .gl (see scripts/gpu_lib.sh). Seeds: demos 100000.. (train record default), selection
 # 1000..1000+SEL_EPISODES, evaluation and its gates 0..EVAL_EPISODES-1: neither was trained on.
-# Knobs (env): DEMOS DEMO_S WORKERS TRAIN_MIN BATCH VARIANTS VARIANT_<v> TRAIN_ARGS SEL_EPISODES SEL_LANES
-#   EVAL_EPISODES LANES EVAL_S GATE_S OTHER_EPISODES ROLL_ARGS WAIT_S PY (absolute) SKIP_INSTALL=1 (local test:
-#   the current env) WORK OUT. A local smoke test of the whole flow on a CPU:
-#   SKIP_INSTALL=1 PY=$PWD/.venv/bin/python DEMOS=4 DEMO_S=10 WORKERS=2 TRAIN_MIN=0.2 BATCH=4 \
-#   TRAIN_ARGS="--size tiny-qwen" SEL_EPISODES=2 SEL_LANES=2 EVAL_EPISODES=2 LANES=2 OTHER_EPISODES=1 \
+# Knobs (env): DEMOS DEMO_S WORKERS DART_NOISE PHASES PHASE_MIN_<p> INIT BATCH VARIANTS VARIANT_<v> DEMOS_<v>
+#   TRAIN_ARGS SEL_EPISODES SEL_LANES EVAL_EPISODES LANES EVAL_S GATE_S OTHER_EPISODES ROLL_ARGS WAIT_S
+#   PY (absolute) SKIP_INSTALL=1 (local test: the current env) WORK OUT. A local smoke test of the whole flow on a CPU:
+#   SKIP_INSTALL=1 PY=$PWD/.venv/bin/python DEMOS=3 DEMO_S=20 WORKERS=1 PHASE_MIN_A=0.2 PHASE_MIN_B=0.2 BATCH=4 \
+#   INIT= TRAIN_ARGS="--size tiny-qwen" SEL_EPISODES=2 SEL_LANES=2 EVAL_EPISODES=2 LANES=2 OTHER_EPISODES=1 \
 #   ROLL_ARGS="--max-steps 16" bash scripts/gpu_pipeline.sh start
 # $OUT gets: summary.txt, results.tgz (every rollout / gate JSON, logs, train logs), checkpoint-<v>.tgz.
 set -uo pipefail
@@ -26,21 +26,30 @@ PY=${PY:-python3}
 WORK=${WORK:-/tmp/wamrt-pipe}
 RES=$WORK/res
 mkdir -p "$OUT" "$RES"
-DEMOS=${DEMOS:-600}        # attempted; recording stops handing out work after DEMO_S
-DEMO_S=${DEMO_S:-75}
-WORKERS=${WORKERS:-15}
-TRAIN_MIN=${TRAIN_MIN:-9.5}
+# Demos are recorded by two background recorders (clean seeds 100000.., DART-noised seeds 300000..) that keep
+# running through training phase A; phase B continues phase A's checkpoints on everything recorded by then.
+# The GPU trains while the CPUs record, so the data grows at no device time (2026-12-01: 278 training
+# episodes over-fitted, held-out action loss 0.093 against 0.043 on the training frames).
+DEMOS=${DEMOS:-700}        # seeds per recorder (an upper bound: the recorders stop at their deadline)
+DEMO_S=${DEMO_S:-75}       # recording before phase A starts
+WORKERS=${WORKERS:-6}      # per recorder; 2 x 6 leaves cores for the trainers' Python threads
+DART_NOISE=${DART_NOISE:-0.02}  # rad, JointNoise std of the DART recorder (12/12 expert successes at 0.02, 6/12 at 0.04)
+PHASES=${PHASES:-"A B"}    # training phases; each continues the previous one's checkpoint (--init-from)
+PHASE_MIN_A=${PHASE_MIN_A:-3}
+PHASE_MIN_B=${PHASE_MIN_B:-6}
+INIT=${INIT-src/wamrt/assets/panda-droid}  # phase A starts from this checkpoint ("" = from scratch)
 BATCH=${BATCH:-128}
-SNAPSHOTS=${SNAPSHOTS:-"3 6"}  # minutes: EMA snapshots (success against training time)
-# Variants trained side by side (the H200 is not saturated by one 7.7 M-parameter run): name -> extra flags.
-# 2026-12-01 (58640110): noaug 57/200 closed loop, aug (shift 6 px + colour 0.1) 0/32, both 9 min from scratch
-# with the held-out loss still falling; so by default both variants continue the embedded policy on new demos.
-VARIANTS=${VARIANTS:-"cont cont_aug2"}
-VARIANT_aug=${VARIANT_aug:-""}
+SNAPSHOTS=${SNAPSHOTS:-"3"}  # minutes into the last phase: EMA snapshots (success against training time)
+# Variants trained side by side (the H200 is not saturated by one 7.7 M-parameter run): name -> extra flags, and
+# DEMOS_<name> -> its demo folders. 2026-12-01 (58640110): noaug 57/200 closed loop, aug (shift 6 px + colour 0.1)
+# 0/32, both 9 min from scratch; so both variants continue the embedded policy, without shift augmentation.
+VARIANTS=${VARIANTS:-"cont cont_dart"}
+VARIANT_cont=${VARIANT_cont:-"--aug-shift 0 --aug-colour 0 --warmup 100 --lr 2e-4"}
+VARIANT_cont_dart=${VARIANT_cont_dart:-"--aug-shift 0 --aug-colour 0 --warmup 100 --lr 2e-4"}
 VARIANT_noaug=${VARIANT_noaug:-"--aug-shift 0 --aug-colour 0"}
-VARIANT_raw=${VARIANT_raw:-"--normalization none"}
-VARIANT_cont=${VARIANT_cont:-"--init-from src/wamrt/assets/panda-droid --aug-shift 0 --aug-colour 0 --warmup 100 --lr 2e-4"}
-VARIANT_cont_aug2=${VARIANT_cont_aug2:-"--init-from src/wamrt/assets/panda-droid --aug-shift 2 --aug-colour 0.05 --warmup 100 --lr 2e-4"}
+DEMOS_cont=${DEMOS_cont:-"$WORK/demos"}
+DEMOS_cont_dart=${DEMOS_cont_dart:-"$WORK/demos $WORK/demos_dart"}
+DEMOS_noaug=${DEMOS_noaug:-"$WORK/demos"}
 SEL_EPISODES=${SEL_EPISODES:-32}
 SEL_LANES=${SEL_LANES:-8}
 EVAL_EPISODES=${EVAL_EPISODES:-200}
@@ -93,35 +102,70 @@ gate() {  # gate NAME CANDIDATE_SPEC: paired with the recorded baseline rollout 
   echo | tee -a "$RES/summary.txt"
 }
 
-train_and_select() {
-  # ---- demos ---------------------------------------------------------------------------------------------
-  log "demos: pick_place, up to $DEMOS episodes, $WORKERS workers, $DEMO_S s"
-  timeout $((DEMO_S + 90)) "$PY" -m wamrt.cli train record --task pick_place --episodes "$DEMOS" --workers "$WORKERS" \
-    --seconds "$DEMO_S" --out "$WORK/demos" > "$RES/demos.txt" 2>&1
-  cp "$WORK/demos"/stats_*.json "$RES/" 2>/dev/null
-  local n
-  n=$(ls "$WORK/demos"/*.npz 2>/dev/null | wc -l)
-  log "demos: $n episodes ($(du -sh "$WORK/demos" | cut -f1)); $(tail -1 "$RES/demos.txt" | cut -c1-200)"
-  [ "$n" -gt 0 ] || { log "FATAL: no demos"; return 1; }
-  local val=$(( n / 10 < 20 ? n / 10 : 20 ))
-  # ---- training, all variants at once --------------------------------------------------------------------
-  local v pids=()
+record_bg() {  # record_bg NAME SEED0 OUT NOISE SECONDS: one recorder in the background, pid in REC_<NAME>
+  "$PY" -m wamrt.cli train record --task pick_place --episodes "$DEMOS" --seed0 "$2" --workers "$WORKERS" \
+    --seconds "$5" --action-noise "$4" --out "$3" > "$RES/demos-$1.txt" 2>&1 &
+  eval "REC_$1=$!"
+}
+
+count_demos() { local d n=0; for d in "$@"; do n=$((n + $(ls "$d"/*.npz 2>/dev/null | wc -l))); done; echo $n; }
+
+train_phase() {  # train_phase PHASE MINUTES: every variant at once, each continuing its previous checkpoint
+  local phase=$1 minutes=$2 v pids=() snaps=""
+  [ "$phase" = "${PHASES##* }" ] && snaps=$SNAPSHOTS  # snapshots of the last phase only
   for v in $VARIANTS; do
-    local flags_var="VARIANT_$v"
-    log "train $v: $TRAIN_MIN min, batch $BATCH, held out $val episodes, flags: ${!flags_var}"
+    local flags_var="VARIANT_$v" demos_var="DEMOS_$v" init_flag=""
+    local demos=${!demos_var:-$WORK/demos}
     # shellcheck disable=SC2086
-    timeout "$("$PY" -c "print(int($TRAIN_MIN * 60 + 240))")" "$PY" -m wamrt.cli train fit --demos "$WORK/demos" \
-      --out "$WORK/ckpt-$v" --minutes "$TRAIN_MIN" --batch "$BATCH" --val-episodes "$val" --log-every 100 \
-      --snapshot-minutes $SNAPSHOTS \
-      ${!flags_var} $TRAIN_ARGS > "$RES/train-$v.txt" 2>&1 &
+    local n; n=$(count_demos $demos)
+    local val=$(( n / 10 < 20 ? n / 10 : 20 ))
+    if [ -f "$WORK/ckpt-$v/wamrt.json" ]; then  # the previous phase's result becomes this phase's start
+      rm -rf "$WORK/ckpt-$v-prev"; mv "$WORK/ckpt-$v" "$WORK/ckpt-$v-prev"; init_flag="--init-from $WORK/ckpt-$v-prev"
+    elif [ -n "$INIT" ]; then init_flag="--init-from $INIT"
+    fi
+    log "train $v phase $phase: $minutes min on $n episodes ($demos), batch $BATCH, held out $val, ${init_flag:-from scratch}, flags: ${!flags_var}"
+    # shellcheck disable=SC2086
+    timeout "$("$PY" -c "print(int($minutes * 60 + 300))")" "$PY" -m wamrt.cli train fit --demos $demos \
+      --out "$WORK/ckpt-$v" --minutes "$minutes" --batch "$BATCH" --val-episodes "$val" --log-every 100 \
+      --snapshot-minutes $snaps $init_flag ${!flags_var} $TRAIN_ARGS > "$RES/train-$v-$phase.txt" 2>&1 &
     pids+=($!)
   done
   wait "${pids[@]}"
   for v in $VARIANTS; do
-    cp "$WORK/ckpt-$v/train_log.txt" "$RES/train_log-$v.txt" 2>/dev/null
-    log "train $v: $(grep '^done' "$RES/train-$v.txt" | head -1); last: $(grep '^step' "$RES/train-$v.txt" | tail -1 | cut -c1-190)"
-    [ -f "$WORK/ckpt-$v/wamrt.json" ] || log "train $v: NO CHECKPOINT; $(grep -v Warning "$RES/train-$v.txt" | tail -3)"
+    cp "$WORK/ckpt-$v/train_log.txt" "$RES/train_log-$v-$phase.txt" 2>/dev/null
+    log "train $v phase $phase: $(grep '^done' "$RES/train-$v-$phase.txt" | head -1); last: $(grep '^step' "$RES/train-$v-$phase.txt" | tail -1 | cut -c1-190)"
+    if [ ! -f "$WORK/ckpt-$v/wamrt.json" ]; then
+      log "train $v phase $phase: NO CHECKPOINT; $(grep -v Warning "$RES/train-$v-$phase.txt" | tail -3)"
+      [ -f "$WORK/ckpt-$v-prev/wamrt.json" ] && mv "$WORK/ckpt-$v-prev" "$WORK/ckpt-$v"  # keep the last good one
+    fi
   done
+}
+
+train_and_select() {
+  # ---- demos, recorded in the background through the first phase ------------------------------------------
+  local phases=($PHASES) first_min_var="PHASE_MIN_${PHASES%% *}"
+  local rec_s; rec_s=$("$PY" -c "print(int($DEMO_S + 60 * ${!first_min_var}))")
+  [ ${#phases[@]} -gt 1 ] || rec_s=$DEMO_S
+  log "demos: 2 recorders x $WORKERS workers for $rec_s s: clean seeds 100000.., DART ($DART_NOISE rad) seeds 300000.."
+  record_bg clean 100000 "$WORK/demos" 0 "$rec_s"
+  record_bg dart 300000 "$WORK/demos_dart" "$DART_NOISE" "$rec_s"
+  if [ ${#phases[@]} -gt 1 ]; then sleep "$DEMO_S"; else wait "$REC_clean" "$REC_dart"; fi
+  log "demos so far: clean $(count_demos "$WORK/demos"), dart $(count_demos "$WORK/demos_dart")"
+  [ "$(count_demos "$WORK/demos")" -gt 0 ] || { log "FATAL: no demos"; tail -3 "$RES/demos-clean.txt"; return 1; }
+  # ---- training phases, all variants at once --------------------------------------------------------------
+  local ph i=0
+  for ph in "${phases[@]}"; do
+    local min_var="PHASE_MIN_$ph"
+    if [ "$i" -eq 1 ]; then  # the recorders stop by their deadline, at about the end of the first phase
+      wait "$REC_clean" "$REC_dart"
+      cp "$WORK/demos"/stats_*.json "$RES/stats-clean.json" 2>/dev/null
+      cp "$WORK/demos_dart"/stats_*.json "$RES/stats-dart.json" 2>/dev/null
+      log "demos: clean $(count_demos "$WORK/demos") ($(du -sh "$WORK/demos" | cut -f1)), dart $(count_demos "$WORK/demos_dart"); $(tail -1 "$RES/demos-dart.txt" | cut -c1-200)"
+    fi
+    train_phase "$ph" "${!min_var}"
+    i=$((i + 1))
+  done
+  rm -rf "$WORK"/ckpt-*-prev
   # ---- selection: a short closed-loop rollout of each variant, all at once --------------------------------
   # Each server already has the evaluation's batch size, so the winner's keeps serving the evaluation.
   local port=8780 best="" best_k=-1 k
@@ -150,7 +194,7 @@ train_and_select() {
   for v in "${up[@]}"; do
     [ -f "$RES/select-$v.json" ] || continue
     read -r k _ <<< "$(successes "$RES/select-$v.json")"
-    log "select $v: $(grep -E '^pick_place' "$RES/select-$v.txt" | head -1)"
+    log "select $v: $(grep -E '^pick_place' "$RES/select-$v.txt" | head -1); $(grep -E '^stages' "$RES/select-$v.txt" | head -1)"
     [ "$k" -gt "$best_k" ] && { best=$v; best_k=$k; }
   done
   for v in $VARIANTS; do [ "$v" = "$best" ] || serve_stop "$v"; done
@@ -175,7 +219,7 @@ evaluate() {  # CKPT served as SERVED (already up, or started here), then the ba
   log "eval: $EVAL_EPISODES episodes of pick_place, $LANES lanes, 4 steps, guidance 3"
   timeout "$EVAL_S" "$PY" -m wamrt.cli rollout --url "$URL" --task pick_place --episodes "$EVAL_EPISODES" \
     --lanes "$LANES" --seed0 0 --out "$BASE" $ROLL_ARGS > "$RES/eval.txt" 2>&1
-  log "eval: $(grep -E '^pick_place' "$RES/eval.txt" | head -1)"
+  log "eval: $(grep -E '^pick_place' "$RES/eval.txt" | head -1); $(grep -E '^stages' "$RES/eval.txt" | head -1)"
   [ -f "$BASE" ] || { log "FATAL: no baseline rollout"; tail -5 "$RES/eval.txt"; return 1; }
   # One gate at a time: two at once (32 lanes, two servers) ran past their limits on 2026-12-01.
   gate self "$URL"

@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -308,6 +309,8 @@ def run_rollout(args: argparse.Namespace) -> int:
     seeds = list(range(args.seed0, args.seed0 + args.episodes))
     results = _run_side(side, args, seeds)
     print(_rate_line(f"{args.task} / {args.policy}", sum(r.success for r in results), len(results)))
+    stages = Counter(r.stage for r in results)
+    print("stages: " + ", ".join(f"{k} {v}" for k, v in sorted(stages.items())))
     if args.out:
         res = rollout_result(args.task, args.policy, results, side.config, gpu=side.gpu)
         print(f"wrote {write_result(res, args.out)}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     rec.add_argument("--workers", type=int, default=1)
     rec.add_argument("--tier", default="256")
     rec.add_argument("--seconds", type=float, help="stop handing out episodes after this many seconds")
+    rec.add_argument("--action-noise", type=float, default=0.0, metavar="RAD",
+                     help="DART: smooth noise of this std on the executed joint targets; the recorded actions "
+                          "stay the expert's, so the demos show recoveries (default 0: off)")
     rec.add_argument("--out", type=Path, required=True, metavar="DIR")
     rec.set_defaults(func=run_record)
 
@@ -70,16 +74,19 @@ def run_record(args: argparse.Namespace) -> int:
         return 2
     from .train.data import record_canvas_demos
 
+    if not (args.action_noise >= 0 and math.isfinite(args.action_noise)):
+        print(f"error: --action-noise must be a finite number >= 0, got {args.action_noise}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     seeds = range(args.seed0, args.seed0 + args.episodes)
     metas = record_canvas_demos(args.task, seeds, args.out, tier=args.tier, workers=args.workers,
-                                deadline_s=args.seconds)
+                                deadline_s=args.seconds, action_noise=args.action_noise)
     ok = [m for m in metas if m.get("file")]
     frames = sum(m["length"] for m in ok)
     stats = {"task": args.task, "attempted": len(metas), "written": len(ok),
              "expert_success": len(ok) / max(1, len(metas)), "frames": frames,
              "mean_length": frames / max(1, len(ok)), "seconds": round(time.perf_counter() - t0, 1),
-             "tier": args.tier}
+             "tier": args.tier, "action_noise": args.action_noise}
     (Path(args.out) / f"stats_{args.task}.json").write_text(json.dumps(stats, indent=1))
     print(f"demos: {json.dumps(stats)}")
     return 0 if ok else 1

@@ -59,6 +59,19 @@ def test_bad_request_in_a_batch_does_not_sink_the_others(policy):
     assert type(err).__name__ == "RequestError" and err.field == "observation/joint_position"
 
 
+def test_server_seed_sequence_counts_a_failing_request(policy):
+    """Seeds are drawn in request order before preprocessing, so a bad request in a batch consumes its seed
+    exactly as it does one request at a time (the framework server's sequence)."""
+    cfg = EngineConfig(attention="auto", compile=False, cuda_graph=False)
+    batched, single = Engine.from_policy(policy, cfg), Engine.from_policy(policy, cfg)
+    bad = sample_observation(0)
+    bad["prompt"] = 7
+    got = batched.infer_batch([sample_observation(0), bad, sample_observation(1)], steps=1)
+    want = [single.next_seed() for _ in range(3)]
+    assert type(got[1]).__name__ == "RequestError" and got[1].field == "prompt"
+    assert (got[0].seed, got[2].seed) == (want[0], want[2])
+
+
 def test_cuda_graph_needs_cuda(policy):
     with pytest.raises(ValueError, match="CUDA"):
         Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=True))

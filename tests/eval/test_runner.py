@@ -37,6 +37,7 @@ def test_runner_with_dummy_policy_threads(tmp_path):
     assert [r.seed for r in results] == [5, 6]
     for r in results:
         assert r.error is None and not r.success and r.steps == 20 and r.requests == 3  # 8 + 8 + 4 rows
+        assert r.stage == "never_reached"  # holding the home pose never comes near the cube
     assert sorted(s for s, _ in SHARED.calls) == sorted(request_seed(e, k) for e in (5, 6) for k in range(3))
     res = rollout_result("lift", "hold", results, {"execute_steps": 8}, command="test")
     for key in ("kind", "git_sha", "command", "date", "gpu", "torch", "task", "policy", "episodes", "successes",
@@ -50,7 +51,7 @@ def test_runner_with_dummy_policy_threads(tmp_path):
 def test_runner_expert_process_lanes_and_gate():
     seeds = [0, 1, 2]
     results = run_rollouts("lift", ExpertAgent, seeds, lanes=2, backend="process")
-    assert all(r.success and r.error is None for r in results)
+    assert all(r.success and r.error is None and r.stage == "success" for r in results)
     ok = [r.success for r in results]
     d = gate(ok, ok)
     res = gate_result("lift", "expert", "expert", seeds, ok, ok, d, {}, command="test")
@@ -63,3 +64,26 @@ def test_runner_expert_process_lanes_and_gate():
 def test_request_seeds_are_stable():
     assert request_seed(3, 0) == request_seed(3, 0) != request_seed(3, 1)
     assert 0 <= request_seed(123, 4) < 2**31
+
+
+def test_progress_stages_follow_the_expert_partway():
+    """The expert stopped at its step count reaches, then lifts, then places: each cut reports its stage."""
+    from wamrt.eval.runner import EpisodeProgress, run_episode
+    from wamrt.sim.env import PandaEnv
+
+    class CutExpert(ExpertAgent):
+        def actions(self, env, obs):
+            return super().actions(env, obs)
+
+    with PandaEnv("pick_place", render=False) as env:
+        full = run_episode(env, CutExpert(), 3)
+        assert full.success and full.stage == "success"
+        stages = [run_episode(env, CutExpert(), 3, max_steps=n).stage for n in (5, full.steps // 2)]
+        assert stages[0] == "never_reached"
+        env.reset(3, render=False)
+        progress = EpisodeProgress(env)
+        progress.max_rise_m = 0.05
+        assert progress.stage(False) == "lifted_not_placed" and progress.stage(True) == "success"
+        progress.max_rise_m, progress.min_tcp_cube_m = 0.0, 0.01
+        assert progress.stage(False) == "reached_not_lifted"
+    assert stages[1] in ("reached_not_lifted", "lifted_not_placed")

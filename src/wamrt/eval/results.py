@@ -47,6 +47,7 @@ def rollout_result(task: str, policy: str, results: Sequence[EpisodeResult], con
                ci95=[lo, hi], seeds=_seeds_field([r.seed for r in results]), config=config)
     out["summary"] = summarize(results)
     out["outcomes"] = [int(r.success) for r in results]  # per seed, in seed order: enables later pairing
+    out["stages"] = [r.stage for r in results]  # per seed: how far each episode got (runner.EpisodeProgress)
     return out
 
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,6 +36,36 @@ class EpisodeResult:
     wall_s: float
     infer_ms: list[float] = field(default_factory=list)
     error: str | None = None
+    stage: str = "unknown"  # how far a failure got (see EpisodeProgress.stage): where to look next
+
+
+# Progress thresholds: "reached" = the TCP came within grasp range of the target cube's centre; "lifted" = the
+# cube rose clear of the table (it was held); a lifted cube that never came to rest on the pad is "not placed".
+REACH_M = 0.03
+LIFT_M = 0.03
+
+
+class EpisodeProgress:
+    """How far an episode got toward its task, from privileged simulator state sampled after every step."""
+
+    def __init__(self, env: PandaEnv) -> None:
+        self.env = env
+        self.target = env.layout.target if env.layout is not None else 0
+        self.rest_z = float(env.cube_pos(self.target)[2])
+        self.min_tcp_cube_m = float("inf")
+        self.max_rise_m = 0.0
+
+    def update(self) -> None:
+        cube = self.env.cube_pos(self.target)
+        self.min_tcp_cube_m = min(self.min_tcp_cube_m, float(np.linalg.norm(self.env.tcp_pos() - cube)))
+        self.max_rise_m = max(self.max_rise_m, float(cube[2]) - self.rest_z)
+
+    def stage(self, success: bool) -> str:
+        if success:
+            return "success"
+        if self.max_rise_m >= LIFT_M:
+            return "lifted_not_placed" if self.env.spec.uses_pad else "lifted_too_low"
+        return "reached_not_lifted" if self.min_tcp_cube_m <= REACH_M else "never_reached"
 
 
 def run_episode(env: PandaEnv, agent: Agent, seed: int, max_steps: int | None = None) -> EpisodeResult:
@@ -48,6 +79,7 @@ def run_episode(env: PandaEnv, agent: Agent, seed: int, max_steps: int | None = 
     steps = requests = 0
     success = False
     n_infer = len(getattr(agent, "infer_ms", []))
+    progress = EpisodeProgress(env)
     try:
         while steps < limit and not success:
             rows = agent.actions(env, obs)
@@ -57,13 +89,15 @@ def run_episode(env: PandaEnv, agent: Agent, seed: int, max_steps: int | None = 
                 obs = env.step(row, render=agent.needs_images and last)
                 steps += 1
                 success = env.success()
+                progress.update()
                 if success or steps >= limit:
                     break
     except Exception:  # noqa: BLE001  one broken episode must not take the lane down: record it as a failure
         return EpisodeResult(seed, False, steps, requests, time.perf_counter() - t0,
-                             error=traceback.format_exc(limit=3))
+                             error=traceback.format_exc(limit=3), stage="error")
     infer = list(getattr(agent, "infer_ms", [])[n_infer:])
-    return EpisodeResult(seed, success, steps, requests, time.perf_counter() - t0, infer)
+    return EpisodeResult(seed, success, steps, requests, time.perf_counter() - t0, infer,
+                         stage=progress.stage(success))
 
 
 # ---- lanes ----------------------------------------------------------------------------------------------
@@ -161,6 +195,7 @@ def summarize(results: Sequence[EpisodeResult]) -> dict[str, Any]:
         "successes": sum(r.success for r in results),
         "errors": sum(r.error is not None for r in results),
         "mean_steps": float(np.mean([r.steps for r in results])) if results else 0.0,
+        "stages": dict(sorted(Counter(r.stage for r in results).items())),
         "infer_p50_ms": float(np.median(infer)) if infer else None,
         "episode_wall_p50_s": float(np.median([r.wall_s for r in results])) if results else None,
     }

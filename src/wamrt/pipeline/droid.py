@@ -24,7 +24,7 @@ from ..model import (
     text_positions,
     vision_positions,
 )
-from .canvas import compose_droid_canvas, pad_to_bucket
+from .canvas import PaddedCanvas, compose_droid_canvas, pad_to_bucket
 from .denoise import Branch, DenoiseInputs, DenoiseResult, SamplingOptions, denoise
 from .errors import RequestError
 from .noise import GaussianPrefetcher, initial_action, state_row_from_observation, vision_noise
@@ -79,23 +79,20 @@ class ActionChunk:
         return f"ActionChunk(shape={self.actions.shape}, seed={self.seed}, total={total:.1f} ms)"
 
 
-def prepare_droid(
-    obs: Mapping[str, Any],
-    *,
-    model: Cosmos3Transformer,
-    encoder: FrameEncoder,
-    tokenizer: CaptionTokenizer,
-    contract: DroidContract,
-    seed: int,
-    device: torch.device,
-    encode_frames: int = 1,
-    noise: GaussianPrefetcher | None = None,
-) -> PreparedDroid:
-    """Build the static inputs of one DROID request (canvas, latent, prompt, tokens, noise, positions).
+@dataclass
+class DroidHostInputs:
+    """The host-side part of one request (validation, state row, canvas): no model, no device. A server
+    builds these for a whole batch in parallel threads, then encodes the batch's canvases in one VAE call."""
 
-    encode_frames > 1 encodes the canvas repeated that many times, as diffusers does, and keeps latent
-    frame 0 (identical under the causal VAE; only benchmarks the reference's cost)."""
-    timings: dict[str, float] = {}
+    instruction: str
+    state: np.ndarray
+    canvas: np.ndarray  # [540, 640, 3] uint8
+    padded: PaddedCanvas
+    timings_ms: dict[str, float]
+
+
+def droid_host_inputs(obs: Mapping[str, Any], contract: DroidContract) -> DroidHostInputs:
+    """Validate one observation and build its padded canvas; raises RequestError naming the field."""
     t0 = time.perf_counter()
     if not isinstance(obs, Mapping):
         raise RequestError(f"observation must be a mapping, got {type(obs).__name__}")
@@ -105,24 +102,52 @@ def prepare_droid(
     state = state_row_from_observation(obs)  # validates joints/gripper (NaN, shapes)
     canvas = compose_droid_canvas(obs)  # [540, 640, 3] uint8
     padded = pad_to_bucket(canvas, contract.tier)
-    canvas_h, canvas_w, content_h, content_w = padded.image_size
-    timings["preprocess"] = 1e3 * (time.perf_counter() - t0)
+    return DroidHostInputs(instruction, state, canvas, padded, {"preprocess": 1e3 * (time.perf_counter() - t0)})
 
-    t0 = time.perf_counter()
-    frame = torch.from_numpy(padded.pixels).to(device)[None]  # [1, H, W, 3]
-    if encode_frames == 1:
-        latent0 = encoder.encode_uint8(frame)  # [1, C, 1, H/16, W/16] fp32
-    else:
-        pixels = frame.permute(0, 3, 1, 2).float() / 127.5 - 1.0  # [1, 3, H, W]
-        latent0 = encoder.encode(pixels[:, :, None].expand(-1, -1, encode_frames, -1, -1))[:, :, :1]
-    lat_h, lat_w = max(content_h // encoder.spatial, 1), max(content_w // encoder.spatial, 1)
-    latent0 = latent0[..., :lat_h, :lat_w]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    timings["vae_encode"] = 1e3 * (time.perf_counter() - t0)
 
+def encode_canvases(encoder: FrameEncoder, padded: list[PaddedCanvas], device: torch.device,
+                    encode_frames: int = 1) -> list[torch.Tensor]:
+    """Frame-0 latents [1, C, 1, lat_h, lat_w] of padded canvases: one VAE call per distinct canvas size
+    (a server batch shares its tier, so usually one call for the whole batch).
+
+    encode_frames > 1 encodes the canvas repeated that many times, as diffusers does, and keeps latent
+    frame 0 (identical under the causal VAE; only benchmarks the reference's cost)."""
+    out: list[torch.Tensor | None] = [None] * len(padded)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(padded):
+        groups.setdefault(p.pixels.shape, []).append(i)
+    for idx in groups.values():
+        frames = torch.from_numpy(np.stack([padded[i].pixels for i in idx])).to(device)  # [B, H, W, 3]
+        if encode_frames == 1:
+            latents = encoder.encode_uint8(frames)  # [B, C, 1, H/16, W/16] fp32
+        else:
+            pixels = frames.permute(0, 3, 1, 2).float() / 127.5 - 1.0  # [B, 3, H, W]
+            latents = encoder.encode(pixels[:, :, None].expand(-1, -1, encode_frames, -1, -1))[:, :, :1]
+        for j, i in enumerate(idx):
+            _, _, content_h, content_w = padded[i].image_size
+            lat_h, lat_w = max(content_h // encoder.spatial, 1), max(content_w // encoder.spatial, 1)
+            out[i] = latents[j : j + 1, ..., :lat_h, :lat_w]
+    return out  # type: ignore[return-value]
+
+
+def finish_droid(
+    host: DroidHostInputs,
+    latent0: torch.Tensor,
+    *,
+    model: Cosmos3Transformer,
+    encoder: FrameEncoder,
+    tokenizer: CaptionTokenizer,
+    contract: DroidContract,
+    seed: int,
+    device: torch.device,
+    noise: GaussianPrefetcher | None = None,
+) -> PreparedDroid:
+    """Prompt, tokens, noise and positions of one request around its frame-0 latent."""
+    timings = dict(host.timings_ms)
+    canvas_h, canvas_w, _, _ = host.padded.image_size
+    lat_h, lat_w = latent0.shape[-2:]
     t0 = time.perf_counter()
-    prompt = droid_prompt(instruction, json_format=contract.prompt_format == "json",
+    prompt = droid_prompt(host.instruction, json_format=contract.prompt_format == "json",
                           canvas_hw=(canvas_h, canvas_w))
     cond_ids = tokenizer.encode(prompt).text_ids
     uncond_ids = tokenizer.encode("").text_ids
@@ -134,6 +159,7 @@ def prepare_droid(
     shape = (1, encoder.latent_channels, lat_t, lat_h, lat_w)
     stream = noise.get(seed, shape) if noise is not None else vision_noise(seed, shape)
     rows = contract.chunk + contract.history
+    state = host.state
     model_state = contract.normalization.state_in(state) if contract.normalization is not None else state
     act = initial_action(model_state, seed, rows=rows, max_action_dim=model.config.action_dim or 0, stream=stream)
     vision = torch.from_numpy(stream).to(device, copy=True)  # copy: frame 0 is overwritten below
@@ -148,7 +174,31 @@ def prepare_droid(
         domain_ids=torch.tensor([contract.domain_id], device=device), raw_action_dim=contract.raw_action_dim,
     )
     timings["pack"] = 1e3 * (time.perf_counter() - t0)
-    return PreparedDroid(inputs, prompt, seed, canvas, padded.image_size, timings, state)
+    return PreparedDroid(inputs, prompt, seed, host.canvas, host.padded.image_size, timings, state)
+
+
+def prepare_droid(
+    obs: Mapping[str, Any],
+    *,
+    model: Cosmos3Transformer,
+    encoder: FrameEncoder,
+    tokenizer: CaptionTokenizer,
+    contract: DroidContract,
+    seed: int,
+    device: torch.device,
+    encode_frames: int = 1,
+    noise: GaussianPrefetcher | None = None,
+) -> PreparedDroid:
+    """Build the static inputs of one DROID request (canvas, latent, prompt, tokens, noise, positions):
+    `droid_host_inputs`, `encode_canvases` and `finish_droid` for a single observation."""
+    host = droid_host_inputs(obs, contract)
+    t0 = time.perf_counter()
+    latent0 = encode_canvases(encoder, [host.padded], device, encode_frames)[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    host.timings_ms["vae_encode"] = 1e3 * (time.perf_counter() - t0)
+    return finish_droid(host, latent0, model=model, encoder=encoder, tokenizer=tokenizer, contract=contract,
+                        seed=seed, device=device, noise=noise)
 
 
 def droid_branch(cfg: Cosmos3Config, ids: tuple[int, ...], latent_thw: tuple[int, int, int],

@@ -33,13 +33,15 @@ def _canvas_of(obs_dict: dict[str, Any], tier: str) -> tuple[np.ndarray, tuple[i
     return padded.pixels, padded.image_size
 
 
-def record_canvas_episode(env: Any, expert: Any, seed: int, tier: str) -> tuple[dict[str, np.ndarray], dict]:
-    """One expert episode -> canvases, state rows, actions (the sim's own recorder runs the episode)."""
+def record_canvas_episode(env: Any, expert: Any, seed: int, tier: str,
+                          action_noise: float = 0.0) -> tuple[dict[str, np.ndarray], dict]:
+    """One expert episode -> canvases, state rows, actions (the sim's own recorder runs the episode;
+    `action_noise`: see `wamrt.sim.record.JointNoise`)."""
     from ..sim.droid import droid_observation
     from ..sim.env import Observation
     from ..sim.record import record_episode
 
-    arrays, success = record_episode(env, expert, seed)
+    arrays, success = record_episode(env, expert, seed, action_noise)
     prompt = env.layout.instruction
     observations = [
         droid_observation(Observation({cam: arrays[f"image_{cam}"][t] for cam in env.camera_hw},
@@ -47,12 +49,12 @@ def record_canvas_episode(env: Any, expert: Any, seed: int, tier: str) -> tuple[
         for t in range(len(arrays["actions"]))
     ]
     out, meta = episode_from_observations(observations, arrays["actions"], tier)
-    meta.update(task=env.spec.name, seed=int(seed), success=bool(success))
+    meta.update(task=env.spec.name, seed=int(seed), success=bool(success), action_noise=float(action_noise))
     return out, meta
 
 
-def _record_worker(args: tuple[str, list[int], str, str, dict[str, Any]]) -> list[dict]:
-    task, seeds, out_dir, tier, env_kwargs = args
+def _record_worker(args: tuple[str, list[int], str, str, dict[str, Any], float]) -> list[dict]:
+    task, seeds, out_dir, tier, env_kwargs, action_noise = args
     import torch
 
     torch.set_num_threads(1)
@@ -63,7 +65,7 @@ def _record_worker(args: tuple[str, list[int], str, str, dict[str, Any]]) -> lis
     with PandaEnv(task, **env_kwargs) as env:
         expert = ScriptedExpert()
         for seed in seeds:
-            arrays, meta = record_canvas_episode(env, expert, seed, tier)
+            arrays, meta = record_canvas_episode(env, expert, seed, tier, action_noise)
             if not meta["success"]:
                 metas.append(meta)
                 continue
@@ -82,14 +84,16 @@ def _record_worker(args: tuple[str, list[int], str, str, dict[str, Any]]) -> lis
 
 def record_canvas_demos(task: str, seeds: Sequence[int], out_dir: str | Path, *, tier: str = "256",
                         workers: int = 1, env_kwargs: dict[str, Any] | None = None,
-                        deadline_s: float | None = None) -> list[dict]:
+                        deadline_s: float | None = None, action_noise: float = 0.0) -> list[dict]:
     """Record successful expert episodes in `workers` spawned processes; returns every episode's meta
-    (failed ones carry no `file`). `deadline_s` stops handing out work after that many seconds."""
+    (failed ones carry no `file`). `deadline_s` stops handing out work after that many seconds;
+    `action_noise` (rad) perturbs the executed joint targets (DART), never the recorded actions."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in seeds]
     per = 4  # seeds per work item: small items keep the deadline tight and the workers busy
-    items = [(task, seeds[i:i + per], str(out), tier, dict(env_kwargs or {})) for i in range(0, len(seeds), per)]
+    items = [(task, seeds[i:i + per], str(out), tier, dict(env_kwargs or {}), float(action_noise))
+             for i in range(0, len(seeds), per)]
     metas: list[dict] = []
     t0 = time.perf_counter()
     if workers <= 1:
