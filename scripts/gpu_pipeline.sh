@@ -11,7 +11,8 @@
 # Carry .whl and .gl (see scripts/gpu_lib.sh). Seeds: demos 100000.. (train record default), selection
 # 1000..1000+SEL_EPISODES, evaluation and its gates 0..EVAL_EPISODES-1: neither was trained on.
 # Knobs (env): DEMOS DEMO_S WORKERS DART_NOISE PHASES PHASE_MIN_<p> INIT BATCH VARIANTS VARIANT_<v> DEMOS_<v>
-#   TRAIN_ARGS SEL_EPISODES SEL_LANES EVAL_EPISODES LANES EVAL_S GATE_S OTHER_EPISODES ROLL_ARGS WAIT_S
+#   TRAIN_ARGS SEL_EPISODES SEL_LANES EVAL_EPISODES LANES EVAL_S GATES GATE_S BATCH_INVARIANT OTHER_TASKS
+#   OTHER_EPISODES ROLL_ARGS WAIT_S
 #   PY (absolute) SKIP_INSTALL=1 (local test: the current env) WORK OUT. A local smoke test of the whole flow on a CPU:
 #   SKIP_INSTALL=1 PY=$PWD/.venv/bin/python DEMOS=3 DEMO_S=20 WORKERS=1 PHASE_MIN_A=0.2 PHASE_MIN_B=0.2 BATCH=4 \
 #   INIT= TRAIN_ARGS="--size tiny-qwen" SEL_EPISODES=2 SEL_LANES=2 EVAL_EPISODES=2 LANES=2 OTHER_EPISODES=1 \
@@ -57,6 +58,9 @@ LANES=${LANES:-16}
 EVAL_S=${EVAL_S:-200}
 GATE_S=${GATE_S:-240}  # 150 s was too short on 2026-12-01: a 200-episode set took 177 s at 28% success
 OTHER_EPISODES=${OTHER_EPISODES:-50}
+OTHER_TASKS=${OTHER_TASKS-"lift pick_place_two"}
+GATES=${GATES:-"self steps1 steps2 interval gen-fp8 guidance0"}  # in this order, as far as device time goes
+BATCH_INVARIANT=${BATCH_INVARIANT:-}  # 1: servers pad every batch (bit-exact replays; see scripts/gpu_lib.sh)
 WAIT_S=${WAIT_S:-570}
 TRAIN_ARGS=${TRAIN_ARGS:-}  # appended to every variant (local tests: --size tiny-qwen)
 ROLL_ARGS=${ROLL_ARGS:-}    # appended to every rollout and gate (local tests: --max-steps 16)
@@ -212,29 +216,36 @@ evaluate() {  # CKPT served as SERVED (already up, or started here), then the ba
   URL=ws://127.0.0.1:${!pb}
   # ---- evaluation through the server: baseline rollout, then the paired gates -----------------------------
   # The gen-fp8 server compiles and warms up while the baseline runs (it took 117 s when started later).
-  "$PY" -m wamrt.cli quantize --model "$CKPT" --recipe gen-fp8 --out "$WORK/gen-fp8" > "$RES/quantize.txt" 2>&1 \
-    && serve_launch fp8 "$WORK/gen-fp8" 8771 "$LANES"
-  log "quantize: $(tail -1 "$RES/quantize.txt" | cut -c1-160)"
+  if [[ " $GATES " == *" gen-fp8 "* ]]; then
+    "$PY" -m wamrt.cli quantize --model "$CKPT" --recipe gen-fp8 --out "$WORK/gen-fp8" > "$RES/quantize.txt" 2>&1 \
+      && serve_launch fp8 "$WORK/gen-fp8" 8771 "$LANES"
+    log "quantize: $(tail -1 "$RES/quantize.txt" | cut -c1-160)"
+  fi
   BASE=$RES/rollout-pick_place-$EVAL_EPISODES.json
-  log "eval: $EVAL_EPISODES episodes of pick_place, $LANES lanes, 4 steps, guidance 3"
+  log "eval: $EVAL_EPISODES episodes of pick_place, $LANES lanes, 4 steps, guidance 3${BATCH_INVARIANT:+, batch-invariant server}"
   timeout "$EVAL_S" "$PY" -m wamrt.cli rollout --url "$URL" --task pick_place --episodes "$EVAL_EPISODES" \
     --lanes "$LANES" --seed0 0 --out "$BASE" $ROLL_ARGS > "$RES/eval.txt" 2>&1
   log "eval: $(grep -E '^pick_place' "$RES/eval.txt" | head -1); $(grep -E '^stages' "$RES/eval.txt" | head -1)"
   [ -f "$BASE" ] || { log "FATAL: no baseline rollout"; tail -5 "$RES/eval.txt"; return 1; }
   # One gate at a time: two at once (32 lanes, two servers) ran past their limits on 2026-12-01.
-  gate self "$URL"
-  gate steps1 "$URL:steps=1"
-  gate steps2 "$URL:steps=2"
-  local iv  # CFG on the first step only: the interval is strict, so (t1, t0 + 1) keeps the first timestep
-  iv=$("$PY" -c "from wamrt.pipeline.denoise import SamplingOptions as S
+  local g iv
+  for g in $GATES; do
+    case $g in
+      self) gate self "$URL" ;;
+      steps1) gate steps1 "$URL:steps=1" ;;
+      steps2) gate steps2 "$URL:steps=2" ;;
+      interval)  # CFG on the first step only: the interval is strict, so (t1, t0 + 1) keeps the first timestep
+        iv=$("$PY" -c "from wamrt.pipeline.denoise import SamplingOptions as S
 t = S(steps=4).make_schedule().timesteps.tolist(); print(f'{int(t[1])}-{int(t[0]) + 1}')")
-  gate interval "$URL:guidance_interval=$iv"
-  [ -n "${SRV_fp8:-}" ] && serve_ready fp8 && gate gen-fp8 ws://127.0.0.1:8771
-  serve_stop fp8
-  gate guidance0 "$URL:guidance=0"
+        gate interval "$URL:guidance_interval=$iv" ;;
+      gen-fp8) [ -n "${SRV_fp8:-}" ] && serve_ready fp8 && gate gen-fp8 ws://127.0.0.1:8771; serve_stop fp8 ;;
+      guidance0) gate guidance0 "$URL:guidance=0" ;;
+      *) log "unknown gate $g" ;;
+    esac
+  done
   # ---- the other tasks (the policy was trained on pick_place only) ---------------------------------------
   local task
-  for task in lift pick_place_two; do
+  for task in $OTHER_TASKS; do
     timeout 120 "$PY" -m wamrt.cli rollout --url "$URL" --task "$task" --episodes "$OTHER_EPISODES" \
       --lanes "$LANES" --seed0 0 --out "$RES/rollout-$task-$OTHER_EPISODES.json" $ROLL_ARGS > "$RES/other-$task.txt" 2>&1
     log "other: $(grep -E "^$task" "$RES/other-$task.txt" | head -1)"

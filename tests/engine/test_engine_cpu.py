@@ -72,6 +72,25 @@ def test_server_seed_sequence_counts_a_failing_request(policy):
     assert (got[0].seed, got[2].seed) == (want[0], want[2])
 
 
+def test_padded_batches_make_a_request_independent_of_its_batch_mates(policy):
+    """pad_batch: a request's actions are bit-identical whichever requests share its batch, and equal the
+    reference within the usual tolerance. (On the CPU a row's position in the batch still matters by an ulp --
+    the last block of rows takes another kernel; tests/engine/test_engine_gpu.py checks positions on a GPU.)"""
+    engine = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False, pad_batch=3,
+                                                     prompt_bucket=64))
+    a, b, c = (sample_observation(i) for i in range(3))
+    alone = engine.infer_batch([a], seeds=[5], steps=2)[0].actions
+    with_b = engine.infer_batch([a, b], seeds=[5, 6], steps=2)[0].actions
+    with_cb = engine.infer_batch([a, c, b], seeds=[5, 7, 6], steps=2)[0].actions
+    assert np.array_equal(alone, with_b) and np.array_equal(alone, with_cb)
+    assert np.abs(alone - policy.infer(a, seed=5, steps=2).actions).max() <= TOL
+    assert engine.metadata()["engine"]["pad_batch"] == 3
+    with pytest.raises(ValueError, match="pad_batch"):
+        engine.infer_batch([a, b, c, a], steps=1)
+    with pytest.raises(ValueError, match="pad_batch"):
+        Engine.from_policy(policy, EngineConfig(compile=False, cuda_graph=False, pad_batch=-1))
+
+
 def test_cuda_graph_needs_cuda(policy):
     with pytest.raises(ValueError, match="CUDA"):
         Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=True))

@@ -139,3 +139,18 @@ def test_prompt_buckets_one_graph_serves_two_prompt_lengths(nano):
     for g, e in zip(got, exact_out, strict=True):
         print(f"\nbucketed vs exact graph: rel L2 {rel_l2(g, e):.3e}")
         assert rel_l2(g, e) <= 0.1  # bf16 at random full depth: batching changes alone move ~3e-2
+
+
+def test_padded_batches_replay_bit_for_bit_at_any_position_and_company(nano):
+    """pad_batch (`wamrt serve --batch-invariant`): on the GPU a request's actions are bit-identical alone, with
+    other requests, and at another position of the batch (CUDA graphs, prompt buckets: the served setup)."""
+    from wamrt.engine import Engine, EngineConfig
+    from wamrt.sample import sample_observation
+
+    engine = Engine.from_policy(nano, EngineConfig(prompt_bucket=64, pad_batch=4))
+    a, b, c = (sample_observation(i) for i in range(3))
+    alone = engine.infer_batch([a], seeds=[5])[0].actions
+    assert np.array_equal(alone, engine.infer_batch([b, a], seeds=[6, 5])[1].actions)
+    assert np.array_equal(alone, engine.infer_batch([c, b, a], seeds=[7, 6, 5])[2].actions)
+    assert np.array_equal(alone, engine.infer_batch([a, c], seeds=[5, 7])[0].actions)
+    assert len(engine.graphs) == 1  # every batch size runs the one padded graph

@@ -80,6 +80,14 @@ class EngineConfig:
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
     kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
     graph_cache_size: int = 16
+    # > 0: every batch runs as this many rows (copies of its last request fill the rest; their results are
+    # dropped). A GPU kernel's result for one row depends on the batch's shape (cuBLAS and cuDNN pick
+    # algorithms, tiles and splits by shape), not on the other rows' values, so at one fixed shape a request's
+    # actions no longer depend on which requests the batcher happened to group it with: a rollout replays bit
+    # for bit, which a paired gate needs (2026-12-01: 16 lanes of unpadded batches turned 19 of 200 self-vs-self
+    # episodes). Costs the full batch's compute on every call. Within one prompt bucket (a batch whose longest
+    # instruction crosses into the next bucket has another shape).
+    pad_batch: int = 0
 
 
 @dataclass
@@ -181,6 +189,8 @@ class Engine:
             raise ValueError("cuda_graph needs a CUDA device")
         if config.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {config.compile_mode!r}")
+        if config.pad_batch < 0:
+            raise ValueError(f"pad_batch must be >= 0 rows, got {config.pad_batch}")
         if config.prompt_bucket < 0:
             raise ValueError(f"prompt_bucket must be >= 0 tokens, got {config.prompt_bucket}")
         if config.prompt_bucket and not (config.reuse_reasoner and config.batch_cfg):
@@ -235,7 +245,7 @@ class Engine:
 
     def metadata(self) -> dict[str, Any]:
         engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "compile_mode",
-                                                       "cuda_graph", "prompt_bucket")}
+                                                       "cuda_graph", "prompt_bucket", "pad_batch")}
         return {**droid_metadata(self.name, self.contract, self.options), "quantization": self.quantization,
                 "gpu": device_name(self.device), "engine": engine}
 
@@ -251,6 +261,8 @@ class Engine:
         """Requests of one shape bucket in one pass. A bad request yields its error in its slot."""
         opts = replace(self.options, **overrides) if overrides else self.options
         validate_options(opts)
+        if self.config.pad_batch and len(observations) > self.config.pad_batch:
+            raise ValueError(f"a batch of {len(observations)} requests exceeds pad_batch={self.config.pad_batch}")
         seeds = seeds or [None] * len(observations)
         t_start = time.perf_counter()
         results: list[ActionChunk | Exception] = [None] * len(observations)  # type: ignore[list-item]
@@ -265,8 +277,8 @@ class Engine:
                     results[i] = h
             if ok:
                 t0 = time.perf_counter()
-                latents = encode_canvases(self.encoder, [hosts[i].padded for i in ok], self.device,
-                                          self.config.vae_frames)
+                canvases = self._padded_rows([hosts[i].padded for i in ok])
+                latents = encode_canvases(self.encoder, canvases, self.device, self.config.vae_frames)[: len(ok)]
                 self._sync()
                 encode_ms = 1e3 * (time.perf_counter() - t0)  # one VAE call for the batch: each request's share
                 for i, latent0 in zip(ok, latents, strict=True):
@@ -278,7 +290,8 @@ class Engine:
                     prepared.append((i, prep))
                     self._noise_shape = tuple(prep.inputs.vision.shape)
             if prepared:
-                finals, timings = self._denoise([p for _, p in prepared], opts)
+                finals, timings = self._denoise(self._padded_rows([p for _, p in prepared]), opts)
+                finals = finals[: len(prepared)]
                 t0 = time.perf_counter()
                 for (i, prep), (xv, xa) in zip(prepared, finals, strict=True):
                     actions = droid_actions(DenoiseResult(xv, xa), self.contract, prep.state)
@@ -294,6 +307,10 @@ class Engine:
                         r.timings_ms["postprocess"] = post
                         r.timings_ms["total"] = total
         return results
+
+    def _padded_rows(self, rows: list) -> list:
+        """rows, filled up to pad_batch with copies of the last one (see EngineConfig.pad_batch)."""
+        return rows + rows[-1:] * (self.config.pad_batch - len(rows)) if self.config.pad_batch else rows
 
     def _host_inputs(self, observations: list[Mapping[str, Any]]) -> list[DroidHostInputs | RequestError]:
         """Validation and canvases of a batch, in threads when it has several requests: the resizes are torch

@@ -25,13 +25,15 @@ class ServeConfig:
     max_jobs: int = 256  # /v1/videos records kept (oldest finished ones are evicted first)
     model_name: str = "tiny-droid"
     prompt_bucket: int = 0  # the fast engine's EngineConfig.prompt_bucket (0: exact prompt lengths)
+    batch_invariant: bool = False  # every batch padded to max_batch rows (EngineConfig.pad_batch): bit-exact replays
     extra_metadata: dict[str, Any] = field(default_factory=dict)
 
     def engine_settings(self, device: str) -> dict[str, Any]:
         """EngineConfig fields for the fast engine on `device` (CPU: no compile, no graphs; tests)."""
         base: dict[str, Any] = {} if device.startswith("cuda") else dict(attention="auto", compile=False,
                                                                          cuda_graph=False)
-        return {**base, "prompt_bucket": self.prompt_bucket}
+        return {**base, "prompt_bucket": self.prompt_bucket,
+                "pad_batch": self.max_batch if self.batch_invariant else 0}
 
     def sampler_defaults(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -41,6 +41,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="fast engine: pad instruction prefixes to a multiple of TOKENS (masked) so one CUDA graph "
                          "serves every instruction length in the bucket and any mix of them in a batch; "
                          "0 = exact lengths (a capture per new length combination); see docs/engine.md")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="fast engine: run every batch padded to --max-batch rows, so a request's actions do not "
+                         "depend on which requests share its batch and a rollout replays bit for bit (paired "
+                         "gates); costs the full batch's compute on every call")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs of this host behind one engine (with --parallel)")
     ap.add_argument("--parallel", choices=["none", "cfg", "tp"], default="none",
                     help="cfg = one CFG branch per GPU (2 GPUs, full model each); tp = every layer split across "
@@ -60,7 +64,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         steps=args.steps, guidance=args.guidance, shift=args.shift,
         guidance_interval=tuple(args.guidance_interval) if args.guidance_interval else None,
         safety_file=args.safety, warmup_requests=args.warmup, model_name=str(args.model),
-        prompt_bucket=args.prompt_bucket,
+        prompt_bucket=args.prompt_bucket, batch_invariant=args.batch_invariant,
     )
 
 
