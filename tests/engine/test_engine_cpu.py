@@ -240,6 +240,60 @@ def test_prompt_bucket_graph_replays_a_new_prompt_length_correctly_on_cpu(policy
     assert len(bucketed.graphs) == 1 and len(exact.graphs) == 2
 
 
+SHORT = "pick up the cube"
+LONG = "pick up the red cube and put it on the blue pad, then push the green cylinder next to the yellow bowl"
+
+
+def test_graph_key_does_not_depend_on_the_order_requests_arrive_in(policy):
+    """Exact prefix lengths: [short, long] and [long, short] replay one graph, each request its own actions."""
+    eager = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
+    graphs = _graph_engine(policy)
+    obs = [_prompted(0, SHORT), _prompted(1, LONG)]
+    want = [c.actions for c in eager.infer_batch(obs, seeds=[3, 4], steps=2)]
+    got = [c.actions for c in graphs.infer_batch(obs, seeds=[3, 4], steps=2)]
+    swapped = [c.actions for c in graphs.infer_batch(obs[::-1], seeds=[4, 3], steps=2)][::-1]
+    for g, s, w in zip(got, swapped, want, strict=True):
+        assert np.abs(g - w).max() <= TOL and np.abs(s - w).max() <= TOL
+    assert len(graphs.graphs) == 1 and graphs.graphs.captures == 1
+
+
+def test_a_missing_bucket_replays_a_larger_captured_one_without_a_capture(policy):
+    """Prompt buckets: after warm-up captured batch 2 at the long prompt's width, a single request, and a short
+    prompt of a narrower bucket, replay that graph (spare row, wider masked prefix) with their own actions."""
+    eager = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
+    graphs = _graph_engine(policy, prompt_bucket=64)
+    with graphs.capturing_exact_buckets():
+        graphs.infer_batch([_prompted(0, LONG), _prompted(1, LONG)], seeds=[1, 2], steps=2)
+    (captured,) = list(graphs.graphs)
+    assert captured.batch == 2 and captured.width > graphs._padded_length(len(SHORT))
+    for prompt in (LONG, SHORT):
+        want = eager.infer(_prompted(2, prompt), seed=6, steps=2).actions
+        got = graphs.infer(_prompted(2, prompt), seed=6, steps=2).actions
+        assert np.abs(got - want).max() <= TOL, prompt
+    assert graphs.graphs.captures == 1 and graphs.graphs.compatible_hits == 2
+    assert graphs.metadata()["engine"]["graphs"] == [captured.describe()]
+    with graphs.capturing_exact_buckets():  # warm-up mode: the exact bucket is captured instead
+        graphs.infer(_prompted(2, SHORT), seed=6, steps=2)
+    assert graphs.graphs.captures == 2
+
+
+def test_server_exports_the_graph_cache_metrics_and_buckets(policy):
+    import httpx
+
+    from wamrt.serving import ServeConfig, ServerThread
+
+    engine = _graph_engine(policy, prompt_bucket=64)
+    with ServerThread(engine, ServeConfig(max_batch=2)) as server:
+        text = httpx.get(server.http_url + "/metrics").text
+        meta = httpx.get(server.http_url + "/v1/policy/metadata").json()
+    stats = engine.graph_stats()
+    assert stats["captures"] == 2 and stats["entries"] == 2  # warm-up: batch sizes 2 and 1, exact
+    assert "wamrt_graph_captures_total 2.0" in text and "wamrt_graph_cache_entries 2.0" in text
+    assert "wamrt_graph_evictions_total 0.0" in text and "wamrt_graph_capture_seconds_count 2.0" in text
+    assert "wamrt_graph_cache_bytes 0.0" in text  # CPU: no device memory to count
+    assert sorted(g["batch"] for g in meta["policy"]["engine"]["graphs"]) == [1, 2]
+
+
 def test_compile_mode_is_checked_and_reported(policy):
     with pytest.raises(ValueError, match="compile_mode"):
         Engine.from_policy(policy, EngineConfig(attention="auto", cuda_graph=False, compile_mode="reduce-overhead"))

@@ -14,9 +14,9 @@ import logging
 import math
 import os
 import time
-from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,6 +50,8 @@ from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
 from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
 from .fuse import fuse_generator
+from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
+from .prefix_cache import PaddedPrefixes, ReasonerCache, left_pad_kv
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,8 @@ class EngineConfig:
     compile_mode: str = "default"
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
     kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
-    graph_cache_size: int = 16
+    graph_cache_size: int = 16  # captured buckets kept (LRU) ...
+    graph_cache_bytes: int = 0  # ... and the device memory their captures added (0: no byte bound)
     # > 0: every batch runs as this many rows (copies of its last request fill the rest; their results are
     # dropped). A GPU kernel's result for one row depends on the batch's shape (cuBLAS and cuDNN pick
     # algorithms, tiles and splits by shape), not on the other rows' values, so at one fixed shape a request's
@@ -97,44 +100,6 @@ class _Seq:
     request: int
     kv: ReasonerKV  # [1, K, U, d] per layer
     rope: Rope  # Generator part, [1, G, d]
-
-
-class ReasonerCache:
-    """LRU of per-prompt Reasoner K/V. Text positions are 0..U-1 whatever the image geometry, so the
-    token ids alone identify an entry."""
-
-    def __init__(self, model: Cosmos3Transformer, size: int) -> None:
-        self.model, self.size = model, size
-        self.entries: OrderedDict[tuple[int, ...], ReasonerKV] = OrderedDict()
-        self.hits = self.misses = 0
-
-    def get(self, ids: torch.Tensor, positions: torch.Tensor) -> ReasonerKV:
-        key = tuple(ids[0].tolist())
-        kv = self.entries.get(key)
-        if kv is not None:
-            self.entries.move_to_end(key)
-            self.hits += 1
-            return kv
-        self.misses += 1
-        rope_und, _ = self.model.rope(positions).split(ids.shape[1])
-        kv = self.model.prefill_reasoner(ids, rope_und)
-        self.entries[key] = kv
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
-        return kv
-
-
-def _left_pad_kv(kvs: list[ReasonerKV]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
-    """Stack per-sequence K/V [1, K, U_s, d] into [S, K, Umax, d] with padding at the front."""
-    longest = max(kv.length for kv in kvs)
-    offsets = [longest - kv.length for kv in kvs]
-    keys, values = [], []
-    for layer in range(len(kvs[0].keys)):
-        keys.append(torch.cat([torch.nn.functional.pad(kv.keys[layer], (0, 0, o, 0))
-                               for kv, o in zip(kvs, offsets, strict=True)]))
-        values.append(torch.cat([torch.nn.functional.pad(kv.values[layer], (0, 0, o, 0))
-                                 for kv, o in zip(kvs, offsets, strict=True)]))
-    return keys, values, offsets
 
 
 @dataclass
@@ -156,16 +121,6 @@ def _pre_into(layer, g: torch.Tensor, rope: Rope, kbuf: torch.Tensor, vbuf: torc
     kbuf[:, :, start:] = k.repeat_interleave(groups, dim=1)
     vbuf[:, :, start:] = v.repeat_interleave(groups, dim=1)
     return q
-
-
-class _Graph:
-    """A captured denoising loop plus the static buffers it reads and writes."""
-
-    def __init__(self) -> None:
-        self.graph: Any = None  # torch.cuda.CUDAGraph, made by Engine._record
-        self.inputs: dict[str, Any] = {}
-        self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.keepalive: tuple = ()
 
 
 class Engine:
@@ -196,10 +151,8 @@ class Engine:
         if config.prompt_bucket and not (config.reuse_reasoner and config.batch_cfg):
             raise ValueError("prompt_bucket needs reuse_reasoner=True and batch_cfg=True (the K/V-buffer loop)")
         self.kv_cache = ReasonerCache(model, config.kv_cache_size)
-        # Prompt buckets: padded copies of cached Reasoner K/V per (entry, width), so an episode repeating
-        # its instruction pads once, not on every request. The entry itself is kept to check identity.
-        self._padded: OrderedDict[tuple[int, int], tuple[ReasonerKV, ReasonerKV]] = OrderedDict()
-        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.padded_prefixes = PaddedPrefixes(config.kv_cache_size, self.device)  # prompt buckets
+        self.graphs = GraphCache(config.graph_cache_size, config.graph_cache_bytes)
         self._graph_pool = None  # shared by every captured graph (see _capture)
         # K/V buffers of captured graphs live here, outside the graph pool (see _capture).
         self._kv_arena: torch.Tensor | None = None  # [layers, 2 (k, v), elements]
@@ -246,8 +199,13 @@ class Engine:
     def metadata(self) -> dict[str, Any]:
         engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "compile_mode",
                                                        "cuda_graph", "prompt_bucket", "pad_batch")}
+        engine["graphs"] = [k.describe() for k in self.graphs]  # the captured buckets, least recently used first
         return {**droid_metadata(self.name, self.contract, self.options), "quantization": self.quantization,
                 "gpu": device_name(self.device), "engine": engine}
+
+    def graph_stats(self) -> dict[str, Any]:
+        """Captures, evictions, cache entries and bytes, capture seconds (the server's /metrics reads these)."""
+        return self.graphs.stats()
 
     def infer(self, observation: Mapping[str, Any], *, seed: int | None = None, **overrides: Any) -> ActionChunk:
         result = self.infer_batch([observation], seeds=[seed], **overrides)[0]
@@ -289,6 +247,9 @@ class Engine:
                                         device=self.device, noise=self._noise)
                     prepared.append((i, prep))
                     self._noise_shape = tuple(prep.inputs.vision.shape)
+            # Longest prefixes first: a graph's key (the prefix lengths in batch order) then depends on which
+            # requests share the batch, not on the order they arrived in. Results go back by index.
+            prepared.sort(key=lambda ip: _prefix_lengths(ip[1].inputs), reverse=True)
             if prepared:
                 finals, timings = self._denoise(self._padded_rows([p for _, p in prepared]), opts)
                 finals = finals[: len(prepared)]
@@ -351,9 +312,8 @@ class Engine:
 
         self._sync()
         t0 = time.perf_counter()
-        conds, unconds = self._sequences(inputs, any(cfg_steps))
-        if self.config.prompt_bucket:
-            conds, unconds = self._pad_prefixes(conds, unconds)
+        exact = self._sequences(inputs, any(cfg_steps))
+        conds, unconds = self._pad_prefixes(*exact) if self.config.prompt_bucket else exact
         self._sync()
         timings["reasoner_prefill"] = 1e3 * (time.perf_counter() - t0)
 
@@ -368,7 +328,8 @@ class Engine:
         raw_dim = inputs[0].raw_action_dim
         plan = self._plan(opts)
         if self.config.cuda_graph:
-            out = self._graph_loop(x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim)
+            out = self._graph_loop(x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim,
+                                   exact=exact)
         else:
             out = self._loop(x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim)
         self._prefetch_noise()
@@ -400,28 +361,15 @@ class Engine:
         b = self.config.prompt_bucket
         return -(-tokens // b) * b if b else tokens
 
-    def _pad_prefixes(self, conds: list[_Seq], unconds: list[_Seq]) -> tuple[list[_Seq], list[_Seq]]:
-        """Every sequence's Reasoner K/V left-padded with zeros to one bucketed width, with a key mask marking
-        its real tokens. Zeros, not garbage: a masked key's value still enters the kernel's arithmetic."""
+    def _pad_prefixes(self, conds: list[_Seq], unconds: list[_Seq], width: int | None = None
+                      ) -> tuple[list[_Seq], list[_Seq]]:
+        """Every sequence's Reasoner K/V left-padded with zeros to one width (default: the batch's bucket), with
+        a key mask marking its real tokens (see PaddedPrefixes)."""
         seqs = conds + unconds
-        width = self._padded_length(max(s.kv.length for s in seqs))
-        out = [_Seq(s.request, self._padded_kv(s.kv, width), s.rope) for s in seqs]
+        width = width or self._padded_length(max(s.kv.length for s in seqs))
+        out = [_Seq(s.request, self.padded_prefixes.get(s.kv, width), s.rope) for s in seqs]
         return out[: len(conds)], out[len(conds):]
 
-    def _padded_kv(self, kv: ReasonerKV, width: int) -> ReasonerKV:
-        key = (id(kv), width)
-        hit = self._padded.get(key)
-        if hit is not None and hit[0] is kv:
-            self._padded.move_to_end(key)
-            return hit[1]
-        pad = width - kv.length
-        padded = ReasonerKV([torch.nn.functional.pad(k, (0, 0, pad, 0)) for k in kv.keys],
-                            [torch.nn.functional.pad(v, (0, 0, pad, 0)) for v in kv.values],
-                            key_mask=(torch.arange(width, device=self.device) >= pad)[None])
-        self._padded[key] = (kv, padded)
-        while len(self._padded) > self.config.kv_cache_size:
-            self._padded.popitem(last=False)
-        return padded
 
     def _plan(self, opts: SamplingOptions):
         """Solver coefficients per (schedule, steps, shift, solver), built once: building a UniPC plan
@@ -458,7 +406,7 @@ class Engine:
         """Per layer, one [S, H, Umax + G, d] key and value buffer per batch: the Reasoner prefixes
         (left-padded, K/V heads already repeated for GQA) are written once here; each step writes the
         Generator K/V behind them from inside the compiled projection, so no per-step cat or expand."""
-        keys, values, offsets = _left_pad_kv([s.kv for s in seqs])
+        keys, values, offsets = left_pad_kv([s.kv for s in seqs])
         cfg = self.model.config
         groups, g_len = cfg.kv_groups, seqs[0].rope.cos.shape[1]
         umax = keys[0].shape[2]
@@ -547,20 +495,43 @@ class Engine:
                 x_a = torch.where(torch.arange(x_a.shape[-1], device=x_a.device) < raw_dim, x_a, 0.0)
         return x_v, x_a
 
-    def _graph_loop(self, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim):
-        lengths = self._bucket_lengths(conds, unconds)
+    # Serve a bucket the cache lacks from a larger captured one (GraphKey.serves); CFG-parallel ranks must
+    # decide in lockstep, so they keep exact buckets.
+    reuse_compatible_graphs = True
+
+    @contextmanager
+    def capturing_exact_buckets(self) -> Iterator[None]:
+        """Warm-up: capture every bucket met, not a compatible larger one (a batch of 1 replaying the batch-8
+        graph would cost 8 requests' compute on every call)."""
+        saved = self.reuse_compatible_graphs
+        self.reuse_compatible_graphs = False
+        try:
+            yield
+        finally:
+            self.reuse_compatible_graphs = saved
+
+    def _graph_key(self, x_v, x_a, conds, unconds, timesteps, cfg_steps, opts, raw_dim) -> GraphKey:
         # Masks and domain ids are fixed by the contract, so the contract (not tensor values, which would
         # need a host sync) identifies them.
-        key = (tuple(x_v.shape), tuple(x_a.shape), lengths, tuple(timesteps), tuple(cfg_steps), opts.guidance,
-               opts.solver, raw_dim, self.contract)
+        return GraphKey(x_v.shape[0], tuple(x_v.shape[1:]), tuple(x_a.shape[1:]), self._bucket_lengths(conds, unconds),
+                        (tuple(timesteps), tuple(cfg_steps), opts.guidance, opts.solver, raw_dim, self.contract),
+                        bucketed=bool(self.config.prompt_bucket))
+
+    def _graph_loop(self, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim, *,
+                    exact=None):
+        n = x_v.shape[0]
+        key = self._graph_key(x_v, x_a, conds, unconds, timesteps, cfg_steps, opts, raw_dim)
         entry = self.graphs.get(key)
+        if entry is None and self.reuse_compatible_graphs and exact is not None:
+            larger = self.graphs.compatible(key)
+            if larger is not None:
+                x_v, x_a, static, conds, unconds = self._fit_rows(larger, x_v, x_a, static, *exact)
+                key, entry = larger, self.graphs.get(larger)
         if entry is None:
-            entry = self._capture(x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim)
-            self.graphs[key] = entry
-            while len(self.graphs) > self.config.graph_cache_size:
-                self.graphs.popitem(last=False)
-        else:
-            self.graphs.move_to_end(key)
+            with CaptureTimer(self.device) as timer:
+                entry = self._capture(x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim)
+            entry.seconds, entry.nbytes = timer.seconds, timer.nbytes
+            self.graphs.add(key, entry)
         ins = entry.inputs
         ins["x_v"].copy_(x_v)
         ins["x_a"].copy_(x_a)
@@ -570,12 +541,27 @@ class Engine:
                                  src.kv.keys + src.kv.values + [src.rope.cos, src.rope.sin] + masks[1])
         entry.graph.replay()
         assert entry.outputs is not None
-        return entry.outputs[0].clone(), entry.outputs[1].clone()
+        return entry.outputs[0][:n].clone(), entry.outputs[1][:n].clone()
 
-    def _capture(self, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim) -> _Graph:
+    def _fit_rows(self, key: GraphKey, x_v, x_a, static, conds: list[_Seq], unconds: list[_Seq]):
+        """A batch grown to `key`'s rows (copies of its last request; their results are dropped) with its exact
+        prefixes padded to `key`'s width. (The captured static inputs keep their own values: masks and domain ids
+        are the contract's, the same for every row.)"""
+        n, m = x_v.shape[0], key.batch
+
+        def grow(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t[-1:].expand(m - n, *t.shape[1:])]) if m > n else t
+
+        def grow_seqs(seqs: list[_Seq]) -> list[_Seq]:
+            return seqs + [_Seq(r, seqs[-1].kv, seqs[-1].rope) for r in range(n, m)] if seqs else seqs
+
+        conds, unconds = self._pad_prefixes(grow_seqs(conds), grow_seqs(unconds), width=key.width)
+        return grow(x_v), grow(x_a), {k: grow(v) for k, v in static.items()}, conds, unconds
+
+    def _capture(self, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim) -> CapturedGraph:
         log.info("capturing a CUDA graph for bucket vision %s, prefixes %s", tuple(x_v.shape),
                  [s.kv.length for s in conds + unconds])
-        entry = _Graph()
+        entry = CapturedGraph()
 
         def clone_seq(s: _Seq) -> _Seq:
             mask = s.kv.key_mask.clone() if s.kv.key_mask is not None else None
@@ -615,7 +601,7 @@ class Engine:
         entry.keepalive = (plan, run, arena)
         return entry
 
-    def _record(self, entry: _Graph, run) -> tuple[torch.Tensor, torch.Tensor]:
+    def _record(self, entry: CapturedGraph, run) -> tuple[torch.Tensor, torch.Tensor]:
         """Warm `run` up on a side stream, then capture it into `entry.graph` in the pool every graph shares.
         (The only CUDA-specific step of capture: tests stand in for it on the CPU.)"""
         if self._graph_pool is None:
@@ -654,6 +640,10 @@ class Engine:
             x_a, hist_a = plan.step(i, x_a, v_act, hist_a)
             x_a = torch.where(cols, x_a, 0.0)
         return x_v, x_a
+
+
+def _prefix_lengths(inp: DenoiseInputs) -> tuple[int, int]:
+    return inp.cond.input_ids.shape[1], inp.uncond.input_ids.shape[1] if inp.uncond is not None else 0
 
 
 def _select(tok: GeneratorTokens, rows: list[int]) -> GeneratorTokens:

@@ -31,6 +31,8 @@ class _Step:
 class CfgParallelEngine(Engine):
     """`Engine` for one rank of a 2-rank CFG-parallel group (the default process group)."""
 
+    reuse_compatible_graphs = False  # both ranks must capture and replay the same buckets in lockstep
+
     def __init__(self, *args, group: dist.ProcessGroup | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.group = group

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+_CAPTURE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -41,5 +46,29 @@ class Metrics:
             if stage in timing_ms:
                 self.stage_seconds.labels(stage.removesuffix("_ms")).observe(timing_ms[stage] / 1e3)
 
+    def watch_graphs(self, stats: Callable[[], dict[str, Any]]) -> None:
+        """Export the engine's CUDA-graph cache (`Engine.graph_stats`) on every scrape."""
+        self.registry.register(_GraphCollector(stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _GraphCollector:
+    """wamrt_graph_captures_total, wamrt_graph_evictions_total, wamrt_graph_cache_entries / _bytes and the
+    wamrt_graph_capture_seconds histogram, from the engine's own counters (it owns the truth; no double books)."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        yield CounterMetricFamily("wamrt_graph_captures", "CUDA graphs captured, warm-up included", value=s["captures"])
+        yield CounterMetricFamily("wamrt_graph_evictions", "CUDA graphs evicted from the cache", value=s["evictions"])
+        yield GaugeMetricFamily("wamrt_graph_cache_entries", "CUDA graphs held", value=s["entries"])
+        yield GaugeMetricFamily("wamrt_graph_cache_bytes", "Device memory the held graphs' captures added",
+                                value=s["bytes"])
+        secs = s["capture_seconds"]
+        buckets = [(str(b), sum(x <= b for x in secs)) for b in _CAPTURE_BUCKETS] + [("+Inf", len(secs))]
+        yield HistogramMetricFamily("wamrt_graph_capture_seconds", "Wall time of one capture (warm-up + record)",
+                                    buckets=buckets, sum_value=sum(secs))

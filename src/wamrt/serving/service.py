@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -58,6 +59,8 @@ class Service:
     def __init__(self, policy: BatchPolicy, config: ServeConfig) -> None:
         self.policy, self.config = policy, config
         self.metrics = Metrics(config.max_batch)
+        if hasattr(policy, "graph_stats"):  # the fast engine: CUDA-graph cache metrics, read at scrape time
+            self.metrics.watch_graphs(policy.graph_stats)
         self.safety = SafetyEnvelope.load(config.safety_file) if config.safety_file else None
         self.defaults = config.sampler_defaults()
         self.batcher: Batcher | None = None
@@ -76,18 +79,20 @@ class Service:
         """Run the configured warm-up requests through the real path; /readyz turns 200 afterwards."""
         from ..sample import sample_observation
 
+        exact = getattr(self.policy, "capturing_exact_buckets", contextlib.nullcontext)
         try:
             assert self.batcher is not None
-            if (self._policy_meta.get("engine") or {}).get("cuda_graph"):
-                # The engine captures one CUDA graph per batch size on first use: submit k requests at
-                # once for every k up to max_batch so the batcher forms those batches now, before the
-                # first lanes arrive, rather than stalling them with captures. Largest first: the first
-                # capture then sizes the K/V arena every later graph shares.
-                for k in range(self.config.max_batch, 1, -1):
-                    await asyncio.gather(*(self.batcher.run(Job(sample_observation(j), 0, dict(self.defaults)))
-                                           for j in range(k)))
-            for i in range(self.config.warmup_requests):
-                await self.batcher.run(Job(sample_observation(i), 0, dict(self.defaults)))
+            with exact():
+                if (self._policy_meta.get("engine") or {}).get("cuda_graph"):
+                    # The engine captures one CUDA graph per batch size on first use: submit k requests at
+                    # once for every k up to max_batch so the batcher forms those batches now, before the
+                    # first lanes arrive, rather than stalling them with captures. Largest first: the first
+                    # capture then sizes the K/V arena every later graph shares.
+                    for k in range(self.config.max_batch, 1, -1):
+                        await asyncio.gather(*(self.batcher.run(Job(sample_observation(j), 0, dict(self.defaults)))
+                                               for j in range(k)))
+                for i in range(self.config.warmup_requests):
+                    await self.batcher.run(Job(sample_observation(i), 0, dict(self.defaults)))
             self.ready = True
         except Exception as exc:  # keep serving /healthz; /readyz reports the failure
             self.warmup_error = f"{type(exc).__name__}: {exc}"
@@ -101,6 +106,8 @@ class Service:
     def handshake(self) -> dict[str, Any]:
         """Superset of the openpi / RoboArena / vLLM-Omni handshake fields (protocols.md §12.1)."""
         pm = self._policy_meta
+        if hasattr(self.policy, "graph_stats"):  # the buckets captured so far (the startup copy predates warm-up)
+            pm = {**pm, "engine": {**pm.get("engine", {}), "graphs": self.policy.metadata()["engine"]["graphs"]}}
         d = {"steps": pm.get("num_steps"), "guidance": pm.get("guidance"), "shift": pm.get("shift"),
                 "guidance_interval": pm.get("guidance_interval"), **self.defaults}
         gi = d.get("guidance_interval")

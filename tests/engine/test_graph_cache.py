@@ -1,0 +1,64 @@
+"""The CUDA-graph cache on its own: LRU by count and by bytes, counters, and which bucket serves which batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from wamrt.engine.graph_cache import CapturedGraph, GraphCache, GraphKey
+
+SAMPLER = ((999.0, 500.0), (True, True), 3.0, "unipc", 8, "droid")
+
+
+def key(batch: int, width: int = 448, *, cfg: bool = True, bucketed: bool = True, sampler=SAMPLER) -> GraphKey:
+    return GraphKey(batch, (48, 9, 16, 18), (33, 64), (width,) * (batch * (2 if cfg else 1)), sampler, bucketed)
+
+
+def entry(nbytes: int = 0, seconds: float = 0.5) -> CapturedGraph:
+    return CapturedGraph(nbytes=nbytes, seconds=seconds)
+
+
+def test_lru_by_count_counts_evictions_and_keeps_the_newest():
+    cache = GraphCache(max_entries=2)
+    for b in (1, 2, 3):
+        cache.add(key(b), entry())
+    assert list(cache) == [key(2), key(3)] and cache.evictions == 1 and cache.captures == 3
+    assert cache.get(key(2)) is not None  # touched: key(3) is now the least recently used
+    cache.add(key(4), entry())
+    assert list(cache) == [key(2), key(4)] and cache.evictions == 2
+
+
+def test_lru_by_bytes_never_evicts_the_entry_just_added():
+    cache = GraphCache(max_entries=10, max_bytes=100)
+    cache.add(key(1), entry(nbytes=60))
+    cache.add(key(2), entry(nbytes=60))  # 120 > 100: the older one goes
+    assert list(cache) == [key(2)] and cache.nbytes == 60 and cache.evictions == 1
+    cache.add(key(3), entry(nbytes=500))  # over the bound alone: still kept, so the request runs
+    assert list(cache) == [key(3)]
+    stats = cache.stats()
+    assert stats == {"captures": 3, "entries": 1, "bytes": 500, "evictions": 2, "compatible_hits": 0,
+                     "capture_seconds": [0.5, 0.5, 0.5]}
+
+
+def test_bounds_are_checked():
+    with pytest.raises(ValueError, match="graph_cache_size"):
+        GraphCache(max_entries=0)
+    with pytest.raises(ValueError, match="graph_cache_bytes"):
+        GraphCache(max_entries=1, max_bytes=-1)
+
+
+def test_a_larger_or_wider_bucket_serves_a_batch_and_the_cheapest_is_chosen():
+    assert key(4).serves(key(2)) and key(4, 512).serves(key(4, 448))
+    assert not key(2).serves(key(4))  # fewer rows
+    assert not key(4, 384).serves(key(4, 448))  # narrower prefixes
+    assert not key(4, cfg=False).serves(key(2))  # another branch structure (no CFG)
+    assert not key(4, sampler=SAMPLER[:2] + (1.0,) + SAMPLER[3:]).serves(key(2))  # another sampler
+    assert not key(4, bucketed=False).serves(key(2, bucketed=False))  # exact lengths: nothing to pad with
+    cache = GraphCache(max_entries=8)
+    for k in (key(8), key(4, 512), key(4), key(2)):
+        cache.add(k, entry())
+    assert cache.compatible(key(3)) == key(4)  # fewest rows first, then the narrowest width
+    assert cache.compatible(key(3, 500)) == key(4, 512)
+    assert cache.compatible(key(9)) is None
+    assert cache.compatible_hits == 2
+    assert key(4).describe() == {"batch": 4, "prefix_width": 448, "latent": [48, 9, 16, 18], "steps": 2,
+                                 "cfg_steps": 2}
