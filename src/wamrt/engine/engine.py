@@ -86,10 +86,10 @@ class EngineConfig:
     # > 0: every batch runs as this many rows (copies of its last request fill the rest; their results are
     # dropped). A GPU kernel's result for one row depends on the batch's shape (cuBLAS and cuDNN pick
     # algorithms, tiles and splits by shape), not on the other rows' values, so at one fixed shape a request's
-    # actions no longer depend on which requests the batcher happened to group it with: a rollout replays bit
-    # for bit, which a paired gate needs (2026-12-01: 16 lanes of unpadded batches turned 19 of 200 self-vs-self
-    # episodes). Costs the full batch's compute on every call. Within one prompt bucket (a batch whose longest
-    # instruction crosses into the next bucket has another shape).
+    # actions should not depend on which requests the batcher grouped it with -- what a paired gate needs
+    # (2026-12-01: 16 lanes of unpadded batches turned 19 of 200 self-vs-self episodes). Measured on the H200 the
+    # same day, padded replays still turned 26 of 200, so another source remains (issue 12). Costs the full
+    # batch's compute on every call. Within one prompt bucket (a longer instruction can change the width).
     pad_batch: int = 0
 
 
@@ -369,7 +369,6 @@ class Engine:
         width = width or self._padded_length(max(s.kv.length for s in seqs))
         out = [_Seq(s.request, self.padded_prefixes.get(s.kv, width), s.rope) for s in seqs]
         return out[: len(conds)], out[len(conds):]
-
 
     def _plan(self, opts: SamplingOptions):
         """Solver coefficients per (schedule, steps, shift, solver), built once: building a UniPC plan
