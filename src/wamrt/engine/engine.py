@@ -524,7 +524,7 @@ class Engine:
         if entry is None and self.reuse_compatible_graphs and exact is not None:
             larger = self.graphs.compatible(key)
             if larger is not None:
-                x_v, x_a, static, conds, unconds = self._fit_rows(larger, x_v, x_a, static, *exact)
+                x_v, x_a, conds, unconds = self._fit_rows(larger, x_v, x_a, *exact)
                 key, entry = larger, self.graphs.get(larger)
         if entry is None:
             with CaptureTimer(self.device) as timer:
@@ -542,10 +542,10 @@ class Engine:
         assert entry.outputs is not None
         return entry.outputs[0][:n].clone(), entry.outputs[1][:n].clone()
 
-    def _fit_rows(self, key: GraphKey, x_v, x_a, static, conds: list[_Seq], unconds: list[_Seq]):
+    def _fit_rows(self, key: GraphKey, x_v, x_a, conds: list[_Seq], unconds: list[_Seq]):
         """A batch grown to `key`'s rows (copies of its last request; their results are dropped) with its exact
-        prefixes padded to `key`'s width. (The captured static inputs keep their own values: masks and domain ids
-        are the contract's, the same for every row.)"""
+        prefixes padded to `key`'s width. Only what a replay copies in: the captured static inputs (noisy masks,
+        domain ids) are the contract's, the same for every row."""
         n, m = x_v.shape[0], key.batch
 
         def grow(t: torch.Tensor) -> torch.Tensor:
@@ -555,7 +555,7 @@ class Engine:
             return seqs + [_Seq(r, seqs[-1].kv, seqs[-1].rope) for r in range(n, m)] if seqs else seqs
 
         conds, unconds = self._pad_prefixes(grow_seqs(conds), grow_seqs(unconds), width=key.width)
-        return grow(x_v), grow(x_a), {k: grow(v) for k, v in static.items()}, conds, unconds
+        return grow(x_v), grow(x_a), conds, unconds
 
     def _capture(self, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim) -> CapturedGraph:
         log.info("capturing a CUDA graph for bucket vision %s, prefixes %s", tuple(x_v.shape),
