@@ -12,7 +12,7 @@
 # 1000..1000+SEL_EPISODES, evaluation and its gates 0..EVAL_EPISODES-1: neither was trained on.
 # Knobs (env): DEMOS DEMO_S WORKERS DART_NOISE PHASES PHASE_MIN_<p> INIT BATCH VARIANTS VARIANT_<v> DEMOS_<v>
 #   TRAIN_ARGS SEL_EPISODES SEL_LANES EVAL_EPISODES LANES EVAL_S GATES GATE_S BATCH_INVARIANT OTHER_TASKS
-#   OTHER_EPISODES ROLL_ARGS WAIT_S
+#   OTHER_EPISODES ROLL_ARGS WAIT_S THEN
 #   PY (absolute) SKIP_INSTALL=1 (local test: the current env) WORK OUT. A local smoke test of the whole flow on a CPU:
 #   SKIP_INSTALL=1 PY=$PWD/.venv/bin/python DEMOS=3 DEMO_S=20 WORKERS=1 PHASE_MIN_A=0.2 PHASE_MIN_B=0.2 BATCH=4 \
 #   INIT= TRAIN_ARGS="--size tiny-qwen" SEL_EPISODES=2 SEL_LANES=2 EVAL_EPISODES=2 LANES=2 OTHER_EPISODES=1 \
@@ -20,6 +20,7 @@
 # $OUT gets: summary.txt, results.tgz (every rollout / gate JSON, logs, train logs), checkpoint-<v>.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export REPO=${REPO:-$PWD}  # the tree the device calls send (the pipeline itself runs from a snapshot of it)
 T0=${T0:-$(date +%s)}
 export T0
 OUT=${OUT:-/tmp/out}
@@ -59,8 +60,14 @@ EVAL_S=${EVAL_S:-200}
 GATE_S=${GATE_S:-240}  # 150 s was too short on 2026-12-01: a 200-episode set took 177 s at 28% success
 OTHER_EPISODES=${OTHER_EPISODES:-50}
 OTHER_TASKS=${OTHER_TASKS-"lift pick_place_two"}
-GATES=${GATES:-"self steps1 steps2 interval gen-fp8 guidance0"}  # in this order, as far as device time goes
-BATCH_INVARIANT=${BATCH_INVARIANT:-}  # 1: servers pad every batch (bit-exact replays; see scripts/gpu_lib.sh)
+# In this order, as far as device time goes. nonorm = the served checkpoint with its action normalization
+# stripped from wamrt.json (a deployment that lost its statistics): the broken candidate a gate must fail.
+# steps1 / guidance0 were no broken candidates for this policy (2026-12-01: -5.0 points each).
+GATES=${GATES:-"self nonorm gen-fp8 steps2 interval"}
+# 1 (default): servers compute every request alone (wamrt serve --batch-invariant), so rollouts replay bit for
+# bit and a gate compares like with like; empty: batched serving (2026-12-01: 26 of 200 self pairs turned).
+BATCH_INVARIANT=${BATCH_INVARIANT-1}
+THEN=${THEN:-}  # scripts/gpu_run.sh parts to run once the evaluation is done (packed into $OUT)
 WAIT_S=${WAIT_S:-570}
 TRAIN_ARGS=${TRAIN_ARGS:-}  # appended to every variant (local tests: --size tiny-qwen)
 ROLL_ARGS=${ROLL_ARGS:-}    # appended to every rollout and gate (local tests: --max-steps 16)
@@ -71,7 +78,8 @@ wamrt() { "$PY" -m wamrt.cli "$@"; }
 
 collect() {  # copy what exists now into $OUT (small files; at most 8 come back)
   cp "$RES/summary.txt" "$OUT/summary.txt" 2>/dev/null
-  tar czf "$OUT/results.tgz" -C "$RES" --exclude='*.npz' . 2>/dev/null
+  tar czf "$OUT/results.tgz" -C "$RES" --exclude='*.npz' --exclude=parts . 2>/dev/null
+  cp "$RES"/parts/*.tgz "$OUT/" 2>/dev/null
   local v m best
   for v in $VARIANTS; do
     [ -z "${EVAL_CKPT:-}" ] && [ -f "$WORK/ckpt-$v/wamrt.json" ] \
@@ -102,7 +110,8 @@ gate() {  # gate NAME CANDIDATE_SPEC: paired with the recorded baseline rollout 
   log "gate $1: candidate $2"
   timeout "$GATE_S" "$PY" -m wamrt.cli eval gate --task pick_place --episodes "$EVAL_EPISODES" --lanes "$LANES" \
     --seed0 0 --baseline "$BASE" --candidate "$2" --out "$RES/gate-$1.json" $ROLL_ARGS > "$RES/gate-$1.txt" 2>&1
-  grep -E "^(candidate|difference|verdict)" "$RES/gate-$1.txt" | tr '\n' ' ' | sed "s/^/  $1: /" | tee -a "$RES/summary.txt"
+  grep -E "^(candidate|discordant|difference|verdict|replay)" "$RES/gate-$1.txt" | tr '\n' ' ' | sed "s/^/  $1: /" \
+    | tee -a "$RES/summary.txt"
   echo | tee -a "$RES/summary.txt"
 }
 
@@ -216,6 +225,12 @@ evaluate() {  # CKPT served as SERVED (already up, or started here), then the ba
   URL=ws://127.0.0.1:${!pb}
   # ---- evaluation through the server: baseline rollout, then the paired gates -----------------------------
   # The gen-fp8 server compiles and warms up while the baseline runs (it took 117 s when started later).
+  if [[ " $GATES " == *" nonorm "* ]]; then
+    rm -rf "$WORK/nonorm"; cp -r "$CKPT" "$WORK/nonorm"
+    "$PY" -c "import json, sys; p = sys.argv[1] + '/wamrt.json'; c = json.load(open(p))
+c.pop('action_normalization', None); json.dump(c, open(p, 'w'), indent=2)" "$WORK/nonorm" \
+      && serve_launch nonorm "$WORK/nonorm" 8772 "$LANES"
+  fi
   if [[ " $GATES " == *" gen-fp8 "* ]]; then
     "$PY" -m wamrt.cli quantize --model "$CKPT" --recipe gen-fp8 --out "$WORK/gen-fp8" > "$RES/quantize.txt" 2>&1 \
       && serve_launch fp8 "$WORK/gen-fp8" 8771 "$LANES"
@@ -239,6 +254,7 @@ evaluate() {  # CKPT served as SERVED (already up, or started here), then the ba
 t = S(steps=4).make_schedule().timesteps.tolist(); print(f'{int(t[1])}-{int(t[0]) + 1}')")
         gate interval "$URL:guidance_interval=$iv" ;;
       gen-fp8) [ -n "${SRV_fp8:-}" ] && serve_ready fp8 && gate gen-fp8 ws://127.0.0.1:8771; serve_stop fp8 ;;
+      nonorm) [ -n "${SRV_nonorm:-}" ] && serve_ready nonorm && gate nonorm ws://127.0.0.1:8772; serve_stop nonorm ;;
       guidance0) gate guidance0 "$URL:guidance=0" ;;
       *) log "unknown gate $g" ;;
     esac
@@ -263,6 +279,12 @@ run_pipeline() {
     train_and_select || return 1
   fi
   evaluate
+  if [ -n "$THEN" ]; then  # the GPU is free now: the benchmark parts, from the tree the latest call sent
+    log "then: scripts/gpu_run.sh $THEN"
+    # shellcheck disable=SC2086
+    (cd "$REPO" && OUT=$RES/parts bash scripts/gpu_run.sh $THEN > "$RES/parts.txt" 2>&1)
+    log "then: done; $(grep -E '^part ' "$RES/parts.txt" | tr '\n' ' ')"
+  fi
 }
 
 case ${1:-start} in

@@ -2,9 +2,11 @@
 # Runs on the lent H200 (its own python3 with torch; diffusers carried as a wheel in .whl/).
 # Usage: WAMRT_GIT_SHA=<sha> bash scripts/gpu_run.sh PART[:SECONDS]...
 #   parts: smoke edge nano tests load quant-edge quant-nano (lossy rows E6-E8 + quality, issue 7)
-#          rows-edge rows-nano (E5 and its untimed alternatives in one process: E5-bucket, E5-mask, E5-autotune;
-#          autotuning can take minutes at Nano, so give it a part of its own, e.g. rows-nano:560)
-# `load` also needs the server stack as wheels in .whl/ (starlette, uvicorn, websockets, python-multipart).
+#          rows-edge rows-nano (E5 and its alternatives timed in one process; ROWS, default E5,E5-bucket,E5-bucket-mask
+#          (issue 13: prompt buckets against exact lengths); E5-mask, E5-autotune on request -- autotuning can take
+#          minutes at Nano, so give it a part of its own, e.g. rows-nano:560)
+# `load` also needs the server stack as wheels in .whl/ (starlette, uvicorn, websockets, python-multipart);
+#   LOAD_REQUESTS (default 100) sizes each of its rows (1, 4, 8 lanes, mixed instructions).
 # Each part is killed after SECONDS (default 540) and packed whatever it finished.
 # Everything it measures is packed into $OUT/<part>.tgz (the device tool returns few files).
 set -uo pipefail
@@ -31,19 +33,28 @@ for spec in "$@"; do
              --lossy-rows E6,E7,E8 --quality --trace --out "$res" 2>&1 | tee "$res/log.txt"
           timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/quant 2>&1 | tail -15 | tee -a "$res/log.txt" ;;
     rows-edge|rows-nano)
-          wamrt bench latency --model "${part#rows-}" --rows E5,E5-bucket,E5-mask,E5-autotune \
-             --full-rows E5,E5-bucket,E5-mask,E5-autotune --steps 4 \
+          wamrt bench latency --model "${part#rows-}" --rows "${ROWS:-E5,E5-bucket,E5-bucket-mask}" \
+             --full-rows "${ROWS:-E5,E5-bucket,E5-bucket-mask}" --steps 4 \
              --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" --out "$res" 2>&1 | tee "$res/log.txt" ;;
-    load) python3 -m wamrt.cli serve --model random:nano --max-batch 8 --max-wait-ms 10 --max-queue 64 \
-             --warmup 1 --port 8765 > "$res/server.txt" 2>&1 &
+    load) # Issue 13: lanes cycle through twelve instructions of 118-152 tokens (`--prompts mixed`, variable-length
+          # tokenizer of random:nano); every prefix is padded to the declared width 192 (3 x 64-token buckets),
+          # so warm-up's captures (batch 8..1 at width 192) serve every mix: graph_captures_after_warmup must be 0.
+          python3 -m wamrt.cli serve --model random:nano --max-batch 8 --max-wait-ms 10 --max-queue 64 \
+             --prompt-bucket 64 --prompt-width 192 --warmup 1 --port 8765 > "$res/server.txt" 2>&1 &
           srv=$!
-          for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8765/readyz >/dev/null && break; sleep 2; done
-          for lanes in 1 2 4 8; do
+          for _ in $(seq 1 150); do curl -sf http://127.0.0.1:8765/readyz >/dev/null && break; sleep 2; done
+          echo "server ready after $(( $(date +%s) - t0 )) s" | tee "$res/log.txt"
+          for lanes in 1 4 8; do
             base=(); [ "$lanes" != 1 ] && base=(--baseline "$res/nano-load-1.json")
-            timeout 120 python3 -m wamrt.cli bench load --url ws://127.0.0.1:8765 --lanes "$lanes" \
-              --seconds "${LOAD_SECONDS:-20}" --model nano "${base[@]}" --out "$res/nano-load-$lanes.json" 2>&1 \
-              | tee -a "$res/log.txt"
+            # ~100 requests at ~1.45 req/s is ~70 s. Cap each row (measured time; its lanes' warm-up and the 60 s of
+            # slack come on top) by what is left of the part's limit.
+            left=$(( limit - 60 - ($(date +%s) - t0) )); cap=$(( left < 140 ? left : 140 ))
+            [ "$cap" -lt 30 ] && { echo "skipping $lanes lanes: ${left} s left" | tee -a "$res/log.txt"; continue; }
+            timeout $(( cap + 60 )) python3 -m wamrt.cli bench load --url ws://127.0.0.1:8765 --lanes "$lanes" \
+              --prompts mixed --requests "${LOAD_REQUESTS:-100}" --seconds "$cap" --model nano "${base[@]}" \
+              --out "$res/nano-load-$lanes.json" 2>&1 | tee -a "$res/log.txt"
           done
+          curl -s http://127.0.0.1:8765/metrics | grep '^wamrt_graph' > "$res/graph-metrics.txt"
           kill "$srv"; wait "$srv" ;;
     x2) # nvidia-h200-x2 (issue 8). Multicast stays off in every process (the bench/test set it again).
         export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -62,7 +73,7 @@ for spec in "$@"; do
         echo "super tp gets ${left} s" | tee -a "$res/log.txt"
         timeout "$left" python3 -m wamrt.cli bench parallel --model super --parallel tp --gpus 2 --steps 4 \
           --warmup 5 --runs 20 --serve-seconds 20 --out "$res" 2>&1 | tee -a "$res/log.txt" ;;
-    tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_engine_gpu.py tests/sampler 2>&1 \
+    tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_engine_gpu.py tests/engine/test_bucket_attention.py tests/sampler 2>&1 \
              | tee "$res/log.txt" ;;
   esac
   echo "part $part took $(( $(date +%s) - t0 )) s"

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .eval.replay import compare_traces, parse_traces
+from .eval.replay import describe as describe_replay
+
 EXPERT = "expert"
 # Sampling overrides a SPEC may set, with their parsers (guidance_interval is "LO-HI": "," separates keys).
 SPEC_KEYS: dict[str, Any] = {
@@ -189,6 +192,7 @@ class Side:
     config: dict[str, Any]
     gpu: str = "cpu"
     outcomes: list[bool] | None = None  # already known (a recorded rollout): nothing to run
+    traces: list[list[str]] | None = None  # its per-seed request digests, if it recorded them
 
 
 def recorded_side(path: str, task: str, seeds: list[int]) -> Side:
@@ -205,8 +209,9 @@ def recorded_side(path: str, task: str, seeds: list[int]) -> Side:
     if res.get("task") != task or got != seeds:
         raise UsageError(f"{path} holds task {res.get('task')!r} seeds {got[:1]}..{got[-1:]}; the gate needs "
                          f"{task!r} seeds {seeds[0]}..{seeds[-1]}")
+    traces = parse_traces(res["traces"]) if "traces" in res else None
     return Side(path, lambda: None, "recorded", {**res.get("config", {}), "recorded": path},
-                res.get("gpu", "cpu"), [bool(x) for x in res["outcomes"]])
+                res.get("gpu", "cpu"), [bool(x) for x in res["outcomes"]], traces)
 
 
 def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: dict[str, Any]) -> Side:
@@ -332,9 +337,14 @@ def run_gate(args: argparse.Namespace) -> int:
                  else _load_side(parse_spec(s), s, args, cache) for s in (args.baseline, args.candidate)]
     except UsageError as e:
         return _error(str(e))
-    base_ok, cand_ok = (side.outcomes if side.outcomes is not None
-                        else [r.success for r in _run_side(side, args, seeds)] for side in sides)
+    for side in sides:
+        if side.outcomes is None:
+            results = _run_side(side, args, seeds)
+            side.outcomes = [r.success for r in results]
+            side.traces = [r.trace for r in results] if any(r.trace for r in results) else None
+    base_ok, cand_ok = sides[0].outcomes, sides[1].outcomes
     d = gate(base_ok, cand_ok, alpha=args.alpha, margin=args.margin)
+    replay = compare_traces(sides[0].traces, sides[1].traces) if sides[0].traces and sides[1].traces else None
     print(_rate_line(f"baseline  {args.baseline}", sum(base_ok), len(seeds)))
     print(_rate_line(f"candidate {args.candidate}", sum(cand_ok), len(seeds)))
     lo, hi = d.diff_ci95
@@ -342,12 +352,14 @@ def run_gate(args: argparse.Namespace) -> int:
           f"exact McNemar p = {d.p_value:.4g}")
     print(f"difference {d.diff:+.1%} (95% CI {lo:+.1%} .. {hi:+.1%}, margin {args.margin:.1%})")
     print(f"verdict: {d.verdict}")
+    if replay is not None:
+        print(describe_replay(replay))
     if args.out:
         config = {"baseline": sides[0].config, "candidate": sides[1].config, "alpha": args.alpha,
                   "margin": args.margin}
         gpu = next((s.gpu for s in sides if s.gpu != "cpu"), "cpu")
         res = gate_result(args.task, args.baseline, args.candidate, seeds, base_ok, cand_ok, d, config,
-                          gpu=gpu)
+                          gpu=gpu, replay=replay)
         print(f"wrote {write_result(res, args.out)}")
     return 1 if args.require_pass and d.verdict != "pass" else 0
 

@@ -10,6 +10,8 @@ from wamrt.engine import Engine, EngineConfig
 from wamrt.sample import sample_observation
 
 TOL = 2e-5  # fp32, different summation orders (batched GEMMs, per-sequence attention)
+SHORT = "pick up the cube"
+LONG = "pick up the red cube and put it on the blue pad, then push the green cylinder next to the yellow bowl"
 
 
 @pytest.fixture(scope="module")
@@ -72,23 +74,32 @@ def test_server_seed_sequence_counts_a_failing_request(policy):
     assert (got[0].seed, got[2].seed) == (want[0], want[2])
 
 
-def test_padded_batches_make_a_request_independent_of_its_batch_mates(policy):
-    """pad_batch: a request's actions are bit-identical whichever requests share its batch, and equal the
-    reference within the usual tolerance. (On the CPU a row's position in the batch still matters by an ulp --
-    the last block of rows takes another kernel; tests/engine/test_engine_gpu.py checks positions on a GPU.)"""
-    engine = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False, pad_batch=3,
-                                                     prompt_bucket=64))
-    a, b, c = (sample_observation(i) for i in range(3))
+def test_isolated_requests_do_not_depend_on_their_batch_mates_or_position(policy):
+    """isolate_requests (`wamrt serve --batch-invariant`): a request's actions are bit-identical alone, with other
+    requests, and at any position of the batch, and equal the reference within the usual tolerance. (Batched, on
+    the CPU a row's position already matters by an ulp: the last block of rows takes another kernel.)"""
+    engine = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False,
+                                                     isolate_requests=True, prompt_bucket=64))
+    a, b, c = sample_observation(0), _prompted(1, LONG), sample_observation(2)
     alone = engine.infer_batch([a], seeds=[5], steps=2)[0].actions
-    with_b = engine.infer_batch([a, b], seeds=[5, 6], steps=2)[0].actions
-    with_cb = engine.infer_batch([a, c, b], seeds=[5, 7, 6], steps=2)[0].actions
-    assert np.array_equal(alone, with_b) and np.array_equal(alone, with_cb)
+    for batch, seeds, at in (([a, b], [5, 6], 0), ([b, a], [6, 5], 1), ([c, b, a], [7, 6, 5], 2)):
+        assert np.array_equal(engine.infer_batch(batch, seeds=seeds, steps=2)[at].actions, alone), at
     assert np.abs(alone - policy.infer(a, seed=5, steps=2).actions).max() <= TOL
-    assert engine.metadata()["engine"]["pad_batch"] == 3
-    with pytest.raises(ValueError, match="pad_batch"):
-        engine.infer_batch([a, b, c, a], steps=1)
-    with pytest.raises(ValueError, match="pad_batch"):
-        Engine.from_policy(policy, EngineConfig(compile=False, cuda_graph=False, pad_batch=-1))
+    assert engine.metadata()["engine"]["isolate_requests"] is True
+
+
+def test_isolated_requests_never_replay_a_larger_graph(policy):
+    """A compatible larger graph would pad an isolated request to another width (other bits): it gets its own."""
+    graphs = _graph_engine(policy, prompt_bucket=64, isolate_requests=True)
+    with graphs.capturing_exact_buckets():  # warm-up at the wide bucket
+        graphs.infer(_prompted(0, LONG), seed=1, steps=2)
+    first = graphs.infer(_prompted(2, SHORT), seed=6, steps=2).actions
+    widths = sorted(k.width for k in graphs.graphs)
+    assert len(widths) == 2 and widths[0] < widths[1]  # the short prompt captured its own narrower graph
+    assert np.array_equal(graphs.infer(_prompted(2, SHORT), seed=6, steps=2).actions, first)
+    eager = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
+    assert np.abs(first - eager.infer(_prompted(2, SHORT), seed=6, steps=2).actions).max() <= TOL
+    assert graphs.graphs.compatible_hits == 0 and graphs.graphs.captures == 2
 
 
 def test_cuda_graph_needs_cuda(policy):
@@ -240,8 +251,6 @@ def test_prompt_bucket_graph_replays_a_new_prompt_length_correctly_on_cpu(policy
     assert len(bucketed.graphs) == 1 and len(exact.graphs) == 2
 
 
-SHORT = "pick up the cube"
-LONG = "pick up the red cube and put it on the blue pad, then push the green cylinder next to the yellow bowl"
 
 
 def test_graph_key_does_not_depend_on_the_order_requests_arrive_in(policy):

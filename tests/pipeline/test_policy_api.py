@@ -146,8 +146,11 @@ def test_forward_and_inverse_dynamics_from_the_policy_object(policy):
 
 
 def test_random_weights_policy_by_name():
+    from wamrt.pipeline.random_weights import VariableLengthTokenizer
+
     p = load_policy("random:tiny-edge", device="cpu")
     assert p.model.config.hidden_act == "relu2" and "random" in p.name
+    assert isinstance(p.tokenizer, VariableLengthTokenizer)  # served: the token count follows the text
     chunk = p.infer(sample_observation(), seed=0, steps=1)
     assert chunk.actions.shape == (32, 8)
     with pytest.raises(Exception, match="unknown model size"):

@@ -44,11 +44,12 @@ def test_serve_defaults_match_the_issue() -> None:
                                       "--guidance-interval", "960", "1001", "--port", "8123", "--prompt-bucket", "32"])
     cfg = config_from_args(args)
     assert cfg.prompt_bucket == 32
-    assert cfg.engine_settings("cuda:0") == {"prompt_bucket": 32, "pad_batch": 0}  # the engine's defaults otherwise
+    assert cfg.engine_settings("cuda:0") == {"prompt_bucket": 32, "prompt_width": 0,
+                                             "isolate_requests": False}  # engine defaults else
     assert cfg.engine_settings("cpu") == {"attention": "auto", "compile": False, "cuda_graph": False,
-                                          "prompt_bucket": 32, "pad_batch": 0}
+                                          "prompt_bucket": 32, "prompt_width": 0, "isolate_requests": False}
     invariant = config_from_args(build_parser().parse_args(["serve", "--max-batch", "16", "--batch-invariant"]))
-    assert invariant.engine_settings("cuda:0")["pad_batch"] == 16  # every batch padded to max_batch rows
+    assert invariant.engine_settings("cuda:0")["isolate_requests"] is True  # every request computed alone
     assert (cfg.api_key, cfg.max_batch, cfg.max_wait_ms, cfg.max_queue, cfg.port) == ("k", 2, 1.5, 9, 8123)
     assert cfg.sampler_defaults() == {"steps": 2, "guidance": 1.5, "shift": 4.0, "guidance_interval": (960, 1001)}
 

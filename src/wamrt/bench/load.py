@@ -1,10 +1,14 @@
 """`wamrt bench load`: closed-loop lanes over the openpi websocket against a running server.
 
 Each lane is one connection that sends an observation, waits for the reply, and sends the next (like
-one sim env). Reports throughput, p50/p90/p99 latency, the server's batch-size histogram (from the
-replies' `timing.batch_size`) and errors by type. Bounded on purpose: loopback URLs only, at most
-`MAX_LANES` lanes and `MAX_SECONDS` seconds, so it can never be pointed at someone else's server.
-Writes a `kind: load` result (../shared/docs/performance.md) with `--out FILE`.
+one sim env). Lanes cycle through an instruction set (`--prompts`: one fixed instruction, a built-in mix
+of twelve lengths, or a file), each from its own offset, so with several instructions a batch mixes
+prefix lengths as a robot fleet's does. A row runs for `--seconds` or `--requests`. Reports throughput,
+p50/p90/p99 latency, the server's batch-size histogram (from the replies' `timing.batch_size`), the
+distinct instruction token counts the server ran (`metadata.prompt_tokens`), the CUDA graphs it captured
+during the row (`wamrt_graph_captures_total` on its /metrics) and errors by type. Bounded on purpose:
+loopback URLs only, at most `MAX_LANES` lanes and `MAX_SECONDS` seconds, so it can never be pointed at
+someone else's server. Writes a `kind: load` result (../shared/docs/performance.md) with `--out FILE`.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import math
 import platform
 import sys
 import threading
@@ -21,10 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+from urllib.request import Request, urlopen
 
 import numpy as np
 
 from ..provenance import environment
+from .prompts import PROMPT_SETS, load_prompts
 
 MAX_LANES = 64
 MAX_SECONDS = 600.0
@@ -33,8 +40,18 @@ MAX_SECONDS = 600.0
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--url", default="ws://127.0.0.1:8000", help="loopback ws:// URL of a `wamrt serve`")
     ap.add_argument("--lanes", type=int, default=1, help=f"concurrent closed-loop lanes (1..{MAX_LANES})")
-    ap.add_argument("--seconds", type=float, default=10.0, help=f"measured duration (max {MAX_SECONDS:.0f})")
-    ap.add_argument("--warmup-requests", type=int, default=1, help="unmeasured requests per lane first")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help=f"measured duration (max {MAX_SECONDS:.0f}); default 10, or with --requests the cap")
+    ap.add_argument("--requests", type=int, default=None, metavar="N",
+                    help="measure N requests (ceil(N / lanes) per lane) instead of a duration; --seconds caps it "
+                         f"(default {MAX_SECONDS:.0f})")
+    ap.add_argument("--prompts", default="fixed", metavar="|".join(PROMPT_SETS) + "|FILE",
+                    help="instructions the lanes cycle through, each lane from its own offset: fixed = the sample "
+                         "instruction; mixed = twelve built-in robot instructions of different token lengths; "
+                         "FILE = one instruction per line")
+    ap.add_argument("--warmup-requests", type=int, default=1, metavar="N",
+                    help="unmeasured requests per lane first; with several prompts (and N >= 1) the lanes also send "
+                         "every prompt once between them, so no measured request pays a first prefill")
     ap.add_argument("--steps", type=int, default=None, help="per-request params.num_steps")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--model", default="", help="label for the result file (e.g. nano)")
@@ -62,11 +79,36 @@ def check_url(url: str) -> str:
 class LaneStats:
     latencies_ms: list[float] = field(default_factory=list)
     batch_sizes: Counter = field(default_factory=Counter)
+    prompt_lengths: set[int] = field(default_factory=set)  # the server's metadata.prompt_tokens
     errors: Counter = field(default_factory=Counter)
 
 
-def _lane(url: str, api_key: str | None, obs: dict[str, Any], warmup: int, start: threading.Barrier,
-          stop_at: list[float], stats: LaneStats) -> None:
+@dataclass
+class LanePlan:
+    """What one lane sends: `warmup` unmeasured, then `measured` (or until the deadline) cycling `cycle`."""
+
+    warmup: list[dict[str, Any]]
+    cycle: list[dict[str, Any]]
+    measured: int | None  # None: until the deadline
+
+
+def plan_lanes(observations: list[dict[str, Any]], lanes: int, warmup: int, requests: int | None) -> list[LanePlan]:
+    """Lane i cycles the observations from offset i * P // lanes, so lanes sent at the same moment carry
+    different instructions. Warm-up: lane i first primes observations i, i + lanes, ... (together the
+    lanes send each one once: its Reasoner K/V is then cached), then tops up to `warmup` from its cycle."""
+    n = len(observations)
+    quota = None if requests is None else math.ceil(requests / lanes)
+    plans = []
+    for i in range(lanes):
+        start = i * n // lanes
+        cycle = observations[start:] + observations[:start]
+        prime = observations[i::lanes] if warmup > 0 and n > 1 else []
+        plans.append(LanePlan(prime + [cycle[k % n] for k in range(max(warmup - len(prime), 0))], cycle, quota))
+    return plans
+
+
+def _lane(url: str, api_key: str | None, plan: LanePlan, start: threading.Barrier, stop_at: list[float],
+          stats: LaneStats) -> None:
     from ..client import PolicyClient, ServerError
 
     try:
@@ -76,7 +118,7 @@ def _lane(url: str, api_key: str | None, obs: dict[str, Any], warmup: int, start
         start.abort()
         return
     with client:
-        for _ in range(warmup):
+        for obs in plan.warmup:
             try:
                 client.infer(obs)
             except ServerError as exc:
@@ -85,7 +127,10 @@ def _lane(url: str, api_key: str | None, obs: dict[str, Any], warmup: int, start
             start.wait()
         except threading.BrokenBarrierError:
             return
-        while time.monotonic() < stop_at[0]:
+        sent = 0
+        while time.monotonic() < stop_at[0] and (plan.measured is None or sent < plan.measured):
+            obs = plan.cycle[sent % len(plan.cycle)]
+            sent += 1
             t0 = time.monotonic()
             try:
                 reply = client.infer(obs)
@@ -99,26 +144,61 @@ def _lane(url: str, api_key: str | None, obs: dict[str, Any], warmup: int, start
             stats.latencies_ms.append(1e3 * (time.monotonic() - t0))
             if isinstance(reply, dict):
                 stats.batch_sizes[int(reply.get("timing", {}).get("batch_size", 0))] += 1
+                tokens = (reply.get("metadata") or {}).get("prompt_tokens")
+                if tokens is not None:
+                    stats.prompt_lengths.add(int(tokens))
 
 
-def run_load(url: str, *, lanes: int, seconds: float, warmup: int = 1, steps: int | None = None,
-             api_key: str | None = None, obs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run the lanes and return the summary (the `kind: load` fields)."""
+def metrics_url(url: str) -> str:
+    """The server's Prometheus page: same host and port as its websocket."""
+    parsed = urlparse(url)
+    return f"{'https' if parsed.scheme == 'wss' else 'http'}://{parsed.netloc}/metrics"
+
+
+def graph_captures(url: str, api_key: str | None = None) -> float | None:
+    """`wamrt_graph_captures_total` from the server's /metrics; None when it has none (the eager engine, a
+    server without graphs) or the page cannot be read."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urlopen(Request(metrics_url(url), headers=headers), timeout=10) as resp:  # noqa: S310  # loopback only
+            text = resp.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "wamrt_graph_captures_total":
+            return float(value)
+    return None
+
+
+def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: int | None = None, warmup: int = 1,
+             steps: int | None = None, api_key: str | None = None, obs: dict[str, Any] | None = None,
+             prompts: list[str] | None = None) -> dict[str, Any]:
+    """Run the lanes and return the summary (the `kind: load` fields). `prompts`: the instructions the lanes
+    cycle through (default: `obs`'s own); `requests`: measure this many (rounded up to whole rounds of the
+    lanes) with `seconds` as the cap, else run for `seconds` (default 10)."""
     from ..sample import sample_observation
 
     check_url(url)
     if not 1 <= lanes <= MAX_LANES:
         raise ValueError(f"--lanes must be in [1, {MAX_LANES}]")
+    if requests is not None and requests < 1:
+        raise ValueError(f"--requests must be >= 1, got {requests}")
+    if seconds is None:
+        seconds = MAX_SECONDS if requests is not None else 10.0
     if not 0 < seconds <= MAX_SECONDS:
         raise ValueError(f"--seconds must be in (0, {MAX_SECONDS:.0f}]")
-    obs = dict(obs or sample_observation(0))
+    base = dict(obs or sample_observation(0))
     if steps is not None:
-        obs["params"] = {"num_steps": steps}
+        base["params"] = {"num_steps": steps}
+    observations = [{**base, "prompt": p} for p in prompts] if prompts else [base]
+    plans = plan_lanes(observations, lanes, warmup, requests)
     stats = [LaneStats() for _ in range(lanes)]
     stop_at = [float("inf")]
     start = threading.Barrier(lanes + 1)
-    threads = [threading.Thread(target=_lane, args=(url, api_key, obs, warmup, start, stop_at, s), daemon=True)
-               for s in stats]
+    threads = [threading.Thread(target=_lane, args=(url, api_key, plan, start, stop_at, s), daemon=True)
+               for plan, s in zip(plans, stats, strict=True)]
+    captures_before = graph_captures(url, api_key)  # before the lanes' warm-up: it counts too
     for t in threads:
         t.start()
     try:
@@ -130,26 +210,43 @@ def run_load(url: str, *, lanes: int, seconds: float, warmup: int = 1, steps: in
     for t in threads:
         t.join(seconds + 600)
     elapsed = time.monotonic() - t0
+    captures_after = graph_captures(url, api_key)
     lat = np.array([x for s in stats for x in s.latencies_ms])
     hist: Counter = sum((s.batch_sizes for s in stats), Counter())
     errors: Counter = sum((s.errors for s in stats), Counter())
+    lengths = sorted(set().union(*(s.prompt_lengths for s in stats)))
+    captured = (None if captures_before is None or captures_after is None
+                else int(captures_after - captures_before))
+
+    reached = requests is not None and lat.size >= lanes * math.ceil(requests / lanes)
 
     def pct(q: float) -> float | None:
         return float(np.percentile(lat, q)) if lat.size else None
 
     return {"kind": "load", "lanes": lanes, "seconds": round(elapsed, 3), "requests": int(lat.size),
+            "requests_target": requests, "stopped_by": "requests" if reached else "seconds",
             "throughput_rps": lat.size / elapsed if elapsed > 0 else 0.0, "p50_ms": pct(50), "p90_ms": pct(90),
             "p99_ms": pct(99), "max_ms": float(lat.max()) if lat.size else None,
-            "batch_hist": {str(k): v for k, v in sorted(hist.items())}, "errors": dict(errors)}
+            "batch_hist": {str(k): v for k, v in sorted(hist.items())}, "distinct_prompts": len(observations),
+            "prompt_lengths": lengths or None, "graph_captures_after_warmup": captured, "errors": dict(errors)}
+
+
+def check_baseline(baseline: dict[str, Any], model: Any, prompts: str) -> None:
+    """A baseline must have run the same model on the same instructions (else requests/s do not compare)."""
+    if baseline.get("model") != model:
+        raise ValueError(f"baseline model {baseline.get('model')!r} != {model!r}")
+    # Files written before --prompts existed ran the fixed instruction.
+    if baseline.get("prompts", "fixed") != prompts:
+        raise ValueError(f"baseline prompts {baseline.get('prompts', 'fixed')!r} != {prompts!r}")
 
 
 def scaling_vs(summary: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
     """Throughput and tail relative to a baseline run (normally 1 lane) of the same request shape.
 
-    Every request has the same shape, so FLOPs per request cancel: GPU efficiency (requests/s x
-    FLOPs/request) relative to the baseline is the requests/s ratio."""
-    if baseline.get("model") != summary.get("model"):
-        raise ValueError(f"baseline model {baseline.get('model')!r} != {summary.get('model')!r}")
+    Both runs send the same instructions, so FLOPs per request cancel: GPU efficiency (requests/s x
+    FLOPs/request) relative to the baseline is the requests/s ratio. (With mixed instructions that holds on
+    average, and exactly when the server pads every prefix to one width, `--prompt-width`.)"""
+    check_baseline(baseline, summary.get("model"), summary.get("prompts", "fixed"))
     ratio = summary["throughput_rps"] / baseline["throughput_rps"]
     return {"baseline": {"lanes": baseline["lanes"], "throughput_rps": baseline["throughput_rps"],
                          "p50_ms": baseline["p50_ms"]},
@@ -160,17 +257,25 @@ def scaling_vs(summary: dict[str, Any], baseline: dict[str, Any]) -> dict[str, A
 
 def run(args: argparse.Namespace) -> int:
     try:
-        summary = run_load(args.url, lanes=args.lanes, seconds=args.seconds, warmup=args.warmup_requests,
-                           steps=args.steps, api_key=args.api_key)
-    except ValueError as exc:
+        prompts = load_prompts(args.prompts)
+        baseline = None
+        if args.baseline:  # checked before the run, not after minutes of it
+            baseline = json.loads(Path(args.baseline).read_text())
+            check_baseline(baseline, args.model, args.prompts)
+        summary = run_load(args.url, lanes=args.lanes, seconds=args.seconds, requests=args.requests,
+                           warmup=args.warmup_requests, steps=args.steps, api_key=args.api_key, prompts=prompts)
+    except (ValueError, OSError) as exc:
         print(f"wamrt bench load: {exc}", file=sys.stderr)
         return 2
-    summary.update(model=args.model, command=" ".join(sys.argv), host=platform.node(), **environment())
+    summary.update(model=args.model, prompts=args.prompts, command=" ".join(sys.argv), host=platform.node(),
+                   **environment())
     print(f"{summary['lanes']} lanes, {summary['seconds']:.1f} s: {summary['requests']} requests, "
           f"{summary['throughput_rps']:.2f} req/s, p50 {summary['p50_ms']} ms, p90 {summary['p90_ms']} ms, "
-          f"p99 {summary['p99_ms']} ms; batch sizes {summary['batch_hist']}; errors {summary['errors']}")
-    if args.baseline:
-        summary.update(scaling_vs(summary, json.loads(Path(args.baseline).read_text())))
+          f"p99 {summary['p99_ms']} ms; batch sizes {summary['batch_hist']}; prompt lengths "
+          f"{summary['prompt_lengths']}; graph captures after warm-up {summary['graph_captures_after_warmup']}; "
+          f"errors {summary['errors']}")
+    if baseline is not None:
+        summary.update(scaling_vs(summary, baseline))
         print(f"vs 1 lane: x{summary['rps_vs_baseline']:.2f} requests/s, "
               f"efficiency {summary['efficiency_vs_baseline']:.2f}, "
               f"slowest request {summary['max_over_baseline_p50']:.2f}x the 1-lane p50")

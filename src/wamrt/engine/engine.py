@@ -29,7 +29,10 @@ from ..ops.attention import (
     KeyMaskAttention,
     MaskedBatchAttention,
     PrefixOffsetAttention,
+    ZeroKeyAttention,
     diffusers_gqa_attention,
+    rescale_zero_keys,
+    zero_key_attention_problem,
 )
 from ..pipeline.denoise import DenoiseInputs, DenoiseResult, SamplingOptions
 from ..pipeline.droid import (
@@ -56,6 +59,7 @@ from .prefix_cache import PaddedPrefixes, ReasonerCache, left_pad_kv
 log = logging.getLogger(__name__)
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+BUCKET_ATTENTION = ("lse", "mask")
 HOST_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))  # canvas threads of a batch (the rest: server, GPU)
 
 
@@ -83,14 +87,22 @@ class EngineConfig:
     kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
     graph_cache_size: int = 16  # captured buckets kept (LRU) ...
     graph_cache_bytes: int = 0  # ... and the device memory their captures added (0: no byte bound)
-    # > 0: every batch runs as this many rows (copies of its last request fill the rest; their results are
-    # dropped). A GPU kernel's result for one row depends on the batch's shape (cuBLAS and cuDNN pick
-    # algorithms, tiles and splits by shape), not on the other rows' values, so at one fixed shape a request's
-    # actions should not depend on which requests the batcher grouped it with -- what a paired gate needs
-    # (2026-12-01: 16 lanes of unpadded batches turned 19 of 200 self-vs-self episodes). Measured on the H200 the
-    # same day, padded replays still turned 26 of 200, so another source remains (issue 12). Costs the full
-    # batch's compute on every call. Within one prompt bucket (a longer instruction can change the width).
-    pad_batch: int = 0
+    # With prompt_bucket: the widest prefix the deployment declares. Every batch's prefixes are padded to at
+    # least this many tokens, so warm-up captures the graphs every shorter instruction (and every mix) replays;
+    # a longer prompt widens its batch to its own bucket (a new graph). 0: the batch's own bucket.
+    prompt_width: int = 0
+    # How padded prefix keys are kept out of the Generator attention (prompt buckets): "lse" = one unmasked
+    # call over zero keys, then each output row rescaled by its log-sum-exp (a zero key adds exactly exp(0) = 1
+    # to the softmax denominator and nothing to the numerator); "mask" = a masked kernel (slower on the H200:
+    # 0.598 vs 0.399 ms per call at Edge, issue 13).
+    bucket_attention: str = "lse"
+    # Every request runs alone at its own shape: the VAE encode and the denoising loop at batch 1, its own
+    # exact graph (never a larger compatible one). A GPU kernel's result for one row can depend on the batch's
+    # shape and on the row's position in it (cuBLAS / cuDNN choose tiles and splits by shape); alone, a
+    # request's actions are a function of the request only, bit for bit, whatever the batcher grouped it with:
+    # what a paired gate needs (2026-12-01, H200: 16 lanes turned 19 of 200 self-vs-self episodes unpadded and
+    # 26 of 200 with every batch padded to 16 rows). Host work (validation, canvases) stays batched.
+    isolate_requests: bool = False
 
 
 @dataclass
@@ -144,8 +156,10 @@ class Engine:
             raise ValueError("cuda_graph needs a CUDA device")
         if config.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {config.compile_mode!r}")
-        if config.pad_batch < 0:
-            raise ValueError(f"pad_batch must be >= 0 rows, got {config.pad_batch}")
+        if config.bucket_attention not in BUCKET_ATTENTION:
+            raise ValueError(f"bucket_attention must be one of {BUCKET_ATTENTION}, got {config.bucket_attention!r}")
+        if config.prompt_width < 0 or (config.prompt_width and not config.prompt_bucket):
+            raise ValueError(f"prompt_width needs prompt_bucket > 0 and must be >= 0, got {config.prompt_width}")
         if config.prompt_bucket < 0:
             raise ValueError(f"prompt_bucket must be >= 0 tokens, got {config.prompt_bucket}")
         if config.prompt_bucket and not (config.reuse_reasoner and config.batch_cfg):
@@ -165,7 +179,15 @@ class Engine:
         self._host_pool: ThreadPoolExecutor | None = None  # batch preprocessing (see _host_inputs)
         self._plans: dict[tuple, Any] = {}
         self._backend = BackendAttention(generator=config.attention if config.attention != "gqa" else "auto")
-        self._pre, self._post = _pre_into, _post
+        self._pre, self._post, self._rescale = _pre_into, _post, rescale_zero_keys
+        self.bucket_attention = config.bucket_attention  # what runs (may fall back to "mask", see below)
+        if config.prompt_bucket and config.bucket_attention == "lse" and self.device.type == "cuda":
+            backend = config.attention if config.attention != "gqa" else "auto"
+            problem = zero_key_attention_problem(self.device, model.dtype, backend)
+            if problem:  # never a wrong answer: the masked kernel is slower, not different
+                log.warning("prompt buckets: log-sum-exp attention unavailable on %s (%s); using the mask", backend,
+                            problem)
+                self.bucket_attention = "mask"
         if config.compile:
             fuse_generator(model)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -177,6 +199,7 @@ class Engine:
             mode = None if config.compile_mode == "default" else config.compile_mode
             self._pre = torch.compile(_pre_into, dynamic=False, mode=mode)
             self._post = torch.compile(_post, dynamic=False, mode=mode)
+            self._rescale = torch.compile(rescale_zero_keys, dynamic=False, mode=mode)  # one fused kernel
 
     @classmethod
     def from_policy(cls, policy: Policy, config: EngineConfig = EngineConfig()) -> Engine:
@@ -198,7 +221,9 @@ class Engine:
 
     def metadata(self) -> dict[str, Any]:
         engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "compile_mode",
-                                                       "cuda_graph", "prompt_bucket", "pad_batch")}
+                                                       "cuda_graph", "prompt_bucket", "prompt_width",
+                                                       "isolate_requests")}
+        engine["bucket_attention"] = self.bucket_attention  # the effective one
         engine["graphs"] = [k.describe() for k in self.graphs]  # the captured buckets, least recently used first
         return {**droid_metadata(self.name, self.contract, self.options), "quantization": self.quantization,
                 "gpu": device_name(self.device), "engine": engine}
@@ -219,8 +244,6 @@ class Engine:
         """Requests of one shape bucket in one pass. A bad request yields its error in its slot."""
         opts = replace(self.options, **overrides) if overrides else self.options
         validate_options(opts)
-        if self.config.pad_batch and len(observations) > self.config.pad_batch:
-            raise ValueError(f"a batch of {len(observations)} requests exceeds pad_batch={self.config.pad_batch}")
         seeds = seeds or [None] * len(observations)
         t_start = time.perf_counter()
         results: list[ActionChunk | Exception] = [None] * len(observations)  # type: ignore[list-item]
@@ -233,13 +256,14 @@ class Engine:
             for i, h in enumerate(hosts):
                 if isinstance(h, Exception):
                     results[i] = h
-            if ok:
+            # One VAE call for the batch (each request is charged the call), or one per request when isolated.
+            for group in ([[i] for i in ok] if self.config.isolate_requests else [ok] if ok else []):
                 t0 = time.perf_counter()
-                canvases = self._padded_rows([hosts[i].padded for i in ok])
-                latents = encode_canvases(self.encoder, canvases, self.device, self.config.vae_frames)[: len(ok)]
+                latents = encode_canvases(self.encoder, [hosts[i].padded for i in group], self.device,
+                                          self.config.vae_frames)
                 self._sync()
-                encode_ms = 1e3 * (time.perf_counter() - t0)  # one VAE call for the batch: each request's share
-                for i, latent0 in zip(ok, latents, strict=True):
+                encode_ms = 1e3 * (time.perf_counter() - t0)
+                for i, latent0 in zip(group, latents, strict=True):
                     host = hosts[i]
                     host.timings_ms["vae_encode"] = encode_ms
                     prep = finish_droid(host, latent0, model=self.model, encoder=self.encoder,
@@ -250,28 +274,25 @@ class Engine:
             # Longest prefixes first: a graph's key (the prefix lengths in batch order) then depends on which
             # requests share the batch, not on the order they arrived in. Results go back by index.
             prepared.sort(key=lambda ip: _prefix_lengths(ip[1].inputs), reverse=True)
-            if prepared:
-                finals, timings = self._denoise(self._padded_rows([p for _, p in prepared]), opts)
-                finals = finals[: len(prepared)]
+            batches = [[ip] for ip in prepared] if self.config.isolate_requests else [prepared] if prepared else []
+            for batch in batches:
+                finals, timings = self._denoise([p for _, p in batch], opts)
                 t0 = time.perf_counter()
-                for (i, prep), (xv, xa) in zip(prepared, finals, strict=True):
+                for (i, prep), (xv, xa) in zip(batch, finals, strict=True):
                     actions = droid_actions(DenoiseResult(xv, xa), self.contract, prep.state)
                     if not np.isfinite(actions).all():
                         results[i] = FloatingPointError("the model produced non-finite actions")
                         continue
-                    stage = {**prep.timings_ms, **timings}
-                    results[i] = ActionChunk(actions, prep.seed, prep.prompt, stage)
+                    results[i] = ActionChunk(actions, prep.seed, prep.prompt, {**prep.timings_ms, **timings})
                 post = 1e3 * (time.perf_counter() - t0)
-                total = 1e3 * (time.perf_counter() - t_start)
-                for r in results:
-                    if isinstance(r, ActionChunk):
-                        r.timings_ms["postprocess"] = post
-                        r.timings_ms["total"] = total
+                for i, _ in batch:
+                    if isinstance(results[i], ActionChunk):
+                        results[i].timings_ms["postprocess"] = post
+            total = 1e3 * (time.perf_counter() - t_start)
+            for r in results:
+                if isinstance(r, ActionChunk):
+                    r.timings_ms["total"] = total
         return results
-
-    def _padded_rows(self, rows: list) -> list:
-        """rows, filled up to pad_batch with copies of the last one (see EngineConfig.pad_batch)."""
-        return rows + rows[-1:] * (self.config.pad_batch - len(rows)) if self.config.pad_batch else rows
 
     def _host_inputs(self, observations: list[Mapping[str, Any]]) -> list[DroidHostInputs | RequestError]:
         """Validation and canvases of a batch, in threads when it has several requests: the resizes are torch
@@ -366,7 +387,7 @@ class Engine:
         """Every sequence's Reasoner K/V left-padded with zeros to one width (default: the batch's bucket), with
         a key mask marking its real tokens (see PaddedPrefixes)."""
         seqs = conds + unconds
-        width = width or self._padded_length(max(s.kv.length for s in seqs))
+        width = width or max(self._padded_length(max(s.kv.length for s in seqs)), self.config.prompt_width)
         out = [_Seq(s.request, self.padded_prefixes.get(s.kv, width), s.rope) for s in seqs]
         return out[: len(conds)], out[len(conds):]
 
@@ -427,7 +448,10 @@ class Engine:
             assert all(m is not None for m in masks) and not any(offsets)
             valid = torch.cat(masks)  # type: ignore[arg-type]
             valid = torch.cat([valid, valid.new_ones(len(seqs), g_len)], dim=1)
-            attn = KeyMaskAttention(valid, backend=self.config.attention)
+            if self.bucket_attention == "lse":
+                attn = ZeroKeyAttention(valid, backend=self.config.attention, rescale=self._rescale)
+            else:
+                attn = KeyMaskAttention(valid, backend=self.config.attention)
         elif self.config.cfg_attention == "mask" and any(offsets):
             attn = MaskedBatchAttention(offsets, umax + g_len, self.device, backend=self.config.attention)
         else:
@@ -521,7 +545,8 @@ class Engine:
         n = x_v.shape[0]
         key = self._graph_key(x_v, x_a, conds, unconds, timesteps, cfg_steps, opts, raw_dim)
         entry = self.graphs.get(key)
-        if entry is None and self.reuse_compatible_graphs and exact is not None:
+        # An isolated request never runs on a wider or larger graph: its bits would depend on what was captured.
+        if entry is None and self.reuse_compatible_graphs and exact is not None and not self.config.isolate_requests:
             larger = self.graphs.compatible(key)
             if larger is not None:
                 x_v, x_a, conds, unconds = self._fit_rows(larger, x_v, x_a, *exact)

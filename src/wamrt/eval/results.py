@@ -48,12 +48,14 @@ def rollout_result(task: str, policy: str, results: Sequence[EpisodeResult], con
     out["summary"] = summarize(results)
     out["outcomes"] = [int(r.success) for r in results]  # per seed, in seed order: enables later pairing
     out["stages"] = [r.stage for r in results]  # per seed: how far each episode got (runner.EpisodeProgress)
+    if any(r.trace for r in results):  # per seed, space-joined request digests: a later run can check its replay
+        out["traces"] = [" ".join(r.trace) for r in results]
     return out
 
 
 def gate_result(task: str, baseline: str, candidate: str, seeds: Sequence[int], base_ok: Sequence[bool],
                 cand_ok: Sequence[bool], decision: GateDecision, config: dict[str, Any], *, gpu: str = "cpu",
-                command: str | None = None) -> dict[str, Any]:
+                command: str | None = None, replay: dict[str, Any] | None = None) -> dict[str, Any]:
     out = common_fields("gate", gpu, command)
     t = decision.table
     out.update(task=task, baseline=baseline, candidate=candidate, episodes=t.n,
@@ -63,7 +65,10 @@ def gate_result(task: str, baseline: str, candidate: str, seeds: Sequence[int], 
                diff_ci95_bootstrap=list(paired_bootstrap_ci(base_ok, cand_ok)),
                discordant={"baseline_only": t.baseline_only, "candidate_only": t.candidate_only},
                test="exact McNemar (two-sided sign test on discordant pairs)",
-               seeds=_seeds_field(seeds), config=config)
+               seeds=_seeds_field(seeds), config=config,
+               outcomes={"baseline": [int(x) for x in base_ok], "candidate": [int(x) for x in cand_ok]})
+    if replay is not None:  # eval.replay.compare_traces: did the two sides replay each other request by request?
+        out["replay"] = replay
     return out
 
 

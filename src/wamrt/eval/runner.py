@@ -37,6 +37,7 @@ class EpisodeResult:
     infer_ms: list[float] = field(default_factory=list)
     error: str | None = None
     stage: str = "unknown"  # how far a failure got (see EpisodeProgress.stage): where to look next
+    trace: list[str] = field(default_factory=list)  # per request, from agents that keep one (PolicyAgent)
 
 
 # Progress thresholds: "reached" = the TCP came within grasp range of the target cube's centre; "lifted" = the
@@ -97,7 +98,7 @@ def run_episode(env: PandaEnv, agent: Agent, seed: int, max_steps: int | None = 
                              error=traceback.format_exc(limit=3), stage="error")
     infer = list(getattr(agent, "infer_ms", [])[n_infer:])
     return EpisodeResult(seed, success, steps, requests, time.perf_counter() - t0, infer,
-                         stage=progress.stage(success))
+                         stage=progress.stage(success), trace=list(getattr(agent, "trace", [])))
 
 
 # ---- lanes ----------------------------------------------------------------------------------------------

@@ -43,6 +43,9 @@ class ParallelSpec:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
     layers: int | None = None  # random:SIZE only: override the layer count (smoke tests)
     tiny_vae: bool = False  # random:SIZE only
+    # random:SIZE only: "fixed" = performance.md's 125 / 30 tokens (timing), "variable" = the count follows the
+    # text (serving, like `load_policy("random:SIZE")`); see pipeline.random_weights
+    tokenizer: str = "fixed"
     seed: int = 0
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
@@ -60,7 +63,7 @@ def build_policy(spec: ParallelSpec, rank: int, device: torch.device):
     dtype = spec.torch_dtype(device)
     name = spec.model
     if name.startswith("random:"):
-        from ..pipeline.random_weights import FixedLengthTokenizer, random_transformer, random_vae
+        from ..pipeline.random_weights import random_tokenizer, random_transformer, random_vae
         from ..pipeline.vae import FrameEncoder
 
         size = name.split(":", 1)[1]
@@ -71,7 +74,7 @@ def build_policy(spec: ParallelSpec, rank: int, device: torch.device):
         else:
             model = random_transformer(size, device, dtype, layers=spec.layers, seed=spec.seed)
         encoder = FrameEncoder(random_vae(device, dtype, tiny=spec.tiny_vae or size.startswith("tiny")))
-        tok = FixedLengthTokenizer(model.config.vocab_size)
+        tok = random_tokenizer(spec.tokenizer, model.config.vocab_size)
         return Policy(model, encoder, tok, DroidContract(), SamplingOptions(),  # type: ignore[arg-type]
                       name=f"{size} (random weights)")
     from ..pipeline.builtin import BUILTIN_MODELS
@@ -169,6 +172,10 @@ class ParallelPolicy:
     @property
     def device(self) -> torch.device:
         return self.engine.device
+
+    @property
+    def tokenizer(self) -> Any:  # the server counts prompt tokens with it (reply metadata.prompt_tokens)
+        return self.engine.tokenizer
 
     def _check_workers(self) -> None:
         dead = [p.pid for p in self._procs if not p.is_alive()]

@@ -182,20 +182,22 @@ def load_policy(
 ) -> Policy:
     """Load a policy from a folder with transformer/ (or a bare transformer folder), vae/ and the
     tokenizer, or from a built-in name (`tiny-droid`, `tiny-droid-edge`), which needs no download, or
-    `random:SIZE` (random weights at a registered size, e.g. `random:nano`, for benchmarks).
+    `random:SIZE` (random weights at a registered size, e.g. `random:nano`, for load tests; its stand-in
+    tokenizer's token count follows the text: `random_weights.VariableLengthTokenizer`).
 
     dtype defaults to bf16 on CUDA and fp32 on CPU; the VAE runs in the same dtype.
     """
     name = str(path_or_name)
     if name.startswith("random:"):
-        # Random weights at a registered size (edge, nano, super, tiny-*): for timing and load tests,
-        # with a stand-in tokenizer giving performance.md's token counts.
+        # Random weights at a registered size (edge, nano, super, tiny-*): for load tests and serving, with
+        # a stand-in tokenizer whose token count follows the text, so lanes with different instructions
+        # send different prefix lengths (`wamrt bench latency` builds its own, fixed-length, workload).
         from .random_weights import random_policy
 
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         size = name.split(":", 1)[1]
         return random_policy(size, dev, dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32),
-                             tiny_vae=size.startswith("tiny"))
+                             tiny_vae=size.startswith("tiny"), tokenizer="variable")
     if name in BUILTIN_MODELS:
         root = builtin_path(name)
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 
 import torch
 from diffusers import AutoencoderKLWan
@@ -33,6 +34,59 @@ class FixedLengthTokenizer:
         digest = hashlib.sha256(caption.encode()).digest()
         ids = tuple(4 + (digest[i % 32] * 131 + i * 7919) % (self.vocab - 4) for i in range(n))
         return TokenizedCaption(caption, ids, (*ids, 1, 2))
+
+
+# BPE-like pre-tokenization (GPT-2 / Qwen style): a word with its leading space, single digits, punctuation runs.
+_PIECES = re.compile(r" ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+")
+
+
+class VariableLengthTokenizer:
+    """Stand-in for the checkpoint tokenizer whose token count follows the text, as a BPE tokenizer's does:
+    a fixed chat template around the caption, one token per word piece (words split every 6 letters, one
+    token per digit or punctuation run). Ids hash the pieces, so equal texts give equal ids and a shared
+    text prefix gives a shared id prefix. With the defaults the built-in sample instruction's DROID caption
+    has 125 tokens and the empty (uncond) caption 30: performance.md's counts. What `wamrt serve` uses for
+    `random:SIZE`, so lanes with different instructions send different prefix lengths (issue 13)."""
+
+    def __init__(self, vocab: int, template_len: int = 28, word_piece: int = 6) -> None:
+        if vocab <= 4:
+            raise ValueError(f"vocab must be > 4 (ids 0-3 are special), got {vocab}")
+        self.vocab, self.word_piece = vocab, word_piece
+        self.special = SpecialTokens(eos_id=1, vision_start_id=2, vision_end_id=3)
+        # The template splits around the caption like a chat template: a header before, a footer after.
+        head = [self._id(f"<template {i}>") for i in range(template_len)]
+        self.head, self.tail = tuple(head[: template_len - 4]), tuple(head[template_len - 4:])
+
+    def _id(self, piece: str) -> int:
+        digest = hashlib.blake2b(piece.encode(), digest_size=8).digest()
+        return 4 + int.from_bytes(digest, "little") % (self.vocab - 4)
+
+    def pieces(self, caption: str) -> list[str]:
+        out: list[str] = []
+        for piece in _PIECES.findall(caption):
+            word = piece.lstrip(" ")
+            if word.isalpha() and len(word) > self.word_piece:
+                lead = piece[: len(piece) - len(word)]
+                parts = [word[i: i + self.word_piece] for i in range(0, len(word), self.word_piece)]
+                out.extend([lead + parts[0], *parts[1:]])
+            else:
+                out.append(piece)
+        return out
+
+    def encode(self, caption: str, system_prompt: str | None = None) -> TokenizedCaption:
+        text = caption if system_prompt is None else f"{system_prompt}\n{caption}"
+        ids = (*self.head, *(self._id(p) for p in self.pieces(text)), *self.tail)
+        return TokenizedCaption(caption, ids, (*ids, 1, 2))
+
+
+TOKENIZERS = {"fixed": FixedLengthTokenizer, "variable": VariableLengthTokenizer}
+
+
+def random_tokenizer(kind: str, vocab: int) -> FixedLengthTokenizer | VariableLengthTokenizer:
+    """`fixed`: every instruction 125 tokens (the latency workload); `variable`: the count follows the text."""
+    if kind not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {sorted(TOKENIZERS)}, got {kind!r}")
+    return TOKENIZERS[kind](vocab)
 
 
 def random_transformer(size: str, device: torch.device, dtype: torch.dtype, *, layers: int | None = None,
@@ -68,10 +122,13 @@ def random_vae(device: torch.device, dtype: torch.dtype, *, tiny: bool = False, 
 
 
 def random_policy(size: str, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16, *,
-                  layers: int | None = None, tiny_vae: bool = False, prompt_format: str = "plain") -> Policy:
+                  layers: int | None = None, tiny_vae: bool = False, prompt_format: str = "plain",
+                  tokenizer: str = "fixed") -> Policy:
+    """`tokenizer`: "fixed" (performance.md's 125 / 30 tokens whatever the text; `wamrt bench latency`) or
+    "variable" (the count follows the text; `wamrt serve --model random:SIZE`)."""
     dev = torch.device(device)
+    tok = random_tokenizer(tokenizer, get_config(size).vocab_size)  # checked before the (large) build
     model = random_transformer(size, dev, dtype, layers=layers)
     encoder = FrameEncoder(random_vae(dev, dtype, tiny=tiny_vae))
-    tok = FixedLengthTokenizer(model.config.vocab_size)
     return Policy(model, encoder, tok, DroidContract(prompt_format=prompt_format),  # type: ignore[arg-type]
                   SamplingOptions(), name=f"{size} (random weights)")

@@ -6,6 +6,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class ServeConfigError(ValueError):
+    """A setting that cannot work; `flag` names the `wamrt serve` flag (the field is its snake_case form)."""
+
+    def __init__(self, message: str, *, flag: str) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
 @dataclass
 class ServeConfig:
     host: str = "127.0.0.1"
@@ -25,15 +33,33 @@ class ServeConfig:
     max_jobs: int = 256  # /v1/videos records kept (oldest finished ones are evicted first)
     model_name: str = "tiny-droid"
     prompt_bucket: int = 0  # the fast engine's EngineConfig.prompt_bucket (0: exact prompt lengths)
-    batch_invariant: bool = False  # every batch padded to max_batch rows (EngineConfig.pad_batch): bit-exact replays
+    # EngineConfig.prompt_width: every batch's prefixes padded to at least this many tokens, so the warm-up
+    # batches run at this width and capture the graphs every shorter instruction (and any mix) replays.
+    prompt_width: int = 0
+    batch_invariant: bool = False  # every request computed alone (EngineConfig.isolate_requests): bit-exact replays
     extra_metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Checked here, not only in the engine: a typo should fail at startup naming the flag, before a
+        # model is built (minutes at Nano), and on every path that makes a config (CLI, Ray replicas).
+        if self.prompt_bucket < 0:
+            raise ServeConfigError(f"must be >= 0 tokens, got {self.prompt_bucket}", flag="--prompt-bucket")
+        if self.prompt_width < 0:
+            raise ServeConfigError(f"must be >= 0 tokens, got {self.prompt_width}", flag="--prompt-width")
+        if self.prompt_width and not self.prompt_bucket:
+            raise ServeConfigError("needs --prompt-bucket > 0 (the width is a whole number of buckets)",
+                                   flag="--prompt-width")
+        if self.prompt_width % max(self.prompt_bucket, 1):
+            up = -(-self.prompt_width // self.prompt_bucket) * self.prompt_bucket
+            raise ServeConfigError(f"{self.prompt_width} is not a multiple of --prompt-bucket {self.prompt_bucket} "
+                                   f"(a prefix is padded to whole buckets; use {up})", flag="--prompt-width")
 
     def engine_settings(self, device: str) -> dict[str, Any]:
         """EngineConfig fields for the fast engine on `device` (CPU: no compile, no graphs; tests)."""
         base: dict[str, Any] = {} if device.startswith("cuda") else dict(attention="auto", compile=False,
                                                                          cuda_graph=False)
-        return {**base, "prompt_bucket": self.prompt_bucket,
-                "pad_batch": self.max_batch if self.batch_invariant else 0}
+        return {**base, "prompt_bucket": self.prompt_bucket, "prompt_width": self.prompt_width,
+                "isolate_requests": self.batch_invariant}
 
     def sampler_defaults(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

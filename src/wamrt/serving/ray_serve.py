@@ -49,7 +49,7 @@ class PolicyReplica:
             from ..parallel import ParallelSpec, start
 
             self.policy: Any = start(ParallelSpec(parallel, model, world=gpus, device=device,
-                                                  engine=self.config.engine_settings(device)))
+                                                  engine=self.config.engine_settings(device), tokenizer="variable"))
         else:
             from ..pipeline.policy import load_policy
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import threading
 import time
 from typing import Any, Self
@@ -13,7 +14,7 @@ import uvicorn
 from ..net import free_port
 from .app import build_app
 from .batcher import BatchPolicy
-from .config import ServeConfig
+from .config import ServeConfig, ServeConfigError
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -41,10 +42,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="fast engine: pad instruction prefixes to a multiple of TOKENS (masked) so one CUDA graph "
                          "serves every instruction length in the bucket and any mix of them in a batch; "
                          "0 = exact lengths (a capture per new length combination); see docs/engine.md")
+    ap.add_argument("--prompt-width", type=int, default=0, metavar="TOKENS",
+                    help="with --prompt-bucket: pad every batch's instruction prefixes to at least TOKENS (a multiple "
+                         "of the bucket), so warm-up captures the graphs every instruction up to TOKENS replays and "
+                         "no mix of lanes captures later; a longer one widens its batch (a new capture); "
+                         "0 = each batch's own bucket; see docs/serving.md")
     ap.add_argument("--batch-invariant", action="store_true",
-                    help="fast engine: run every batch padded to --max-batch rows, so a request's actions do not "
-                         "depend on which requests share its batch and a rollout replays bit for bit (paired "
-                         "gates); costs the full batch's compute on every call")
+                    help="fast engine: compute every request alone at its own fixed shape (VAE encode and "
+                         "denoising loop at batch 1; host work still batched), so its actions do not depend on "
+                         "which requests share its batch or where it sits in it, and a rollout replays bit for "
+                         "bit (paired gates); GPU work is no longer shared across requests")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs of this host behind one engine (with --parallel)")
     ap.add_argument("--parallel", choices=["none", "cfg", "tp"], default="none",
                     help="cfg = one CFG branch per GPU (2 GPUs, full model each); tp = every layer split across "
@@ -64,7 +71,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         steps=args.steps, guidance=args.guidance, shift=args.shift,
         guidance_interval=tuple(args.guidance_interval) if args.guidance_interval else None,
         safety_file=args.safety, warmup_requests=args.warmup, model_name=str(args.model),
-        prompt_bucket=args.prompt_bucket, batch_invariant=args.batch_invariant,
+        prompt_bucket=args.prompt_bucket, prompt_width=args.prompt_width, batch_invariant=args.batch_invariant,
     )
 
 
@@ -79,7 +86,11 @@ def run(args: argparse.Namespace) -> int:
     from ..pipeline.policy import load_policy
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ServeConfigError as exc:
+        print(f"wamrt serve: {exc}", file=sys.stderr)
+        return 2
     if getattr(args, "ray", False):
         from . import ray_serve  # needs ray[serve]
 
@@ -102,7 +113,7 @@ def _run_parallel(args: argparse.Namespace, config: ServeConfig) -> int:
 
     device = args.device or "cuda"
     policy = start(ParallelSpec(args.parallel, str(args.model), world=args.gpus, device=device,
-                                engine=config.engine_settings(device)))
+                                engine=config.engine_settings(device), tokenizer="variable"))
     try:
         uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level)).run()
     finally:

@@ -26,6 +26,7 @@ log = logging.getLogger("wamrt.serving")
 # Policy timing keys that are input preparation / output handling; everything else is model time.
 _PRE_STAGES = ("preprocess", "tokenize", "pack")
 _POST_STAGES = ("postprocess",)
+_TOKEN_COUNTS_KEPT = 4096  # distinct captions whose token count is remembered (reply metadata.prompt_tokens)
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -69,6 +70,8 @@ class Service:
         self._policy_meta = policy.metadata()
         self.connections: set[Any] = set()  # open websocket connections (openpi_ws registers them)
         self.generic = generic_runner(policy)  # forward/inverse dynamics; None if the engine has no generic path
+        self._tokenizer = getattr(policy, "tokenizer", None)
+        self._token_counts: dict[str, int] = {}
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -87,7 +90,9 @@ class Service:
                     # The engine captures one CUDA graph per batch size on first use: submit k requests at
                     # once for every k up to max_batch so the batcher forms those batches now, before the
                     # first lanes arrive, rather than stalling them with captures. Largest first: the first
-                    # capture then sizes the K/V arena every later graph shares.
+                    # capture then sizes the K/V arena every later graph shares. With a declared prompt width
+                    # (--prompt-width) the engine pads these batches to it, so these are the graphs every
+                    # instruction up to that width, in any mix, replays later.
                     for k in range(self.config.max_batch, 1, -1):
                         await asyncio.gather(*(self.batcher.run(Job(sample_observation(j), 0, dict(self.defaults)))
                                                for j in range(k)))
@@ -125,6 +130,20 @@ class Service:
         }
 
     # --- inference ---------------------------------------------------------------------------------
+    def prompt_tokens(self, caption: str) -> int | None:
+        """Token count of a request's conditional Reasoner prefix (its caption plus the template and the
+        two closing tokens): what prompt buckets pad, so clients can see which lengths a server ran. The
+        engine does not return it, so it is counted again here with the policy's own tokenizer, once per
+        distinct caption (lanes repeat their instructions). None if the policy exposes no tokenizer."""
+        if self._tokenizer is None:
+            return None
+        n = self._token_counts.get(caption)
+        if n is None:
+            if len(self._token_counts) >= _TOKEN_COUNTS_KEPT:
+                self._token_counts.clear()
+            n = self._token_counts[caption] = len(self._tokenizer.encode(caption).text_ids)
+        return n
+
     def enqueue(self, req: ParsedRequest) -> Future:
         """Queue one request now (raises Busy at once when the queue is full)."""
         if self.batcher is None:
@@ -148,6 +167,9 @@ class Service:
         actions = np.asarray(chunk.actions, dtype=np.float32)
         meta: dict[str, Any] = {"session_id": req.session_id, "seed": chunk.seed, "horizon": actions.shape[0],
                                 "action_dim": actions.shape[1], "valid_steps": actions.shape[0]}
+        tokens = self.prompt_tokens(chunk.prompt)
+        if tokens is not None:
+            meta["prompt_tokens"] = tokens
         if req.notes:
             meta["notes"] = list(req.notes)
         if self.safety is not None:
