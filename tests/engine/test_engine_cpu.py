@@ -286,6 +286,23 @@ def test_a_missing_bucket_replays_a_larger_captured_one_without_a_capture(policy
     assert graphs.graphs.captures == 2
 
 
+def test_an_evicted_bucket_is_recaptured_and_still_correct(policy):
+    """graph_cache_size=1: alternating batch sizes evict each other (counted), and every replay after an eviction
+    still gives the eager engine's actions."""
+    eager = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
+    graphs = _graph_engine(policy, prompt_bucket=64, graph_cache_size=1)
+    obs = [_prompted(0, SHORT), _prompted(1, LONG)]
+    want2 = [c.actions for c in eager.infer_batch(obs, seeds=[3, 4], steps=2)]
+    want1 = eager.infer(obs[1], seed=5, steps=2).actions
+    with graphs.capturing_exact_buckets():  # exact buckets: a batch of 1 must not replay the batch-2 graph
+        for _ in range(2):
+            got2 = [c.actions for c in graphs.infer_batch(obs, seeds=[3, 4], steps=2)]
+            got1 = graphs.infer(obs[1], seed=5, steps=2).actions
+            for g, w in zip(got2 + [got1], want2 + [want1], strict=True):
+                assert np.abs(g - w).max() <= TOL
+    assert len(graphs.graphs) == 1 and graphs.graphs.captures == 4 and graphs.graphs.evictions == 3
+
+
 def test_server_exports_the_graph_cache_metrics_and_buckets(policy):
     import httpx
 

@@ -38,7 +38,7 @@ def test_serve_defaults_match_the_issue() -> None:
     assert (args.max_batch, args.max_wait_ms, args.max_queue, args.warmup) == (8, 5.0, 64, 1)
     cfg = config_from_args(args)
     assert cfg.sampler_defaults() == {}  # the policy's own: 4 steps, guidance 3.0, shift 5.0 (+ Edge interval)
-    assert cfg.safety_file is None and cfg.max_frame_bytes == 64 * 2**20 and cfg.prompt_bucket == 0
+    assert cfg.safety_file is None and cfg.max_frame_bytes == 64 * 2**20 and cfg.prompt_bucket == 64
     args = build_parser().parse_args(["serve", "--api-key", "k", "--max-batch", "2", "--max-wait-ms", "1.5",
                                       "--max-queue", "9", "--steps", "2", "--guidance", "1.5", "--shift", "4",
                                       "--guidance-interval", "960", "1001", "--port", "8123", "--prompt-bucket", "32"])

@@ -38,10 +38,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--engine", choices=["auto", "eager", "fast"], default="auto",
                     help="fast = the batching engine (fused, compiled, CUDA graphs on a GPU); eager = reference path; "
                          "auto = fast on CUDA, eager on CPU")
-    ap.add_argument("--prompt-bucket", type=int, default=0, metavar="TOKENS",
-                    help="fast engine: pad instruction prefixes to a multiple of TOKENS (masked) so one CUDA graph "
-                         "serves every instruction length in the bucket and any mix of them in a batch; "
-                         "0 = exact lengths (a capture per new length combination); see docs/engine.md")
+    ap.add_argument("--prompt-bucket", type=int, default=ServeConfig.prompt_bucket, metavar="TOKENS",
+                    help="fast engine: pad instruction prefixes to a multiple of TOKENS (zero keys, removed exactly) "
+                         "so one CUDA graph serves every instruction length in the bucket and any mix of them in a "
+                         f"batch (default {ServeConfig.prompt_bucket}); 0 = exact lengths (a capture per new length "
+                         "combination); see docs/serving.md")
     ap.add_argument("--prompt-width", type=int, default=0, metavar="TOKENS",
                     help="with --prompt-bucket: pad every batch's instruction prefixes to at least TOKENS (a multiple "
                          "of the bucket), so warm-up captures the graphs every instruction up to TOKENS replays and "
