@@ -104,6 +104,8 @@ def test_bench_load_prompt_file_by_request_count(tmp_path, obs: dict[str, Any],
     assert row["prompts"] == str(prompts) and row["distinct_prompts"] == 3
     assert row["prompt_lengths"] == sorted({tokens("wave"), tokens("open the drawer"), tokens(MIXED_INSTRUCTIONS[-1])})
     assert row["graph_captures_after_warmup"] is None  # this server has no CUDA graphs to count
+    lo, hi = row["p50_ci95_ms"]
+    assert lo <= row["p50_ms"] <= hi
     (tmp_path / "empty.txt").write_text("\n\n")
     assert main(["bench", "load", "--prompts", str(tmp_path / "empty.txt")]) == 2
     assert main(["bench", "load", "--prompts", str(tmp_path / "missing.txt")]) == 2

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..provenance import environment
 from .prompts import PROMPT_SETS, load_prompts
+from .stats import summarize
 
 MAX_LANES = 64
 MAX_SECONDS = 600.0
@@ -227,6 +228,7 @@ def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: in
             "requests_target": requests, "stopped_by": "requests" if reached else "seconds",
             "throughput_rps": lat.size / elapsed if elapsed > 0 else 0.0, "p50_ms": pct(50), "p90_ms": pct(90),
             "p99_ms": pct(99), "max_ms": float(lat.max()) if lat.size else None,
+            "p50_ci95_ms": summarize(lat.tolist())["ci95_p50_ms"] if lat.size else None,  # bootstrap of the median
             "batch_hist": {str(k): v for k, v in sorted(hist.items())}, "distinct_prompts": len(observations),
             "prompt_lengths": lengths or None, "graph_captures_after_warmup": captured, "errors": dict(errors)}
 
