@@ -28,7 +28,7 @@ def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def nano():
-    from wamrt.pipeline.random_weights import random_policy
+    from wamrt.pipeline.policy import random_policy
 
     return random_policy("nano", "cuda", torch.bfloat16)
 

@@ -7,13 +7,9 @@ import pytest
 import torch
 
 from wamrt.bench.prompts import MIXED_INSTRUCTIONS
+from wamrt.pipeline.policy import random_policy
 from wamrt.pipeline.prompts import droid_prompt
-from wamrt.pipeline.random_weights import (
-    FixedLengthTokenizer,
-    VariableLengthTokenizer,
-    random_policy,
-    random_tokenizer,
-)
+from wamrt.pipeline.random_weights import FixedLengthTokenizer, VariableLengthTokenizer, random_tokenizer
 from wamrt.sample import INSTRUCTION
 
 VOCAB = 151936

@@ -33,7 +33,7 @@ def tokens(text: str) -> int:
 
 # --- --prompt-width ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("kw", "match"), [
-    (dict(prompt_width=192), "needs --prompt-bucket"),
+    (dict(prompt_bucket=0, prompt_width=192), "needs --prompt-bucket"),
     (dict(prompt_bucket=64, prompt_width=100), "not a multiple of --prompt-bucket 64.*use 128"),
     (dict(prompt_bucket=64, prompt_width=-64), "must be >= 0"),
     (dict(prompt_bucket=-1), "must be >= 0"),

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import wamrt
-from wamrt.sim_cli import PolicySpec, UsageError, add_subcommands, parse_spec
+from wamrt.cli.sim import PolicySpec, UsageError, add_subcommands, parse_spec
 
 
 def _run(argv: list[str]) -> int:
@@ -87,7 +87,7 @@ def test_missing_sim_extra_is_a_clear_error(monkeypatch, capsys):
 
 
 def test_building_the_parser_does_not_import_mujoco():
-    code = ("import argparse, sys; from wamrt.sim_cli import add_subcommands; "
+    code = ("import argparse, sys; from wamrt.cli.sim import add_subcommands; "
             "add_subcommands(argparse.ArgumentParser().add_subparsers()); "
             "print(sorted(m for m in ('mujoco', 'torch', 'pyarrow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout

@@ -9,8 +9,8 @@ import json
 
 
 def _cli(argv: list[str]) -> int:
-    from wamrt.sim_cli import add_subcommands as sim_commands
-    from wamrt.train_cli import add_subcommands as train_commands
+    from wamrt.cli.sim import add_subcommands as sim_commands
+    from wamrt.cli.train import add_subcommands as train_commands
 
     ap = argparse.ArgumentParser(prog="wamrt")
     sub = ap.add_subparsers(dest="command", required=True)

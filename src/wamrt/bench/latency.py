@@ -11,26 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from dataclasses import asdict, dataclass, replace
-from functools import partial
 from pathlib import Path
 
 import torch
 
-from ..engine import Engine, EngineConfig
+from ..engine import Engine
 from ..ops.attention import measure_backends
 from ..provenance import environment
 from ..sample import sample_observation
-from .flops import (
-    COMPUTE_FLOOR_MS,
-    FP8_COMPUTE_FLOOR_MS,
-    FP8_PRACTICAL_FLOOR_MS,
-    FP8_TARGET_MS,
-    PRACTICAL_FLOOR_MS,
-    TARGET_MS,
-    request_flops,
-)
+from .rows import RowSpec, engine_config, measure_row, plot_waterfall, print_row, time_requests
 from .stats import median_stages, summarize
 
 ROWS: dict[str, tuple[str, dict]] = {
@@ -60,66 +49,8 @@ ROWS: dict[str, tuple[str, dict]] = {
 DEFAULT_ROWS = [r for r in ROWS if r not in ("E5-bucket", "E5-bucket-mask", "E5-autotune")]
 
 
-def time_requests(fn, warmup: int, runs: int) -> tuple[list[float], list[dict]]:
-    for i in range(warmup):
-        fn(i)
-    totals, stages = [], []
-    for i in range(runs):
-        t0 = time.perf_counter()
-        chunk = fn(warmup + i)
-        totals.append(1e3 * (time.perf_counter() - t0))
-        stages.append(chunk.timings_ms if hasattr(chunk, "timings_ms") else chunk)
-    return totals, stages
-
-
-def kernel_split(prof) -> dict[str, float]:
-    """GPU kernel time (ms) by class, from a torch.profiler run."""
-    split = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
-    for evt in prof.key_averages():
-        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
-        if not t or evt.device_type.name != "CUDA":
-            continue
-        name = evt.key.lower()
-        if any(s in name for s in ("sdpa", "flash", "fmha", "attention")):
-            split["attention"] += t / 1e3
-        elif any(s in name for s in ("gemm", "cutlass", "xmma", "nvjet", "cublas")):
-            split["gemm"] += t / 1e3
-        else:
-            split["other"] += t / 1e3
-    return split
-
-
-def plot_waterfall(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    names = [r["row"] for r in rows] + (["diffusers"] if rows and rows[0].get("peer") else [])
-    vals = [r["p50_ms"] for r in rows] + ([rows[0]["peer"]["p50_ms"]] if rows and rows[0].get("peer") else [])
-    errs = [[r["p50_ms"] - r["ci95_p50_ms"][0] for r in rows], [r["ci95_p50_ms"][1] - r["p50_ms"] for r in rows]]
-    if len(vals) > len(rows):
-        errs = [e + [0.0] for e in errs]
-    colors = ["#dd8452" if r.get("lossy") else "#4c72b0" for r in rows] + ["#c44e52"] * (len(vals) - len(rows))
-    names[: len(rows)] = [f"{r['row']}\n{r['steps']} st" + ("\nlossy" if r.get("lossy") else "") for r in rows]
-    ax.bar(names, vals, yerr=errs, color=colors, capsize=3)
-    for x, v in enumerate(vals):
-        ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
-    r0 = rows[0]
-    for key, style, label in (("floor_ms", ":", "compute floor"), ("practical_floor_ms", "--", "practical floor"),
-                              ("target_ms", "-", "target")):
-        if r0.get(key):
-            ax.axhline(r0[key], linestyle=style, color="k", linewidth=0.8, label=f"{label} {r0[key]:.0f} ms")
-    ax.set_ylabel("end-to-end p50 latency (ms)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..pipeline.random_weights import random_policy
+    from ..pipeline.policy import random_policy
     from .peer_diffusers import DiffusersPeer, diffusers_twin
 
     unknown = sorted(set(args.rows) - set(ROWS))
@@ -194,102 +125,6 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({"model": args.model, "rows": [{k: r[k] for k in ("row", "steps", "p50_ms")} for r in rows_out]}))
     del prep_geom
     return 0
-
-
-def engine_config(device: torch.device, **flags) -> EngineConfig:
-    """CPU smoke runs keep every technique but the CUDA-only ones (compile is slow there, graphs absent)."""
-    if device.type != "cuda":
-        flags.update(compile=False, cuda_graph=False)
-    return EngineConfig(**flags)
-
-
-@dataclass(frozen=True)
-class RowSpec:
-    row: str
-    label: str
-    steps: int
-    recipe: str = "bf16"
-    guidance_interval: tuple[float, float] | None = None
-    lossy: bool = False
-
-
-def measure_row(engine: Engine, spec: RowSpec, args: argparse.Namespace, env: dict, command: str, warm: int,
-                runs: int, *, peer_result: dict | None = None, attention_ms: dict | None = None,
-                trace_dir: Path | None = None) -> dict:
-    """Time one waterfall row on a built engine; returns its result record (performance.md schema)."""
-    dev = engine.device
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(dev)
-    econf = engine.config
-    t_build = time.perf_counter()
-    # Observations are made before timing (arrays in -> actions out); seeds follow the server's
-    # default sequence, as a robot client that sends none gets.
-    observations = [sample_observation(i) for i in range(warm + runs)]
-    overrides = {"steps": spec.steps}
-    if spec.guidance_interval is not None:
-        overrides["guidance_interval"] = spec.guidance_interval
-    totals, stages = time_requests(partial(_infer, engine, observations, overrides), warm, runs)
-    summary = summarize(totals)
-    timesteps = replace(engine.options, **overrides).make_schedule().timesteps
-    from ..sampler import guidance_active
-
-    cfg_steps = guidance_active(timesteps, spec.guidance_interval)
-    cfg = engine.model.config
-    flops = request_flops(cfg, text=[125, 30], gen_tokens=3092, cfg_steps=cfg_steps,
-                          reasoner_once=econf.reuse_reasoner)
-    fp8 = spec.recipe != "bf16"
-    key = (args.model, spec.steps)
-    floor = (FP8_COMPUTE_FLOOR_MS if fp8 else COMPUTE_FLOOR_MS).get(key)
-    practical = (FP8_PRACTICAL_FLOOR_MS if fp8 else PRACTICAL_FLOOR_MS).get(key)
-    target = (FP8_TARGET_MS if fp8 else TARGET_MS).get(key) if spec.guidance_interval is None else None
-    result = {
-        "kind": "latency", "command": command, **env, "model": args.model, "tier": 480, "steps": spec.steps,
-        "guidance": 3.0, "guidance_interval": list(spec.guidance_interval) if spec.guidance_interval else None,
-        "recipe": spec.recipe, "lossy": spec.lossy, "parallel": "none", "gpus": 1,
-        "batch": 1, "weights": "random", **summary, "warmup": warm,
-        "floor_ms": floor, "practical_floor_ms": practical, "target_ms": target,
-        "stages_ms": median_stages(stages),
-        "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
-        "peer": None if peer_result is None else {"name": peer_result["name"], "p50_ms": peer_result["p50_ms"],
-                                                  "ci95_p50_ms": peer_result["ci95_p50_ms"],
-                                                  "stages_ms": peer_result["stages_ms"]},
-        "row": spec.row, "label": spec.label, "engine": asdict(econf), "layers": cfg.num_hidden_layers,
-        "text_tokens": {"cond": 125, "uncond": 30, "note": "stand-in tokenizer with performance.md's counts"},
-        "generator_tokens": 3092, "request_tflop": flops / 1e12,
-        "achieved_tflops": flops / 1e12 / (summary["p50_ms"] / 1e3),
-        "ratio_to_floor": summary["p50_ms"] / floor if floor else None,
-        "ratio_to_target": summary["p50_ms"] / target if target else None,
-        "attention_backend_ms": attention_ms, "kv_cache": {"hits": engine.kv_cache.hits,
-                                                           "misses": engine.kv_cache.misses},
-        "row_wall_s": time.perf_counter() - t_build,
-    }
-    if peer_result is not None:
-        result["speedup_vs_peer"] = peer_result["p50_ms"] / summary["p50_ms"]
-    if trace_dir is not None:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            engine.infer(sample_observation(10_000), seed=1, **overrides)
-        trace = trace_dir / f"trace-{args.model}-s{spec.steps}-{spec.row}.json"
-        prof.export_chrome_trace(str(trace))
-        result["kernel_split_ms"] = kernel_split(prof)
-        print(f"kernel split (ms): {result['kernel_split_ms']} -> {trace}", flush=True)
-    return result
-
-
-def _infer(engine: Engine, observations: list, overrides: dict, i: int):
-    return engine.infer(observations[i], **overrides)
-
-
-def print_row(r: dict) -> None:
-    st = r["stages_ms"]
-    print(f"[{r['model']} {r['steps']} steps] {r['row']} ({r['recipe']}) p50 {r['p50_ms']:.1f} ms "
-          f"CI [{r['ci95_p50_ms'][0]:.1f}, {r['ci95_p50_ms'][1]:.1f}] p99 {r['p99_ms']:.1f} "
-          f"| vae {st.get('vae_encode', 0):.1f} prefill {st.get('reasoner_prefill', 0):.1f} "
-          f"denoise {st.get('denoise', 0):.1f} | {r['achieved_tflops']:.0f} TFLOP/s "
-          f"| x{r.get('speedup_vs_peer', float('nan')):.2f} vs peer | target {r['target_ms']} "
-          f"| peak {r['peak_mem_gib'] or 0:.1f} GiB | {r['row_wall_s']:.0f}s wall", flush=True)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ from ..pipeline.policy import Policy
 from ..quant import RECIPES, failing, layer_sqnr, quantize_model, unexercised
 from ..quant.sqnr import SQNR_BAR_DB
 from ..sample import sample_observation
+from .rows import RowSpec, engine_config, measure_row, plot_waterfall, print_row
 
 # row -> (label, steps, recipe, CFG on the first step only)
 LOSSY_ROWS: dict[str, tuple[str, int, str, bool]] = {
@@ -64,8 +65,6 @@ def _chunks(engine: Engine, overrides: dict) -> list[np.ndarray]:
 
 def run_lossy_rows(policy: Policy, args: argparse.Namespace, env: dict, command: str, attention: str,
                    attention_ms: dict | None, out_dir: Path) -> list[dict]:
-    from .latency import RowSpec, engine_config, measure_row, plot_waterfall, print_row
-
     dev = policy.device
     rows = [r for r in args.lossy_rows if r in LOSSY_ROWS]
     unknown = sorted(set(args.lossy_rows) - set(LOSSY_ROWS))

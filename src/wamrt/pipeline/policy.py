@@ -1,5 +1,5 @@
 """`load_policy`: a checkpoint folder (or a built-in name) -> a `Policy` that turns observations into
-action chunks through the eager reference path."""
+action chunks through the eager reference path; `random_policy`: one with random weights at a registered size."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..model import Cosmos3Transformer, load_transformer, resolve_transformer_folder
+from ..model import Cosmos3Transformer, get_config, load_transformer, resolve_transformer_folder
 from .builtin import BUILTIN_MODELS, builtin_path
 from .denoise import SamplingOptions
 from .droid import ActionChunk, DroidContract, droid_metadata, run_droid
@@ -22,6 +22,7 @@ from .generic import GenericResult, run_generic
 from .geometry import FRAMEWORK_VIDEO_RES_SIZE_INFO
 from .normalization import KEY as NORM_KEY
 from .normalization import ActionNormalization
+from .random_weights import random_tokenizer, random_transformer, random_vae
 from .tokens import CaptionTokenizer
 from .vae import FrameEncoder, load_vae
 
@@ -192,8 +193,6 @@ def load_policy(
         # Random weights at a registered size (edge, nano, super, tiny-*): for load tests and serving, with
         # a stand-in tokenizer whose token count follows the text, so lanes with different instructions
         # send different prefix lengths (`wamrt bench latency` builds its own, fixed-length, workload).
-        from .random_weights import random_policy
-
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         size = name.split(":", 1)[1]
         return random_policy(size, dev, dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32),
@@ -228,3 +227,16 @@ def load_policy(
         gi = extra.get("guidance_interval")
         options = SamplingOptions(guidance_interval=tuple(gi) if gi else None)
     return Policy(model, encoder, tok, contract, options, name=name, quantization=quantization)
+
+
+def random_policy(size: str, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16, *,
+                  layers: int | None = None, tiny_vae: bool = False, prompt_format: str = "plain",
+                  tokenizer: str = "fixed") -> Policy:
+    """`tokenizer`: "fixed" (performance.md's 125 / 30 tokens whatever the text; `wamrt bench latency`) or
+    "variable" (the count follows the text; `wamrt serve --model random:SIZE`)."""
+    dev = torch.device(device)
+    tok = random_tokenizer(tokenizer, get_config(size).vocab_size)  # checked before the (large) build
+    model = random_transformer(size, dev, dtype, layers=layers)
+    encoder = FrameEncoder(random_vae(dev, dtype, tiny=tiny_vae))
+    return Policy(model, encoder, tok, DroidContract(prompt_format=prompt_format),  # type: ignore[arg-type]
+                  SamplingOptions(), name=f"{size} (random weights)")

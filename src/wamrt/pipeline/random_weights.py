@@ -11,11 +11,8 @@ from diffusers import AutoencoderKLWan
 
 from ..model import Cosmos3Transformer, get_config, init_random_
 from .builtin import TINY_VAE
-from .denoise import SamplingOptions
-from .droid import DroidContract
-from .policy import Policy
 from .tokens import SpecialTokens, TokenizedCaption
-from .vae import WAN22_LATENT_MEAN, WAN22_LATENT_STD, FrameEncoder
+from .vae import WAN22_LATENT_MEAN, WAN22_LATENT_STD
 
 # Wan2.2 TI2V-5B VAE layout (the real encoder's size; decoder unused by policies).
 WAN22_VAE = dict(TINY_VAE, base_dim=160, decoder_base_dim=256, num_res_blocks=2)
@@ -119,16 +116,3 @@ def random_vae(device: torch.device, dtype: torch.dtype, *, tiny: bool = False, 
             else:
                 p.normal_(0.0, 1.0 / math.sqrt(math.prod(p.shape[1:])), generator=gen)
     return torch.nn.Module.to(vae, dtype=dtype).eval().requires_grad_(False)
-
-
-def random_policy(size: str, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16, *,
-                  layers: int | None = None, tiny_vae: bool = False, prompt_format: str = "plain",
-                  tokenizer: str = "fixed") -> Policy:
-    """`tokenizer`: "fixed" (performance.md's 125 / 30 tokens whatever the text; `wamrt bench latency`) or
-    "variable" (the count follows the text; `wamrt serve --model random:SIZE`)."""
-    dev = torch.device(device)
-    tok = random_tokenizer(tokenizer, get_config(size).vocab_size)  # checked before the (large) build
-    model = random_transformer(size, dev, dtype, layers=layers)
-    encoder = FrameEncoder(random_vae(dev, dtype, tiny=tiny_vae))
-    return Policy(model, encoder, tok, DroidContract(prompt_format=prompt_format),  # type: ignore[arg-type]
-                  SamplingOptions(), name=f"{size} (random weights)")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import __version__
+from .. import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import infer_cli
+    from . import infer as infer_cli
 
     ap = argparse.ArgumentParser(prog="wamrt", description="World-Action Model runtime for Cosmos 3")
     ap.add_argument("--version", action="version", version=f"wamrt {__version__}")
@@ -20,20 +20,20 @@ def build_parser() -> argparse.ArgumentParser:
     infer.set_defaults(func=infer_cli.run)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     lat = bench.add_parser("latency", help="latency waterfall E0..E5 on random full-size weights (GPU)")
-    from .bench import latency
+    from ..bench import latency
 
     latency.add_arguments(lat)
     lat.set_defaults(func=latency.run)
     par = bench.add_parser("parallel", help="latency on 2 GPUs: --parallel cfg (vs one GPU) or tp (Super)")
-    from .bench import parallel as parallel_bench
+    from ..bench import parallel as parallel_bench
 
     parallel_bench.add_arguments(par)
     par.set_defaults(func=parallel_bench.run)
     serve = sub.add_parser("serve", help="policy server: openpi websocket, /v1/policy/infer, /v1/videos")
     load = bench.add_parser("load", help="closed-loop websocket lanes against a loopback server")
     try:  # the server stack is an extra (wamrt[server]); everything else works without it
-        from .bench import load as load_bench
-        from .serving import server as serve_cli
+        from ..bench import load as load_bench
+        from ..serving import server as serve_cli
     except ImportError as e:
         missing = str(e)
         for p in (serve, load):
@@ -45,17 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
         load.set_defaults(func=load_bench.run)
     quantize = sub.add_parser("quantize", help="write a quantized, hash-verified artifact "
                               "(gen-fp8, gen-fp8+reasoner-w8, all-fp8)")
-    from .quant import cli as quant_cli
+    from ..quant import cli as quant_cli
 
     quant_cli.add_arguments(quantize)
     quantize.set_defaults(func=quant_cli.run)
-    from . import sim_cli  # light: each simulator command imports mujoco/pyarrow itself
+    from . import sim as sim_cli  # light: each simulator command imports mujoco/pyarrow itself
 
     sim_cli.add_subcommands(sub)
-    from . import train_cli
+    from . import train as train_cli
 
     train_cli.add_subcommands(sub)
-    from . import demo_cli
+    from . import demo as demo_cli
 
     demo_cli.add_subcommands(sub)
     return ap
@@ -69,7 +69,3 @@ def _missing_extra(extra: str, why: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

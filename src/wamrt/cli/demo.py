@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .net import free_port
+from ..net import free_port
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -64,17 +64,17 @@ def _write_mp4(frames: list[np.ndarray], path: Path, fps: int = 15) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from . import sim  # noqa: F401
+        from .. import sim  # noqa: F401
     except (ImportError, RuntimeError) as e:
         print(f"error: the simulator is unavailable: {e}", file=sys.stderr)
         return 2
-    from .eval.agents import PolicyAgent
-    from .eval.remote import RemotePolicy
-    from .eval.runner import run_episode, summarize
-    from .eval.stats import wilson_ci
-    from .pipeline.errors import RequestError
-    from .pipeline.policy import TRAINED_MODELS, trained_path
-    from .sim.env import PandaEnv
+    from ..eval.agents import PolicyAgent
+    from ..eval.remote import RemotePolicy
+    from ..eval.runner import run_episode, summarize
+    from ..eval.stats import wilson_ci
+    from ..pipeline.errors import RequestError
+    from ..pipeline.policy import TRAINED_MODELS, trained_path
+    from ..sim.env import PandaEnv
 
     if args.model in TRAINED_MODELS:  # say so here, not as a server that dies during start-up
         try:

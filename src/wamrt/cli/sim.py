@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .eval.replay import compare_traces, parse_traces
-from .eval.replay import describe as describe_replay
+from ..eval.replay import compare_traces, parse_traces
+from ..eval.replay import describe as describe_replay
 
 EXPERT = "expert"
 # Sampling overrides a SPEC may set, with their parsers (guidance_interval is "LO-HI": "," separates keys).
@@ -114,7 +114,7 @@ def _error(msg: str) -> int:
 def _sim_problem() -> str | None:
     """None when wamrt.sim imports; else why not (missing extra, or no headless GL)."""
     try:
-        from . import sim  # noqa: F401  selects MUJOCO_GL before mujoco loads
+        from .. import sim  # noqa: F401  selects MUJOCO_GL before mujoco loads
     except ImportError as e:
         return f"this command needs the 'sim' extra (pip install 'wamrt[sim]'): {e}"
     except RuntimeError as e:
@@ -123,7 +123,7 @@ def _sim_problem() -> str | None:
 
 
 def _check_task(task: str) -> None:
-    from .sim.tasks import TASKS
+    from ..sim.tasks import TASKS
 
     if task not in TASKS:
         raise UsageError(f"unknown task {task!r} (tasks: {', '.join(TASKS)})")
@@ -219,8 +219,8 @@ def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: di
     by thread lanes (per-process copies would multiply load time and GPU memory)."""
     from dataclasses import asdict, replace
 
-    from .eval.agents import ExpertAgent, PolicyAgent
-    from .eval.remote import RemoteAgentFactory, effective_sampling, is_url, server_metadata
+    from ..eval.agents import ExpertAgent, PolicyAgent
+    from ..eval.remote import RemoteAgentFactory, effective_sampling, is_url, server_metadata
 
     execute = spec.execute_steps or args.execute_steps
     common = {"lanes": args.lanes, "max_steps": args.max_steps}
@@ -257,8 +257,8 @@ def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: di
 def _load_policy(name: str, args: argparse.Namespace) -> Any:
     import torch
 
-    from . import load_policy
-    from .pipeline.errors import RequestError
+    from .. import load_policy
+    from ..pipeline.errors import RequestError
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype or "")
     try:
@@ -274,7 +274,7 @@ def _gpu_name(device: Any) -> str:
 
 
 def _run_side(side: Side, args: argparse.Namespace, seeds: list[int]) -> list[Any]:
-    from .eval.runner import run_rollouts
+    from ..eval.runner import run_rollouts
 
     results = run_rollouts(args.task, side.factory, seeds, lanes=args.lanes, backend=side.backend,
                            max_steps=args.max_steps, progress=sys.stderr.isatty())
@@ -286,7 +286,7 @@ def _run_side(side: Side, args: argparse.Namespace, seeds: list[int]) -> list[An
 
 
 def _rate_line(label: str, k: int, n: int) -> str:
-    from .eval.stats import wilson_ci
+    from ..eval.stats import wilson_ci
 
     lo, hi = wilson_ci(k, n)
     return f"{label}: {k}/{n} = {k / n:.1%} (Wilson 95% CI {lo:.1%} .. {hi:.1%})"
@@ -296,7 +296,7 @@ def _rate_line(label: str, k: int, n: int) -> str:
 def run_rollout(args: argparse.Namespace) -> int:
     if problem := _sim_problem():
         return _error(problem)
-    from .eval.results import rollout_result, write_result
+    from ..eval.results import rollout_result, write_result
 
     try:
         _check_task(args.task)
@@ -325,8 +325,8 @@ def run_rollout(args: argparse.Namespace) -> int:
 def run_gate(args: argparse.Namespace) -> int:
     if problem := _sim_problem():
         return _error(problem)
-    from .eval.results import gate_result, write_result
-    from .eval.stats import gate
+    from ..eval.results import gate_result, write_result
+    from ..eval.stats import gate
 
     try:
         _check_task(args.task)
@@ -367,7 +367,7 @@ def run_gate(args: argparse.Namespace) -> int:
 def run_demos_record(args: argparse.Namespace) -> int:
     if problem := _sim_problem():
         return _error(problem)
-    from .sim.record import record_demos
+    from ..sim.record import record_demos
 
     try:
         _check_task(args.task)
@@ -388,7 +388,7 @@ def run_export_lerobot(args: argparse.Namespace) -> int:
     if problem := _sim_problem():  # the exporter reads episodes through wamrt.sim.record
         return _error(problem)
     try:
-        from .eval.lerobot_export import export_lerobot  # pyarrow + pandas
+        from ..eval.lerobot_export import export_lerobot  # pyarrow + pandas
     except ImportError as e:
         return _error(f"this command needs the 'sim' extra (pip install 'wamrt[sim]'): {e}")
     files = sorted(Path(args.demos).glob("episode_*.npz"))

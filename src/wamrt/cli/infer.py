@@ -46,8 +46,8 @@ def _load_image(path: Path) -> np.ndarray:
 
 
 def build_observation(args: argparse.Namespace) -> dict[str, Any]:
-    from .pipeline.errors import RequestError
-    from .sample import sample_observation
+    from ..pipeline.errors import RequestError
+    from ..sample import sample_observation
 
     given = {key: getattr(args, name) for name, key in IMAGE_ARGS.items() if getattr(args, name) is not None}
     obs: dict[str, Any] = {} if given or args.state else sample_observation()
@@ -74,7 +74,7 @@ def build_observation(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .pipeline import RequestError, load_policy
+    from ..pipeline import RequestError, load_policy
 
     try:
         obs = build_observation(args)

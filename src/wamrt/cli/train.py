@@ -68,11 +68,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
 def run_record(args: argparse.Namespace) -> int:
     try:
-        from . import sim  # noqa: F401  selects MUJOCO_GL before mujoco loads
+        from .. import sim  # noqa: F401  selects MUJOCO_GL before mujoco loads
     except (ImportError, RuntimeError) as e:
         print(f"error: the simulator is unavailable: {e}", file=sys.stderr)
         return 2
-    from .train.data import record_canvas_demos
+    from ..train.data import record_canvas_demos
 
     if not (args.action_noise >= 0 and math.isfinite(args.action_noise)):
         print(f"error: --action-noise must be a finite number >= 0, got {args.action_noise}", file=sys.stderr)
@@ -93,8 +93,8 @@ def run_record(args: argparse.Namespace) -> int:
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    from .train.data import load_demo_dirs
-    from .train.trainer import PolicyTrainer, TrainConfig
+    from ..train.data import load_demo_dirs
+    from ..train.trainer import PolicyTrainer, TrainConfig
 
     try:
         ds = load_demo_dirs(args.demos)

@@ -1,0 +1,7 @@
+"""`python -m wamrt.cli`: the `wamrt` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
