@@ -1,16 +1,20 @@
 """Observation pixels -> the padded canvas the VAE encodes.
 
-Two recipes live here:
+The recipes that live here:
 
 * the framework DROID server's (`action_policy_server_robolab` + `ActionTransformPipeline`): compose
   views, resize to 540x640 with truncating bilinear, then reflect-pad to the bucket with no resize;
 * diffusers 0.42.1's generic action mode (`VideoProcessor.preprocess_video` followed by
   `Cosmos3OmniPipeline._prepare_action_video_conditioning`) for one image, which first resizes to
-  multiples of 16 and so does NOT reproduce the server (540 rows become 528).
+  multiples of 16 and so does NOT reproduce the server (540 rows become 528);
+* diffusers 0.42.1's world modes: image-to-video covers the output size and centre-crops
+  (`_preprocess_conditioning_image`); video-to-video stretches every frame to the output size
+  (`VideoProcessor.preprocess_video` with a height and width).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -158,9 +162,7 @@ def diffusers_preprocess_image(image: Image.Image | np.ndarray, tier: str | int 
     h16 = image.height - image.height % VAE_SPATIAL
     if w16 == 0 or h16 == 0:
         raise RequestError(f"must be at least 16x16, got {image.height}x{image.width}", field="image")
-    resized = image.resize((w16, h16), resample=Image.Resampling.BILINEAR, reducing_gap=None)
-    x = torch.from_numpy(np.array(resized).astype(np.float32) / 255.0).permute(2, 0, 1)[None]  # [1, 3, h, w]
-    x = 2.0 * x - 1.0
+    x = diffusers_resize_frame(image, h16, w16)
 
     # Step 2 (_prepare_action_video_conditioning): bin, shrink-only bicubic, pad bottom/right.
     geo = canvas_geometry(h16, w16, tier, "diffusers")
@@ -172,3 +174,25 @@ def diffusers_preprocess_image(image: Image.Image | np.ndarray, tier: str | int 
         torch_mode = "replicate" if geo.pad_mode == "edge" else "reflect"
         x = F.pad(x, (0, geo.pad_right, 0, geo.pad_bottom), mode=torch_mode)
     return DiffusersFrame(x.contiguous(), geo)
+
+
+def diffusers_resize_frame(image: Image.Image, height: int, width: int) -> torch.Tensor:
+    """`VideoProcessor.preprocess_video` of one RGB frame at a given size: PIL bilinear stretch (aspect
+    not kept), [0, 255] -> [-1, 1] -> float32 [1, 3, height, width]."""
+    resized = image.resize((width, height), resample=Image.Resampling.BILINEAR, reducing_gap=None)
+    x = torch.from_numpy(np.array(resized).astype(np.float32) / 255.0).permute(2, 0, 1)[None]  # [1, 3, h, w]
+    return 2.0 * x - 1.0
+
+
+def diffusers_cover_crop(image: Image.Image, height: int, width: int) -> torch.Tensor:
+    """diffusers' image-to-video conditioning frame: scale to cover (height, width) keeping the aspect,
+    centre-crop, round to whole pixel values -> float32 [1, 3, height, width] in [-1, 1]."""
+    x = torch.from_numpy(np.array(image, copy=True)).permute(2, 0, 1)[None].to(torch.float32)  # 0..255
+    src_h, src_w = x.shape[-2:]
+    scale = max(width / src_w, height / src_h)  # may upscale, unlike the action canvas
+    cover_h, cover_w = math.ceil(scale * src_h), math.ceil(scale * src_w)
+    x = F.interpolate(x, size=(cover_h, cover_w), mode="bilinear", align_corners=False, antialias=True)
+    # Python's round() (half to even) places the crop, as in the reference.
+    top, left = round((cover_h - height) / 2), round((cover_w - width) / 2)
+    x = x[:, :, top : top + height, left : left + width]
+    return x.round().clamp(0, 255) / 127.5 - 1.0

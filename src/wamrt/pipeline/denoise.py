@@ -63,6 +63,8 @@ class DenoiseInputs:
     action_noisy: torch.Tensor | None = None  # [1, Ta] bool
     domain_ids: torch.Tensor | None = None  # [1]
     raw_action_dim: int | None = None  # velocity columns >= this are zeroed
+    sound: torch.Tensor | None = None  # [1, S, Ts] fp32 (world modes with sound)
+    sound_noisy: torch.Tensor | None = None  # [1, Ts] bool
 
 
 @dataclass
@@ -72,6 +74,7 @@ class DenoiseResult:
     timings_ms: dict[str, float] = field(default_factory=dict)
     # Filled only when `record=True`: per step, the masked velocities and the states after the step.
     trace: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    sound: torch.Tensor | None = None
 
 
 def _prefill(model: Cosmos3Transformer, branch: Branch) -> tuple[ReasonerKV, Rope]:
@@ -119,10 +122,11 @@ def denoise(
     _sync(device)
     timings["reasoner_prefill"] = 1e3 * (clock() - t0)
 
-    x_v, x_a = inp.vision, inp.action
+    x_v, x_a, x_s = inp.vision, inp.action, inp.sound
     steps_action = inp.action is not None and inp.action_noisy is not None and bool(inp.action_noisy.any())
     hist_v = plan.init_history()
     hist_a = plan.init_history()
+    hist_s = plan.init_history()  # each modality keeps its own multistep history, as diffusers' copies do
     trace: dict[str, list[torch.Tensor]] = {}
     for i, t in enumerate(timesteps):
         t_step = clock()
@@ -131,6 +135,7 @@ def denoise(
             vision=x_v.to(dtype), vision_noisy=inp.vision_noisy,
             action=None if x_a is None else x_a.to(dtype), action_noisy=inp.action_noisy,
             domain_ids=inp.domain_ids,
+            sound=None if x_s is None else x_s.to(dtype), sound_noisy=inp.sound_noisy,
         )
         cond = _mask_action_columns(model.generator_step(tok, rope_c, kv_c), inp.raw_action_dim)
         if cfg_steps[i]:
@@ -150,8 +155,12 @@ def denoise(
 
         v_v = combine(cond.vision, None if unc is None else unc.vision)
         v_a = combine(cond.action, None if unc is None else unc.action)
+        v_s = combine(cond.sound, None if unc is None else unc.sound)
         assert v_v is not None
         x_v, hist_v = plan.step(i, x_v, v_v, hist_v)
+        if x_s is not None:
+            assert v_s is not None
+            x_s, hist_s = plan.step(i, x_s, v_s, hist_s)
         if steps_action:
             assert x_a is not None and v_a is not None
             x_a, hist_a = plan.step(i, x_a, v_a, hist_a)
@@ -162,9 +171,9 @@ def denoise(
         if record:
             for name, value in (("vision_v", v_v), ("action_v", v_a), ("action_v_cond", cond.action),
                                 ("action_v_uncond", None if unc is None else unc.action),
-                                ("vision", x_v), ("action", x_a)):
+                                ("sound_v", v_s), ("vision", x_v), ("action", x_a), ("sound", x_s)):
                 trace.setdefault(name, []).append(None if value is None else value.detach().clone())
         _sync(device)
         timings[f"denoise_step{i}"] = 1e3 * (clock() - t_step)
     timings["denoise"] = sum(v for k, v in timings.items() if k.startswith("denoise_step"))
-    return DenoiseResult(x_v, x_a, timings, trace)
+    return DenoiseResult(x_v, x_a, timings, trace, x_s)

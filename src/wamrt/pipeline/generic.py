@@ -14,10 +14,7 @@ What differs from the reference on purpose (results are the same):
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -25,26 +22,28 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..model import (
-    Cosmos3Config,
-    Cosmos3Transformer,
-    action_positions,
-    generator_offset,
-    text_positions,
-    vision_positions,
-)
+from ..model import Cosmos3Config, Cosmos3Transformer
 from .canvas import diffusers_preprocess_image
-from .denoise import Branch, DenoiseInputs, SamplingOptions, denoise
+from .denoise import DenoiseInputs, denoise
 from .domains import Domain, resolve_domain
 from .errors import RequestError
 from .geometry import (
     DIFFUSERS_ACTION_RESOLUTION_BINS,
     VAE_SPATIAL,
-    VAE_TEMPORAL,
     CanvasGeometry,
     LatentGeometry,
     canvas_geometry,
     latent_geometry,
+)
+from .inputs import ImageInput, VideoInput, finite_number, positive_int, rgb_frames, rgb_image, text_field
+from .omni import (
+    check_vae,
+    decode_frames,
+    diffusers_sampling,
+    draw_noise,
+    model_device,
+    packed_branch,
+    tokenize_branches,
 )
 from .prompts import DIFFUSERS_VIEWPOINT_TEMPLATES, diffusers_action_json_prompt, diffusers_system_prompt
 from .tokens import CaptionTokenizer
@@ -55,38 +54,9 @@ MODES: tuple[str, ...] = ("policy", "forward_dynamics", "inverse_dynamics")
 TIERS: tuple[int, ...] = tuple(int(k) for k in DIFFUSERS_ACTION_RESOLUTION_BINS)  # 256, 480, 704, 720
 VIEW_POINTS: tuple[str, ...] = tuple(DIFFUSERS_VIEWPOINT_TEMPLATES)
 
-ImageInput = Image.Image | np.ndarray  # PIL RGB or uint8 [H, W, 3]
-VideoInput = Sequence[ImageInput] | np.ndarray  # frames, or uint8 [T, H, W, 3]
-
 
 # ------------------------------------------------------------------------------------------------
 # Input validation
-
-
-def _finite(value: Any, name: str, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise RequestError(f"must be a finite number, got {value!r}", field=name)
-    if positive and value <= 0:
-        raise RequestError(f"must be > 0, got {value!r}", field=name)
-    return float(value)
-
-
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise RequestError(f"must be an integer >= 1, got {value!r}", field=name)
-    return int(value)
-
-
-def _as_pil(frame: Any, name: str) -> Image.Image:
-    if isinstance(frame, np.ndarray):
-        if frame.dtype != np.uint8 or frame.ndim != 3 or frame.shape[-1] != 3:
-            raise RequestError(f"must be uint8 [H, W, 3], got {frame.dtype} {frame.shape}", field=name)
-        return Image.fromarray(np.ascontiguousarray(frame))
-    if not isinstance(frame, Image.Image):
-        raise RequestError(f"must be a PIL image or a uint8 array, got {type(frame).__name__}", field=name)
-    if frame.mode != "RGB":
-        raise RequestError(f"PIL image must be mode RGB, got {frame.mode}", field=name)
-    return frame
 
 
 def _conditioning_frames(mode: str, image: Any, video: Any) -> tuple[Image.Image, ...]:
@@ -99,14 +69,8 @@ def _conditioning_frames(mode: str, image: Any, video: Any) -> tuple[Image.Image
     if image is None and video is None:
         raise RequestError(f"{mode} needs an image (or a video whose first frame is used)", field="image")
     if image is not None:
-        return (_as_pil(image, "image"),)
-    if isinstance(video, np.ndarray):
-        if video.ndim != 4:
-            raise RequestError(f"array video must be uint8 [T, H, W, 3], got {video.shape}", field="video")
-        video = list(video)
-    if not isinstance(video, Sequence) or isinstance(video, (str, bytes)) or len(video) == 0:
-        raise RequestError("must be a non-empty list of frames or a uint8 [T, H, W, 3] array", field="video")
-    frames = tuple(_as_pil(f, f"video[{i}]") for i, f in enumerate(video))
+        return (rgb_image(image, "image"),)
+    frames = rgb_frames(video, "video")
     # The reference resizes every frame to frame 0's size; mixed sizes are refused instead of guessed at.
     if any(f.size != frames[0].size for f in frames):
         raise RequestError(f"frames differ in size: {sorted({f.size for f in frames})}", field="video")
@@ -156,18 +120,7 @@ def _check_model(cfg: Cosmos3Config, encoder: FrameEncoder, domain: Domain) -> N
             f"domain id {domain.domain_id} >= num_embodiment_domains={cfg.num_embodiment_domains}",
             field="domain",
         )
-    if encoder.latent_channels != cfg.latent_channel:
-        raise RequestError(
-            f"VAE has {encoder.latent_channels} latent channels, the transformer expects "
-            f"{cfg.latent_channel}",
-            field="vae",
-        )
-    if (encoder.spatial, encoder.temporal) != (VAE_SPATIAL, VAE_TEMPORAL):
-        raise RequestError(
-            f"VAE compression {(encoder.spatial, encoder.temporal)} is not Wan2.2's "
-            f"{(VAE_SPATIAL, VAE_TEMPORAL)}",
-            field="vae",
-        )
+    check_vae(cfg, encoder)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -273,20 +226,15 @@ class GenericRequest:
         assert x0.shape[2] == n_clean, (x0.shape, n_clean)
 
         t0 = time.perf_counter()
-        cond_caption, uncond_caption = self.captions()
-        cond_ids = tokenizer.encode(cond_caption, self.system_prompt).text_ids
-        uncond_ids = tokenizer.encode(uncond_caption, self.system_prompt).text_ids
-        top = max(max(cond_ids), max(uncond_ids))
-        if top >= cfg.vocab_size:
-            raise RequestError(f"token id {top} >= vocab_size {cfg.vocab_size}", field="tokenizer")
+        cond_ids, uncond_ids = tokenize_branches(tokenizer, cfg, *self.captions(), self.system_prompt)
         timings["tokenize"] = 1e3 * (time.perf_counter() - t0)
 
         # One generator, vision first, then action, each drawn whole even where it is overwritten
         # (all-clean vision in inverse dynamics, all-clean actions in forward dynamics), so every draw
         # lands on the same generator state as in the reference.
         vision_shape = (1, cfg.latent_channel, lat.latent_t, lat.latent_h, lat.latent_w)
-        vision = _randn(vision_shape, generator, device)
-        action_noise = _randn((chunk, cfg.action_dim), generator, device)
+        vision = draw_noise(vision_shape, generator, device)
+        action_noise = draw_noise((chunk, cfg.action_dim), generator, device)
         vision[:, :, :n_clean] = x0
         vision_noisy = torch.arange(lat.latent_t, device=device)[None] >= n_clean  # [1, T]
 
@@ -302,8 +250,8 @@ class GenericRequest:
             action_noisy = torch.ones(1, chunk, dtype=torch.bool, device=device)
 
         inputs = DenoiseInputs(
-            cond=self._branch(cfg, cond_ids, device),
-            uncond=self._branch(cfg, uncond_ids, device),
+            cond=packed_branch(cfg, cond_ids, lat, self.fps, device, action_rows=chunk),
+            uncond=packed_branch(cfg, uncond_ids, lat, self.fps, device, action_rows=chunk),
             vision=vision,
             vision_noisy=vision_noisy,
             action=action[None],
@@ -312,29 +260,6 @@ class GenericRequest:
             raw_action_dim=raw_dim,
         )
         return PreparedGeneric(self, inputs, lat, tuple(cond_ids), tuple(uncond_ids), timings)
-
-    def _branch(self, cfg: Cosmos3Config, ids: Sequence[int], device: torch.device) -> Branch:
-        lat, p = self.latent, cfg.latent_patch_size
-        u = len(ids)
-        offset = generator_offset(cfg, u)  # vision and action are temporal siblings at the same offset
-        positions = torch.cat(
-            [
-                text_positions(u),
-                vision_positions(
-                    cfg, lat.latent_t, -(-lat.latent_h // p), -(-lat.latent_w // p), offset, self.fps
-                ),
-                # start_frame=1: action k sits at the time of the frame it leads to (diffusers' convention).
-                action_positions(cfg, self.chunk_size, offset, self.fps, start_frame=1),
-            ],
-            dim=1,
-        )  # [3, U + G]
-        return Branch(torch.tensor([list(ids)], dtype=torch.long, device=device), positions[None].to(device))
-
-
-def _randn(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    # Drawn on the generator's device (a CPU generator stays reproducible on any accelerator), in fp32.
-    where = generator.device if generator is not None else device
-    return torch.randn(shape, generator=generator, device=where, dtype=torch.float32).to(device)
 
 
 def generic_request(
@@ -356,7 +281,7 @@ def generic_request(
     if mode not in MODES:
         raise RequestError(f"unknown mode {mode!r}; expected one of {list(MODES)}", field="mode")
     dom = resolve_domain(domain)
-    chunk = _positive_int(chunk_size, "chunk_size")
+    chunk = positive_int(chunk_size, "chunk_size")
     if str(resolution_tier) not in DIFFUSERS_ACTION_RESOLUTION_BINS:
         raise RequestError(
             f"unknown tier {resolution_tier!r}; expected one of {list(TIERS)}", field="resolution_tier"
@@ -367,13 +292,9 @@ def generic_request(
             f"unknown view point {view_point!r}; expected one of {list(VIEW_POINTS)} or None",
             field="view_point",
         )
-    fps_f = _finite(fps, "fps", positive=True)
-    if not isinstance(prompt, str):
-        raise RequestError(f"must be a string, got {type(prompt).__name__}", field="prompt")
-    if negative_prompt is not None and not isinstance(negative_prompt, str):
-        raise RequestError(
-            f"must be a string or None, got {type(negative_prompt).__name__}", field="negative_prompt"
-        )
+    fps_f = finite_number(fps, "fps", positive=True)
+    text_field(prompt, "prompt")
+    text_field(negative_prompt, "negative_prompt", optional=True)
     frames = _conditioning_frames(mode, image, video)
     if mode == "forward_dynamics":
         if raw_actions is None:
@@ -411,42 +332,12 @@ def generic_request(
 # Running
 
 
-def diffusers_sampling(steps: int, guidance: float, shift: float) -> SamplingOptions:
-    """The reference's flow-UniPC schedule with CFG combined in fp32."""
-    return SamplingOptions(
-        steps=_positive_int(steps, "steps"),
-        guidance=_finite(guidance, "guidance"),
-        shift=_finite(shift, "shift", positive=True),
-        schedule="diffusers",
-        cfg_in_model_dtype=False,
-    )
-
-
-@torch.inference_mode()
-def decode_frames(encoder: FrameEncoder, latents: torch.Tensor) -> torch.Tensor:
-    """Normalised latents [1, C, T, H, W] -> uint8 [4(T-1)+1, 16H, 16W, 3], as the reference's "pil" output.
-
-    The latents are already cropped to the content, so the frames are too (the canvas padding never
-    comes back).
-    """
-    vae = encoder.vae
-    z = latents.to(device=vae.device, dtype=vae.dtype) / encoder.inv_std + encoder.mean  # un-normalise
-    pixels = vae.decode(z).sample.to(torch.float32)  # [1, 3, T', H', W'] in ~[-1, 1]
-    unit = (pixels[0] * 0.5 + 0.5).clamp(0, 1)  # [3, T', H', W']
-    # round() is half-to-even, like numpy's in the reference's float -> uint8 step.
-    return (unit * 255).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous().cpu()  # [T', H', W', 3]
-
-
 @dataclass
 class GenericResult:
     actions: torch.Tensor | None  # [chunk, raw_dim] float32 on CPU, model space (policy, inverse dynamics)
     video_latents: torch.Tensor  # [1, C, T, H, W] float32, normalised, cropped to the content
     frames: torch.Tensor | None  # uint8 [4(T-1)+1, 16H, 16W, 3] when decoded (chunk + 1 if chunk % 4 == 0)
     timings_ms: dict[str, float] = field(default_factory=dict)
-
-
-def _model_device(model: Cosmos3Transformer) -> torch.device:
-    return next(model.parameters()).device
 
 
 @torch.inference_mode()
@@ -492,7 +383,7 @@ def run_generic(
     )
     if not isinstance(tokenizer, CaptionTokenizer):
         tokenizer = CaptionTokenizer(tokenizer)
-    prepared = req.prepare(model.config, encoder, tokenizer, generator=generator, device=_model_device(model))
+    prepared = req.prepare(model.config, encoder, tokenizer, generator=generator, device=model_device(model))
     out = denoise(model, prepared.inputs, opts)
     timings = {**prepared.timings_ms, **out.timings_ms}
 

@@ -1,4 +1,5 @@
-"""Caption construction: the DROID framework prompts (plain and JSON) and diffusers' action JSON.
+"""Caption construction: the DROID framework prompts (plain and JSON), diffusers' action JSON and
+diffusers' world-generation captions (prompt + duration / resolution sentences).
 
 The sentences below are training-data constants; a single changed byte changes the tokens the model
 sees, so they are reproduced exactly and checked against the fixtures' `prompt.txt` and against
@@ -41,6 +42,13 @@ DROID_FPS = 15.0
 # ResolutionTextInfo.DEFAULT_VIDEO_TEMPLATE (diffusers carries the same two strings).
 DURATION_FPS_TEMPLATE = "The video is {duration:.1f} seconds long and is of {fps:.0f} FPS."
 VIDEO_RESOLUTION_TEMPLATE = "This video is of {height}x{width} resolution."
+
+# The other sentences of diffusers 0.42.1 `Cosmos3OmniPipeline.__init__`: the image resolution sentence
+# (one-frame requests) and the negations that the negative prompt gets.
+IMAGE_RESOLUTION_TEMPLATE = "This image is of {height}x{width} resolution."
+NEGATED_DURATION_FPS_TEMPLATE = "The video is not {duration:.1f} seconds long and is not of {fps:.0f} FPS."
+NEGATED_VIDEO_RESOLUTION_TEMPLATE = "This video is not of {height}x{width} resolution."
+NEGATED_IMAGE_RESOLUTION_TEMPLATE = "This image is not of {height}x{width} resolution."
 
 # diffusers 0.42.1 `pipeline_cosmos3_omni.py` _ACTION_VIEWPOINT_TEMPLATES (a subset of the framework's).
 DIFFUSERS_VIEWPOINT_TEMPLATES: dict[str, str] = {
@@ -207,3 +215,38 @@ def diffusers_action_json_prompt(
 def diffusers_system_prompt(num_frames: int) -> str:
     """System message diffusers adds when `use_system_prompt` is on (image prompt for 1 frame)."""
     return SYSTEM_PROMPT_IMAGE if num_frames == 1 else SYSTEM_PROMPT_VIDEO
+
+
+def _diffusers_append(caption: str, sentence: str) -> str:
+    # Unlike the framework's joiner: every trailing "." goes (trailing spaces stay), an empty caption
+    # becomes the sentence alone.
+    caption = caption.rstrip(".")
+    return f"{caption}. {sentence}" if caption else sentence
+
+
+def diffusers_world_caption(
+    caption: str,
+    *,
+    negative: bool,
+    num_frames: int,
+    height: int,
+    width: int,
+    fps: float,
+    use_duration_template: bool = True,
+    use_resolution_template: bool = True,
+) -> str:
+    """diffusers' `tokenize_prompt` text for world generation: the prompt (or, with `negative`, the
+    negative prompt) plus the duration/FPS sentence (videos only) and the resolution sentence, negated
+    for the negative prompt. `use_*_template` are diffusers' `add_*_template`."""
+    caption = _check_text(caption, "negative_prompt" if negative else "prompt")
+    image = num_frames == 1
+    if use_duration_template and not image:
+        template = NEGATED_DURATION_FPS_TEMPLATE if negative else DURATION_FPS_TEMPLATE
+        caption = _diffusers_append(caption, template.format(duration=num_frames / fps, fps=fps))
+    if use_resolution_template:
+        if image:
+            template = NEGATED_IMAGE_RESOLUTION_TEMPLATE if negative else IMAGE_RESOLUTION_TEMPLATE
+        else:
+            template = NEGATED_VIDEO_RESOLUTION_TEMPLATE if negative else VIDEO_RESOLUTION_TEMPLATE
+        caption = _diffusers_append(caption, template.format(height=height, width=width))
+    return caption
