@@ -93,8 +93,8 @@ class EngineConfig:
     prompt_width: int = 0
     # How padded prefix keys are kept out of the Generator attention (prompt buckets): "lse" = one unmasked
     # call over zero keys, then each output row rescaled by its log-sum-exp (a zero key adds exactly exp(0) = 1
-    # to the softmax denominator and nothing to the numerator); "mask" = a masked kernel (slower on the H200:
-    # 0.598 vs 0.399 ms per call at Edge, issue 13).
+    # to the softmax denominator and nothing to the numerator); "mask" = a masked kernel (H200, 4 steps: Edge
+    # 227.8 vs 180.1 ms per request, Nano 788.7 vs 679.9 ms).
     bucket_attention: str = "lse"
     # Every request runs alone at its own shape: the VAE encode and the denoising loop at batch 1, its own
     # exact graph (never a larger compatible one). A GPU kernel's result for one row can depend on the batch's

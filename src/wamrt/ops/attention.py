@@ -162,7 +162,8 @@ class ZeroKeyAttention:
     one unmasked call for the whole batch on the fastest kernel, then each output row rescaled by its
     log-sum-exp (`rescale_zero_keys`) to remove the padding's share. The padding count is computed from the
     validity tensor on the device, so one captured CUDA graph serves every prefix length in the bucket.
-    Replaces the masked kernel of KeyMaskAttention (0.598 vs 0.399 ms per call at Edge on the H200)."""
+    Replaces the masked kernel of KeyMaskAttention: H200, 4-step requests end to end, Edge 180.1 vs 227.8 ms and
+    Nano 679.9 vs 788.7 ms, and no slower than exact prompt lengths (183.0 / 683.5 ms; bench/results/latency/)."""
 
     def __init__(self, valid: torch.Tensor, backend: str = "cudnn", reasoner: str = "auto", rescale=None) -> None:
         self.zero_keys = (~valid).sum(dim=1, dtype=torch.float32)  # [B]
