@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
+from oracle.host_reads import HostReadRecorder
 
 from wamrt.sampler import (
     UniPCHistory,
@@ -150,32 +149,10 @@ def test_plan_holds_only_host_scalars_and_tensors_made_once() -> None:
     assert [id(d) for d in plan.divisors] == before
 
 
-class _HostReadRecorder(TorchFunctionMode):
-    """Records torch calls that read tensor data on the host or build tensors from host data.
-
-    Either breaks CUDA-graph capture (a sync, or a host->device copy baked into the graph).
-    """
-
-    FORBIDDEN: ClassVar[set[str]] = {
-        "item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "numpy", "cpu",
-        "tensor", "as_tensor", "from_numpy", "scalar_tensor", "is_nonzero", "equal", "allclose", "any", "all",
-    }  # fmt: skip
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_function__(self, func: Callable, types, args=(), kwargs=None):  # type: ignore[override]
-        name = getattr(func, "__name__", str(func))
-        if name in self.FORBIDDEN:
-            self.seen.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 def test_host_read_recorder_catches_item() -> None:
-    """Negative control: the recorder below must notice a host read."""
+    """Negative control: the shared recorder (oracle.host_reads) must notice a host read."""
     x = torch.randn(4)
-    with _HostReadRecorder() as rec:
+    with HostReadRecorder() as rec:
         _ = (x * 2).sum().item()
         _ = bool(x[0] > 0)
     assert "item" in rec.seen and "__bool__" in rec.seen
@@ -186,7 +163,7 @@ def test_loop_reads_nothing_on_host(v_dtype: torch.dtype) -> None:
     plan = unipc_plan(framework_flow_schedule(4, 5.0))
     vs = [torch.randn(2, 33, 64).to(v_dtype) for _ in range(plan.steps)]
     x = torch.randn(2, 33, 64)
-    with _HostReadRecorder() as rec:
+    with HostReadRecorder() as rec:
         denoise(plan, x, lambda i, _x: vs[i])
     assert rec.seen == []
 

@@ -4,6 +4,10 @@ It needs no download: the transformer and VAE are seeded random weights in the r
 tokenizer is a byte-level BPE with no merges plus the ChatML template and the special tokens the
 request path uses. It exercises every stage of the real request path at a size a laptop CPU runs in
 well under a second.
+
+`tiny-world` is the same size with sound heads and a tiny sound tokenizer (`sound_tokenizer/`, 16 kHz
+stereo, 25 latent frames per second like the released one), so world generation with sound runs end
+to end on a CPU; its DROID contract uses the 256 tier, which keeps a CPU policy request near 0.1 s.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from safetensors.torch import save_file
 
 from ..model import Cosmos3Transformer, get_config, init_random_, save_transformer
 
-BUILTIN_MODELS = ("tiny-droid", "tiny-droid-edge")
+BUILTIN_MODELS = ("tiny-droid", "tiny-droid-edge", "tiny-world")
 _FORMAT_VERSION = 1  # bump when the builder changes, so cached folders are rebuilt
 
 # Tiny Wan2.2-layout VAE (48 latent channels, x16 spatial / x4 temporal) with the real latent stats.
@@ -28,6 +32,10 @@ TINY_VAE = dict(
     temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
     scale_factor_spatial=16, scale_factor_temporal=4,
 )
+# Tiny diffusers Cosmos3AVAEAudioTokenizer decoder: 16 kHz (an AAC rate), hop 4 * 8 * 20 = 640 samples = the
+# released 25 latent frames per second, stereo like the released one.
+TINY_SOUND = dict(sampling_rate=16000, vocoder_input_dim=8, dec_dim=8, dec_c_mults=[1, 2, 4], dec_strides=[4, 8, 20],
+                  dec_out_channels=2, encoder_enabled=False)
 SPECIAL_TOKENS = ["<|im_end|>", "<|endoftext|>", "<|im_start|>", "<|vision_start|>", "<|vision_end|>"]
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -88,18 +96,48 @@ def write_vae(folder: Path, seed: int) -> None:
     save_file(state, str(folder / "diffusion_pytorch_model.safetensors"))
 
 
+def write_sound_tokenizer(folder: Path, seed: int) -> None:
+    """A decoder-only `Cosmos3AVAEAudioTokenizer` (TINY_SOUND) with seeded random weights, diffusers layout."""
+    from diffusers.models.autoencoders.autoencoder_cosmos3_audio import Cosmos3AVAEAudioTokenizer
+
+    tok = Cosmos3AVAEAudioTokenizer(**TINY_SOUND)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in tok.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith(("alpha", "beta")):  # log-scale Snake parameters
+                p.copy_(0.2 * noise)
+            elif name.endswith("weight_g"):
+                p.copy_(0.7 + 0.05 * noise)
+            elif name.endswith("weight_v"):
+                p.copy_(noise / math.sqrt(math.prod(p.shape[1:])))
+            else:
+                p.copy_(0.05 * noise)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"_class_name": "Cosmos3AVAEAudioTokenizer", **TINY_SOUND},
+                                                   indent=2))
+    save_file({k: v.contiguous() for k, v in tok.state_dict().items()},
+              str(folder / "diffusion_pytorch_model.safetensors"))
+
+
 def build_builtin(name: str, folder: Path) -> Path:
-    """Write the named embedded model into `folder` (transformer/, vae/, tokenizer/, wamrt.json)."""
+    """Write the named embedded model into `folder` (transformer/, vae/, tokenizer/, wamrt.json; tiny-world also
+    sound_tokenizer/)."""
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {name!r}; known: {BUILTIN_MODELS}")
-    edge = name.endswith("edge")
+    edge, world = name.endswith("edge"), name == "tiny-world"
     cfg = get_config("tiny-edge" if edge else "tiny-qwen").replace(vocab_size=512)
     seed = 2026 + edge
+    if world:
+        cfg, seed = cfg.replace(sound_gen=True, sound_dim=TINY_SOUND["vocoder_input_dim"]), 2030
+        write_sound_tokenizer(folder / "sound_tokenizer", seed + 2)
     save_transformer(init_random_(Cosmos3Transformer(cfg), seed), folder / "transformer")
     write_vae(folder / "vae", seed + 1)
     write_tokenizer(folder / "tokenizer")
     policy = {"format_version": _FORMAT_VERSION, "contract": "droid", "prompt_format": "json" if edge else "plain",
               "guidance_interval": [960, 1001] if edge else None, "weights": f"random (seed {seed})"}
+    if world:
+        policy["tier"] = "256"
     (folder / "wamrt.json").write_text(json.dumps(policy, indent=2) + "\n")
     return folder
 

@@ -101,7 +101,10 @@ def denoise(
     *,
     record: bool = False,
     clock: Callable[[], float] = time.perf_counter,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> DenoiseResult:
+    """`on_step(i, steps)` runs after step i has finished (device synchronised): progress reporting, and a
+    place to stop (an exception it raises propagates, dropping the loop's tensors) or to yield the device."""
     device, dtype = inp.vision.device, model.dtype
     schedule = opts.make_schedule()
     plan = (unipc_plan(schedule, device=device) if opts.solver == "unipc" else euler_plan(schedule))
@@ -175,5 +178,7 @@ def denoise(
                 trace.setdefault(name, []).append(None if value is None else value.detach().clone())
         _sync(device)
         timings[f"denoise_step{i}"] = 1e3 * (clock() - t_step)
+        if on_step is not None:
+            on_step(i, len(timesteps))
     timings["denoise"] = sum(v for k, v in timings.items() if k.startswith("denoise_step"))
     return DenoiseResult(x_v, x_a, timings, trace, x_s)

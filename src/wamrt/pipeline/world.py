@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -337,11 +337,13 @@ def run_world(
     shift: float = 10.0,
     generator: torch.Generator | None = None,
     decode: bool = True,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> WorldResult:
     """One world request end to end (the reference's `pipe(prompt, ...)` without `action`).
 
     `shift` is the flow shift of the checkpoint's UniPC scheduler (10 in diffusers' Cosmos 3 examples).
-    `decode=False` returns latents only (sound latents too, undecoded).
+    `decode=False` returns latents only (sound latents too, undecoded). `on_step(i, steps)` is called after
+    each denoising step (see `denoise`); an exception it raises stops the request there.
     """
     t_start = time.perf_counter()
     opts = diffusers_sampling(steps, guidance, shift)
@@ -367,7 +369,7 @@ def run_world(
         sound_decoder = SoundDecoder(sound_decoder)
     prepared = req.prepare(model.config, encoder, tokenizer, sound_decoder=sound_decoder, generator=generator,
                            device=model_device(model))
-    out = denoise(model, prepared.inputs, opts)
+    out = denoise(model, prepared.inputs, opts, on_step=on_step)
     timings = {**prepared.timings_ms, **out.timings_ms}
 
     sound_latents = None if out.sound is None else out.sound[0].float()

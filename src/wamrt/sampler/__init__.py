@@ -1,7 +1,18 @@
-"""Flow-matching samplers for Cosmos 3: schedules, graph-capturable UniPC/Euler steps, CFG."""
+"""Flow-matching samplers for Cosmos 3: schedules, graph-capturable UniPC/Euler/distilled steps, CFG."""
 
 from ._common import SamplerPlan
 from .cfg import cfg_combine, guidance_active
+from .distilled import (
+    Anchor,
+    BoundDistilledPlan,
+    DistilledPlan,
+    DistilledSchedule,
+    DistilledStepCoeffs,
+    distilled_plan,
+    distilled_step,
+    draw_step_noise,
+    make_anchor,
+)
 from .euler import EulerPlan, euler_plan, euler_step
 from .loop import Velocity, denoise
 from .schedules import (
@@ -16,6 +27,11 @@ from .schedules import (
 from .unipc import UniPCHistory, UniPCPlan, UniPCStepCoeffs, predictor_orders, unipc_plan, unipc_step
 
 __all__ = [
+    "Anchor",
+    "BoundDistilledPlan",
+    "DistilledPlan",
+    "DistilledSchedule",
+    "DistilledStepCoeffs",
     "EulerPlan",
     "FlowSchedule",
     "SamplerPlan",
@@ -27,11 +43,15 @@ __all__ = [
     "cfg_combine",
     "denoise",
     "diffusers_flow_schedule",
+    "distilled_plan",
+    "distilled_step",
+    "draw_step_noise",
     "euler_plan",
     "euler_step",
     "flow_schedule",
     "framework_flow_schedule",
     "guidance_active",
+    "make_anchor",
     "native_flow_schedule",
     "predictor_orders",
     "schedule_from_sigmas",

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
-from . import http_api, videos
+from . import http_api, images, videos
 from .auth import ApiKeyMiddleware
 from .batcher import BatchPolicy
 from .config import ServeConfig
@@ -57,6 +57,7 @@ def build_app(policy: BatchPolicy, config: ServeConfig | None = None) -> ApiKeyM
         Route("/v1/videos/{video_id}", videos.get_video, methods=["GET"]),
         Route("/v1/videos/{video_id}", videos.delete_video, methods=["DELETE"]),
         Route("/v1/videos/{video_id}/content", videos.video_content, methods=["GET"]),
+        Route("/v1/images/generations", images.create_image, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.service = service

@@ -11,16 +11,21 @@ A client that goes away cancels its future; a job still waiting is dropped from 
 
 A job may instead carry a `task` (a callable, e.g. a forward/inverse-dynamics request): it goes through
 the same bounded queue and the same engine thread, but always alone (different shapes, no batching).
+
+The device is shared with world-generation jobs (`generation.py`), which run on their own thread through
+`DeviceGate`: every job of this queue counts as demand from the moment it is queued until its future is
+done, and generation only takes the device, one denoising step at a time, while that demand is zero.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -63,6 +68,68 @@ class Job:
         return tuple(sorted(self.overrides.items()))
 
 
+class GenerationCancelled(Exception):
+    """A generation job was cancelled (DELETE, or its /sync client left) while it waited for the device."""
+
+
+class DeviceGate:
+    """Who runs model work next: queued policy work first, world generation only in the gaps.
+
+    The engine thread wraps every batch / task in `policy()`; it waits only for a generation segment (one
+    denoising step, or the prefill / decode before and after the loop) already running to end. The
+    generation thread holds the device with `acquire_generation()` / `release_generation()` per segment
+    and does not start another while any policy job is queued or running (`demand`). A policy request
+    therefore waits at most one generation segment, and generation uses the device only when the queue is
+    empty: under saturating policy traffic it makes no progress (by design; its own queue is bounded).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.demand = 0  # policy-queue jobs queued or running
+        self._policy_running = False
+        self._generation_running = False
+        self.generation_waits = 0  # segments that waited for policy work (test / metrics hook)
+
+    def add_demand(self, n: int) -> None:
+        with self._cond:
+            self.demand += n
+            if self.demand <= 0:
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def policy(self) -> Iterator[None]:
+        with self._cond:
+            while self._generation_running:
+                self._cond.wait()
+            self._policy_running = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._policy_running = False
+                self._cond.notify_all()
+
+    def acquire_generation(self, cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Block until no policy work is queued or running, then hold the device for one segment. Raises
+        `GenerationCancelled` as soon as `cancelled()` turns true while waiting."""
+        with self._cond:
+            waited = False
+            while self.demand > 0 or self._policy_running:
+                if cancelled():
+                    raise GenerationCancelled("cancelled while waiting for the device")
+                waited = True
+                self._cond.wait(0.05)
+            if cancelled():
+                raise GenerationCancelled("cancelled")
+            self._generation_running = True
+            self.generation_waits += waited
+
+    def release_generation(self) -> None:
+        with self._cond:
+            self._generation_running = False
+            self._cond.notify_all()
+
+
 class BatchObserver(Protocol):
     def queue_depth(self, depth: int) -> None: ...
 
@@ -76,6 +143,7 @@ class Batcher:
             raise ValueError("max_batch and max_queue must be >= 1, max_wait_ms >= 0")
         self.policy, self.max_batch, self.max_wait = policy, max_batch, max_wait_ms / 1e3
         self.max_queue, self.observer = max_queue, observer
+        self.gate = DeviceGate()
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopped = False
@@ -96,9 +164,11 @@ class Batcher:
             if len(self._pending) >= self.max_queue:
                 raise Busy(f"queue full ({self.max_queue} waiting); retry later")
             self._pending.append(job)
+            self.gate.add_demand(1)
             self._notify_depth()
             self._cond.notify_all()
         job.future.add_done_callback(lambda f, j=job: f.cancelled() and self._discard(j))
+        job.future.add_done_callback(lambda _f: self.gate.add_demand(-1))  # exactly once, however it ends
         return job.future
 
     async def run(self, job: Job) -> BatchResult:
@@ -171,7 +241,8 @@ class Batcher:
                 continue
             live.append(job)
         if live:
-            self._run(live, now)
+            with self.gate.policy():
+                self._run(live, now)
 
     def _run(self, jobs: list[Job], start: float) -> None:
         if jobs[0].task is not None:

@@ -31,6 +31,11 @@ class ServeConfig:
     safety_file: str | None = None
     warmup_requests: int = 1
     max_jobs: int = 256  # /v1/videos records kept (oldest finished ones are evicted first)
+    # World generation: width * height * frames (* images) of one job, at most (default: vLLM-Omni's Cosmos3
+    # default video, 1280x720 x 189 frames); generation jobs queued or running at once (their own queue, so
+    # video jobs never take the policy queue's slots).
+    max_video_pixels: int = 1280 * 720 * 189
+    max_generation_jobs: int = 4
     model_name: str = "tiny-droid"
     # The fast engine's EngineConfig.prompt_bucket (0: exact prompt lengths). On by default since it costs nothing
     # measurable (H200, 2026-12-02: E5-bucket / E5 = 0.98 at Edge, 0.99 at Nano) and spares every new instruction
@@ -43,6 +48,10 @@ class ServeConfig:
     extra_metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.max_video_pixels < 16 * 16:
+            raise ServeConfigError(f"must be >= 256 pixels, got {self.max_video_pixels}", flag="--max-video-pixels")
+        if self.max_generation_jobs < 1:
+            raise ServeConfigError(f"must be >= 1, got {self.max_generation_jobs}", flag="--max-generation-jobs")
         # Checked here, not only in the engine: a typo should fail at startup naming the flag, before a
         # model is built (minutes at Nano), and on every path that makes a config (CLI, Ray replicas).
         if self.prompt_bucket < 0:

@@ -28,6 +28,7 @@ from ..pipeline.errors import RequestError
 from ..pipeline.generic import TIERS, generic_request
 from .errors import InvalidRequest
 from .fields import as_float, as_int
+from .media import encode_mp4  # noqa: F401  # re-exported: MP4 encoding lives in media.py
 
 DYNAMICS_MODES = ("forward_dynamics", "inverse_dynamics")
 MAX_CHUNK = 256  # actions per request (chunk + 1 video frames); bounds decode and memory
@@ -88,25 +89,6 @@ def decode_video(raw: bytes, name: str) -> np.ndarray:
     if not frames:
         raise InvalidRequest("holds no frames", field=name)
     return np.stack(frames)
-
-
-def encode_mp4(frames: np.ndarray, fps: float) -> bytes:
-    """uint8 [T, H, W, 3] -> H.264 MP4 bytes (yuv420p, near-lossless)."""
-    import av
-
-    t, h, w, _ = frames.shape
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as out:
-        stream = out.add_stream("libx264", rate=max(1, round(fps)))
-        stream.width, stream.height, stream.pix_fmt = w - w % 2, h - h % 2, "yuv420p"
-        stream.options = {"crf": "18"}
-        for img in frames:
-            img = np.ascontiguousarray(img[: h - h % 2, : w - w % 2])
-            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return buf.getvalue()
 
 
 def _data_url(value: Any, name: str, key: str) -> bytes:

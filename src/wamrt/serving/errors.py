@@ -39,6 +39,12 @@ class NotFound(ServingError):
     code, status = "not_found", 404
 
 
+class Conflict(ServingError):
+    """The resource is not in a state that allows the request (e.g. the content of an unfinished job)."""
+
+    code, status = "conflict", 409
+
+
 class PayloadTooLarge(ServingError):
     code, status = "payload_too_large", 413
 

@@ -32,19 +32,45 @@ _OBSERVATION = {
 
 _VIDEO_FORM = {
     "type": "object", "required": ["prompt"],
+    "description": "A policy / forward-dynamics / inverse-dynamics job when extra_params.action_mode says so or "
+                   "extra_params carries a policy input (robot_obs, observation, action, session_id, domain_name, "
+                   "domain_id, raw_action_dim, action_chunk_size, guidance_interval); otherwise world generation "
+                   "(text / image / video -> video, optionally with sound).",
     "properties": {
         "prompt": {"type": "string"}, "model": {"type": "string"}, "negative_prompt": {"type": "string"},
         "seed": {"type": "integer", "minimum": 0}, "num_inference_steps": {"type": "integer", "minimum": 1},
-        "guidance_scale": {"type": "number"}, "flow_shift": {"type": "number"}, "size": {"type": "string"},
-        "seconds": {"type": "string"}, "num_frames": {"type": "integer", "minimum": 1},
-        "fps": {"type": "number"},
-        "extra_params": {"type": "string", "description": "JSON object: action_mode (policy | forward_dynamics "
-                         "| inverse_dynamics), domain_name/domain_id, action_chunk_size, raw_action_dim, "
-                         "robot_obs/observation, action, video, image_size, view_point, num_steps, guidance, "
-                         "shift, guidance_interval, session_id"},
-        "input_reference": {"type": "string", "format": "binary", "description": "image (policy, FD) or video (ID)"},
+        "guidance_scale": {"type": "number"}, "flow_shift": {"type": "number"},
+        "size": {"type": "string", "description": "WIDTHxHEIGHT; generation: multiples of 16 (default 1280x720)"},
+        "width": {"type": "integer", "minimum": 1}, "height": {"type": "integer", "minimum": 1},
+        "seconds": {"type": "string"},
+        "num_frames": {"type": "integer", "minimum": 1, "description": "generation: 4k + 1 (default 189)"},
+        "fps": {"type": "number", "description": "generation: default 24"},
+        "generate_sound": {"type": "boolean", "description": "generation: also generate sound (AAC in the MP4); "
+                           "needs a checkpoint with sound heads and a sound tokenizer"},
+        "sound_duration": {"type": "number", "description": "seconds; must be the clip's num_frames / fps"},
+        "max_sequence_length": {"type": "integer", "minimum": 1, "description": "accepted, ignored"},
+        "extra_params": {"type": "string", "description": "JSON object. Action jobs: action_mode (policy | "
+                         "forward_dynamics | inverse_dynamics), domain_name/domain_id, action_chunk_size, "
+                         "raw_action_dim, robot_obs/observation, action, video, image_size, view_point, num_steps, "
+                         "guidance, shift, guidance_interval, session_id. Generation: use_resolution_template, "
+                         "use_duration_template, use_system_prompt (booleans), condition_frame_indexes_vision "
+                         "(latent frame indexes), condition_video_keep (first | last), guardrails, flow_shift, "
+                         "max_sequence_length, video"},
+        "input_reference": {"type": "string", "format": "binary",
+                            "description": "image (policy, FD, image -> video) or video (ID, video -> video)"},
         "image_reference": {"type": "string", "description": 'JSON {"image_url": "data:..."}'},
         "video_reference": {"type": "string", "description": 'JSON {"video_url": "data:..."}'},
+    },
+}
+_IMAGE_BODY = {
+    "type": "object", "required": ["prompt"],
+    "properties": {
+        "prompt": {"type": "string"}, "model": {"type": "string"}, "n": {"type": "integer", "minimum": 1},
+        "size": {"type": "string", "description": "WIDTHxHEIGHT, multiples of 16 (default 1024x1024)"},
+        "response_format": {"enum": ["b64_json"]}, "user": {"type": "string"},
+        "negative_prompt": {"type": "string"}, "num_inference_steps": {"type": "integer", "minimum": 1},
+        "guidance_scale": {"type": "number"}, "flow_shift": {"type": "number"},
+        "seed": {"type": "integer", "minimum": 0},
     },
 }
 _VIDEO_BODY = {"multipart/form-data": {"schema": _VIDEO_FORM}, "application/json": {"schema": _VIDEO_FORM}}
@@ -78,26 +104,30 @@ def openapi_spec() -> dict[str, Any]:
             "/v1/models": {"get": {"summary": "Served model", "responses": {"200": json_ok}}},
             "/v1/videos": {
                 "get": {"summary": "List jobs", "responses": {"200": json_ok}},
-                "post": {"summary": "Queue a policy / forward-dynamics / inverse-dynamics job",
+                "post": {"summary": "Queue a policy / forward-dynamics / inverse-dynamics / world-generation job",
                          "requestBody": {"required": True, "content": _VIDEO_BODY},
                          "responses": {"200": json_ok, **_errors(400, 401, 413, 429, 500, 503)}},
             },
             "/v1/videos/sync": {"post": {
-                "summary": "Run a job and answer at once (forward dynamics: the MP4, or JSON with Accept)",
+                "summary": "Run a job and answer at once (forward dynamics / generation: the MP4, or JSON with Accept)",
                 "requestBody": {"required": True, "content": _VIDEO_BODY},
                 "responses": {"200": {"description": "OK", "content": {**json_ok["content"], **_MP4}},
                               **_errors(400, 401, 413, 422, 429, 499, 500, 503)}}},
             "/v1/videos/{video_id}": {
                 "parameters": [{"name": "video_id", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "get": {"summary": "Job record", "responses": {"200": json_ok, **_errors(404)}},
-                "delete": {"summary": "Delete a job (a queued one is dropped)",
+                "delete": {"summary": "Cancel an unfinished job (kept as status cancelled) or delete a finished one",
                            "responses": {"200": json_ok, **_errors(404)}},
             },
             "/v1/videos/{video_id}/content": {
                 "parameters": [{"name": "video_id", "in": "path", "required": True, "schema": {"type": "string"}}],
-                "get": {"summary": "Forward-dynamics MP4 (empty for action-only jobs)",
-                        "responses": {"200": {"description": "OK", "content": _MP4}, **_errors(404)}},
+                "get": {"summary": "FD / generation MP4 (empty for action-only jobs; 409 until completed)",
+                        "responses": {"200": {"description": "OK", "content": _MP4}, **_errors(404, 409)}},
             },
+            "/v1/images/generations": {"post": {
+                "summary": "Text -> image (vLLM-Omni / OpenAI images API): PNGs as b64_json",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _IMAGE_BODY}}},
+                "responses": {"200": json_ok, **_errors(400, 401, 413, 429, 499, 500, 503)}}},
         },
         "components": {"schemas": {"Error": {
             "type": "object", "required": ["type", "code", "message"],

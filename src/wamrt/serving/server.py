@@ -33,6 +33,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--guidance", type=float, default=None)
     ap.add_argument("--shift", type=float, default=None)
     ap.add_argument("--guidance-interval", type=int, nargs=2, metavar=("LO", "HI"), default=None)
+    ap.add_argument("--max-video-pixels", type=int, default=ServeConfig.max_video_pixels, metavar="N",
+                    help="world generation: largest width x height x frames (x images) of one job "
+                         f"(default {ServeConfig.max_video_pixels} = 1280x720 x 189 frames); larger ones get 400")
+    ap.add_argument("--max-generation-jobs", type=int, default=ServeConfig.max_generation_jobs, metavar="N",
+                    help="world-generation jobs queued or running at once (their own queue; over it: busy, 429)")
     ap.add_argument("--safety", default=None, metavar="FILE", help="action safety envelope (JSON or TOML)")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up requests before /readyz says ready")
     ap.add_argument("--engine", choices=["auto", "eager", "fast"], default="auto",
@@ -73,6 +78,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         guidance_interval=tuple(args.guidance_interval) if args.guidance_interval else None,
         safety_file=args.safety, warmup_requests=args.warmup, model_name=str(args.model),
         prompt_bucket=args.prompt_bucket, prompt_width=args.prompt_width, batch_invariant=args.batch_invariant,
+        max_video_pixels=args.max_video_pixels, max_generation_jobs=args.max_generation_jobs,
     )
 
 

@@ -18,6 +18,7 @@ from .batcher import Batcher, BatchPolicy, BatchResult, Job
 from .config import ServeConfig
 from .dynamics import DynamicsRequest, generic_runner
 from .errors import InvalidRequest, NotReady, ServingError, as_serving_error
+from .generation import GenerationJob, GenerationOutcome, GenerationRequest, GenerationWorker, world_model_of
 from .metrics import Metrics
 from .observation import JOINTS, ParsedRequest
 from .safety import SafetyEnvelope
@@ -70,6 +71,11 @@ class Service:
         self._policy_meta = policy.metadata()
         self.connections: set[Any] = set()  # open websocket connections (openpi_ws registers them)
         self.generic = generic_runner(policy)  # forward/inverse dynamics; None if the engine has no generic path
+        # World generation (text/image/video -> video, text -> image) on the served checkpoint; None if the
+        # engine exposes no model/VAE/tokenizer. Its sound tokenizer is loaded here when the transformer has
+        # sound heads and the checkpoint ships one.
+        self.world = world_model_of(policy, config.model_name)
+        self.generation: GenerationWorker | None = None
         self._tokenizer = getattr(policy, "tokenizer", None)
         self._token_counts: dict[str, int] = {}
 
@@ -77,6 +83,9 @@ class Service:
     def start(self) -> None:
         self.batcher = Batcher(self.policy, max_batch=self.config.max_batch, max_wait_ms=self.config.max_wait_ms,
                                max_queue=self.config.max_queue, observer=self.metrics)
+        if self.world is not None:  # its own thread and queue; the device is shared through the batcher's gate
+            self.generation = GenerationWorker(self.world, self.batcher.gate,
+                                               max_jobs=self.config.max_generation_jobs)
 
     async def warm_up(self) -> None:
         """Run the configured warm-up requests through the real path; /readyz turns 200 afterwards."""
@@ -104,6 +113,8 @@ class Service:
             log.exception("warm-up failed")
 
     def stop(self) -> None:
+        if self.generation:
+            self.generation.stop()
         if self.batcher:
             self.batcher.stop()
 
@@ -231,6 +242,32 @@ class Service:
                   "batch_ms": res.batch_ms, "batch_size": 1.0, "total_ms": 1e3 * (time.monotonic() - received)}
         self.metrics.timing(surface, timing)
         return DynamicsOutcome(rid, req.mode, actions, frames, seed, timing, {k: v / 1e3 for k, v in tm.items()})
+
+    def enqueue_generation(self, req: GenerationRequest, *, request_id: str | None = None,
+                           on_progress: Any = None) -> GenerationJob:
+        """Queue one world-generation job on the generation thread (raises Busy when its queue is full)."""
+        if self.generation is None:
+            if self.batcher is None:
+                raise NotReady("engine not started")
+            raise InvalidRequest("this engine has no world-generation path", field="model")
+        job = GenerationJob(req, request_id or new_request_id("gen"), on_progress)
+        self.generation.submit(job)
+        return job
+
+    async def run_generation(self, job: GenerationJob, *, surface: str) -> GenerationOutcome:
+        """Await a queued generation job. Cancelling the caller cancels the job: a queued one leaves the queue,
+        a running one stops at its next denoising step and drops its tensors."""
+        try:
+            out: GenerationOutcome = await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            assert self.generation is not None
+            self.generation.cancel(job)
+            raise
+        self.metrics.timing(surface, out.timing)
+        return out
+
+    async def generate(self, req: GenerationRequest, *, surface: str) -> GenerationOutcome:
+        return await self.run_generation(self.enqueue_generation(req), surface=surface)
 
     def count_error(self, exc: BaseException) -> ServingError:
         err = as_serving_error(exc)

@@ -13,11 +13,17 @@ composite) plus `extra_params.action` = the current [7 joints, gripper] state.
 
 `extra_params.action_mode` `forward_dynamics` / `inverse_dynamics` run the generic contracts instead
 (`dynamics.py`): FD answers an MP4 of the predicted frames at `/content`, ID the actions in `action`.
+
+A request with no `action_mode` and none of the policy's inputs (`POLICY_KEYS`: robot_obs / observation,
+the `action` state, domain, chunk, session) is world generation (`generation.py`, vLLM-Omni's T2V / I2V /
+V2V with optional sound): the job reports `progress` per denoising step, `/content` serves the MP4 (H.264,
+AAC when there is sound), and DELETE of an unfinished job cancels it between steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import resource
 import time
@@ -31,14 +37,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..client.wire import _decode_image, json_array, to_jsonable
-from .dynamics import DYNAMICS_MODES, DynamicsRequest, build_dynamics, encode_mp4
-from .errors import Busy, InvalidRequest, NotFound, PayloadTooLarge
+from .dynamics import DYNAMICS_MODES, DynamicsRequest, build_dynamics
+from .errors import Busy, Cancelled, Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from .fields import as_float, as_int
+from .generation import GenerationOutcome, GenerationRequest, build_generation
 from .http_api import service_of, until_disconnect
+from .media import encode_mp4
 from .observation import GRIPPER, IMAGE, JOINTS, PROMPT, parse_params, parse_request
 from .service import DynamicsOutcome, InferOutcome, Service
 
 DROID_DOMAIN = ("droid_lerobot", 8)
+GENERATE = "generate"  # the routing mode of world-generation requests (they carry no action_mode)
+# extra_params keys that only a policy request carries: with any of them (and no action_mode) a request is a
+# policy request, as before world generation existed; without, and without action_mode, it is generation.
+POLICY_KEYS = ("robot_obs", "observation", "action", "session_id", "domain_name", "domain_id", "raw_action_dim",
+               "action_chunk_size", "guidance_interval")
+UNFINISHED = ("queued", "in_progress")
+MAX_CONTENT_BYTES = 2 * 2**30  # MP4s kept for /content (a 720p Nano clip is tens of MB): beyond, oldest jobs go
 _TOP_LEVEL_PARAMS = {"num_inference_steps": "steps", "guidance_scale": "guidance", "flow_shift": "shift"}
 
 
@@ -90,14 +105,18 @@ async def _read_fields(request: Request, limit: int) -> dict[str, Any]:
 
 
 def _mode(fields: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
-    """(prompt, extra_params, action_mode) with typed errors for each."""
+    """(prompt, extra_params, mode) with typed errors for each. mode: `extra_params.action_mode` when given
+    (policy / forward_dynamics / inverse_dynamics); else policy when a policy input is present (POLICY_KEYS),
+    else GENERATE."""
     prompt = fields.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidRequest("is required", field="prompt")
     extra = _json_field(fields.get("extra_params") or {}, "extra_params")
     if not isinstance(extra, dict):
         raise InvalidRequest("must be a JSON object", field="extra_params")
-    mode = extra.get("action_mode", "policy")
+    if "action_mode" not in extra:
+        return prompt, extra, "policy" if any(k in extra for k in POLICY_KEYS) else GENERATE
+    mode = extra["action_mode"]
     if mode != "policy" and mode not in DYNAMICS_MODES:
         raise InvalidRequest(f"must be one of {['policy', *DYNAMICS_MODES]}, got {mode!r}",
                              field="extra_params.action_mode")
@@ -105,11 +124,16 @@ def _mode(fields: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
 
 
 async def parse_job(fields: dict[str, Any], service: Service) -> tuple[Any, dict[str, Any]]:
-    """Fields -> (ParsedRequest | DynamicsRequest, job-record extras). FD/ID parsing (video decoding,
-    frame conversion) runs in a worker thread."""
+    """Fields -> (ParsedRequest | DynamicsRequest | GenerationRequest, job-record extras). FD/ID and generation
+    parsing (video decoding, frame conversion) runs in a worker thread."""
     _prompt, extra, mode = _mode(fields)
     if mode == "policy":
         return build_request(fields)
+    if mode == GENERATE:
+        cfg = service.config
+        greq = await asyncio.to_thread(build_generation, fields, service.world, kind="video",
+                                       max_pixels=cfg.max_video_pixels, model_name=cfg.model_name)
+        return greq, greq.record
     dreq = await asyncio.to_thread(build_dynamics, fields, extra, mode, service.defaults)
     return dreq, dreq.record
 
@@ -190,6 +214,25 @@ async def dynamics_record(rec: dict[str, Any], out: DynamicsOutcome, req: Dynami
     return mp4
 
 
+def generation_record(rec: dict[str, Any], out: GenerationOutcome, req: GenerationRequest) -> None:
+    """Fill a job record (or a sync reply's fields) from a finished generation."""
+    kw = req.kwargs
+    rec.update(status="completed", progress=100, completed_at=int(time.time()),
+               inference_time_s=out.timing["total_ms"] / 1e3, stage_durations=out.stage_durations,
+               peak_memory_mb=_peak_memory_mb(), action=None, timing=out.timing,
+               file_name=f"{rec.get('id') or out.request_id}.mp4",
+               video={"shape": out.shape, "fps": out.fps, "bytes": len(out.mp4 or b""), "audio": out.audio},
+               metadata={"seed": out.seed, "mode": out.mode, "num_frames": kw["num_frames"], "steps": kw["steps"],
+                         "guidance": kw["guidance"], "shift": kw["shift"], "sound": req.sound,
+                         **({"notes": out.notes} if out.notes else {})})
+
+
+def _headers(service: Service, rid: str, rec: dict[str, Any], stages: dict[str, float]) -> dict[str, str]:
+    return {"X-Request-Id": rid, "X-Model": service.config.model_name,
+            "X-Inference-Time-S": f"{rec['inference_time_s']:.6f}", "X-Stage-Durations": json.dumps(stages),
+            "X-Peak-Memory-MB": f"{rec['peak_memory_mb']:.1f}"}
+
+
 class VideoJobs:
     """In-memory job table, bounded: finished jobs are evicted oldest-first beyond `max_jobs`."""
 
@@ -197,11 +240,12 @@ class VideoJobs:
         self.service = service
         self.records: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.tasks: dict[str, asyncio.Task] = {}
-        self.content: dict[str, bytes] = {}  # forward-dynamics MP4s, dropped with their record
+        self.content: dict[str, bytes] = {}  # forward-dynamics / generation MP4s, dropped with their record
+        self.makes_video: set[str] = set()  # jobs whose output is an MP4 (/content: 409 until completed)
 
     def _make_room(self) -> None:
         while len(self.records) >= self.service.config.max_jobs:
-            done = next((k for k, r in self.records.items() if r["status"] in ("completed", "failed")), None)
+            done = next((k for k, r in self.records.items() if r["status"] not in UNFINISHED), None)
             if done is None:
                 raise Busy(f"{len(self.records)} video jobs are unfinished; retry later")
             self.remove(done)
@@ -209,13 +253,42 @@ class VideoJobs:
     def remove(self, vid: str) -> None:
         self.records.pop(vid, None)
         self.content.pop(vid, None)
+        self.makes_video.discard(vid)
+
+    def store(self, vid: str, mp4: bytes) -> None:
+        """Keep a finished job's MP4; past MAX_CONTENT_BYTES in all, the oldest other finished jobs are evicted
+        (record and content, as `max_jobs` evicts)."""
+        if vid not in self.records:  # deleted meanwhile
+            return
+        self.content[vid] = mp4
+        total = sum(map(len, self.content.values()))
+        for old in [k for k in self.records if k != vid and k in self.content]:
+            if total <= MAX_CONTENT_BYTES:
+                break
+            if self.records[old]["status"] not in UNFINISHED:
+                total -= len(self.content[old])
+                self.remove(old)
+
+    def cancel(self, vid: str) -> None:
+        """DELETE of an unfinished job: it ends as `cancelled` (a queued one never runs; a running generation
+        stops at its next denoising step and frees its tensors; a running policy batch finishes, discarded)."""
+        task = self.tasks.get(vid)
+        if task is not None:
+            task.cancel()
+        self.content.pop(vid, None)
+        self.records[vid].update(status="cancelled", completed_at=int(time.time()),
+                                 error={"code": "cancelled", "message": "cancelled by DELETE"})
 
     def create(self, req: Any, extras: dict[str, Any]) -> dict[str, Any]:
         self._make_room()
-        # Busy -> 429 before any record exists
-        dyn = isinstance(req, DynamicsRequest)
-        future = self.service.enqueue_dynamics(req) if dyn else self.service.enqueue(req)
         vid = f"video_gen_{uuid.uuid4().hex}"
+        # Busy -> 429 before any record exists
+        if isinstance(req, GenerationRequest):
+            future: Any = self.service.enqueue_generation(req, request_id=vid, on_progress=self._progress(vid))
+        elif isinstance(req, DynamicsRequest):
+            future = self.service.enqueue_dynamics(req)
+        else:
+            future = self.service.enqueue(req)
         rec = {"id": vid, "object": "video", "model": extras["model"] or self.service.config.model_name,
                "prompt": extras["prompt"], "status": "queued", "progress": 0, "size": extras["size"],
                "seconds": extras["seconds"], "quality": "standard", "created_at": int(time.time()),
@@ -223,26 +296,54 @@ class VideoJobs:
                "media_type": "video/mp4", "file_name": None, "inference_time_s": None, "stage_durations": None,
                "peak_memory_mb": None, "action": None}
         self.records[vid] = rec
+        if isinstance(req, GenerationRequest) or (isinstance(req, DynamicsRequest) and req.mode == "forward_dynamics"):
+            self.makes_video.add(vid)
         self.tasks[vid] = asyncio.ensure_future(self._run(vid, req, future))
         return rec
 
+    def _progress(self, vid: str) -> Any:
+        """A thread-safe progress hook for the generation thread: the record is only touched on the loop."""
+        loop = asyncio.get_running_loop()
+
+        def set_progress(value: int) -> None:
+            rec = self.records.get(vid)
+            if rec is not None and rec["status"] in UNFINISHED:
+                rec.update(status="in_progress", progress=max(rec["progress"], value))
+
+        def post(value: int) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed under a job stopped by shutdown
+                loop.call_soon_threadsafe(set_progress, value)
+
+        return post
+
     async def _run(self, vid: str, req: Any, future: Any) -> None:
         rec = self.records[vid]
-        rec["status"] = "in_progress"
+        if not isinstance(req, GenerationRequest):  # a generation job says when it starts (progress 0)
+            rec["status"] = "in_progress"
         try:
-            if isinstance(req, DynamicsRequest):
+            if isinstance(req, GenerationRequest):
+                gout = await self.service.run_generation(future, surface="videos")
+                if rec["status"] in UNFINISHED:
+                    generation_record(rec, gout, req)
+                    self.store(vid, gout.mp4 or b"")
+            elif isinstance(req, DynamicsRequest):
                 dout = await self.service.run_dynamics(req, surface="videos", received=time.monotonic(),
                                                        request_id=vid, future=future)
                 mp4 = await dynamics_record(rec, dout, req)
-                if mp4 is not None and vid in self.records:  # not deleted meanwhile
-                    self.content[vid] = mp4
+                if mp4 is not None:
+                    self.store(vid, mp4)
             else:
                 out = await self.service.infer(req, surface="videos", received=time.monotonic(), request_id=vid,
                                                future=future)
                 self.fill(rec, out)
         except asyncio.CancelledError:
-            rec.update(status="failed", error={"code": "cancelled", "message": "deleted"})
+            if rec["status"] in UNFINISHED:
+                rec.update(status="cancelled", completed_at=int(time.time()),
+                           error={"code": "cancelled", "message": "cancelled"})
             raise
+        except Cancelled as exc:
+            rec.update(status="cancelled", completed_at=int(time.time()),
+                       error={"code": exc.code, "message": exc.message})
         except Exception as exc:  # noqa: BLE001  # recorded on the job as a typed error
             err = self.service.count_error(exc)
             rec.update(status="failed", completed_at=int(time.time()), error={"code": err.code, "message": err.message})
@@ -288,6 +389,8 @@ async def create_video_sync(request: Request) -> Response:
         req, _extras = await parse_job(await _read_fields(request, service.config.max_frame_bytes), service)
         if isinstance(req, DynamicsRequest):
             return await _dynamics_sync(request, service, req)
+        if isinstance(req, GenerationRequest):
+            return await _generation_sync(request, service, req)
         out = await until_disconnect(request, service.infer(req, surface="videos_sync", received=time.monotonic()))
         rec: dict[str, Any] = {}
         VideoJobs.fill(rec, out)
@@ -327,6 +430,27 @@ async def _dynamics_sync(request: Request, service: Service, req: DynamicsReques
     return JSONResponse(body, headers=headers)
 
 
+async def _generation_sync(request: Request, service: Service, req: GenerationRequest) -> Response:
+    """The MP4 itself (vLLM-Omni's sync answer), or JSON with it in `data[0].b64_json` under
+    `Accept: application/json`. A client that hangs up cancels the job at its next denoising step."""
+    out = await until_disconnect(request, service.generate(req, surface="videos_sync"))
+    rec: dict[str, Any] = {"id": f"video_sync-{out.request_id}"}
+    generation_record(rec, out, req)
+    headers = _headers(service, rec["id"], rec, out.stage_durations)
+    assert out.mp4 is not None
+    if "application/json" not in (request.headers.get("accept") or ""):
+        return Response(out.mp4, media_type="video/mp4", headers=headers)
+    import base64
+
+    body = {"created": int(time.time()), "id": out.request_id,
+            "data": [{"b64_json": base64.b64encode(out.mp4).decode(), "url": None, "revised_prompt": None,
+                      "action": None}],
+            "stage_durations": out.stage_durations, "peak_memory_mb": rec["peak_memory_mb"],
+            "inference_time_s": rec["inference_time_s"], "timing": out.timing, "metadata": rec["metadata"],
+            "video": rec["video"]}
+    return JSONResponse(body, headers=headers)
+
+
 async def get_video(request: Request) -> Response:
     rec = jobs_of(request).records.get(request.path_params["video_id"])
     if rec is None:
@@ -340,23 +464,32 @@ async def list_videos(request: Request) -> Response:
 
 
 async def delete_video(request: Request) -> Response:
+    """An unfinished job is cancelled and its record kept as `cancelled` (a second DELETE removes it); a
+    finished one is removed with its content."""
     jobs = jobs_of(request)
     vid = request.path_params["video_id"]
-    if vid not in jobs.records:
+    rec = jobs.records.get(vid)
+    if rec is None:
         return JSONResponse(NotFound("no such video job").body(), status_code=404)
-    task = jobs.tasks.get(vid)
-    if task is not None:
-        task.cancel()  # a queued job is dropped; a running one finishes and is discarded
+    if rec["status"] in UNFINISHED:
+        jobs.cancel(vid)
+        return JSONResponse({"id": vid, "object": "video.deleted", "deleted": True, "status": "cancelled"})
     jobs.remove(vid)
     return JSONResponse({"id": vid, "object": "video.deleted", "deleted": True})
 
 
 async def video_content(request: Request) -> Response:
-    rec = jobs_of(request).records.get(request.path_params["video_id"])
+    jobs, vid = jobs_of(request), request.path_params["video_id"]
+    rec = jobs.records.get(vid)
     if rec is None:
         return JSONResponse(NotFound("no such video job").body(), status_code=404)
-    # Forward dynamics: the predicted frames; policy / inverse dynamics are action-only (empty, as vLLM-Omni's).
-    return Response(jobs_of(request).content.get(request.path_params["video_id"], b""), media_type="video/mp4")
+    if vid in jobs.content:  # forward dynamics / generation: the MP4
+        return Response(jobs.content[vid], media_type="video/mp4")
+    if vid in jobs.makes_video:  # not there (yet): say why
+        err = Conflict(f"the job is {rec['status']}; its video exists only once it is completed")
+        return JSONResponse(err.body(), status_code=err.status)
+    # Policy / inverse dynamics are action-only (empty, as vLLM-Omni's).
+    return Response(b"", media_type="video/mp4")
 
 
 async def list_models(request: Request) -> Response:

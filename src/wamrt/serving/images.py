@@ -1,0 +1,43 @@
+"""vLLM-Omni / OpenAI-compatible `POST /v1/images/generations`: text -> image on the served checkpoint.
+
+JSON (or form) fields: `prompt` (required), `model`, `n` (1-10), `size` "WxH" (default 1024x1024),
+`response_format` ("b64_json", the only one served), `user` (ignored), and vLLM-Omni's extensions
+`negative_prompt`, `num_inference_steps` (50), `guidance_scale` (7.0), `flow_shift` (10), `seed`. The reply
+is `{created, data: [{b64_json: <PNG>, url: null, revised_prompt: null}], ...}`; image k of `n` uses seed
+`seed + k`. It runs as a generation job (`generation.py`): own queue, the device only between policy
+batches; a client that hangs up cancels it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from .generation import build_generation
+from .http_api import service_of, until_disconnect
+from .videos import _guard, _headers, _peak_memory_mb, _read_fields
+
+
+async def create_image(request: Request) -> Response:
+    async def work() -> Response:
+        service = service_of(request)
+        cfg = service.config
+        fields = await _read_fields(request, cfg.max_frame_bytes)
+        req = await asyncio.to_thread(build_generation, fields, service.world, kind="image",
+                                      max_pixels=cfg.max_video_pixels, model_name=cfg.model_name)
+        out = await until_disconnect(request, service.generate(req, surface="images"))
+        rec = {"inference_time_s": out.timing["total_ms"] / 1e3, "peak_memory_mb": _peak_memory_mb()}
+        body = {"created": int(time.time()),
+                "data": [{"b64_json": base64.b64encode(png).decode(), "url": None, "revised_prompt": None}
+                         for png in out.pngs],
+                "stage_durations": out.stage_durations, **rec, "timing": out.timing,
+                "metadata": {"seed": out.seed, "steps": req.steps, "guidance": req.kwargs["guidance"],
+                             "shift": req.kwargs["shift"], "size": req.record["size"],
+                             **({"notes": out.notes} if out.notes else {})}}
+        return JSONResponse(body, headers=_headers(service, f"image-{out.request_id}", rec, out.stage_durations))
+
+    return await _guard(request, work())
