@@ -1,10 +1,11 @@
-"""A torch-function recorder for "no host reads" checks of sampler steps on CPU (test-only)."""
+"""No-host-read checks of sampler loops: a torch-function recorder on CPU, sync-debug mode and capture on CUDA."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import pytest
 from torch.overrides import TorchFunctionMode
 
 
@@ -28,3 +29,29 @@ class HostReadRecorder(TorchFunctionMode):
         if name in self.FORBIDDEN:
             self.seen.append(name)
         return func(*args, **(kwargs or {}))
+
+
+def eager_without_sync_and_captured(run: Callable[[], Any]) -> tuple[Any, Any]:
+    """On CUDA: `run()` eagerly under sync-debug "error" (a host read raises), then warmed on a side stream,
+    captured as one CUDA graph and replayed. Returns (eager output, replayed graph output)."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            torch.ones(1, device="cuda").sum().item()  # negative control: the mode does catch a host read
+        eager = run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # warm-up on a side stream, as capture requires
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    return eager, static_out

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
-import torch
 from diffusers.models.autoencoders.autoencoder_cosmos3_audio import Cosmos3AVAEAudioTokenizer
+
+from wamrt.pipeline.builtin import random_sound_tokenizer
 
 # 1600 Hz and a hop of 4 * 16 = 64 samples give the real 25 latent frames per second at a toy size.
 TINY_SOUND = dict(sampling_rate=1600, vocoder_input_dim=8, dec_dim=8, dec_c_mults=(1, 2), dec_strides=(4, 16),
@@ -13,17 +12,4 @@ TINY_SOUND = dict(sampling_rate=1600, vocoder_input_dim=8, dec_dim=8, dec_c_mult
 
 
 def tiny_sound_tokenizer(seed: int, sound_dim: int = 8) -> Cosmos3AVAEAudioTokenizer:
-    tok = Cosmos3AVAEAudioTokenizer(**{**TINY_SOUND, "vocoder_input_dim": sound_dim}).eval().requires_grad_(False)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in tok.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith(("alpha", "beta")):  # log-scale Snake parameters
-                p.copy_(0.2 * noise)
-            elif name.endswith("weight_g"):
-                p.copy_(0.7 + 0.05 * noise)
-            elif name.endswith("weight_v"):
-                p.copy_(noise / math.sqrt(math.prod(p.shape[1:])))
-            else:
-                p.copy_(0.05 * noise)
-    return tok
+    return random_sound_tokenizer({**TINY_SOUND, "vocoder_input_dim": sound_dim}, seed)

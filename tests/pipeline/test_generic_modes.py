@@ -16,13 +16,11 @@ import torch
 from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
 from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
 from diffusers.video_processor import VideoProcessor
+from oracle.assets import TinyAssets, picture, tiny_assets
 from oracle.scheduler import reference_unipc
 from oracle.transformer import build_reference, ours_from_reference
-from PIL import Image
-from transformers import AutoTokenizer
 
 from wamrt.model import Cosmos3Config, Cosmos3Transformer, get_config
-from wamrt.pipeline.builtin import write_tokenizer, write_vae
 from wamrt.pipeline.domains import DOMAIN_IDS, RAW_ACTION_DIMS, action_domains, resolve_domain
 from wamrt.pipeline.errors import RequestError
 from wamrt.pipeline.generic import (
@@ -33,8 +31,6 @@ from wamrt.pipeline.generic import (
     run_generic,
 )
 from wamrt.pipeline.geometry import DIFFUSERS_ACTION_RESOLUTION_BINS
-from wamrt.pipeline.tokens import CaptionTokenizer
-from wamrt.pipeline.vae import FrameEncoder, load_vae
 
 pytestmark = pytest.mark.parity
 
@@ -44,28 +40,10 @@ CHUNK = 4  # 5 pixel frames -> 2 latent frames: the smallest chunk with a noisy 
 
 
 @dataclass
-class Assets:
-    vae: Any
-    hf_tokenizer: Any
-    encoder: FrameEncoder
-    tokenizer: CaptionTokenizer
-
-
-@dataclass
 class Stack:
     cfg: Cosmos3Config
     ours: Cosmos3Transformer
     pipe: Cosmos3OmniPipeline
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Assets:
-    root = tmp_path_factory.mktemp("generic")
-    write_vae(root / "vae", seed=11)
-    write_tokenizer(root / "tokenizer")
-    vae = load_vae(root / "vae", dtype=torch.float32)
-    hf = AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
-    return Assets(vae, hf, FrameEncoder(vae), CaptionTokenizer(hf))
 
 
 def reference_scheduler() -> UniPCMultistepScheduler:
@@ -73,7 +51,12 @@ def reference_scheduler() -> UniPCMultistepScheduler:
 
 
 @pytest.fixture(scope="module")
-def stacks(assets: Assets):
+def assets(tmp_path_factory: pytest.TempPathFactory) -> TinyAssets:
+    return tiny_assets(tmp_path_factory.mktemp("generic"))
+
+
+@pytest.fixture(scope="module")
+def stacks(assets: TinyAssets):
     cache: dict[str, Stack] = {}
 
     def get(flavour: str) -> Stack:
@@ -93,14 +76,6 @@ def stacks(assets: Assets):
         return cache[flavour]
 
     return get
-
-
-def picture(h: int, w: int, seed: int) -> Image.Image:
-    # Smooth gradients plus noise: bilinear/bicubic resizes then do real work on every pixel.
-    rs = np.random.RandomState(seed)
-    yy, xx = np.mgrid[0:h, 0:w]
-    base = np.stack([255 * yy / h, 255 * xx / w, 128 + 60 * np.sin((xx + yy) / 5)], axis=-1)
-    return Image.fromarray(np.clip(base + rs.randint(-40, 40, (h, w, 3)), 0, 255).astype(np.uint8))
 
 
 IMAGE = picture(48, 64, 0)  # tier 256 -> 256x320 canvas, replicate pad, 3x4 latent (odd rows -> patch pad)
@@ -156,7 +131,7 @@ def reference_run(
 
 def our_run(
     stack: Stack,
-    assets: Assets,
+    assets: TinyAssets,
     *,
     mode: str,
     steps: int,
@@ -210,7 +185,7 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert err <= REL_TOL * scale, f"{what}: max abs diff {err:.3e} > {REL_TOL} * {scale:.3e}"
 
 
-def compare(stack: Stack, assets: Assets, **kw: Any) -> tuple[GenericResult, Any]:
+def compare(stack: Stack, assets: TinyAssets, **kw: Any) -> tuple[GenericResult, Any]:
     """Run both, check actions, video latents and the generators' final states."""
     ref, ref_gen = reference_run(stack.pipe, **kw)
     ours, our_gen = our_run(stack, assets, **kw)

@@ -17,16 +17,12 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.modular_pipelines import Cosmos3DistilledBlocks, Cosmos3DistilledModularPipeline
+from oracle.assets import TinyAssets, picture, tiny_assets
 from oracle.transformer import build_reference, ours_from_reference
-from PIL import Image
-from transformers import AutoTokenizer
 
 from wamrt.model import Cosmos3Config, Cosmos3Transformer, get_config
-from wamrt.pipeline.builtin import write_tokenizer, write_vae
 from wamrt.pipeline.errors import RequestError
 from wamrt.pipeline.omni import decode_pixels, pixels_to_uint8
-from wamrt.pipeline.tokens import CaptionTokenizer
-from wamrt.pipeline.vae import FrameEncoder, load_vae
 from wamrt.pipeline.world import WorldResult, world_request
 from wamrt.pipeline.world_distilled import (
     DistilledCheckpointError,
@@ -50,14 +46,6 @@ SIGMAS = (1.0, 0.8333, 0.4125, 0.2)
 
 
 @dataclass
-class Assets:
-    vae: Any
-    hf_tokenizer: Any
-    encoder: FrameEncoder
-    tokenizer: CaptionTokenizer
-
-
-@dataclass
 class Stack:
     cfg: Cosmos3Config
     ref: Any
@@ -65,13 +53,8 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Assets:
-    root = tmp_path_factory.mktemp("world_distilled")
-    write_vae(root / "vae", seed=11)
-    write_tokenizer(root / "tokenizer")
-    vae = load_vae(root / "vae", dtype=torch.float32)
-    hf = AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
-    return Assets(vae, hf, FrameEncoder(vae), CaptionTokenizer(hf))
+def assets(tmp_path_factory: pytest.TempPathFactory) -> TinyAssets:
+    return tiny_assets(tmp_path_factory.mktemp("world_distilled"))
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +71,8 @@ def stacks():
     return get
 
 
-def reference_pipeline(stack: Stack, assets: Assets, schedule: DistilledSchedule) -> Cosmos3DistilledModularPipeline:
+def reference_pipeline(stack: Stack, assets: TinyAssets,
+                       schedule: DistilledSchedule) -> Cosmos3DistilledModularPipeline:
     """The modular pipeline as a distilled checkpoint would configure it (sigmas in its config, the
     scheduler's shift and stochastic_sampling), with the tiny components swapped in."""
     pipe = Cosmos3DistilledModularPipeline(
@@ -100,13 +84,6 @@ def reference_pipeline(stack: Stack, assets: Assets, schedule: DistilledSchedule
     pipe.disable_safety_checker()
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def picture(h: int, w: int, seed: int) -> Image.Image:
-    rs = np.random.RandomState(seed)
-    yy, xx = np.mgrid[0:h, 0:w]
-    base = np.stack([255 * yy / h, 255 * xx / w, 128 + 60 * np.sin((xx + yy) / 5)], axis=-1)
-    return Image.fromarray(np.clip(base + rs.randint(-40, 40, (h, w, 3)), 0, 255).astype(np.uint8))
 
 
 IMAGE = picture(40, 70, 0)  # scaled to cover 32x48 and centre-cropped
@@ -141,7 +118,7 @@ def reference_run(pipe: Cosmos3DistilledModularPipeline, seed: int, **kw: Any) -
     return state.get("latents"), state.get("videos"), gen
 
 
-def our_run(stack: Stack, assets: Assets, seed: int, schedule: DistilledSchedule, *, decode: bool = False,
+def our_run(stack: Stack, assets: TinyAssets, seed: int, schedule: DistilledSchedule, *, decode: bool = False,
             **kw: Any) -> tuple[WorldResult, torch.Generator]:
     gen = torch.Generator().manual_seed(seed)
     res = run_world_distilled(stack.ours, assets.encoder, assets.tokenizer, prompt=PROMPT, schedule=schedule,

@@ -15,19 +15,15 @@ import numpy as np
 import pytest
 import torch
 from diffusers import Cosmos3OmniPipeline
+from oracle.assets import TinyAssets, picture, tiny_assets
 from oracle.scheduler import reference_unipc
 from oracle.sound import tiny_sound_tokenizer
 from oracle.transformer import build_reference, ours_from_reference
-from PIL import Image
-from transformers import AutoTokenizer
 
 from wamrt.model import Cosmos3Config, Cosmos3Transformer, get_config
-from wamrt.pipeline.builtin import write_tokenizer, write_vae
 from wamrt.pipeline.errors import RequestError
 from wamrt.pipeline.omni import decode_pixels, pixels_to_uint8
 from wamrt.pipeline.sound import SoundDecoder, load_sound_tokenizer
-from wamrt.pipeline.tokens import CaptionTokenizer
-from wamrt.pipeline.vae import FrameEncoder, load_vae
 from wamrt.pipeline.world import WorldResult, run_world, world_request
 
 # max |ours - ref| <= TOL * max |ref|, per output. Both sides run the same fp32 ops except where we
@@ -44,13 +40,9 @@ FLAVOURS = ("tiny-qwen", "tiny-edge")
 
 
 @dataclass
-class Assets:
-    vae: Any
-    hf_tokenizer: Any
-    sound_tokenizer: Any
-    encoder: FrameEncoder
-    tokenizer: CaptionTokenizer
-    sound: SoundDecoder
+class Assets(TinyAssets):
+    sound_tokenizer: Any = None
+    sound: SoundDecoder | None = None
 
 
 @dataclass
@@ -62,13 +54,8 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Assets:
-    root = tmp_path_factory.mktemp("world")
-    write_vae(root / "vae", seed=11)
-    write_tokenizer(root / "tokenizer")
-    vae = load_vae(root / "vae", dtype=torch.float32)
-    hf = AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
     snd = tiny_sound_tokenizer(seed=5, sound_dim=SOUND_DIM)
-    return Assets(vae, hf, snd, FrameEncoder(vae), CaptionTokenizer(hf), SoundDecoder(snd))
+    return Assets(**vars(tiny_assets(tmp_path_factory.mktemp("world"))), sound_tokenizer=snd, sound=SoundDecoder(snd))
 
 
 @pytest.fixture(scope="module")
@@ -92,14 +79,6 @@ def stacks(assets: Assets):
         return cache[flavour]
 
     return get
-
-
-def picture(h: int, w: int, seed: int) -> Image.Image:
-    # Smooth gradients plus noise: the resizes do real work on every pixel.
-    rs = np.random.RandomState(seed)
-    yy, xx = np.mgrid[0:h, 0:w]
-    base = np.stack([255 * yy / h, 255 * xx / w, 128 + 60 * np.sin((xx + yy) / 5)], axis=-1)
-    return Image.fromarray(np.clip(base + rs.randint(-40, 40, (h, w, 3)), 0, 255).astype(np.uint8))
 
 
 IMAGE = picture(40, 70, 0)  # wider than 32x48: scaled to cover (37x64), centre-cropped

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from oracle.host_reads import HostReadRecorder
+from oracle.host_reads import HostReadRecorder, eager_without_sync_and_captured
 
 from wamrt.sampler import (
     DistilledSchedule,
@@ -180,23 +180,7 @@ def test_cuda_graph_capture_matches_diffusers_on_device(v_dtype: torch.dtype) ->
     def velocity(i: int, x: torch.Tensor) -> torch.Tensor:
         return (w + 0.25 * x).to(v_dtype)  # depends on the state, like a model would
 
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        eager = denoise(bound, x_in, velocity)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        denoise(bound, x_in, velocity)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = denoise(bound, x_in, velocity)
-    graph.replay()
-    torch.cuda.synchronize()
+    eager, static_out = eager_without_sync_and_captured(lambda: denoise(bound, x_in, velocity))
     assert torch.equal(static_out, eager)
 
     ref = FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from oracle.host_reads import HostReadRecorder
+from oracle.host_reads import HostReadRecorder, eager_without_sync_and_captured
 
 from wamrt.sampler import (
     UniPCHistory,
@@ -183,25 +183,7 @@ def test_cuda_graph_capture_and_no_sync(diffusers_unipc, v_dtype: torch.dtype) -
     def velocity(i: int, x: torch.Tensor) -> torch.Tensor:
         return vs[i] + (0.25 * x).to(v_dtype)  # depends on the state, like a model would
 
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with pytest.raises(RuntimeError):
-            x_in.sum().item()  # negative control: the mode does catch a host read
-        eager = denoise(plan, x_in, velocity)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        denoise(plan, x_in, velocity)  # warm-up on a side stream, as capture requires
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = denoise(plan, x_in, velocity)
-    graph.replay()
-    torch.cuda.synchronize()
+    eager, static_out = eager_without_sync_and_captured(lambda: denoise(plan, x_in, velocity))
     assert torch.equal(static_out, eager)
 
     # Against diffusers on the same device: there its sigma stays fp32 inside the bf16 product.

@@ -96,16 +96,17 @@ def write_vae(folder: Path, seed: int) -> None:
     save_file(state, str(folder / "diffusion_pytorch_model.safetensors"))
 
 
-def write_sound_tokenizer(folder: Path, seed: int) -> None:
-    """A decoder-only `Cosmos3AVAEAudioTokenizer` (TINY_SOUND) with seeded random weights, diffusers layout."""
+def random_sound_tokenizer(config: dict, seed: int):
+    """A `Cosmos3AVAEAudioTokenizer` of `config` with seeded random weights at scales that keep its decoder's
+    output in range (the Snake parameters are log-scale, weight-normed convolutions get unit-ish norms)."""
     from diffusers.models.autoencoders.autoencoder_cosmos3_audio import Cosmos3AVAEAudioTokenizer
 
-    tok = Cosmos3AVAEAudioTokenizer(**TINY_SOUND)
+    tok = Cosmos3AVAEAudioTokenizer(**config).eval().requires_grad_(False)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in tok.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            if name.endswith(("alpha", "beta")):  # log-scale Snake parameters
+            if name.endswith(("alpha", "beta")):
                 p.copy_(0.2 * noise)
             elif name.endswith("weight_g"):
                 p.copy_(0.7 + 0.05 * noise)
@@ -113,6 +114,12 @@ def write_sound_tokenizer(folder: Path, seed: int) -> None:
                 p.copy_(noise / math.sqrt(math.prod(p.shape[1:])))
             else:
                 p.copy_(0.05 * noise)
+    return tok
+
+
+def write_sound_tokenizer(folder: Path, seed: int) -> None:
+    """A decoder-only `Cosmos3AVAEAudioTokenizer` (TINY_SOUND) with seeded random weights, diffusers layout."""
+    tok = random_sound_tokenizer(TINY_SOUND, seed)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"_class_name": "Cosmos3AVAEAudioTokenizer", **TINY_SOUND},
                                                    indent=2))
