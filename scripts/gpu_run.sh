@@ -2,6 +2,8 @@
 # Runs on the lent H200 (its own python3 with torch; diffusers carried as a wheel in .whl/).
 # Usage: WAMRT_GIT_SHA=<sha> bash scripts/gpu_run.sh PART[:SECONDS]...
 #   parts: smoke edge nano tests load quant-edge quant-nano (lossy rows E6-E8 + quality, issue 7)
+#          world (issue 15: WorldEngine t2i / i2v vs diffusers; MODES, RUNS, PEER_RUNS, WORLD_MODEL, WORLD_ARGS)
+#          world-tests (the WorldEngine GPU test)
 #          rows-edge rows-nano (E5 and its alternatives timed in one process; ROWS, default E5,E5-bucket,E5-bucket-mask
 #          (issue 13: prompt buckets against exact lengths); E5-mask, E5-autotune on request -- autotuning can take
 #          minutes at Nano, so give it a part of its own, e.g. rows-nano:560)
@@ -73,6 +75,12 @@ for spec in "$@"; do
         echo "super tp gets ${left} s" | tee -a "$res/log.txt"
         timeout "$left" python3 -m wamrt.cli bench parallel --model super --parallel tp --gpus 2 --steps 4 \
           --warmup 5 --runs 20 --serve-seconds 20 --out "$res" 2>&1 | tee -a "$res/log.txt" ;;
+    world) # Issue 15: t2i 1024x1024 and i2v 480x832x33, 35 steps, guidance 6, WorldEngine vs diffusers' pipeline.
+          wamrt bench world --model "${WORLD_MODEL:-nano}" --modes "${MODES:-t2i,i2v}" --warmup "${WARMUP:-1}" \
+             --runs "${RUNS:-5}" --peer diffusers --peer-warmup 1 --peer-runs "${PEER_RUNS:-5}" ${WORLD_ARGS:---decode-variants} \
+             --out "$res" 2>&1 | tee "$res/log.txt" ;;
+    world-tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_world_engine_gpu.py \
+             2>&1 | tee "$res/log.txt" ;;
     tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_engine_gpu.py tests/engine/test_bucket_attention.py tests/sampler 2>&1 \
              | tee "$res/log.txt" ;;
   esac

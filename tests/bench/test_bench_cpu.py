@@ -64,3 +64,23 @@ def test_latency_rows_opt_in_and_unknown(tmp_path, monkeypatch):
     assert rc == 0
     row = json.loads((tmp_path / "tiny-qwen-s1-E5-bucket.json").read_text())
     assert row["n"] == 1 and row["p50_ms"] > 0
+
+
+def test_world_bench_writes_schema_files_with_the_peer(tmp_path, monkeypatch):
+    """`wamrt bench world` on a tiny model: both modes, ours and diffusers' pipeline in one process."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    rc = main(["bench", "world", "--model", "tiny-qwen", "--device", "cpu", "--tiny-vae", "--t2i-size", "32x32",
+               "--i2v-size", "32x48", "--i2v-frames", "5", "--steps", "2", "--warmup", "0", "--runs", "2",
+               "--peer-warmup", "0", "--peer-runs", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    for mode, frames in (("t2i", 1), ("i2v", 5)):
+        row = json.loads((tmp_path / f"tiny-qwen-{mode}.json").read_text())
+        missing = [k for k in LATENCY_KEYS if k not in row]
+        assert not missing, missing
+        assert row["mode"] == mode and row["num_frames"] == frames and row["n"] == 2 and row["steps"] == 2
+        assert row["peer"]["p50_ms"] > 0 and row["speedup_vs_peer"] == row["peer"]["p50_ms"] / row["p50_ms"]
+        assert {"reasoner_prefill", "denoise", "vae_decode"} <= set(row["stages_ms"])
+        assert {"vae_decode", "denoise_and_rest"} <= set(row["peer"]["stages_ms"])
+        assert row["text_tokens"]["cond"] > row["text_tokens"]["uncond"] > 0
+    assert "vae_encode" in json.loads((tmp_path / "tiny-qwen-i2v.json").read_text())["peer"]["stages_ms"]
+    assert (tmp_path / "world-tiny-qwen.png").stat().st_size > 0

@@ -33,6 +33,14 @@ def diffusers_twin(model: Cosmos3Transformer) -> Cosmos3OmniTransformer:
     return ref.eval().requires_grad_(False)
 
 
+def diffusers_unipc(shift: float) -> UniPCMultistepScheduler:
+    """The flow UniPC scheduler in Cosmos 3's configuration."""
+    return UniPCMultistepScheduler(
+        num_train_timesteps=1000, solver_order=2, prediction_type="flow_prediction", predict_x0=True,
+        solver_type="bh2", lower_order_final=True, use_flow_sigmas=True, flow_shift=shift,
+        use_karras_sigmas=False, final_sigmas_type="zero")
+
+
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -44,10 +52,7 @@ class DiffusersPeer:
         self.ref, self.encoder = ref, encoder
         self.steps, self.guidance, self.chunk = steps, guidance, chunk
         self.raw_dim, self.domain = raw_action_dim, domain_id
-        self.sched = UniPCMultistepScheduler(
-            num_train_timesteps=1000, solver_order=2, prediction_type="flow_prediction", predict_x0=True,
-            solver_type="bh2", lower_order_final=True, use_flow_sigmas=True, flow_shift=shift,
-            use_karras_sigmas=False, final_sigmas_type="zero")
+        self.sched = diffusers_unipc(shift)
         self.fake_pipe = types.SimpleNamespace(transformer=ref, vae_scale_factor_temporal=4)
 
     def _pack(self, ids: list[int], latents: torch.Tensor, actions: torch.Tensor, fps: float) -> dict:

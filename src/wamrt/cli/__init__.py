@@ -24,6 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     latency.add_arguments(lat)
     lat.set_defaults(func=latency.run)
+    world = bench.add_parser("world", help="world generation (t2i, i2v) end to end vs diffusers on random weights")
+    from ..bench import world as world_bench
+
+    world_bench.add_arguments(world)
+    world.set_defaults(func=world_bench.run)
     par = bench.add_parser("parallel", help="latency on 2 GPUs: --parallel cfg (vs one GPU) or tp (Super)")
     from ..bench import parallel as parallel_bench
 

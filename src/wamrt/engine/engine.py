@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..model import Cosmos3Transformer, GeneratorTokens, ReasonerKV, Rope
+from ..model import Cosmos3Transformer, GeneratorOutput, GeneratorTokens, ReasonerKV, Rope
 from ..ops.attention import (
     BackendAttention,
     KeyMaskAttention,
@@ -474,16 +474,17 @@ class Engine:
         return sum(len(seqs) * cfg.num_attention_heads * (max(s.kv.length for s in seqs) + g_len) * cfg.head_dim
                    for seqs in kinds)
 
-    def _generator_step(self, tok: GeneratorTokens, bufs: _KVBuffers, rope: Rope, attn) -> tuple[torch.Tensor, ...]:
+    def _generator_step(self, tok: GeneratorTokens, bufs: _KVBuffers, rope: Rope, attn) -> GeneratorOutput:
         model = self.model
         g = model.embed_generator(tok)
         for layer, kbuf, vbuf in zip(model.layers, bufs.keys, bufs.values, strict=True):
             q = self._pre(layer, g, rope, kbuf, vbuf, bufs.start)
             g = self._post(layer, g, attn(q, kbuf, vbuf, causal=False))
-        out = model.decode_generator(model.norm_moe_gen(g), tok)
-        return out.vision, out.action
+        return model.decode_generator(model.norm_moe_gen(g), tok)
 
-    def _velocities(self, groups: list, tok: GeneratorTokens, raw_dim: int | None) -> tuple[torch.Tensor, ...]:
+    def _velocities(self, groups: list, tok: GeneratorTokens, raw_dim: int | None) -> GeneratorOutput:
+        """Velocities of every row of `groups` (see _step_batches), rows in group order; action columns from
+        `raw_dim` on zeroed."""
         outs = []
         for rows, kv, rope, attn in groups:
             sel = _select(tok, rows)
@@ -491,14 +492,18 @@ class Engine:
                 outs.append(self._generator_step(sel, kv, rope, attn))
             else:
                 self.model.attention = attn
-                o = self.model.generator_step(sel, rope, kv)
-                outs.append((o.vision, o.action))
-        vision = torch.cat([v for v, _ in outs]) if len(outs) > 1 else outs[0][0]
-        action = torch.cat([a for _, a in outs]) if len(outs) > 1 else outs[0][1]
-        if raw_dim is not None:
+                outs.append(self.model.generator_step(sel, rope, kv))
+
+        def rows(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+            if parts[0] is None:
+                return None
+            return torch.cat(parts) if len(parts) > 1 else parts[0]  # type: ignore[arg-type]
+
+        vision, sound, action = (rows([getattr(o, f) for o in outs]) for f in ("vision", "sound", "action"))
+        if raw_dim is not None and action is not None:
             cols = torch.arange(action.shape[-1], device=action.device) < raw_dim
             action = torch.where(cols, action, torch.zeros_like(action))
-        return vision, action
+        return GeneratorOutput(vision, sound, action)
 
     def _loop(self, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim):
         dtype, n = self.model.dtype, x_v.shape[0]
@@ -508,7 +513,8 @@ class Engine:
         for i, t in enumerate(timesteps):
             tok = GeneratorTokens(timesteps=torch.full((n,), float(t), device=self.device), vision=x_v.to(dtype),
                                   action=x_a.to(dtype), **static)
-            v_vis, v_act = self._velocities(kinds[cfg_steps[i]], tok, raw_dim)
+            vel = self._velocities(kinds[cfg_steps[i]], tok, raw_dim)
+            v_vis, v_act = vel.vision, vel.action
             if cfg_steps[i]:
                 v_vis = cfg_combine(v_vis[:n], v_vis[n:], opts.guidance)
                 v_act = cfg_combine(v_act[:n], v_act[n:], opts.guidance)
@@ -586,13 +592,7 @@ class Engine:
         log.info("capturing a CUDA graph for bucket vision %s, prefixes %s", tuple(x_v.shape),
                  [s.kv.length for s in conds + unconds])
         entry = CapturedGraph()
-
-        def clone_seq(s: _Seq) -> _Seq:
-            mask = s.kv.key_mask.clone() if s.kv.key_mask is not None else None
-            kv = ReasonerKV([k.clone() for k in s.kv.keys], [v.clone() for v in s.kv.values], key_mask=mask)
-            return _Seq(s.request, kv, Rope(s.rope.cos.clone(), s.rope.sin.clone()))
-
-        seqs = [clone_seq(s) for s in conds + unconds]
+        seqs = [_clone_seq(s) for s in conds + unconds]
         s_conds, s_unconds = seqs[: len(conds)], seqs[len(conds):]
         ins = {"x_v": x_v.clone(), "x_a": x_a.clone(), "seqs": seqs,
                "static": {k: v.clone() for k, v in static.items()}}
@@ -609,12 +609,7 @@ class Engine:
         # replay writes every buffer it reads (prefixes and Generator K/V included) before reading it,
         # and its outputs are cloned before any other graph replays. A bigger bucket gets a bigger arena;
         # graphs captured on the old one keep it alive, so warm the largest batch first.
-        need = self._arena_elements(conds, unconds, cfg_steps)
-        if self._kv_arena is None or self._kv_arena.shape[-1] < need:
-            self._kv_arena = None
-            self._kv_arena = torch.empty(self.model.config.num_hidden_layers, 2, need, device=self.device,
-                                         dtype=conds[0].kv.keys[0].dtype)
-        arena = self._kv_arena
+        arena = self._arena_for(conds, unconds, cfg_steps)
         self._arena_cursor = 0
         try:
             entry.outputs = self._record(entry, run)
@@ -624,6 +619,15 @@ class Engine:
         # must live as long as the graph, or replays read freed memory.
         entry.keepalive = (plan, run, arena)
         return entry
+
+    def _arena_for(self, conds: list[_Seq], unconds: list[_Seq], cfg_steps: list[bool]) -> torch.Tensor:
+        """The K/V arena, grown (replaced) when this loop needs more than it holds."""
+        need = self._arena_elements(conds, unconds, cfg_steps)
+        if self._kv_arena is None or self._kv_arena.shape[-1] < need:
+            self._kv_arena = None
+            self._kv_arena = torch.empty(self.model.config.num_hidden_layers, 2, need, device=self.device,
+                                         dtype=conds[0].kv.keys[0].dtype)
+        return self._kv_arena
 
     def _record(self, entry: CapturedGraph, run) -> tuple[torch.Tensor, torch.Tensor]:
         """Warm `run` up on a side stream, then capture it into `entry.graph` in the pool every graph shares.
@@ -664,6 +668,13 @@ class Engine:
             x_a, hist_a = plan.step(i, x_a, v_act, hist_a)
             x_a = torch.where(cols, x_a, 0.0)
         return x_v, x_a
+
+
+def _clone_seq(s: _Seq) -> _Seq:
+    """A sequence's own copy: the static input buffers a captured graph reads."""
+    mask = s.kv.key_mask.clone() if s.kv.key_mask is not None else None
+    kv = ReasonerKV([k.clone() for k in s.kv.keys], [v.clone() for v in s.kv.values], key_mask=mask)
+    return _Seq(s.request, kv, Rope(s.rope.cos.clone(), s.rope.sin.clone()))
 
 
 def _prefix_lengths(inp: DenoiseInputs) -> tuple[int, int]:

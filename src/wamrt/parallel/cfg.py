@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.engine import Engine, _Seq
+from ..model import GeneratorOutput
 
 
 @dataclass
@@ -86,8 +87,8 @@ class CfgParallelEngine(Engine):
         dv, da = _numel(vshape[1:]), _numel(ashape[1:])
         dtype = self.model.dtype
         if step.groups and (step.cfg or self.rank == 0):  # unguided steps: rank 0's branch only
-            v, a = super()._velocities(step.groups, tok, raw_dim)
-            local = torch.cat([v.reshape(n, dv).to(dtype), a.reshape(n, da).to(dtype)], dim=1)
+            out = super()._velocities(step.groups, tok, raw_dim)
+            local = torch.cat([out.vision.reshape(n, dv).to(dtype), out.action.reshape(n, da).to(dtype)], dim=1)
         else:
             local = torch.empty(n, dv + da, dtype=dtype, device=self.device)
         if step.cfg:
@@ -97,7 +98,7 @@ class CfgParallelEngine(Engine):
             dist.broadcast(local, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
             both = local
         rows = both.shape[0]
-        return both[:, :dv].reshape(rows, *vshape[1:]), both[:, dv:].reshape(rows, *ashape[1:])
+        return GeneratorOutput(both[:, :dv].reshape(rows, *vshape[1:]), None, both[:, dv:].reshape(rows, *ashape[1:]))
 
 
 # torch 2.13 renames all_gather_into_tensor (the H200 image has 2.11).

@@ -58,14 +58,24 @@ def _byte_level_alphabet() -> list[str]:
     return [out[b] for b in range(256)]
 
 
-def write_tokenizer(folder: Path) -> None:
+def write_tokenizer(folder: Path, level: str = "bytes") -> None:
+    """A Hugging Face tokenizer folder with the ChatML template and the request path's special tokens.
+    `bytes`: byte-level BPE without merges (one token per byte; every text round-trips). `words`: one token per
+    word or punctuation run, all mapped to one unknown id -- about the token count a BPE vocabulary gives
+    English, for timing runs on random weights, where ids do not matter but sequence lengths do."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {sym: i for i, sym in enumerate(_byte_level_alphabet())}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)  # ids 256..260
+    if level == "bytes":
+        vocab = {sym: i for i, sym in enumerate(_byte_level_alphabet())}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    elif level == "words":
+        tok = Tokenizer(models.WordLevel(vocab={"<unk>": 0}, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    else:
+        raise ValueError(f"level must be 'bytes' or 'words', got {level!r}")
+    tok.add_special_tokens(SPECIAL_TOKENS)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({

@@ -36,7 +36,7 @@ from PIL import Image
 
 from ..model import Cosmos3Config, Cosmos3Transformer
 from .canvas import diffusers_cover_crop, diffusers_resize_frame
-from .denoise import DenoiseInputs, denoise
+from .denoise import DenoiseInputs, DenoiseResult, denoise
 from .errors import RequestError
 from .geometry import VAE_SPATIAL, VAE_TEMPORAL, LatentGeometry, latent_geometry
 from .inputs import ImageInput, VideoInput, bool_field, finite_number, positive_int, rgb_frames, rgb_image, text_field
@@ -57,6 +57,9 @@ from .vae import FrameEncoder
 
 WorldMode = Literal["text2image", "text2video", "image2video", "video2video"]
 VIDEO_KEEP: tuple[str, ...] = ("first", "last")
+# (model, inputs, options, on_step=...) -> result: `pipeline.denoise.denoise` or a faster equal.
+Denoiser = Callable[..., DenoiseResult]
+PixelDecoder = Callable[[FrameEncoder, torch.Tensor], torch.Tensor]  # normalised latents -> float pixels [T,H,W,3]
 DEFAULT_CONDITION_LATENT_FRAMES = (0, 1)  # diffusers' condition_frame_indexes_vision default
 
 
@@ -338,12 +341,16 @@ def run_world(
     generator: torch.Generator | None = None,
     decode: bool = True,
     on_step: Callable[[int, int], None] | None = None,
+    denoiser: Denoiser = denoise,
+    decoder: PixelDecoder = decode_pixels,
 ) -> WorldResult:
     """One world request end to end (the reference's `pipe(prompt, ...)` without `action`).
 
     `shift` is the flow shift of the checkpoint's UniPC scheduler (10 in diffusers' Cosmos 3 examples).
     `decode=False` returns latents only (sound latents too, undecoded). `on_step(i, steps)` is called after
     each denoising step (see `denoise`); an exception it raises stops the request there.
+    `denoiser` and `decoder` are where speed comes in from outside (`wamrt.engine.world.WorldEngine`): the
+    eager loop and VAE decode by default.
     """
     t_start = time.perf_counter()
     opts = diffusers_sampling(steps, guidance, shift)
@@ -369,14 +376,14 @@ def run_world(
         sound_decoder = SoundDecoder(sound_decoder)
     prepared = req.prepare(model.config, encoder, tokenizer, sound_decoder=sound_decoder, generator=generator,
                            device=model_device(model))
-    out = denoise(model, prepared.inputs, opts, on_step=on_step)
+    out = denoiser(model, prepared.inputs, opts, on_step=on_step)
     timings = {**prepared.timings_ms, **out.timings_ms}
 
     sound_latents = None if out.sound is None else out.sound[0].float()
     frames = sound = None
     if decode:
         t0 = time.perf_counter()
-        frames = pixels_to_uint8(decode_pixels(encoder, out.vision))
+        frames = pixels_to_uint8(decoder(encoder, out.vision))
         timings["vae_decode"] = 1e3 * (time.perf_counter() - t0)
         if sound_latents is not None:
             assert sound_decoder is not None

@@ -1,0 +1,235 @@
+"""`WorldEngine`: world generation (text/image/video -> video, with sound) on the engine's fast path.
+
+The request path is `wamrt.pipeline.world.run_world`'s (validation, prompts, conditioning encode, noise,
+decode); the engine swaps in its denoising loop and its VAE decode:
+* the Reasoner runs once per CFG branch (K/V cached per prompt), both branches in one Generator pass;
+* fused q/k/v and gate/up, the repeated layer halves compiled (what `Engine` does for policies);
+* one CUDA graph per step, captured once per shape bucket. Not one graph for the whole loop as the policy
+  path does: a 35-step video takes seconds, and a server must be able to report progress, cancel and hand
+  the device to queued policy requests between steps. A replay costs the same either way; between steps the
+  host only launches the next graph;
+* prompts padded to `prompt_bucket`-token buckets (zero keys, see `EngineConfig.bucket_attention`), so a new
+  prompt length does not cost a capture;
+* the VAE decode as diffusers runs it (cuDNN autotuning of its 3-D convolutions is a switch,
+  `decode_autotune`, off: measured slower).
+Results equal `run_world`'s up to bf16 rounding (GPU test) and exactly in fp32 on the CPU (CPU test).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from ..model import GeneratorTokens
+from ..pipeline.denoise import DenoiseInputs, DenoiseResult, SamplingOptions
+from ..pipeline.omni import decode_pixels
+from ..pipeline.tokens import CaptionTokenizer
+from ..pipeline.vae import FrameEncoder
+from ..pipeline.world import WorldResult, run_world
+from ..sampler import cfg_combine, guidance_active
+from .engine import Engine, EngineConfig, _clone_seq, _Seq
+from .graph_cache import CapturedGraph, CaptureTimer, GraphKey
+
+# World prompts differ per request (prompt, negative prompt, duration/resolution sentences): without buckets
+# every new prompt length would be a capture (a full loop's warm-up).
+WORLD_ENGINE_CONFIG = EngineConfig(prompt_bucket=64, graph_cache_size=8)
+
+
+class _WorldLoop:
+    """One request's denoising loop as one segment per step over shared state, so that each segment can be
+    captured as its own CUDA graph and progress, cancellation and yielding fall between them. Segment 0 also
+    writes the Reasoner prefixes into the step's K/V buffers (the prologue), so a replay of segment 0 reads
+    whatever prefixes were copied into the static inputs."""
+
+    def __init__(self, engine: WorldEngine, x_v: torch.Tensor, x_s: torch.Tensor | None, static: dict,
+                 conds: list[_Seq], unconds: list[_Seq], plan: Any, timesteps: list[float], cfg_steps: list[bool],
+                 opts: SamplingOptions) -> None:
+        self.engine, self.static, self.plan, self.opts = engine, static, plan, opts
+        self.conds, self.unconds, self.timesteps, self.cfg_steps = conds, unconds, timesteps, cfg_steps
+        self.x_v, self.x_s = x_v, x_s
+        self.hist_v, self.hist_s = plan.init_history(), plan.init_history()
+        self.kinds: dict | None = None
+        self.graphs: list = []  # one captured graph per step, when captured
+
+    def step(self, i: int) -> None:
+        engine, opts = self.engine, self.opts
+        if self.kinds is None:
+            engine._kinds_needed = set(self.cfg_steps)
+            self.kinds = engine._step_batches(self.conds, self.unconds, 1)
+        dtype = engine.model.dtype
+        tok = GeneratorTokens(
+            timesteps=torch.full((1,), float(self.timesteps[i]), device=engine.device),
+            vision=self.x_v.to(dtype), vision_noisy=self.static["vision_noisy"],
+            sound=None if self.x_s is None else self.x_s.to(dtype), sound_noisy=self.static.get("sound_noisy"),
+        )
+        vel = engine._velocities(self.kinds[self.cfg_steps[i]], tok, None)
+
+        def combine(v: torch.Tensor) -> torch.Tensor:  # rows [cond; uncond] -> guided velocity (pipeline.denoise)
+            if not opts.cfg_in_model_dtype:
+                v = v.float()
+            return cfg_combine(v[:1], v[1:], opts.guidance) if self.cfg_steps[i] else v
+
+        assert vel.vision is not None
+        self.x_v, self.hist_v = self.plan.step(i, self.x_v, combine(vel.vision), self.hist_v)
+        if self.x_s is not None:
+            assert vel.sound is not None
+            self.x_s, self.hist_s = self.plan.step(i, self.x_s, combine(vel.sound), self.hist_s)
+
+
+class WorldEngine(Engine):
+    """World generation with the engine's techniques; `run(**run_world keywords)` is `run_world` made fast."""
+
+    def __init__(self, model, encoder: FrameEncoder, tokenizer: CaptionTokenizer | Any,
+                 config: EngineConfig = WORLD_ENGINE_CONFIG, *, name: str = "", decode_autotune: bool = False) -> None:
+        if config.isolate_requests:
+            raise ValueError("isolate_requests is a policy-batching switch; a world request always runs alone")
+        if not isinstance(tokenizer, CaptionTokenizer) and hasattr(tokenizer, "apply_chat_template"):
+            tokenizer = CaptionTokenizer(tokenizer)
+        super().__init__(model, encoder, tokenizer, config=config, name=name)
+        # cuDNN's per-shape algorithm search for the Wan VAE's 3-D convolutions, scoped to our decode. Off by
+        # default: on the H200 it made the decode slower, not faster (bench/results/world/: decode_variants_ms).
+        self.decode_autotune = decode_autotune
+
+    def run(self, **kwargs: Any) -> WorldResult:
+        """`run_world(model, encoder, tokenizer, **kwargs)` with this engine's loop and decode."""
+        return run_world(self.model, self.encoder, self.tokenizer, denoiser=self.denoise, decoder=self.decode_pixels,
+                         **kwargs)
+
+    def decode_pixels(self, encoder: FrameEncoder, latents: torch.Tensor) -> torch.Tensor:
+        autotune = self.decode_autotune and self.device.type == "cuda"
+        flags = torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False,
+                                           allow_tf32=torch.backends.cudnn.allow_tf32) if autotune else nullcontext()
+        with flags:
+            return decode_pixels(encoder, latents)
+
+    # ---------------------------------------------------------------------------------------------
+    def denoise(self, model, inp: DenoiseInputs, opts: SamplingOptions, *,
+                on_step: Callable[[int, int], None] | None = None, **_: Any) -> DenoiseResult:
+        """`pipeline.denoise.denoise` on the fast path (same signature; `record` and `clock` are not offered)."""
+        if model is not self.model:
+            raise ValueError("WorldEngine.denoise runs the engine's own model")
+        if inp.action is not None:
+            raise ValueError("WorldEngine runs world generation; action modes go through Engine / the pipeline")
+        schedule = opts.make_schedule()
+        timesteps = schedule.timesteps.tolist()
+        cfg_steps = (guidance_active(timesteps, opts.guidance_interval) if opts.guidance != 1.0
+                     else [False] * len(timesteps))
+        if any(cfg_steps) and inp.uncond is None:
+            raise ValueError("guidance != 1 needs an unconditional branch")
+        timings: dict[str, float] = {}
+        with torch.inference_mode():
+            self._sync()
+            t0 = time.perf_counter()
+            conds, unconds = self._sequences([inp], any(cfg_steps))
+            if self.config.prompt_bucket:
+                conds, unconds = self._pad_prefixes(conds, unconds)
+            self._sync()
+            timings["reasoner_prefill"] = 1e3 * (time.perf_counter() - t0)
+
+            t0 = time.perf_counter()
+            static = {"vision_noisy": inp.vision_noisy}
+            if inp.sound is not None:
+                static["sound_noisy"] = inp.sound_noisy
+            plan = self._plan(opts)
+            args = (inp.vision, inp.sound, static, conds, unconds, plan, timesteps, cfg_steps, opts)
+            if self.config.cuda_graph:
+                x_v, x_s = self._replay(*args, on_step=on_step)
+            else:
+                loop = _WorldLoop(self, *args)
+                for i in range(len(timesteps)):
+                    loop.step(i)
+                    if on_step is not None:
+                        self._sync()
+                        on_step(i, len(timesteps))
+                x_v, x_s = loop.x_v, loop.x_s
+            self._sync()
+            timings["denoise"] = 1e3 * (time.perf_counter() - t0)
+        return DenoiseResult(x_v, None, timings, {}, x_s)
+
+    def _world_key(self, x_v, x_s, conds, unconds, timesteps, cfg_steps, opts) -> GraphKey:
+        sampler = ("world", () if x_s is None else tuple(x_s.shape[1:]), tuple(timesteps), tuple(cfg_steps),
+                   opts.guidance, opts.solver, opts.cfg_in_model_dtype)
+        return GraphKey(1, tuple(x_v.shape[1:]), (), self._bucket_lengths(conds, unconds), sampler,
+                        bucketed=bool(self.config.prompt_bucket))
+
+    def _replay(self, x_v, x_s, static, conds, unconds, plan, timesteps, cfg_steps, opts, *, on_step):
+        key = self._world_key(x_v, x_s, conds, unconds, timesteps, cfg_steps, opts)
+        entry = self.graphs.get(key)
+        if entry is None:
+            with CaptureTimer(self.device) as timer:
+                entry = self._capture_world(x_v, x_s, static, conds, unconds, plan, timesteps, cfg_steps, opts)
+            entry.seconds, entry.nbytes = timer.seconds, timer.nbytes
+            self.graphs.add(key, entry)
+        ins = entry.inputs
+        dst_tensors = [ins["x_v"], *ins["static"].values()]
+        src_tensors = [x_v, *static.values()]
+        if x_s is not None:
+            dst_tensors.append(ins["x_s"])
+            src_tensors.append(x_s)
+        for dst, src in zip(ins["seqs"], conds + unconds, strict=True):
+            masks = ([dst.kv.key_mask], [src.kv.key_mask]) if dst.kv.key_mask is not None else ([], [])
+            dst_tensors += dst.kv.keys + dst.kv.values + [dst.rope.cos, dst.rope.sin] + masks[0]
+            src_tensors += src.kv.keys + src.kv.values + [src.rope.cos, src.rope.sin] + masks[1]
+        torch._foreach_copy_(dst_tensors, src_tensors)
+        for i, segment in enumerate(entry.graph):
+            segment.replay()
+            if on_step is not None:
+                self._sync()  # progress means done; and a yield must leave no queued step in front of others
+                on_step(i, len(entry.graph))
+        assert entry.outputs is not None
+        x_v_out, x_s_out = entry.outputs
+        return x_v_out.clone(), None if x_s_out is None else x_s_out.clone()
+
+    def _capture_world(self, x_v, x_s, static, conds, unconds, plan, timesteps, cfg_steps, opts) -> CapturedGraph:
+        entry = CapturedGraph()
+        seqs = [_clone_seq(s) for s in conds + unconds]
+        s_conds, s_unconds = seqs[: len(conds)], seqs[len(conds):]
+        ins = {"x_v": x_v.clone(), "x_s": None if x_s is None else x_s.clone(), "seqs": seqs,
+               "static": {k: v.clone() for k, v in static.items()}}
+        entry.inputs = ins
+
+        def new_loop() -> _WorldLoop:
+            return _WorldLoop(self, ins["x_v"], ins["x_s"], ins["static"], s_conds, s_unconds, plan, timesteps,
+                              cfg_steps, opts)
+
+        # The K/V buffers come from the arena shared with every other bucket of this engine (see Engine._capture);
+        # replays of two buckets never interleave (one world request at a time per engine).
+        arena = self._arena_for(conds, unconds, cfg_steps)
+        self._arena_cursor = 0
+        try:
+            loop = self._record_segments(new_loop, len(timesteps))
+        finally:
+            self._arena_cursor = None
+        entry.graph = loop.graphs
+        entry.outputs = (loop.x_v, loop.x_s)
+        # Every tensor a segment hands to the next lives in the graph pool and is referenced here.
+        entry.keepalive = (plan, loop, arena)
+        return entry
+
+    def _record_segments(self, new_loop: Callable[[], _WorldLoop], steps: int) -> _WorldLoop:
+        """Warm up one step of each kind (compile, autotune, cuDNN plans happen there), then capture every step
+        as its own graph in the pool all graphs share, in replay order: tensors one segment leaves for the next
+        stay referenced by the loop object, so later captures never reuse their memory. Returns the loop with
+        `graphs` set. (The only CUDA-specific step: CPU tests stand in for it.)"""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                warm = new_loop()
+                for i in range(1 + max(warm.cfg_steps.index(k) for k in set(warm.cfg_steps))):
+                    warm.step(i)  # up to the first step of the last kind to appear (guided / unguided)
+                del warm
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        loop = new_loop()
+        for i in range(steps):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                loop.step(i)
+            loop.graphs.append(graph)
+        return loop

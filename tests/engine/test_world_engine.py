@@ -1,0 +1,163 @@
+"""WorldEngine (world generation on the fast path) against `run_world`, the eager reference that is itself
+exact against diffusers (tests/pipeline/test_world_modes.py). CPU, fp32, tiny model with sound heads.
+
+The engine batches both CFG branches into one Generator pass and pads prompts to buckets (zero keys); in fp32
+that moves results by float rounding only. The graph path is checked with a stand-in for CUDA graphs that
+re-runs each captured step on the captured buffers, so an input the replay forgets to refresh shows up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from oracle.assets import picture, tiny_assets
+from oracle.sound import tiny_sound_tokenizer
+from torch.utils._pytree import tree_flatten
+
+from wamrt.engine import EngineConfig
+from wamrt.engine.world import WorldEngine, _WorldLoop
+from wamrt.model import Cosmos3Transformer, get_config, init_random_
+from wamrt.pipeline.sound import SoundDecoder
+from wamrt.pipeline.world import run_world
+
+# max |engine - reference| <= TOL * max |reference|: fp32, batched vs sequential GEMMs (measured ~1e-7).
+LATENT_REL_TOL = 1e-5
+PIXEL_MAX_U8_DIFF = 1  # a value on a rounding boundary may flip
+
+HEIGHT, WIDTH, STEPS = 32, 48, 3
+CASES: dict[str, dict[str, Any]] = {
+    "text2image": {"num_frames": 1, "negative_prompt": "blurry"},
+    "image2video": {"num_frames": 5, "image": picture(40, 70, 0), "fps": 30.0},
+    "text2video_sound": {"num_frames": 5, "enable_sound": True, "fps": 16.0},
+}
+# Same shapes as image2video, no clean frame: replays image2video's graph with other noisy-frame masks.
+TEXT2VIDEO = {"num_frames": 5, "fps": 24.0}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    assets = tiny_assets(tmp_path_factory.mktemp("world-engine"))
+    cfg = get_config("tiny-qwen").replace(sound_gen=True, sound_dim=8)
+    model = init_random_(Cosmos3Transformer(cfg), 21).eval().requires_grad_(False)
+    return model, assets, SoundDecoder(tiny_sound_tokenizer(seed=5))
+
+
+def _request(case: str, seed: int, prompt: str = "a red ball rolls across a wooden table") -> dict[str, Any]:
+    return dict(prompt=prompt, height=HEIGHT, width=WIDTH, steps=STEPS, guidance=3.0, shift=10.0,
+                generator=torch.Generator().manual_seed(seed), **CASES[case])
+
+
+def _reference(stack, **kw):
+    model, assets, sound = stack
+    return run_world(model, assets.encoder, assets.tokenizer, sound_decoder=sound, **kw)
+
+
+def _engine(stack, cls=WorldEngine, **flags) -> WorldEngine:
+    model, assets, _ = stack
+    return cls(model, assets.encoder, assets.tokenizer,
+               EngineConfig(attention="auto", compile=False, cuda_graph=False, **flags))
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    scale = want.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert scale > 0 and err <= LATENT_REL_TOL * scale, f"{what}: {err:.3e} > {LATENT_REL_TOL} * {scale:.3e}"
+
+
+def _assert_same_result(got, want) -> None:
+    _assert_close(got.video_latents, want.video_latents, "video latents")
+    assert got.frames is not None and want.frames is not None and got.frames.shape == want.frames.shape
+    assert (got.frames.int() - want.frames.int()).abs().max().item() <= PIXEL_MAX_U8_DIFF
+    assert (got.sound_latents is None) == (want.sound_latents is None)
+    if want.sound_latents is not None:
+        _assert_close(got.sound_latents, want.sound_latents, "sound latents")
+        assert got.sound is not None and got.sound.shape == want.sound.shape
+
+
+@pytest.mark.parametrize("bucket", [0, 16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_world_engine_matches_run_world(stack, case: str, bucket: int) -> None:
+    seed = list(CASES).index(case)
+    want = _reference(stack, **_request(case, seed))
+    engine = _engine(stack, prompt_bucket=bucket)
+    got = engine.run(sound_decoder=stack[2], **_request(case, seed))
+    _assert_same_result(got, want)
+    assert {"reasoner_prefill", "denoise", "vae_decode", "total"} <= set(got.timings_ms)
+
+
+def test_world_engine_reports_every_step_and_stops_when_asked(stack) -> None:
+    engine = _engine(stack)
+    seen: list[tuple[int, int]] = []
+    engine.run(sound_decoder=stack[2], on_step=lambda i, n: seen.append((i, n)), **_request("image2video", 0))
+    assert seen == [(i, STEPS) for i in range(STEPS)]
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_first(i: int, n: int) -> None:
+        if i == 0:
+            raise Stop
+
+    with pytest.raises(Stop):
+        engine.run(sound_decoder=stack[2], on_step=stop_after_first, **_request("image2video", 0))
+
+
+class _RerunStep:
+    """Stands in for one captured step: replay re-runs the step from the state tensors it read at capture and
+    writes the tensors it produced at capture in place, as a graph replay writes its output memory."""
+
+    def __init__(self, loop: _WorldLoop, i: int, before: tuple, after: tuple) -> None:
+        self.loop, self.i, self.before, self.after = loop, i, before, after
+
+    def replay(self) -> None:
+        loop = self.loop
+        loop.x_v, loop.x_s, loop.hist_v, loop.hist_s = self.before
+        if self.i == 0:
+            loop.kinds = None  # segment 0 holds the prologue: the prefixes are written into the step buffers again
+        loop.step(self.i)
+        produced, _ = tree_flatten((loop.x_v, loop.x_s, loop.hist_v, loop.hist_s))
+        targets, _ = tree_flatten(self.after)
+        for dst, src in zip(targets, produced, strict=True):
+            if dst is not None and dst is not src:
+                dst.copy_(src)
+        loop.x_v, loop.x_s, loop.hist_v, loop.hist_s = self.after
+
+
+class RerunWorldEngine(WorldEngine):
+    def _record_segments(self, new_loop, steps):
+        loop = new_loop()
+        for i in range(steps):
+            before = (loop.x_v, loop.x_s, loop.hist_v, loop.hist_s)
+            loop.step(i)
+            loop.graphs.append(_RerunStep(loop, i, before, (loop.x_v, loop.x_s, loop.hist_v, loop.hist_s)))
+        return loop
+
+
+def test_world_graph_path_refreshes_its_inputs_on_cpu(stack) -> None:
+    """Capture on one request, replay others (another image, another seed, another prompt length in the same
+    bucket, text -> video: no clean frame, another fps): each equals the reference, and one graph serves them."""
+    engine = _engine(stack, RerunWorldEngine, prompt_bucket=512)  # byte-level tokens: both prompts in one bucket
+    engine.config = replace(engine.config, cuda_graph=True)  # the graph path, minus the CUDA check
+    requests = [
+        _request("image2video", 0),
+        {**_request("image2video", 1), "image": picture(50, 60, 3)},
+        _request("image2video", 2, prompt="a much longer prompt about a blue cube that slides down a ramp and stops"),
+        {**_request("image2video", 3), "image": None, **TEXT2VIDEO},
+    ]
+    for kw in requests:
+        want = _reference(stack, **{**kw, "generator": torch.Generator().manual_seed(kw["generator"].initial_seed())})
+        _assert_same_result(engine.run(sound_decoder=stack[2], **kw), want)
+    assert len(engine.graphs) == 1
+    want = _reference(stack, **_request("text2video_sound", 4))
+    _assert_same_result(engine.run(sound_decoder=stack[2], **_request("text2video_sound", 4)), want)
+    assert len(engine.graphs) == 2  # sound changes the shapes: a second bucket
+
+
+def test_world_engine_refuses_what_it_does_not_run(stack) -> None:
+    model, assets, _ = stack
+    with pytest.raises(ValueError, match="isolate_requests"):
+        WorldEngine(model, assets.encoder, assets.tokenizer,
+                    EngineConfig(compile=False, cuda_graph=False, isolate_requests=True))
