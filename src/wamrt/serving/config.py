@@ -45,6 +45,8 @@ class ServeConfig:
     # batches run at this width and capture the graphs every shorter instruction (and any mix) replays.
     prompt_width: int = 0
     batch_invariant: bool = False  # every request computed alone (EngineConfig.isolate_requests): bit-exact replays
+    # World generation's sampler: auto (from the checkpoint folder) | unipc | distilled (`generation.resolve_sampler`).
+    sampler: str = "auto"
     extra_metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -65,6 +67,11 @@ class ServeConfig:
             up = -(-self.prompt_width // self.prompt_bucket) * self.prompt_bucket
             raise ServeConfigError(f"{self.prompt_width} is not a multiple of --prompt-bucket {self.prompt_bucket} "
                                    f"(a prefix is padded to whole buckets; use {up})", flag="--prompt-width")
+        # Two small JSON reads of the checkpoint folder, so that a distilled sampler forced on a checkpoint without
+        # a distilled schedule (or an unreadable one) fails naming --sampler before any model is built.
+        from .generation import resolve_sampler
+
+        resolve_sampler(self.sampler, self.model_name)
 
     def engine_settings(self, device: str) -> dict[str, Any]:
         """EngineConfig fields for the fast engine on `device` (CPU: no compile, no graphs; tests)."""

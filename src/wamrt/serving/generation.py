@@ -1,21 +1,27 @@
 """World-generation jobs (text/image/video -> video, optionally with sound; text -> image) for `/v1/videos`,
 `/v1/videos/sync` and `/v1/images/generations`, with vLLM-Omni's request fields.
 
+Sampler. A checkpoint runs `wamrt.pipeline.world.run_world` (UniPC with CFG), or, when it is a distilled one,
+`wamrt.pipeline.world_distilled.run_world_distilled` (its own few-step schedule, guidance baked in). Which one
+is decided once, at startup, by `resolve_sampler` (`wamrt serve --sampler`, default: from the checkpoint folder)
+and held by `WorldModel.schedule`; `build_generation` reads the request fields for that sampler.
+
 Scheduling. Generation runs on its own thread (`GenerationWorker`, one job at a time, its own bounded
-queue of `max_generation_jobs`) through `wamrt.pipeline.world.run_world`, and shares the device with the
-policy queue through the batcher's `DeviceGate`: it holds the device for one segment at a time (prefill
-plus the first denoising step, each further step, the VAE / sound decode) and between segments
-(`run_world`'s `on_step`) it gives the device up for as long as any policy request is queued or running.
+queue of `max_generation_jobs`), and shares the device with the policy queue through the batcher's
+`DeviceGate`: it holds the device for one segment at a time (prefill plus the first denoising step, each
+further step, the VAE / sound decode) and between segments (the pipelines' `on_step`) it gives the device up
+for as long as any policy request is queued or running.
 So a policy request waits at most one generation segment, and a video job never takes a slot of the policy
 queue. The same `on_step` reports progress and stops a cancelled job (DELETE, or its /sync client left)
 between steps; the job's tensors go with the unwound stack.
 
-Field parsing (`build_generation`) decodes uploads and validates everything `run_world` would refuse before
+Field parsing (`build_generation`) decodes uploads and validates everything the pipeline would refuse before
 a job exists, naming the field as the client sent it; call it off the event loop.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -25,20 +31,27 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from ..pipeline.errors import RequestError
 from .batcher import DeviceGate, GenerationCancelled
+from .config import ServeConfigError
 from .dynamics import _conditioning
 from .errors import Busy, Cancelled, InvalidRequest, NotReady, ServingError, as_serving_error
 from .fields import as_float, as_int
 from .media import audio_rate, encode_mp4, encode_png
 
+if TYPE_CHECKING:
+    from ..sampler import DistilledSchedule
+
 log = logging.getLogger("wamrt.serving")
 
 Kind = Literal["video", "image"]
+Sampler = Literal["unipc", "distilled"]
+SAMPLER_CHOICES = ("auto", "unipc", "distilled")  # `wamrt serve --sampler`
+_DISTILLED_PIPELINE = "Cosmos3DistilledModularPipeline"  # modular_model_index.json `_class_name`
 # Defaults: vLLM-Omni's Cosmos3 recipe (T2V/I2V/V2V 1280x720, 189 frames at 24 fps, 35 steps, guidance 6,
 # flow shift 10; T2I 1024x1024, 50 steps, guidance 7); the metadata sentences are off unless asked for,
 # as in vLLM-Omni's server (run_world's own defaults are diffusers', where they are on).
@@ -69,16 +82,22 @@ _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
 @dataclass(frozen=True, eq=False)
 class WorldModel:
     """What generation needs from the served checkpoint: transformer, VAE (encoder + decoder), caption
-    tokenizer, and the sound tokenizer when the transformer has sound heads and the checkpoint ships one."""
+    tokenizer, the sound tokenizer when the transformer has sound heads and the checkpoint ships one, and the
+    distilled schedule when the checkpoint is served with the distilled sampler (`resolve_sampler`)."""
 
     model: Any
     encoder: Any
     tokenizer: Any
     sound: Any | None  # pipeline.sound.SoundDecoder
+    schedule: DistilledSchedule | None = None  # None: UniPC with CFG (`run_world`)
 
     @property
     def sound_heads(self) -> bool:
         return bool(getattr(self.model.config, "sound_gen", False))
+
+    @property
+    def sampler(self) -> Sampler:
+        return "unipc" if self.schedule is None else "distilled"
 
 
 def find_sound_tokenizer(checkpoint: str) -> Path | None:
@@ -96,12 +115,79 @@ def find_sound_tokenizer(checkpoint: str) -> Path | None:
     return None
 
 
-def world_model_of(policy: Any, checkpoint: str) -> WorldModel | None:
+def _json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`: {} when there is no such file, None when it cannot be read as one."""
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def distilled_folder(checkpoint: str) -> Path | None:
+    """The folder of a served checkpoint (its own, or the one above a bare transformer folder) that declares
+    it distilled, or None.
+
+    Declared by diffusers' `modular_model_index.json` naming `Cosmos3DistilledModularPipeline` or carrying
+    `distilled_sigmas` (what that pipeline reads), or by a `FlowMatchEulerDiscreteScheduler` scheduler config
+    (how vLLM-Omni tells them apart: base Cosmos 3 checkpoints ship UniPC). A file there that cannot be read
+    counts as a declaration, so that `load_distilled_schedule` says what is wrong with it. Built-in and
+    `random:` models are not folders and declare nothing.
+    """
+    if not checkpoint or not Path(checkpoint).is_dir():
+        return None
+    from ..pipeline.world_distilled import MODULAR_INDEX, SCHEDULER_CLASS, SCHEDULER_CONFIG
+
+    root = Path(checkpoint)
+    for folder in (root, root.parent):
+        index, scheduler = _json_object(folder / MODULAR_INDEX), _json_object(folder / SCHEDULER_CONFIG)
+        if index is None or scheduler is None or "distilled_sigmas" in index \
+                or index.get("_class_name") == _DISTILLED_PIPELINE or scheduler.get("_class_name") == SCHEDULER_CLASS:
+            return folder
+    return None
+
+
+def resolve_sampler(sampler: str, checkpoint: str) -> DistilledSchedule | None:
+    """The world-generation sampler of `wamrt serve --sampler SAMPLER` on `checkpoint`: the distilled schedule
+    to run, or None for UniPC with CFG. Errors are `ServeConfigError`s naming `--sampler`.
+
+    auto: distilled when the checkpoint declares it (`distilled_folder`), else UniPC; unipc: UniPC even on a
+    distilled checkpoint; distilled: the checkpoint's schedule, which must exist. A declared schedule that
+    cannot be read fails here rather than falling back to UniPC: a distilled checkpoint sampled with 35 UniPC
+    steps and CFG still produces a video, just not one it was trained to make.
+    """
+    if sampler not in SAMPLER_CHOICES:
+        raise ServeConfigError(f"must be one of {', '.join(SAMPLER_CHOICES)}, got {sampler!r}", flag="--sampler")
+    if sampler == "unipc":
+        return None
+    folder = distilled_folder(checkpoint)
+    if folder is None:
+        if sampler == "distilled":
+            raise ServeConfigError(
+                f"{checkpoint or 'the served model'} is not a distilled checkpoint (no modular_model_index.json with "
+                "distilled_sigmas, no FlowMatchEulerDiscreteScheduler in scheduler/); serve it with --sampler auto "
+                "or unipc", flag="--sampler")
+        return None
+    from ..pipeline.world_distilled import DistilledCheckpointError, load_distilled_schedule
+
+    try:
+        return load_distilled_schedule(folder)
+    except DistilledCheckpointError as exc:
+        fallback = "" if sampler == "distilled" else "; --sampler unipc serves it with UniPC anyway"
+        raise ServeConfigError(f"{checkpoint} declares a distilled schedule that cannot be used: {exc}{fallback}",
+                               flag="--sampler") from exc
+
+
+def world_model_of(policy: Any, checkpoint: str, sampler: str = "auto") -> WorldModel | None:
     """The served policy's (or fast engine's) model/encoder/tokenizer as a `WorldModel`; None when it has none
     (a stand-in policy, a multi-GPU front end). The sound tokenizer is loaded only for a transformer with
-    sound heads, from the loaded checkpoint (`policy.name`) or else the served one (`checkpoint`)."""
+    sound heads, from the loaded checkpoint (`policy.name`) or else the served one (`checkpoint`); the sampler
+    is `resolve_sampler(sampler, checkpoint)`."""
     if not all(hasattr(policy, a) for a in ("model", "encoder", "tokenizer")):
         return None
+    schedule = resolve_sampler(sampler, checkpoint)
     sound = None
     if getattr(policy.model.config, "sound_gen", False):
         names = dict.fromkeys(n for n in (str(getattr(policy, "name", "") or ""), checkpoint) if n)
@@ -111,7 +197,7 @@ def world_model_of(policy: Any, checkpoint: str) -> WorldModel | None:
             from ..pipeline.sound import SoundDecoder, load_sound_tokenizer
 
             sound = SoundDecoder(load_sound_tokenizer(folder, device=model_device(policy.model)))
-    return WorldModel(policy.model, policy.encoder, policy.tokenizer, sound)
+    return WorldModel(policy.model, policy.encoder, policy.tokenizer, sound, schedule)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -120,7 +206,8 @@ def world_model_of(policy: Any, checkpoint: str) -> WorldModel | None:
 
 @dataclass
 class GenerationRequest:
-    """One validated generation request: `run_world` keyword arguments (no model, no generator)."""
+    """One validated generation request: keyword arguments of the served sampler's pipeline (`run_world`, or
+    `run_world_distilled` without its `schedule`; no model, no generator) and what the reply says about it."""
 
     kind: Kind
     kwargs: dict[str, Any]
@@ -128,6 +215,7 @@ class GenerationRequest:
     count: int  # images to generate (`n`); 1 for a video
     sound: bool
     record: dict[str, Any]  # model, prompt, size, seconds for the job record
+    sampling: dict[str, Any]  # sampler, steps, guidance, shift: what runs, for the reply's metadata
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -136,7 +224,7 @@ class GenerationRequest:
 
     @property
     def steps(self) -> int:
-        return int(self.kwargs["steps"])
+        return int(self.sampling["steps"])
 
 
 def _present(value: Any) -> bool:
@@ -222,6 +310,39 @@ def _field_map(source: str, size_field: str) -> dict[str, str]:
             "use_duration_template": "extra_params.use_duration_template"}
 
 
+def _sampling(fields: dict[str, Any], extra: dict[str, Any], defaults: dict[str, Any],
+              schedule: DistilledSchedule | None, notes: list[str]) -> dict[str, Any]:
+    """`num_inference_steps`, `guidance_scale` and `flow_shift` (or `extra_params.flow_shift`) -> the sampler
+    settings the job runs with: {sampler, steps, guidance, shift}."""
+    steps = as_int(fields["num_inference_steps"], "num_inference_steps", 1, 1000) \
+        if _present(fields.get("num_inference_steps")) else None
+    guidance = as_float(fields["guidance_scale"], "guidance_scale") if _present(fields.get("guidance_scale")) else None
+    if guidance is not None and guidance < 0:
+        raise InvalidRequest(f"must be >= 0, got {guidance}", field="guidance_scale")
+    shift_src = "flow_shift" if _present(fields.get("flow_shift")) else "extra_params.flow_shift"
+    shift_val = fields.get("flow_shift") if _present(fields.get("flow_shift")) else extra.get("flow_shift")
+    shift = as_float(shift_val, shift_src) if _present(shift_val) else None
+    if shift is not None and shift <= 0:
+        raise InvalidRequest(f"must be > 0, got {shift}", field=shift_src)
+    if schedule is None:
+        return {"sampler": "unipc", "steps": defaults["steps"] if steps is None else steps,
+                "guidance": defaults["guidance"] if guidance is None else guidance,
+                "shift": defaults["shift"] if shift is None else shift}
+    # A distilled checkpoint fixes all three. Another step count would be another sampler, so it is refused (as
+    # diffusers' distilled pipeline refuses it); guidance and shift are ignored with a note, as vLLM-Omni forces
+    # guidance 1 and the checkpoint's sigmas on a distilled Cosmos 3 checkpoint, so requests written for a base
+    # checkpoint still run.
+    if steps is not None and steps != schedule.steps:
+        raise InvalidRequest(f"the served checkpoint is distilled to {schedule.steps} steps (its schedule fixes "
+                             f"them): send {schedule.steps} or leave it out, got {steps}", field="num_inference_steps")
+    if guidance is not None and guidance != 1.0:
+        notes.append(f"guidance_scale {guidance:g} ignored: the distilled checkpoint has guidance baked in (runs at 1)")
+    if shift is not None and shift != schedule.shift:
+        notes.append(f"{shift_src} {shift:g} ignored: the distilled checkpoint's schedule fixes its sigmas "
+                     f"(shift {schedule.shift:g})")
+    return {"sampler": "distilled", "steps": schedule.steps, "guidance": 1.0, "shift": schedule.shift}
+
+
 def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: Kind = "video",
                      max_pixels: int, model_name: str = "") -> GenerationRequest:
     """Form/JSON fields of a generation request -> a validated `GenerationRequest`, or `InvalidRequest` naming
@@ -260,17 +381,10 @@ def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: 
         raise InvalidRequest(f"{width}x{height} x {num_frames} frames{f' x {count} images' if count > 1 else ''} = "
                              f"{pixels} pixels is over this server's {max_pixels} (--max-video-pixels)", field=name)
 
-    steps = as_int(fields["num_inference_steps"], "num_inference_steps", 1, 1000) \
-        if _present(fields.get("num_inference_steps")) else defaults["steps"]
-    guidance = as_float(fields["guidance_scale"], "guidance_scale") \
-        if _present(fields.get("guidance_scale")) else defaults["guidance"]
-    if guidance < 0:
-        raise InvalidRequest(f"must be >= 0, got {guidance}", field="guidance_scale")
-    shift_src = "flow_shift" if _present(fields.get("flow_shift")) else "extra_params.flow_shift"
-    shift_val = fields.get("flow_shift") if _present(fields.get("flow_shift")) else extra.get("flow_shift")
-    shift = as_float(shift_val, shift_src) if _present(shift_val) else defaults["shift"]
-    if shift <= 0:
-        raise InvalidRequest(f"must be > 0, got {shift}", field=shift_src)
+    sampling = _sampling(fields, extra, defaults, world.schedule, notes)
+    if world.schedule is not None and _present(negative):
+        notes.append("negative_prompt ignored: a distilled checkpoint runs no unconditional branch")
+        negative = None
     seed = as_int(fields["seed"], "seed", 0, 2**63 - 1) if _present(fields.get("seed")) else None
     for key in ("max_sequence_length",):
         for src, value in ((key, fields.get(key)), (f"extra_params.{key}", extra.get(key))):
@@ -281,6 +395,9 @@ def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: 
     sound = _bool(fields["generate_sound"], "generate_sound") if _present(fields.get("generate_sound")) else False
     if sound and kind == "image":
         raise InvalidRequest("an image has no sound", field="generate_sound")
+    if sound and world.schedule is not None:
+        raise InvalidRequest("the distilled sampler generates no sound (diffusers' distilled Cosmos 3 pipeline has "
+                             "no sound branch)", field="generate_sound")
     if sound and not world.sound_heads:
         raise InvalidRequest("the served checkpoint has no sound heads (sound_gen is off)", field="generate_sound")
     if sound and world.sound is None:
@@ -336,10 +453,13 @@ def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: 
         name = _field_map(source, size_field).get((exc.field or "").split("[")[0], exc.field)
         msg = str(exc)[len(exc.field) + 2:] if exc.field else str(exc)
         raise InvalidRequest(msg, field=name) from exc
-    kwargs.update(steps=steps, guidance=guidance, shift=shift)
+    if world.schedule is None:
+        kwargs.update(steps=sampling["steps"], guidance=sampling["guidance"], shift=sampling["shift"])
+    else:
+        del kwargs["negative_prompt"]  # run_world_distilled has none: no unconditional branch to caption
     record = {"model": fields.get("model") or None, "prompt": prompt, "size": f"{width}x{height}",
               "seconds": f"{num_frames / fps:g}"}
-    return GenerationRequest(kind, kwargs, seed, count, sound, record, notes)
+    return GenerationRequest(kind, kwargs, seed, count, sound, record, sampling, notes)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -502,6 +622,7 @@ class GenerationWorker:
 
         from ..pipeline.omni import model_device
         from ..pipeline.world import run_world
+        from ..pipeline.world_distilled import run_world_distilled
 
         req, world, gate = job.request, self.world, self.gate
         started = time.monotonic()
@@ -571,9 +692,13 @@ class GenerationWorker:
         try:
             for k in range(req.count):
                 acquire()
-                result = run_world(world.model, world.encoder, world.tokenizer, **req.kwargs,
-                                   sound_decoder=sound,
-                                   generator=torch.Generator().manual_seed(seed + k), on_step=on_step)
+                generator = torch.Generator().manual_seed(seed + k)
+                if world.schedule is None:
+                    result = run_world(world.model, world.encoder, world.tokenizer, **req.kwargs, sound_decoder=sound,
+                                       generator=generator, on_step=on_step)
+                else:
+                    result = run_world_distilled(world.model, world.encoder, world.tokenizer, **req.kwargs,
+                                                 schedule=world.schedule, generator=generator, on_step=on_step)
                 release()
                 assert result.frames is not None
                 outputs.append((result.frames.numpy(),

@@ -2,7 +2,8 @@
 
 JSON (or form) fields: `prompt` (required), `model`, `n` (1-10), `size` "WxH" (default 1024x1024),
 `response_format` ("b64_json", the only one served), `user` (ignored), and vLLM-Omni's extensions
-`negative_prompt`, `num_inference_steps` (50), `guidance_scale` (7.0), `flow_shift` (10), `seed`. The reply
+`negative_prompt`, `num_inference_steps` (50), `guidance_scale` (7.0), `flow_shift` (10), `seed` (on a
+distilled checkpoint: its own step count, guidance 1 and shift, see `generation.build_generation`). The reply
 is `{created, data: [{b64_json: <PNG>, url: null, revised_prompt: null}], ...}`; image k of `n` uses seed
 `seed + k`. It runs as a generation job (`generation.py`): own queue, the device only between policy
 batches; a client that hangs up cancels it.
@@ -35,8 +36,7 @@ async def create_image(request: Request) -> Response:
                 "data": [{"b64_json": base64.b64encode(png).decode(), "url": None, "revised_prompt": None}
                          for png in out.pngs],
                 "stage_durations": out.stage_durations, **rec, "timing": out.timing,
-                "metadata": {"seed": out.seed, "steps": req.steps, "guidance": req.kwargs["guidance"],
-                             "shift": req.kwargs["shift"], "size": req.record["size"],
+                "metadata": {"seed": out.seed, **req.sampling, "size": req.record["size"],
                              **({"notes": out.notes} if out.notes else {})}}
         return JSONResponse(body, headers=_headers(service, f"image-{out.request_id}", rec, out.stage_durations))
 

@@ -30,6 +30,10 @@ _OBSERVATION = {
 }
 
 
+_DISTILLED_STEPS = "on a distilled checkpoint: its schedule's step count (the default); any other is refused"
+_DISTILLED_FIXED = "on a distilled checkpoint: ignored (guidance 1, the schedule's sigmas), said in metadata.notes"
+
+
 _VIDEO_FORM = {
     "type": "object", "required": ["prompt"],
     "description": "A policy / forward-dynamics / inverse-dynamics job when extra_params.action_mode says so or "
@@ -38,8 +42,10 @@ _VIDEO_FORM = {
                    "(text / image / video -> video, optionally with sound).",
     "properties": {
         "prompt": {"type": "string"}, "model": {"type": "string"}, "negative_prompt": {"type": "string"},
-        "seed": {"type": "integer", "minimum": 0}, "num_inference_steps": {"type": "integer", "minimum": 1},
-        "guidance_scale": {"type": "number"}, "flow_shift": {"type": "number"},
+        "seed": {"type": "integer", "minimum": 0},
+        "num_inference_steps": {"type": "integer", "minimum": 1, "description": _DISTILLED_STEPS},
+        "guidance_scale": {"type": "number", "description": _DISTILLED_FIXED},
+        "flow_shift": {"type": "number", "description": _DISTILLED_FIXED},
         "size": {"type": "string", "description": "WIDTHxHEIGHT; generation: multiples of 16 (default 1280x720)"},
         "width": {"type": "integer", "minimum": 1}, "height": {"type": "integer", "minimum": 1},
         "seconds": {"type": "string"},
@@ -68,8 +74,10 @@ _IMAGE_BODY = {
         "prompt": {"type": "string"}, "model": {"type": "string"}, "n": {"type": "integer", "minimum": 1},
         "size": {"type": "string", "description": "WIDTHxHEIGHT, multiples of 16 (default 1024x1024)"},
         "response_format": {"enum": ["b64_json"]}, "user": {"type": "string"},
-        "negative_prompt": {"type": "string"}, "num_inference_steps": {"type": "integer", "minimum": 1},
-        "guidance_scale": {"type": "number"}, "flow_shift": {"type": "number"},
+        "negative_prompt": {"type": "string"},
+        "num_inference_steps": {"type": "integer", "minimum": 1, "description": _DISTILLED_STEPS},
+        "guidance_scale": {"type": "number", "description": _DISTILLED_FIXED},
+        "flow_shift": {"type": "number", "description": _DISTILLED_FIXED},
         "seed": {"type": "integer", "minimum": 0},
     },
 }

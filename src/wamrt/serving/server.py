@@ -15,6 +15,7 @@ from ..net import free_port
 from .app import build_app
 from .batcher import BatchPolicy
 from .config import ServeConfig, ServeConfigError
+from .generation import SAMPLER_CHOICES
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -38,6 +39,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          f"(default {ServeConfig.max_video_pixels} = 1280x720 x 189 frames); larger ones get 400")
     ap.add_argument("--max-generation-jobs", type=int, default=ServeConfig.max_generation_jobs, metavar="N",
                     help="world-generation jobs queued or running at once (their own queue; over it: busy, 429)")
+    ap.add_argument("--sampler", choices=SAMPLER_CHOICES, default="auto",
+                    help="world generation's sampler: auto = the checkpoint's (the distilled few-step sampler when "
+                         "the checkpoint folder declares a distilled schedule, else UniPC with CFG); unipc; distilled "
+                         "(refused at startup on a checkpoint without a distilled schedule); see docs/serving.md")
     ap.add_argument("--safety", default=None, metavar="FILE", help="action safety envelope (JSON or TOML)")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up requests before /readyz says ready")
     ap.add_argument("--engine", choices=["auto", "eager", "fast"], default="auto",
@@ -78,7 +83,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         guidance_interval=tuple(args.guidance_interval) if args.guidance_interval else None,
         safety_file=args.safety, warmup_requests=args.warmup, model_name=str(args.model),
         prompt_bucket=args.prompt_bucket, prompt_width=args.prompt_width, batch_invariant=args.batch_invariant,
-        max_video_pixels=args.max_video_pixels, max_generation_jobs=args.max_generation_jobs,
+        max_video_pixels=args.max_video_pixels, max_generation_jobs=args.max_generation_jobs, sampler=args.sampler,
     )
 
 

@@ -73,8 +73,8 @@ class Service:
         self.generic = generic_runner(policy)  # forward/inverse dynamics; None if the engine has no generic path
         # World generation (text/image/video -> video, text -> image) on the served checkpoint; None if the
         # engine exposes no model/VAE/tokenizer. Its sound tokenizer is loaded here when the transformer has
-        # sound heads and the checkpoint ships one.
-        self.world = world_model_of(policy, config.model_name)
+        # sound heads and the checkpoint ships one, and its sampler (UniPC or distilled) is decided here.
+        self.world = world_model_of(policy, config.model_name, config.sampler)
         self.generation: GenerationWorker | None = None
         self._tokenizer = getattr(policy, "tokenizer", None)
         self._token_counts: dict[str, int] = {}

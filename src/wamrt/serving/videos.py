@@ -222,9 +222,8 @@ def generation_record(rec: dict[str, Any], out: GenerationOutcome, req: Generati
                peak_memory_mb=_peak_memory_mb(), action=None, timing=out.timing,
                file_name=f"{rec.get('id') or out.request_id}.mp4",
                video={"shape": out.shape, "fps": out.fps, "bytes": len(out.mp4 or b""), "audio": out.audio},
-               metadata={"seed": out.seed, "mode": out.mode, "num_frames": kw["num_frames"], "steps": kw["steps"],
-                         "guidance": kw["guidance"], "shift": kw["shift"], "sound": req.sound,
-                         **({"notes": out.notes} if out.notes else {})})
+               metadata={"seed": out.seed, "mode": out.mode, "num_frames": kw["num_frames"], **req.sampling,
+                         "sound": req.sound, **({"notes": out.notes} if out.notes else {})})
 
 
 def _headers(service: Service, rid: str, rec: dict[str, Any], stages: dict[str, float]) -> dict[str, str]:
