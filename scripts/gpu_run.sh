@@ -77,7 +77,7 @@ for spec in "$@"; do
           --warmup 5 --runs 20 --serve-seconds 20 --out "$res" 2>&1 | tee -a "$res/log.txt" ;;
     world) # Issue 15: t2i 1024x1024 and i2v 480x832x33, 35 steps, guidance 6, WorldEngine vs diffusers' pipeline.
           wamrt bench world --model "${WORLD_MODEL:-nano}" --modes "${MODES:-t2i,i2v}" --warmup "${WARMUP:-1}" \
-             --runs "${RUNS:-5}" --peer diffusers --peer-warmup 1 --peer-runs "${PEER_RUNS:-5}" ${WORLD_ARGS:---decode-variants} \
+             --runs "${RUNS:-5}" --peer diffusers --peer-warmup 1 --peer-runs "${PEER_RUNS:-5}" ${WORLD_ARGS:-} \
              --out "$res" 2>&1 | tee "$res/log.txt" ;;
     world-tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_world_engine_gpu.py \
              2>&1 | tee "$res/log.txt" ;;

@@ -161,3 +161,22 @@ def test_world_engine_refuses_what_it_does_not_run(stack) -> None:
     with pytest.raises(ValueError, match="isolate_requests"):
         WorldEngine(model, assets.encoder, assets.tokenizer,
                     EngineConfig(compile=False, cuda_graph=False, isolate_requests=True))
+
+
+def test_implicit_pad_decode_equals_diffusers_decode_and_restores_the_vae(stack) -> None:
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+    from wamrt.engine.vae_decode import implicit_pad_decoder
+    from wamrt.pipeline.omni import decode_pixels
+
+    _, assets, _ = stack
+    vae = assets.vae
+    latents = torch.randn(1, 48, 3, 2, 3, generator=torch.Generator().manual_seed(0))  # 9 frames of 32x48
+    want = decode_pixels(assets.encoder, latents)
+    with implicit_pad_decoder(vae):
+        swapped = [m for m in vae.decoder.modules() if isinstance(m, WanCausalConv3d)]
+        assert swapped and all(type(m) is not WanCausalConv3d for m in swapped)
+        got = decode_pixels(assets.encoder, latents)
+    assert all(type(m) is WanCausalConv3d for m in vae.modules() if isinstance(m, WanCausalConv3d))
+    _assert_close(got, want, "decoded pixels")
+    assert not torch.equal(got, torch.zeros_like(got))

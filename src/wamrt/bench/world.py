@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"[{mode}] peer p50 {peer_result['p50_ms']:.0f} ms {peer_result['stages_ms']}", flush=True)
 
         if engine is None:
-            engine = WorldEngine(model, FrameEncoder(vae), tokenizer, config, decode_autotune=args.decode_autotune)
+            engine = WorldEngine(model, FrameEncoder(vae), tokenizer, config)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
 
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         t_row = time.perf_counter()
         times, stages = _time(ours_once, args.warmup, args.runs)
         summary = summarize(times)
-        decode_variants = measure_decode(engine, request, sampling) if args.decode_variants else None
+        decode_ms = compare_decodes(engine, request, sampling)
         floor = 1e3 * flops / (PEAK_BF16_TFLOPS * 1e12)
         stage_ms = median_stages(stages)
         result = {
@@ -201,15 +201,14 @@ def run(args: argparse.Namespace) -> int:
             "peer": peer_result, "speedup_vs_peer": peer_result["p50_ms"] / summary["p50_ms"] if peer_result else None,
             "engine": {**{k: getattr(engine.config, k) for k in ("attention", "compile", "cuda_graph", "prompt_bucket",
                                                                   "batch_cfg")},
-                       "bucket_attention": engine.bucket_attention, "decode_autotune": engine.decode_autotune,
-                       "graph_captures": engine.graphs.captures,
+                       "bucket_attention": engine.bucket_attention, "graph_captures": engine.graphs.captures,
                        "capture_seconds": engine.graphs.capture_seconds},
             "layers": cfg.num_hidden_layers, "generator_tokens": gen_tokens,
             "text_tokens": {"cond": len(cond_ids), "uncond": len(uncond_ids),
                             "note": "word-level stand-in tokenizer (one token per word or punctuation run)"},
             "request_tflop": flops / 1e12, "achieved_tflops": flops / 1e12 / (summary["p50_ms"] / 1e3),
             "denoise_tflops": flops / 1e12 / (stage_ms.get("denoise", float("nan")) / 1e3),
-            "decode_variants_ms": decode_variants,
+            "decode_ms": decode_ms,
             "row_wall_s": time.perf_counter() - t_row,
         }
         results.append(result)
@@ -224,24 +223,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure_decode(engine, request: dict, sampling: dict, runs: int = 3) -> dict[str, float]:
-    """Median VAE decode of one request's latents (to float pixels on the host) with and without cuDNN autotuning,
-    each after one untimed call (the autotuned one searches there)."""
+def compare_decodes(engine, request: dict, sampling: dict, runs: int = 3) -> dict[str, float]:
+    """Median VAE decode (normalised latents -> float pixels on the device) of one request's latents with diffusers'
+    causal convolutions and with the engine's (`engine.vae_decode`), after one untimed call each."""
     latents = engine.run(**request, **sampling, generator=torch.Generator().manual_seed(0), decode=False).video_latents
-    saved, out = engine.decode_autotune, {}
+    saved, out = engine.implicit_pad_decode, {}
     try:
-        for name, flag in (("default", False), ("cudnn_autotune", True)):
-            engine.decode_autotune = flag
+        for name, flag in (("diffusers_convs", False), ("implicit_pad", True)):
+            engine.implicit_pad_decode = flag
             times = []
             for i in range(runs + 1):
                 _sync(engine.device)
                 t0 = time.perf_counter()
                 engine.decode_pixels(engine.encoder, latents)
+                _sync(engine.device)
                 if i:
                     times.append(1e3 * (time.perf_counter() - t0))
             out[name] = float(np.median(times))
     finally:
-        engine.decode_autotune = saved
+        engine.implicit_pad_decode = saved
     return out
 
 
@@ -304,8 +304,5 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--peer", choices=["none", "diffusers"], default="diffusers")
     ap.add_argument("--peer-warmup", type=int, default=1)
     ap.add_argument("--peer-runs", type=int, default=5)
-    ap.add_argument("--decode-autotune", action="store_true", help="VAE decode with cuDNN autotuning")
-    ap.add_argument("--decode-variants", action="store_true",
-                    help="also time the VAE decode with and without cuDNN autotuning (field decode_variants_ms)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="bench/results/latency")

@@ -10,8 +10,8 @@ decode); the engine swaps in its denoising loop and its VAE decode:
   host only launches the next graph;
 * prompts padded to `prompt_bucket`-token buckets (zero keys, see `EngineConfig.bucket_attention`), so a new
   prompt length does not cost a capture;
-* the VAE decode as diffusers runs it (cuDNN autotuning of its 3-D convolutions is a switch,
-  `decode_autotune`, off: measured slower).
+* the VAE decode without diffusers' padded copy before every causal convolution (`vae_decode`), its frames
+  rounded to uint8 on the device (a quarter of the bytes to copy, no CPU rounding).
 Results equal `run_world`'s up to bf16 rounding (GPU test) and exactly in fp32 on the CPU (CPU test).
 """
 
@@ -33,6 +33,7 @@ from ..pipeline.world import WorldResult, run_world
 from ..sampler import cfg_combine, guidance_active
 from .engine import Engine, EngineConfig, _clone_seq, _Seq
 from .graph_cache import CapturedGraph, CaptureTimer, GraphKey
+from .vae_decode import implicit_pad_decoder
 
 # World prompts differ per request (prompt, negative prompt, duration/resolution sentences): without buckets
 # every new prompt length would be a capture (a full loop's warm-up).
@@ -84,15 +85,13 @@ class WorldEngine(Engine):
     """World generation with the engine's techniques; `run(**run_world keywords)` is `run_world` made fast."""
 
     def __init__(self, model, encoder: FrameEncoder, tokenizer: CaptionTokenizer | Any,
-                 config: EngineConfig = WORLD_ENGINE_CONFIG, *, name: str = "", decode_autotune: bool = False) -> None:
+                 config: EngineConfig = WORLD_ENGINE_CONFIG, *, name: str = "", implicit_pad_decode: bool = True) -> None:
         if config.isolate_requests:
             raise ValueError("isolate_requests is a policy-batching switch; a world request always runs alone")
         if not isinstance(tokenizer, CaptionTokenizer) and hasattr(tokenizer, "apply_chat_template"):
             tokenizer = CaptionTokenizer(tokenizer)
         super().__init__(model, encoder, tokenizer, config=config, name=name)
-        # cuDNN's per-shape algorithm search for the Wan VAE's 3-D convolutions, scoped to our decode. Off by
-        # default: on the H200 it made the decode slower, not faster (bench/results/world/: decode_variants_ms).
-        self.decode_autotune = decode_autotune
+        self.implicit_pad_decode = implicit_pad_decode
 
     def run(self, **kwargs: Any) -> WorldResult:
         """`run_world(model, encoder, tokenizer, **kwargs)` with this engine's loop and decode."""
@@ -100,11 +99,12 @@ class WorldEngine(Engine):
                          **kwargs)
 
     def decode_pixels(self, encoder: FrameEncoder, latents: torch.Tensor) -> torch.Tensor:
-        autotune = self.decode_autotune and self.device.type == "cuda"
-        flags = torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False,
-                                           allow_tf32=torch.backends.cudnn.allow_tf32) if autotune else nullcontext()
-        with flags:
-            return decode_pixels(encoder, latents)
+        """The VAE decode with implicit-padding causal convolutions (`vae_decode`), pixels left on the device:
+        run_world rounds them to uint8 there and copies a quarter of the bytes (the float frames' host copy and CPU
+        rounding cost ~180 ms of an i2v request at 480x832x33; same ops, same bits). cuDNN autotuning of the
+        convolutions measured no faster (869.8 vs 871.4 ms, H200)."""
+        with implicit_pad_decoder(encoder.vae) if self.implicit_pad_decode else nullcontext():
+            return decode_pixels(encoder, latents, to_host=False)
 
     # ---------------------------------------------------------------------------------------------
     def denoise(self, model, inp: DenoiseInputs, opts: SamplingOptions, *,

@@ -101,13 +101,14 @@ def packed_branch(
 
 
 @torch.inference_mode()
-def decode_pixels(encoder: FrameEncoder, latents: torch.Tensor) -> torch.Tensor:
+def decode_pixels(encoder: FrameEncoder, latents: torch.Tensor, *, to_host: bool = True) -> torch.Tensor:
     """Normalised latents [1, C, T, H, W] -> float32 [4(T-1)+1, 16H, 16W, 3] in [0, 1] (the reference's
-    output_type="np")."""
+    output_type="np"), on the host, or left on the VAE's device with `to_host=False`."""
     vae = encoder.vae
     z = latents.to(device=vae.device, dtype=vae.dtype) / encoder.inv_std + encoder.mean  # un-normalise
     pixels = vae.decode(z).sample.to(torch.float32)  # [1, 3, T', H', W'] in [-1, 1]
-    return (pixels[0] * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).contiguous().cpu()  # [T', H', W', 3]
+    pixels = (pixels[0] * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).contiguous()  # [T', H', W', 3]
+    return pixels.cpu() if to_host else pixels
 
 
 def pixels_to_uint8(pixels: torch.Tensor) -> torch.Tensor:

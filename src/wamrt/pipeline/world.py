@@ -59,7 +59,8 @@ WorldMode = Literal["text2image", "text2video", "image2video", "video2video"]
 VIDEO_KEEP: tuple[str, ...] = ("first", "last")
 # (model, inputs, options, on_step=...) -> result: `pipeline.denoise.denoise` or a faster equal.
 Denoiser = Callable[..., DenoiseResult]
-PixelDecoder = Callable[[FrameEncoder, torch.Tensor], torch.Tensor]  # normalised latents -> float pixels [T,H,W,3]
+# Normalised latents -> float pixels [T, H, W, 3] in [0, 1], on the host or on the device (converted to uint8 there).
+PixelDecoder = Callable[[FrameEncoder, torch.Tensor], torch.Tensor]
 DEFAULT_CONDITION_LATENT_FRAMES = (0, 1)  # diffusers' condition_frame_indexes_vision default
 
 
@@ -383,7 +384,7 @@ def run_world(
     frames = sound = None
     if decode:
         t0 = time.perf_counter()
-        frames = pixels_to_uint8(decoder(encoder, out.vision))
+        frames = pixels_to_uint8(decoder(encoder, out.vision)).cpu()  # uint8 on the host either way
         timings["vae_decode"] = 1e3 * (time.perf_counter() - t0)
         if sound_latents is not None:
             assert sound_decoder is not None
