@@ -368,28 +368,32 @@ def test_openapi_documents_generation(fake_server: ServerThread) -> None:
 # --- scheduling ----------------------------------------------------------------------------------------------
 
 
+class MeddlingGate(DeviceGate):
+    """Policy work is always waiting: generation yields at every point, and each gap runs a VAE encode (what a
+    policy batch does there), which resets the decoder's feature cache."""
+
+    def __init__(self, encoder: Any) -> None:
+        super().__init__()
+        self.encoder, self.demand, self.meddled = encoder, 1, 0
+
+    def acquire_generation(self, cancelled: Any = lambda: False) -> None:
+        with torch.inference_mode():
+            self.encoder.encode(torch.zeros(1, 3, 1, 32, 32))
+        self.meddled += 1
+        self._generation_running = True
+
+
+YIELD_FIELDS = {"prompt": "p", "size": "32x48", "num_frames": "13", "num_inference_steps": "2", "seed": "9",
+                "generate_sound": "true"}
+
+
 def test_decode_yields_keep_the_output_exact(world_server: ServerThread) -> None:
     """A generation paused between VAE-decoded frames while a policy batch encodes with the same VAE (which
     resets the decoder's feature cache) still produces exactly the MP4 of an undisturbed run."""
     world = world_model_of(world_server.service.policy, "tiny-world")
-    clip = torch.zeros(1, 3, 1, 32, 32)
-
-    class MeddlingGate(DeviceGate):
-        def __init__(self) -> None:
-            super().__init__()
-            self.demand, self.meddled = 1, 0  # "policy work is always waiting": yield at every point
-
-        def acquire_generation(self, cancelled: Any = lambda: False) -> None:
-            with torch.inference_mode():  # what a policy batch does in the gap
-                world.encoder.encode(clip)
-            self.meddled += 1
-            self._generation_running = True
-
-    fields = {"prompt": "p", "size": "32x48", "num_frames": "13", "num_inference_steps": "2", "seed": "9",
-              "generate_sound": "true"}
-    req = build_generation(fields, world, max_pixels=MAX_PIXELS)
+    req = build_generation(YIELD_FIELDS, world, max_pixels=MAX_PIXELS)
     outs = []
-    for gate in (DeviceGate(), MeddlingGate()):
+    for gate in (DeviceGate(), MeddlingGate(world.encoder)):
         worker = GenerationWorker(world, gate, max_jobs=1)
         try:
             job = GenerationJob(req, "exact")
@@ -399,6 +403,34 @@ def test_decode_yields_keep_the_output_exact(world_server: ServerThread) -> None
             worker.stop()
     assert gate.meddled >= 2 + 4  # steps and latent frames of the decode
     assert outs[0].mp4 == outs[1].mp4
+
+
+def test_generation_through_a_world_engine_yields_and_stays_exact(world_server: ServerThread) -> None:
+    """What a CUDA server does (`WorldModel.engine`, here without graphs): the job runs on the WorldEngine (its
+    Reasoner cache fills), still yields at every step and decoded frame, and equals an undisturbed run."""
+    from dataclasses import replace
+
+    from wamrt.engine import EngineConfig
+    from wamrt.engine.world import WorldEngine
+
+    base = world_model_of(world_server.service.policy, "tiny-world")
+    assert base.engine is None  # a CPU server keeps run_world
+    engine = WorldEngine(base.model, base.encoder, base.tokenizer,
+                         EngineConfig(attention="auto", compile=False, cuda_graph=False, prompt_bucket=64))
+    world = replace(base, engine=engine)
+    req = build_generation(YIELD_FIELDS, world, max_pixels=MAX_PIXELS)
+    outs = []
+    for gate in (DeviceGate(), MeddlingGate(world.encoder)):
+        worker = GenerationWorker(world, gate, max_jobs=1)
+        try:
+            job = GenerationJob(req, "engine")
+            worker.submit(job)
+            outs.append(job.future.result(60))
+        finally:
+            worker.stop()
+    assert engine.kv_cache.misses == 2 and engine.kv_cache.hits == 2  # both branches, then cached
+    assert gate.meddled >= 2 + 4
+    assert outs[0].mp4 == outs[1].mp4 and outs[0].shape == outs[1].shape == [13, 48, 32, 3]  # size is WxH
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
                                    enable_safety_checker=False)
         pipe.set_progress_bar_config(disable=True)
         peer = pipe
-    config = WORLD_ENGINE_CONFIG if dev.type == "cuda" else EngineConfig(
+    config = replace(WORLD_ENGINE_CONFIG, compile_mode=args.compile_mode) if dev.type == "cuda" else EngineConfig(
         attention="auto", compile=False, cuda_graph=False, prompt_bucket=WORLD_ENGINE_CONFIG.prompt_bucket)
     engine: WorldEngine | None = None  # built after the peer has run (fusing swaps the layers' weights)
 
@@ -199,8 +200,8 @@ def run(args: argparse.Namespace) -> int:
                            "branches, once), denoise (all steps), vae_decode (to uint8 frames on the host)",
             "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
             "peer": peer_result, "speedup_vs_peer": peer_result["p50_ms"] / summary["p50_ms"] if peer_result else None,
-            "engine": {**{k: getattr(engine.config, k) for k in ("attention", "compile", "cuda_graph", "prompt_bucket",
-                                                                  "batch_cfg")},
+            "engine": {**{k: getattr(engine.config, k) for k in ("attention", "compile", "compile_mode", "cuda_graph",
+                                                                  "prompt_bucket", "batch_cfg")},
                        "bucket_attention": engine.bucket_attention, "graph_captures": engine.graphs.captures,
                        "capture_seconds": engine.graphs.capture_seconds},
             "layers": cfg.num_hidden_layers, "generator_tokens": gen_tokens,
@@ -304,5 +305,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--peer", choices=["none", "diffusers"], default="diffusers")
     ap.add_argument("--peer-warmup", type=int, default=1)
     ap.add_argument("--peer-runs", type=int, default=5)
+    ap.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
+                    help="torch.compile mode of the layer halves (autotuning takes minutes per new shape)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="bench/results/latency")

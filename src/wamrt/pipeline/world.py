@@ -371,8 +371,8 @@ def run_world(
         use_resolution_template=use_resolution_template,
         use_duration_template=use_duration_template,
     )
-    if not isinstance(tokenizer, CaptionTokenizer):
-        tokenizer = CaptionTokenizer(tokenizer)
+    if not isinstance(tokenizer, CaptionTokenizer) and hasattr(tokenizer, "apply_chat_template"):
+        tokenizer = CaptionTokenizer(tokenizer)  # a Hugging Face tokenizer; stand-ins with `encode` pass as they are
     if isinstance(sound_decoder, Cosmos3AVAEAudioTokenizer):
         sound_decoder = SoundDecoder(sound_decoder)
     prepared = req.prepare(model.config, encoder, tokenizer, sound_decoder=sound_decoder, generator=generator,

@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -90,6 +90,15 @@ class WorldModel:
     tokenizer: Any
     sound: Any | None  # pipeline.sound.SoundDecoder
     schedule: DistilledSchedule | None = None  # None: UniPC with CFG (`run_world`)
+    engine: Any | None = None  # a `WorldEngine` running `run_world` fast (served fast engine on CUDA), else None
+
+    def run_unipc(self, **kwargs: Any) -> Any:
+        """`run_world` on this model, through the engine when there is one."""
+        if self.engine is not None:
+            return self.engine.run(**kwargs)
+        from ..pipeline.world import run_world
+
+        return run_world(self.model, self.encoder, self.tokenizer, **kwargs)
 
     @property
     def sound_heads(self) -> bool:
@@ -197,7 +206,21 @@ def world_model_of(policy: Any, checkpoint: str, sampler: str = "auto") -> World
             from ..pipeline.sound import SoundDecoder, load_sound_tokenizer
 
             sound = SoundDecoder(load_sound_tokenizer(folder, device=model_device(policy.model)))
-    return WorldModel(policy.model, policy.encoder, policy.tokenizer, sound, schedule)
+    return WorldModel(policy.model, policy.encoder, policy.tokenizer, sound, schedule,
+                      _world_engine(policy) if schedule is None else None)
+
+
+def _world_engine(policy: Any) -> Any | None:
+    """A `WorldEngine` sharing the served fast engine's model, VAE and tokenizer (its own compiled wrappers, graph
+    pool and K/V arena; one of them runs at a time, see `DeviceGate`), when that engine runs CUDA graphs; else
+    None (CPU servers and the eager reference policy keep `run_world`)."""
+    from ..engine import Engine
+    from ..engine.world import WORLD_ENGINE_CONFIG, WorldEngine
+
+    if not isinstance(policy, Engine) or not policy.config.cuda_graph:
+        return None
+    config = replace(WORLD_ENGINE_CONFIG, attention=policy.config.attention, compile_mode=policy.config.compile_mode)
+    return WorldEngine(policy.model, policy.encoder, policy.tokenizer, config, name=policy.name)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -621,7 +644,6 @@ class GenerationWorker:
         import torch
 
         from ..pipeline.omni import model_device
-        from ..pipeline.world import run_world
         from ..pipeline.world_distilled import run_world_distilled
 
         req, world, gate = job.request, self.world, self.gate
@@ -694,8 +716,7 @@ class GenerationWorker:
                 acquire()
                 generator = torch.Generator().manual_seed(seed + k)
                 if world.schedule is None:
-                    result = run_world(world.model, world.encoder, world.tokenizer, **req.kwargs, sound_decoder=sound,
-                                       generator=generator, on_step=on_step)
+                    result = world.run_unipc(**req.kwargs, sound_decoder=sound, generator=generator, on_step=on_step)
                 else:
                     result = run_world_distilled(world.model, world.encoder, world.tokenizer, **req.kwargs,
                                                  schedule=world.schedule, generator=generator, on_step=on_step)
