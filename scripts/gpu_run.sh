@@ -3,7 +3,7 @@
 # Usage: WAMRT_GIT_SHA=<sha> bash scripts/gpu_run.sh PART[:SECONDS]...
 #   parts: smoke edge nano tests load quant-edge quant-nano (lossy rows E6-E8 + quality, issue 7)
 #          world (issue 15: WorldEngine t2i / i2v vs diffusers; MODES, RUNS, PEER_RUNS, WORLD_MODEL, WORLD_ARGS)
-#          world-tests (the WorldEngine GPU test)
+#          world-tests (the WorldEngine GPU test), fa4-tests (flash-attn-4 against SDPA, in a graph)
 #          rows-edge rows-nano (E5 and its alternatives timed in one process; ROWS, default E5,E5-bucket,E5-bucket-mask
 #          (issue 13: prompt buckets against exact lengths); E5-mask, E5-autotune on request -- autotuning can take
 #          minutes at Nano, so give it a part of its own, e.g. rows-nano:560)
@@ -16,6 +16,11 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+if [ -d .fa4 ] && [ -d .fa4-part1 ] && [ -d .fa4-part2 ]; then  # flash-attn-4 carried (scripts/fa4_install.sh)
+  dsl=$(bash scripts/fa4_install.sh) && export PYTHONPATH=$PYTHONPATH:$dsl \
+    && python3 -c 'import flash_attn.cute.interface; print("flash-attn-4 installed")' \
+    || echo "flash-attn-4 install failed: the fa4 backend stays off"
+fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 wamrt() { timeout "$limit" python3 -m wamrt.cli "$@"; }
@@ -79,6 +84,12 @@ for spec in "$@"; do
           wamrt bench world --model "${WORLD_MODEL:-nano}" --modes "${MODES:-t2i,i2v}" --warmup "${WARMUP:-1}" \
              --runs "${RUNS:-5}" --peer diffusers --peer-warmup 1 --peer-runs "${PEER_RUNS:-5}" ${WORLD_ARGS:-} \
              --out "$res" 2>&1 | tee "$res/log.txt" ;;
+    fa4-tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_fa4_gpu.py \
+             2>&1 | tee "$res/log.txt"
+          timeout 120 python3 -c 'import torch; from wamrt.ops.attention import measure_backends as m
+for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
+    print(sq, sk, m((2, 32, sq, 128), 32, sk, dtype=torch.bfloat16, device=torch.device("cuda")))' 2>&1 \
+             | tee -a "$res/log.txt" ;;
     world-tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_world_engine_gpu.py \
              2>&1 | tee "$res/log.txt" ;;
     tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_engine_gpu.py tests/engine/test_bucket_attention.py tests/sampler 2>&1 \

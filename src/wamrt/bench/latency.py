@@ -43,10 +43,12 @@ ROWS: dict[str, tuple[str, dict]] = {
     # Triton GEMM templates autotuned against cuBLAS, elementwise epilogues fused into the winners.
     "E5-autotune": ("E5 compiled with mode max-autotune-no-cudagraphs",
                     dict(compile_mode="max-autotune-no-cudagraphs")),
+    # E5 on cuDNN attention whichever kernel measured fastest (the comparison row for a new attention kernel).
+    "E5-cudnn": ("E5 with cuDNN attention", dict(attention="cudnn")),
 }
 
 # Opt-in rows: E5-autotune spends minutes autotuning at Nano, which the default waterfall run cannot afford.
-DEFAULT_ROWS = [r for r in ROWS if r not in ("E5-bucket", "E5-bucket-mask", "E5-autotune")]
+DEFAULT_ROWS = [r for r in ROWS if r not in ("E5-bucket", "E5-bucket-mask", "E5-autotune", "E5-cudnn")]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         rows = args.rows if steps == args.steps[0] else [r for r in args.rows if r in args.other_steps_rows]
         for row in rows:
             label, flags = ROWS[row]
-            engine = Engine.from_policy(policy, engine_config(dev, attention=best, **flags))
+            engine = Engine.from_policy(policy, engine_config(dev, **{"attention": best, **flags}))
             warm = args.warmup if row in args.full_rows else args.quick_warmup
             runs = args.runs if row in args.full_rows else args.quick_runs
             result = measure_row(engine, RowSpec(row, label, steps), args, env, command, warm, runs,

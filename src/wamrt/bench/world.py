@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..ops.attention import measure_backends
 from ..provenance import environment
 from .flops import request_flops
 from .stats import median_stages, summarize
@@ -129,8 +130,20 @@ def run(args: argparse.Namespace) -> int:
                                    enable_safety_checker=False)
         pipe.set_progress_bar_config(disable=True)
         peer = pipe
-    config = replace(WORLD_ENGINE_CONFIG, compile_mode=args.compile_mode) if dev.type == "cuda" else EngineConfig(
-        attention="auto", compile=False, cuda_graph=False, prompt_bucket=WORLD_ENGINE_CONFIG.prompt_bucket)
+    attention_ms = None
+    if dev.type == "cuda":
+        attention = args.attention
+        if attention == "measure":  # the fastest kernel at the largest mode's Generator attention (both branches)
+            g_max = max(_generator_tokens(cfg, frames[m], *sizes[m]) for m in args.modes)
+            # K/V with every query head, as the engine's step buffers hold them (heads repeated once per step).
+            attention_ms = measure_backends((2, cfg.num_attention_heads, g_max, cfg.head_dim), cfg.num_attention_heads,
+                                            g_max + WORLD_ENGINE_CONFIG.prompt_bucket * 2, dtype=dtype, device=dev)
+            attention = min(attention_ms, key=attention_ms.get)
+            print(f"generator attention per call (ms) at {g_max} tokens: {attention_ms} -> {attention}", flush=True)
+        config = replace(WORLD_ENGINE_CONFIG, compile_mode=args.compile_mode, attention=attention)
+    else:
+        config = EngineConfig(attention="auto", compile=False, cuda_graph=False,
+                              prompt_bucket=WORLD_ENGINE_CONFIG.prompt_bucket)
     engine: WorldEngine | None = None  # built after the peer has run (fusing swaps the layers' weights)
 
     results = []
@@ -142,9 +155,7 @@ def run(args: argparse.Namespace) -> int:
         sampling = dict(steps=args.steps, guidance=args.guidance, shift=args.shift)
         wreq = world_request(**request)
         cond_ids, uncond_ids = tokenize_branches(tokenizer, cfg, *wreq.captions(), wreq.system_prompt)
-        lat = wreq.latent
-        p = cfg.latent_patch_size
-        gen_tokens = lat.latent_t * (-(-lat.latent_h // p)) * (-(-lat.latent_w // p))
+        gen_tokens = _generator_tokens(cfg, n_frames, h, w)
         flops = request_flops(cfg, text=[len(cond_ids), len(uncond_ids)], gen_tokens=gen_tokens,
                               cfg_steps=[args.guidance != 1.0] * args.steps)
         print(f"[{mode}] {label}: {gen_tokens} Generator tokens per branch, text "
@@ -207,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
             "layers": cfg.num_hidden_layers, "generator_tokens": gen_tokens,
             "text_tokens": {"cond": len(cond_ids), "uncond": len(uncond_ids),
                             "note": "word-level stand-in tokenizer (one token per word or punctuation run)"},
+            "attention_backend_ms": attention_ms,
             "request_tflop": flops / 1e12, "achieved_tflops": flops / 1e12 / (summary["p50_ms"] / 1e3),
             "denoise_tflops": flops / 1e12 / (stage_ms.get("denoise", float("nan")) / 1e3),
             "decode_ms": decode_ms,
@@ -280,6 +292,13 @@ def plot_stages(results: list[dict], path: Path, gpu: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _generator_tokens(cfg, num_frames: int, height: int, width: int) -> int:
+    from ..pipeline.geometry import latent_geometry
+
+    lat, p = latent_geometry(num_frames, height, width), cfg.latent_patch_size
+    return lat.latent_t * (-(-lat.latent_h // p)) * (-(-lat.latent_w // p))
+
+
 def _size(text: str) -> tuple[int, int]:
     try:
         h, w = (int(v) for v in text.lower().split("x"))
@@ -305,6 +324,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--peer", choices=["none", "diffusers"], default="diffusers")
     ap.add_argument("--peer-warmup", type=int, default=1)
     ap.add_argument("--peer-runs", type=int, default=5)
+    ap.add_argument("--attention", default="measure", choices=["measure", "cudnn", "fa4", "flash", "efficient"],
+                    help="Generator attention kernel; measure: the fastest at the largest mode's shape")
     ap.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
                     help="torch.compile mode of the layer halves (autotuning takes minutes per new shape)")
     ap.add_argument("--device", default="cuda")

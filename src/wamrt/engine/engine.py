@@ -31,6 +31,7 @@ from ..ops.attention import (
     PrefixOffsetAttention,
     ZeroKeyAttention,
     diffusers_gqa_attention,
+    fa4_available,
     rescale_zero_keys,
     zero_key_attention_problem,
 )
@@ -65,7 +66,8 @@ HOST_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))  # canvas threads of a 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    attention: str = "cudnn"  # "gqa" = the reference's SDPA(enable_gqa) call; else an SDPA backend
+    # "gqa" = the reference's SDPA(enable_gqa) call; else an SDPA backend, or "fa4" (flash-attn-4, where installed)
+    attention: str = "cudnn"
     reuse_reasoner: bool = True  # False: the Reasoner runs inside every forward (reference pattern)
     vae_frames: int = 1  # pixel frames encoded; chunk + 1 = what diffusers encodes
     batch_cfg: bool = True  # both CFG branches (and all requests) in one Generator pass
@@ -156,6 +158,8 @@ class Engine:
             raise ValueError("cuda_graph needs a CUDA device")
         if config.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {config.compile_mode!r}")
+        if config.attention == "fa4" and not fa4_available(self.device):
+            raise ValueError("attention='fa4' needs flash-attn-4 installed and a Hopper or Blackwell GPU")
         if config.bucket_attention not in BUCKET_ATTENTION:
             raise ValueError(f"bucket_attention must be one of {BUCKET_ATTENTION}, got {config.bucket_attention!r}")
         if config.prompt_width < 0 or (config.prompt_width and not config.prompt_bucket):

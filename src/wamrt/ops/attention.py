@@ -6,8 +6,10 @@
   sequence its own unmasked call on the valid suffix of the keys (a view, no copy).
 * Reasoner (causal, short): any kernel; it runs once per prompt.
 
-Backends are PyTorch SDPA kernels chosen explicitly; "gqa" reproduces diffusers' call (SDPA with
-enable_gqa=True, which PyTorch serves with the math kernel on CUDA) and is the E0 baseline.
+Backends are PyTorch SDPA kernels chosen explicitly, or "fa4": FlashAttention-4 (`flash-attn-4`, CuTe DSL,
+Hopper / Blackwell kernels), an optional dependency used only where it is installed and chosen; masked and causal
+calls stay on SDPA. "gqa" reproduces diffusers' call (SDPA with enable_gqa=True, which PyTorch serves with the
+math kernel on CUDA) and is the E0 baseline.
 """
 
 from __future__ import annotations
@@ -24,7 +26,32 @@ BACKENDS = {
     "efficient": [SDPBackend.EFFICIENT_ATTENTION],
     "math": [SDPBackend.MATH],
     "auto": None,
+    "fa4": [SDPBackend.CUDNN_ATTENTION],  # what SDPA serves for fa4 where FA4 itself does not run (masks)
 }
+
+
+def fa4_available(device: torch.device | None = None) -> bool:
+    """flash-attn-4 importable and the GPU one of its architectures (sm90 Hopper, sm100 Blackwell)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False):
+    """Unmasked, non-causal FlashAttention-4 on [B, H, S, d] tensors (K/V may have fewer heads: GQA in the kernel).
+    The kernel's [B, S, H, d] layout is a transposed view of ours, so nothing is copied either way; the output
+    is a [B, H, Sq, d] view of [B, Sq, H, d] memory, the order the output projection reads. With return_lse also
+    the log-sum-exp [B, H, Sq] fp32, natural log, as sdpa_with_lse returns it."""
+    from flash_attn.cute.interface import flash_attn_func  # optional: flash-attn-4
+
+    out, lse = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=False,
+                               return_lse=return_lse)
+    out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
 
 
 def _expand_kv(k: torch.Tensor, groups: int) -> torch.Tensor:
@@ -33,6 +60,10 @@ def _expand_kv(k: torch.Tensor, groups: int) -> torch.Tensor:
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, backend: str) -> torch.Tensor:
     """q [B, H, Sq, d], k/v [B, K, Sk, d]; K/V heads expanded so every backend is eligible."""
+    if backend == "fa4":
+        if not causal:
+            return fa4_attention(q, k, v)
+        backend = "auto"  # the Reasoner's causal prefill runs once per prompt: any kernel
     groups = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, groups), _expand_kv(v, groups)
     kernels = BACKENDS[backend]
@@ -114,7 +145,9 @@ def sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend:
     the sum over keys of exp(scale * q.k)). K/V heads must already match q's. The SDPA front end drops the
     log-sum-exp at inference, so this calls the backend's own op; "math" / CPU-only cases compute it directly."""
     b, h, sq, _ = q.shape
-    if q.is_cuda and backend in ("cudnn", "auto"):
+    if q.is_cuda and backend == "fa4":
+        out, lse = fa4_attention(q, k, v, return_lse=True)
+    elif q.is_cuda and backend in ("cudnn", "auto"):
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False)[:2]
     elif q.is_cuda and backend == "flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False)[:2]
@@ -191,9 +224,12 @@ class MaskedBatchAttention(KeyMaskAttention):
 
 
 def measure_backends(q_shape: tuple[int, int, int, int], kv_heads: int, kv_len: int, *, dtype: torch.dtype,
-                     device: torch.device, backends: Sequence[str] = ("cudnn", "flash", "efficient"),
+                     device: torch.device, backends: Sequence[str] | None = None,
                      iters: int = 20) -> dict[str, float]:
-    """Median ms of one rectangular Generator attention call per backend (inf where unsupported)."""
+    """Median ms of one rectangular Generator attention call per backend (inf where unsupported). Default backends:
+    cuDNN, flash, efficient, and fa4 where flash-attn-4 is installed."""
+    if backends is None:
+        backends = ("cudnn", "flash", "efficient") + (("fa4",) if fa4_available(device) else ())
     b, h, sq, d = q_shape
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(q_shape, device=device, dtype=dtype, generator=gen)
@@ -213,6 +249,10 @@ def measure_backends(q_shape: tuple[int, int, int, int], kv_heads: int, kv_len: 
                 end.synchronize()
                 times.append(start.elapsed_time(end))
             out[name] = sorted(times)[len(times) // 2]
-        except RuntimeError:
+        except (RuntimeError, ImportError, AssertionError, ValueError) as e:  # a kernel that refuses the shape
             out[name] = float("inf")
+            if name == "fa4":
+                import logging
+
+                logging.getLogger(__name__).warning("fa4 attention unavailable at %s: %s", q_shape, e)
     return out
