@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# Installs flash-attn-4 (the "fa4" attention backend) on the GPU machine into /tmp/site, from carried, git-ignored
-# folders (see docs/performance notes in bench/results/latency/README.md):
+# Installs flash-attn-4 (the "fa4" attention backend) on the GPU machine into /tmp/site from carried, git-ignored
+# folders:
 #   .fa4/        flash-attn-4 4.0.0b36 and its small dependencies as wheels (nvidia-cutlass-dsl 4.8.1 and its
 #                -libs-base / -libs-core, apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels)
 #   .fa4-part1/, .fa4-part2/
-#                the contents of the 92 MB nvidia-cutlass-dsl-libs-cu13 wheel as an xz tar split in two: a call
-#                carries at most 64 MiB, so the first part travels one call earlier and stays on the warm machine.
-# Prints the PYTHONPATH entry the DSL needs (its wheel adds it with a .pth file, which --target installs skip).
+#                the contents of the 92 MB nvidia-cutlass-dsl-libs-cu13 wheel as an xz tar (64 MB) split in two: a
+#                call carries at most 64 MiB with the tree, so the parts travel in two calls.
+# A carried folder does not outlive its call (measured 2026-12-02: the next call's tree had no .fa4*), but /tmp on a
+# warm machine does: every call that carries a part runs this script, which stages what it finds in
+# /tmp/wamrt-fa4 and installs once all three are there. Exit 3: staged, not complete yet. On success prints the
+# PYTHONPATH entry the DSL needs (its wheel adds it with a .pth file, which --target installs skip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .fa4/*.whl >&2
-cat .fa4-part1/cu13.tar.xz.* .fa4-part2/cu13.tar.xz.* | xz -d | tar x -C /tmp/site
+stage=/tmp/wamrt-fa4
+mkdir -p "$stage"
+for d in .fa4 .fa4-part1 .fa4-part2; do [ -d "$d" ] && cp -r "$d" "$stage/"; done
+for d in .fa4 .fa4-part1 .fa4-part2; do [ -d "$stage/$d" ] || { echo "fa4: staged, $d still missing" >&2; exit 3; }; done
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  "$stage"/.fa4/*.whl >&2
+cat "$stage"/.fa4-part1/cu13.tar.xz.* "$stage"/.fa4-part2/cu13.tar.xz.* | xz -d | tar x -C /tmp/site
 echo /tmp/site/nvidia_cutlass_dsl/dsl_packages

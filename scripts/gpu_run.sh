@@ -16,10 +16,10 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
-if [ -d .fa4 ] && [ -d .fa4-part1 ] && [ -d .fa4-part2 ]; then  # flash-attn-4 carried (scripts/fa4_install.sh)
+if ls -d .fa4* /tmp/wamrt-fa4 >/dev/null 2>&1; then  # flash-attn-4 carried in parts (scripts/fa4_install.sh)
   dsl=$(bash scripts/fa4_install.sh) && export PYTHONPATH=$PYTHONPATH:$dsl \
     && python3 -c 'import flash_attn.cute.interface; print("flash-attn-4 installed")' \
-    || echo "flash-attn-4 install failed: the fa4 backend stays off"
+    || echo "flash-attn-4 not installed (parts staged so far: $(ls /tmp/wamrt-fa4 2>/dev/null | tr '\n' ' ')): fa4 stays off"
 fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
