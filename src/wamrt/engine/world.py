@@ -98,13 +98,14 @@ class WorldEngine(Engine):
         return run_world(self.model, self.encoder, self.tokenizer, denoiser=self.denoise, decoder=self.decode_pixels,
                          **kwargs)
 
-    def decode_pixels(self, encoder: FrameEncoder, latents: torch.Tensor) -> torch.Tensor:
+    def decode_pixels(self, encoder: FrameEncoder, latents: torch.Tensor, *, notes: list[str] | None = None
+                      ) -> torch.Tensor:
         """The VAE decode with implicit-padding causal convolutions (`vae_decode`), pixels left on the device:
         run_world rounds them to uint8 there and copies a quarter of the bytes (the float frames' host copy and CPU
         rounding cost ~180 ms of an i2v request at 480x832x33; same ops, same bits). cuDNN autotuning of the
         convolutions measured no faster (869.8 vs 871.4 ms, H200)."""
         with implicit_pad_decoder(encoder.vae) if self.implicit_pad_decode else nullcontext():
-            return decode_pixels(encoder, latents, to_host=False)
+            return decode_pixels(encoder, latents, to_host=False, notes=notes)
 
     # ---------------------------------------------------------------------------------------------
     def denoise(self, model, inp: DenoiseInputs, opts: SamplingOptions, *,

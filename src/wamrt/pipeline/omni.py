@@ -7,6 +7,7 @@ branch, and the VAE decode to frames, each as the reference computes it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +27,8 @@ from .geometry import VAE_SPATIAL, VAE_TEMPORAL, LatentGeometry
 from .inputs import finite_number, positive_int
 from .tokens import CaptionTokenizer
 from .vae import FrameEncoder
+
+log = logging.getLogger(__name__)
 
 
 def diffusers_sampling(steps: int, guidance: float, shift: float) -> SamplingOptions:
@@ -100,13 +103,39 @@ def packed_branch(
     return Branch(torch.tensor([list(ids)], dtype=torch.long, device=device), positions[None].to(device))
 
 
+TILED_DECODE_NOTE = "VAE decoded in overlapping tiles: the whole clip did not fit in device memory"
+
+
+def _decode_fitting(vae, z: torch.Tensor, notes: list[str] | None) -> torch.Tensor:
+    """`vae.decode(z)`, or, when that runs out of device memory, diffusers' tiled decode (overlapping spatial tiles
+    blended at their seams: not bit-equal to the full decode, hence the note)."""
+    try:
+        return vae.decode(z).sample
+    except torch.OutOfMemoryError:
+        if getattr(vae, "use_tiling", True):  # already tiled, or a VAE without tiling: nothing smaller to try
+            raise
+    vae.clear_cache()  # out of the except block: the failed attempt's frames are released first
+    torch.cuda.empty_cache()
+    log.warning("VAE decode of latents %s ran out of device memory; decoding in tiles", tuple(z.shape))
+    vae.enable_tiling()
+    try:
+        pixels = vae.decode(z).sample
+    finally:
+        vae.disable_tiling()
+    if notes is not None:
+        notes.append(TILED_DECODE_NOTE)
+    return pixels
+
+
 @torch.inference_mode()
-def decode_pixels(encoder: FrameEncoder, latents: torch.Tensor, *, to_host: bool = True) -> torch.Tensor:
+def decode_pixels(encoder: FrameEncoder, latents: torch.Tensor, *, to_host: bool = True,
+                  notes: list[str] | None = None) -> torch.Tensor:
     """Normalised latents [1, C, T, H, W] -> float32 [4(T-1)+1, 16H, 16W, 3] in [0, 1] (the reference's
-    output_type="np"), on the host, or left on the VAE's device with `to_host=False`."""
+    output_type="np"), on the host, or left on the VAE's device with `to_host=False`. A clip whose decode does not
+    fit in device memory is decoded in tiles, and `notes` (when given) says so."""
     vae = encoder.vae
     z = latents.to(device=vae.device, dtype=vae.dtype) / encoder.inv_std + encoder.mean  # un-normalise
-    pixels = vae.decode(z).sample.to(torch.float32)  # [1, 3, T', H', W'] in [-1, 1]
+    pixels = _decode_fitting(vae, z, notes).to(torch.float32)  # [1, 3, T', H', W'] in [-1, 1]
     pixels = (pixels[0] * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).contiguous()  # [T', H', W', 3]
     return pixels.cpu() if to_host else pixels
 

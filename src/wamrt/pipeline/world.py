@@ -59,8 +59,9 @@ WorldMode = Literal["text2image", "text2video", "image2video", "video2video"]
 VIDEO_KEEP: tuple[str, ...] = ("first", "last")
 # (model, inputs, options, on_step=...) -> result: `pipeline.denoise.denoise` or a faster equal.
 Denoiser = Callable[..., DenoiseResult]
-# Normalised latents -> float pixels [T, H, W, 3] in [0, 1], on the host or on the device (converted to uint8 there).
-PixelDecoder = Callable[[FrameEncoder, torch.Tensor], torch.Tensor]
+# (encoder, normalised latents, notes=list) -> float pixels [T, H, W, 3] in [0, 1], on the host or on the device
+# (converted to uint8 there); appends to `notes` what the caller should know (`omni.decode_pixels`).
+PixelDecoder = Callable[..., torch.Tensor]
 DEFAULT_CONDITION_LATENT_FRAMES = (0, 1)  # diffusers' condition_frame_indexes_vision default
 
 
@@ -313,6 +314,7 @@ class WorldResult:
     sound_latents: torch.Tensor | None  # [sound_dim, Ts] float32 with sound
     sound: torch.Tensor | None  # float32 [channels, samples] in [-1, 1] with sound, when decoded
     timings_ms: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what the caller should know (e.g. a tiled decode)
 
 
 @torch.inference_mode()
@@ -382,9 +384,10 @@ def run_world(
 
     sound_latents = None if out.sound is None else out.sound[0].float()
     frames = sound = None
+    notes: list[str] = []
     if decode:
         t0 = time.perf_counter()
-        frames = pixels_to_uint8(decoder(encoder, out.vision)).cpu()  # uint8 on the host either way
+        frames = pixels_to_uint8(decoder(encoder, out.vision, notes=notes)).cpu()  # uint8 on the host either way
         timings["vae_decode"] = 1e3 * (time.perf_counter() - t0)
         if sound_latents is not None:
             assert sound_decoder is not None
@@ -392,4 +395,4 @@ def run_world(
             sound = sound_decoder.decode(sound_latents)
             timings["sound_decode"] = 1e3 * (time.perf_counter() - t0)
     timings["total"] = 1e3 * (time.perf_counter() - t_start)
-    return WorldResult(out.vision.float(), frames, sound_latents, sound, timings)
+    return WorldResult(out.vision.float(), frames, sound_latents, sound, timings, notes)

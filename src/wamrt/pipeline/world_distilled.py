@@ -194,9 +194,10 @@ def run_world_distilled(
     timings = {**prepared.timings_ms, "step_noise": draw_ms, **out.timings_ms}
 
     frames = None
+    notes: list[str] = []
     if decode:
         t0 = time.perf_counter()
-        frames = pixels_to_uint8(decode_pixels(encoder, out.vision))
+        frames = pixels_to_uint8(decode_pixels(encoder, out.vision, notes=notes))
         timings["vae_decode"] = 1e3 * (time.perf_counter() - t0)
     timings["total"] = 1e3 * (time.perf_counter() - t_start)
-    return WorldResult(out.vision.float(), frames, None, None, timings)
+    return WorldResult(out.vision.float(), frames, None, None, timings, notes)

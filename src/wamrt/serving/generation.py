@@ -709,6 +709,7 @@ class GenerationWorker:
             job.on_progress(0)  # started
         outputs: list[tuple[np.ndarray, np.ndarray | None]] = []
         stages: dict[str, float] = {}
+        run_notes: list[str] = []  # what the runs themselves report (a tiled decode), once each
         mode = "text2image"
         self._decode_yield = decode_yield if self._hook is not None else None
         try:
@@ -726,6 +727,7 @@ class GenerationWorker:
                                 None if result.sound is None else result.sound.numpy()))
                 for key, ms in result.timings_ms.items():
                     stages[key] = stages.get(key, 0.0) + ms / 1e3
+                run_notes += [n for n in result.notes if n not in run_notes]
                 del result
         finally:
             self._decode_yield = None
@@ -759,5 +761,5 @@ class GenerationWorker:
         timing = {"queue_ms": 1e3 * (started - job.enqueued), "model_ms": 1e3 * model_s, "paused_ms": 1e3 * paused,
                   "postprocess_ms": post_ms, "total_ms": total_ms}
         return GenerationOutcome(job.request_id, req.kind, mp4, pngs, list(frames.shape), req.fps, audio, seed, mode,
-                                 timing, stages, list(req.notes))
+                                 timing, stages, list(req.notes) + run_notes)
 
