@@ -156,6 +156,46 @@ def test_world_graph_path_refreshes_its_inputs_on_cpu(stack) -> None:
     assert len(engine.graphs) == 2  # sound changes the shapes: a second bucket
 
 
+DISTILLED_CASES: dict[str, dict[str, Any]] = {
+    "text2video": {"num_frames": 5},  # nothing clean: no anchor
+    "image2video": {"num_frames": 5, "image": picture(40, 70, 0)},  # frame 0 re-anchored after every step
+}
+
+
+def _distilled(case: str, seed: int, stochastic: bool = True, **over: Any) -> dict[str, Any]:
+    from wamrt.sampler import DistilledSchedule
+
+    return dict(prompt="a red ball rolls across a wooden table", height=HEIGHT, width=WIDTH,
+                schedule=DistilledSchedule((1.0, 0.8333, 0.4125, 0.2), stochastic=stochastic),
+                generator=torch.Generator().manual_seed(seed), **{**DISTILLED_CASES[case], **over})
+
+
+@pytest.mark.parametrize("stochastic", [True, False])
+@pytest.mark.parametrize("case", list(DISTILLED_CASES))
+def test_world_engine_distilled_matches_run_world_distilled(stack, case: str, stochastic: bool) -> None:
+    from wamrt.pipeline.world_distilled import run_world_distilled
+
+    model, assets, _ = stack
+    want = run_world_distilled(model, assets.encoder, assets.tokenizer, **_distilled(case, 3, stochastic))
+    got = _engine(stack, prompt_bucket=16).run_distilled(**_distilled(case, 3, stochastic))
+    _assert_same_result(got, want)
+
+
+def test_world_engine_distilled_graph_path_refreshes_noise_and_anchor_on_cpu(stack) -> None:
+    """The distilled loop's per-request inputs (pre-drawn re-noising, the clean frame it re-anchors to) are
+    graph inputs: replays with another seed and another image equal the reference, from one capture."""
+    from wamrt.pipeline.world_distilled import run_world_distilled
+
+    model, assets, _ = stack
+    engine = _engine(stack, RerunWorldEngine, prompt_bucket=512)
+    engine.config = replace(engine.config, cuda_graph=True)
+    for seed, image in ((0, picture(40, 70, 0)), (1, picture(40, 70, 0)), (2, picture(50, 60, 3))):
+        want = run_world_distilled(model, assets.encoder, assets.tokenizer, **_distilled("image2video", seed,
+                                                                                        image=image))
+        _assert_same_result(engine.run_distilled(**_distilled("image2video", seed, image=image)), want)
+    assert len(engine.graphs) == 1
+
+
 def test_world_engine_refuses_what_it_does_not_run(stack) -> None:
     model, assets, _ = stack
     with pytest.raises(ValueError, match="isolate_requests"):

@@ -23,6 +23,58 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def _stack(tmp_path):
+    from transformers import AutoTokenizer
+
+    from wamrt.pipeline.builtin import write_tokenizer
+    from wamrt.pipeline.random_weights import random_transformer, random_vae
+    from wamrt.pipeline.tokens import CaptionTokenizer
+    from wamrt.pipeline.vae import FrameEncoder
+
+    dev = torch.device("cuda")
+    model = random_transformer("nano", dev, torch.bfloat16, layers=8)
+    encoder = FrameEncoder(random_vae(dev, torch.bfloat16))
+    write_tokenizer(tmp_path / "tok", level="words")
+    return model, encoder, CaptionTokenizer(AutoTokenizer.from_pretrained(str(tmp_path / "tok"), local_files_only=True))
+
+
+def test_world_engine_distilled_replay_bitwise_and_near_the_reference(tmp_path):
+    """The distilled few-step sampler on the fast path: graph replay == compiled engine without graphs, bit for
+    bit; against the eager distilled loop, no further from an fp32 run than that loop is."""
+    from dataclasses import replace
+
+    from wamrt.bench.world import conditioning_image
+    from wamrt.engine.world import WORLD_ENGINE_CONFIG, WorldEngine
+    from wamrt.pipeline.vae import FrameEncoder
+    from wamrt.pipeline.world_distilled import run_world_distilled
+    from wamrt.sampler import DistilledSchedule
+
+    model, encoder, tokenizer = _stack(tmp_path)
+    request = dict(prompt="a robot arm lifts a red cube", image=conditioning_image(300, 500), num_frames=FRAMES,
+                   height=HEIGHT, width=WIDTH, schedule=DistilledSchedule((1.0, 0.8333, 0.4125, 0.2)), decode=False)
+
+    def gen() -> torch.Generator:
+        return torch.Generator().manual_seed(3)
+
+    model32 = copy.deepcopy(model).float()
+    truth = run_world_distilled(model32, FrameEncoder(copy.deepcopy(encoder.vae).float()), tokenizer,
+                                generator=gen(), **request).video_latents
+    del model32
+    torch.cuda.empty_cache()
+    reference = run_world_distilled(model, encoder, tokenizer, generator=gen(), **request).video_latents
+    eager = WorldEngine(model, encoder, tokenizer, replace(WORLD_ENGINE_CONFIG, cuda_graph=False))
+    compiled = eager.run_distilled(generator=gen(), **request).video_latents
+    del eager
+    engine = WorldEngine(model, encoder, tokenizer)
+    engine.run_distilled(generator=gen(), **request)  # captures
+    replay = engine.run_distilled(generator=gen(), **request).video_latents
+    assert engine.graphs.captures == 1
+    assert torch.equal(replay, compiled), "graph replay == the compiled engine without graphs"
+    ref_err, eng_err = rel_l2(reference, truth), rel_l2(replay, truth)
+    print(f"distilled rel L2 vs fp32: reference {ref_err:.3e}, engine {eng_err:.3e}")
+    assert eng_err <= NOT_WORSE_THAN_BF16 * ref_err + 1e-4
+
+
 def test_world_engine_vs_reference_and_fp32_truth_and_replay_bitwise(tmp_path):
     from transformers import AutoTokenizer
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from ..pipeline.omni import decode_pixels
 from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
 from ..pipeline.world import WorldResult, run_world
-from ..sampler import cfg_combine, guidance_active
+from ..sampler import Anchor, DistilledPlan, cfg_combine, guidance_active, make_anchor
 from .engine import Engine, EngineConfig, _clone_seq, _Seq
 from .graph_cache import CapturedGraph, CaptureTimer, GraphKey
 from .vae_decode import implicit_pad_decoder
@@ -40,6 +41,20 @@ from .vae_decode import implicit_pad_decoder
 WORLD_ENGINE_CONFIG = EngineConfig(prompt_bucket=64, graph_cache_size=8)
 
 
+@dataclass(frozen=True, eq=False)
+class _LoopSpec:
+    """What a loop runs besides the model: the timesteps, which steps guide, how velocities combine, and the
+    solver, built from the loop's static buffers (so a per-request tensor a solver reads, such as the distilled
+    sampler's pre-drawn noise, is a captured graph's input)."""
+
+    timesteps: tuple[float, ...]
+    cfg_steps: tuple[bool, ...]
+    guidance: float
+    upcast: bool  # velocities to fp32 before CFG and the solver (diffusers' order)
+    solver: Callable[[dict], Any]  # static buffers -> a SamplerPlan (steps / init_history / step)
+    key: tuple  # what identifies the sampler in a graph key
+
+
 class _WorldLoop:
     """One request's denoising loop as one segment per step over shared state, so that each segment can be
     captured as its own CUDA graph and progress, cancellation and yielding fall between them. Segment 0 also
@@ -47,32 +62,32 @@ class _WorldLoop:
     whatever prefixes were copied into the static inputs."""
 
     def __init__(self, engine: WorldEngine, x_v: torch.Tensor, x_s: torch.Tensor | None, static: dict,
-                 conds: list[_Seq], unconds: list[_Seq], plan: Any, timesteps: list[float], cfg_steps: list[bool],
-                 opts: SamplingOptions) -> None:
-        self.engine, self.static, self.plan, self.opts = engine, static, plan, opts
-        self.conds, self.unconds, self.timesteps, self.cfg_steps = conds, unconds, timesteps, cfg_steps
+                 conds: list[_Seq], unconds: list[_Seq], spec: _LoopSpec) -> None:
+        self.engine, self.static, self.spec = engine, static, spec
+        self.conds, self.unconds = conds, unconds
+        self.plan = spec.solver(static)
         self.x_v, self.x_s = x_v, x_s
-        self.hist_v, self.hist_s = plan.init_history(), plan.init_history()
+        self.hist_v, self.hist_s = self.plan.init_history(), self.plan.init_history()
         self.kinds: dict | None = None
         self.graphs: list = []  # one captured graph per step, when captured
 
     def step(self, i: int) -> None:
-        engine, opts = self.engine, self.opts
+        engine, spec = self.engine, self.spec
         if self.kinds is None:
-            engine._kinds_needed = set(self.cfg_steps)
+            engine._kinds_needed = set(spec.cfg_steps)
             self.kinds = engine._step_batches(self.conds, self.unconds, 1)
         dtype = engine.model.dtype
         tok = GeneratorTokens(
-            timesteps=torch.full((1,), float(self.timesteps[i]), device=engine.device),
+            timesteps=torch.full((1,), float(spec.timesteps[i]), device=engine.device),
             vision=self.x_v.to(dtype), vision_noisy=self.static["vision_noisy"],
             sound=None if self.x_s is None else self.x_s.to(dtype), sound_noisy=self.static.get("sound_noisy"),
         )
-        vel = engine._velocities(self.kinds[self.cfg_steps[i]], tok, None)
+        vel = engine._velocities(self.kinds[spec.cfg_steps[i]], tok, None)
 
         def combine(v: torch.Tensor) -> torch.Tensor:  # rows [cond; uncond] -> guided velocity (pipeline.denoise)
-            if not opts.cfg_in_model_dtype:
+            if spec.upcast:
                 v = v.float()
-            return cfg_combine(v[:1], v[1:], opts.guidance) if self.cfg_steps[i] else v
+            return cfg_combine(v[:1], v[1:], spec.guidance) if spec.cfg_steps[i] else v
 
         assert vel.vision is not None
         self.x_v, self.hist_v = self.plan.step(i, self.x_v, combine(vel.vision), self.hist_v)
@@ -98,6 +113,14 @@ class WorldEngine(Engine):
         return run_world(self.model, self.encoder, self.tokenizer, denoiser=self.denoise, decoder=self.decode_pixels,
                          **kwargs)
 
+    def run_distilled(self, **kwargs: Any) -> WorldResult:
+        """`run_world_distilled(model, encoder, tokenizer, **kwargs)` (a distilled checkpoint's few-step sampler)
+        with this engine's loop and decode."""
+        from ..pipeline.world_distilled import run_world_distilled
+
+        return run_world_distilled(self.model, self.encoder, self.tokenizer, denoiser=self.denoise_distilled,
+                                   decoder=self.decode_pixels, **kwargs)
+
     def decode_pixels(self, encoder: FrameEncoder, latents: torch.Tensor, *, notes: list[str] | None = None
                       ) -> torch.Tensor:
         """The VAE decode with implicit-padding causal convolutions (`vae_decode`), pixels left on the device:
@@ -111,58 +134,92 @@ class WorldEngine(Engine):
     def denoise(self, model, inp: DenoiseInputs, opts: SamplingOptions, *,
                 on_step: Callable[[int, int], None] | None = None, **_: Any) -> DenoiseResult:
         """`pipeline.denoise.denoise` on the fast path (same signature; `record` and `clock` are not offered)."""
-        if model is not self.model:
-            raise ValueError("WorldEngine.denoise runs the engine's own model")
-        if inp.action is not None:
-            raise ValueError("WorldEngine runs world generation; action modes go through Engine / the pipeline")
-        schedule = opts.make_schedule()
-        timesteps = schedule.timesteps.tolist()
-        cfg_steps = (guidance_active(timesteps, opts.guidance_interval) if opts.guidance != 1.0
-                     else [False] * len(timesteps))
+        self._check_inputs(model, inp)
+        timesteps = tuple(opts.make_schedule().timesteps.tolist())
+        cfg_steps = tuple(guidance_active(list(timesteps), opts.guidance_interval) if opts.guidance != 1.0
+                          else [False] * len(timesteps))
         if any(cfg_steps) and inp.uncond is None:
             raise ValueError("guidance != 1 needs an unconditional branch")
+        plan = self._plan(opts)
+        spec = _LoopSpec(timesteps, cfg_steps, opts.guidance, upcast=not opts.cfg_in_model_dtype,
+                         solver=lambda _static: plan,
+                         key=("unipc", timesteps, cfg_steps, opts.guidance, opts.solver, opts.cfg_in_model_dtype))
+        return self._denoise_world(inp, {}, spec, on_step)
+
+    def denoise_distilled(self, model, inp: DenoiseInputs, plan: DistilledPlan, noise: torch.Tensor | None, *,
+                          on_step: Callable[[int, int], None] | None = None, **_: Any) -> DenoiseResult:
+        """`pipeline.world_distilled.denoise_distilled` on the fast path: the conditional branch only, the
+        pre-drawn re-noising draws and the clean-frame anchor as graph inputs."""
+        self._check_inputs(model, inp)
+        if inp.sound is not None:
+            raise ValueError("the distilled sampler denoises vision only (no sound or action latents)")
+        clean = ~inp.vision_noisy  # [1, T]
+        anchored = bool(clean.any())  # the reference re-anchors only when some frame is conditioned (a host read)
+        extra: dict[str, torch.Tensor] = {}
+        if noise is not None:
+            extra["step_noise"] = noise
+        if anchored:
+            anchor = make_anchor(inp.vision, clean[:, None, :, None, None])
+            extra["anchor_clean"], extra["anchor_keep"] = anchor.clean, anchor.keep
+
+        def solver(static: dict):
+            bound_anchor = Anchor(static["anchor_clean"], static["anchor_keep"]) if anchored else None
+            return plan.bind(static.get("step_noise"), bound_anchor)
+
+        steps = plan.steps
+        spec = _LoopSpec(tuple(plan.timesteps), (False,) * steps, 1.0, upcast=True, solver=solver,
+                         key=("distilled", tuple(plan.timesteps), tuple(plan.sigmas.tolist()), plan.stochastic,
+                              anchored))
+        return self._denoise_world(inp, extra, spec, on_step, need_uncond=False)
+
+    def _check_inputs(self, model, inp: DenoiseInputs) -> None:
+        if model is not self.model:
+            raise ValueError("WorldEngine runs the engine's own model")
+        if inp.action is not None:
+            raise ValueError("WorldEngine runs world generation; action modes go through Engine / the pipeline")
+
+    def _denoise_world(self, inp: DenoiseInputs, extra: dict[str, torch.Tensor], spec: _LoopSpec,
+                       on_step: Callable[[int, int], None] | None, need_uncond: bool | None = None) -> DenoiseResult:
         timings: dict[str, float] = {}
         with torch.inference_mode():
             self._sync()
             t0 = time.perf_counter()
-            conds, unconds = self._sequences([inp], any(cfg_steps))
+            conds, unconds = self._sequences([inp], any(spec.cfg_steps) if need_uncond is None else need_uncond)
             if self.config.prompt_bucket:
                 conds, unconds = self._pad_prefixes(conds, unconds)
             self._sync()
             timings["reasoner_prefill"] = 1e3 * (time.perf_counter() - t0)
 
             t0 = time.perf_counter()
-            static = {"vision_noisy": inp.vision_noisy}
+            static = {"vision_noisy": inp.vision_noisy, **extra}
             if inp.sound is not None:
                 static["sound_noisy"] = inp.sound_noisy
-            plan = self._plan(opts)
-            args = (inp.vision, inp.sound, static, conds, unconds, plan, timesteps, cfg_steps, opts)
+            steps = len(spec.timesteps)
             if self.config.cuda_graph:
-                x_v, x_s = self._replay(*args, on_step=on_step)
+                x_v, x_s = self._replay(inp.vision, inp.sound, static, conds, unconds, spec, on_step=on_step)
             else:
-                loop = _WorldLoop(self, *args)
-                for i in range(len(timesteps)):
+                loop = _WorldLoop(self, inp.vision, inp.sound, static, conds, unconds, spec)
+                for i in range(steps):
                     loop.step(i)
                     if on_step is not None:
                         self._sync()
-                        on_step(i, len(timesteps))
+                        on_step(i, steps)
                 x_v, x_s = loop.x_v, loop.x_s
             self._sync()
             timings["denoise"] = 1e3 * (time.perf_counter() - t0)
         return DenoiseResult(x_v, None, timings, {}, x_s)
 
-    def _world_key(self, x_v, x_s, conds, unconds, timesteps, cfg_steps, opts) -> GraphKey:
-        sampler = ("world", () if x_s is None else tuple(x_s.shape[1:]), tuple(timesteps), tuple(cfg_steps),
-                   opts.guidance, opts.solver, opts.cfg_in_model_dtype)
+    def _world_key(self, x_v, x_s, conds, unconds, spec: _LoopSpec) -> GraphKey:
+        sampler = ("world", () if x_s is None else tuple(x_s.shape[1:]), spec.key)
         return GraphKey(1, tuple(x_v.shape[1:]), (), self._bucket_lengths(conds, unconds), sampler,
                         bucketed=bool(self.config.prompt_bucket))
 
-    def _replay(self, x_v, x_s, static, conds, unconds, plan, timesteps, cfg_steps, opts, *, on_step):
-        key = self._world_key(x_v, x_s, conds, unconds, timesteps, cfg_steps, opts)
+    def _replay(self, x_v, x_s, static, conds, unconds, spec: _LoopSpec, *, on_step):
+        key = self._world_key(x_v, x_s, conds, unconds, spec)
         entry = self.graphs.get(key)
         if entry is None:
             with CaptureTimer(self.device) as timer:
-                entry = self._capture_world(x_v, x_s, static, conds, unconds, plan, timesteps, cfg_steps, opts)
+                entry = self._capture_world(x_v, x_s, static, conds, unconds, spec)
             entry.seconds, entry.nbytes = timer.seconds, timer.nbytes
             self.graphs.add(key, entry)
         ins = entry.inputs
@@ -185,7 +242,7 @@ class WorldEngine(Engine):
         x_v_out, x_s_out = entry.outputs
         return x_v_out.clone(), None if x_s_out is None else x_s_out.clone()
 
-    def _capture_world(self, x_v, x_s, static, conds, unconds, plan, timesteps, cfg_steps, opts) -> CapturedGraph:
+    def _capture_world(self, x_v, x_s, static, conds, unconds, spec: _LoopSpec) -> CapturedGraph:
         entry = CapturedGraph()
         seqs = [_clone_seq(s) for s in conds + unconds]
         s_conds, s_unconds = seqs[: len(conds)], seqs[len(conds):]
@@ -194,21 +251,20 @@ class WorldEngine(Engine):
         entry.inputs = ins
 
         def new_loop() -> _WorldLoop:
-            return _WorldLoop(self, ins["x_v"], ins["x_s"], ins["static"], s_conds, s_unconds, plan, timesteps,
-                              cfg_steps, opts)
+            return _WorldLoop(self, ins["x_v"], ins["x_s"], ins["static"], s_conds, s_unconds, spec)
 
         # The K/V buffers come from the arena shared with every other bucket of this engine (see Engine._capture);
         # replays of two buckets never interleave (one world request at a time per engine).
-        arena = self._arena_for(conds, unconds, cfg_steps)
+        arena = self._arena_for(conds, unconds, list(spec.cfg_steps))
         self._arena_cursor = 0
         try:
-            loop = self._record_segments(new_loop, len(timesteps))
+            loop = self._record_segments(new_loop, len(spec.timesteps))
         finally:
             self._arena_cursor = None
         entry.graph = loop.graphs
         entry.outputs = (loop.x_v, loop.x_s)
         # Every tensor a segment hands to the next lives in the graph pool and is referenced here.
-        entry.keepalive = (plan, loop, arena)
+        entry.keepalive = (spec, loop, arena)
         return entry
 
     def _record_segments(self, new_loop: Callable[[], _WorldLoop], steps: int) -> _WorldLoop:
@@ -223,7 +279,8 @@ class WorldEngine(Engine):
         with torch.cuda.stream(side):
             for _ in range(2):
                 warm = new_loop()
-                for i in range(1 + max(warm.cfg_steps.index(k) for k in set(warm.cfg_steps))):
+                kinds = warm.spec.cfg_steps
+                for i in range(1 + max(kinds.index(k) for k in set(kinds))):
                     warm.step(i)  # up to the first step of the last kind to appear (guided / unguided)
                 del warm
         torch.cuda.current_stream(self.device).wait_stream(side)

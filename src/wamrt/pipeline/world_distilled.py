@@ -154,12 +154,16 @@ def run_world_distilled(
     generator: torch.Generator | None = None,
     decode: bool = True,
     on_step: Callable[[int, int], None] | None = None,
+    denoiser: Callable[..., DenoiseResult] | None = None,
+    decoder: Callable[..., torch.Tensor] = decode_pixels,
 ) -> WorldResult:
     """One world request on a distilled checkpoint (the reference's distilled `pipe(prompt, ...)`).
 
     The request fields mean what they mean in `run_world`; there is no `negative_prompt`, `steps`,
     `guidance` or `shift` (the checkpoint's `schedule` fixes them), and `enable_sound` must stay False.
     `decode=False` returns latents only. `on_step(i, steps)` is called after each step, as in `run_world`.
+    `denoiser(model, inputs, plan, noise, on_step=)` and `decoder` are where speed comes in from outside
+    (`WorldEngine.run_distilled`): `denoise_distilled` and the VAE decode by default.
     """
     t_start = time.perf_counter()
     if not isinstance(schedule, DistilledSchedule):
@@ -181,8 +185,8 @@ def run_world_distilled(
     )
     if req.enable_sound:
         raise RequestError("the distilled pipeline generates no sound", field="enable_sound")
-    if not isinstance(tokenizer, CaptionTokenizer):
-        tokenizer = CaptionTokenizer(tokenizer)
+    if not isinstance(tokenizer, CaptionTokenizer) and hasattr(tokenizer, "apply_chat_template"):
+        tokenizer = CaptionTokenizer(tokenizer)  # a Hugging Face tokenizer; stand-ins with `encode` pass as they are
     device = model_device(model)
     plan = distilled_plan(schedule)
     prepared = req.prepare(model.config, encoder, tokenizer, generator=generator, device=device)
@@ -190,14 +194,14 @@ def run_world_distilled(
     t0 = time.perf_counter()
     noise = draw_step_noise(plan, tuple(prepared.inputs.vision.shape), generator, device)
     draw_ms = 1e3 * (time.perf_counter() - t0)
-    out = denoise_distilled(model, prepared.inputs, plan, noise, on_step=on_step)
+    out = (denoiser or denoise_distilled)(model, prepared.inputs, plan, noise, on_step=on_step)
     timings = {**prepared.timings_ms, "step_noise": draw_ms, **out.timings_ms}
 
     frames = None
     notes: list[str] = []
     if decode:
         t0 = time.perf_counter()
-        frames = pixels_to_uint8(decode_pixels(encoder, out.vision, notes=notes))
+        frames = pixels_to_uint8(decoder(encoder, out.vision, notes=notes)).cpu()  # uint8 on the host either way
         timings["vae_decode"] = 1e3 * (time.perf_counter() - t0)
     timings["total"] = 1e3 * (time.perf_counter() - t_start)
     return WorldResult(out.vision.float(), frames, None, None, timings, notes)

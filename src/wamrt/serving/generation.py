@@ -90,10 +90,17 @@ class WorldModel:
     tokenizer: Any
     sound: Any | None  # pipeline.sound.SoundDecoder
     schedule: DistilledSchedule | None = None  # None: UniPC with CFG (`run_world`)
-    engine: Any | None = None  # a `WorldEngine` running `run_world` fast (served fast engine on CUDA), else None
+    engine: Any | None = None  # a `WorldEngine` (served fast engine on CUDA), else None: the eager pipelines
 
-    def run_unipc(self, **kwargs: Any) -> Any:
-        """`run_world` on this model, through the engine when there is one."""
+    def run(self, **kwargs: Any) -> Any:
+        """One request with the served sampler (`run_world`, or `run_world_distilled` with the checkpoint's
+        schedule), through the engine when there is one."""
+        if self.schedule is not None:
+            if self.engine is not None:
+                return self.engine.run_distilled(schedule=self.schedule, **kwargs)
+            from ..pipeline.world_distilled import run_world_distilled
+
+            return run_world_distilled(self.model, self.encoder, self.tokenizer, schedule=self.schedule, **kwargs)
         if self.engine is not None:
             return self.engine.run(**kwargs)
         from ..pipeline.world import run_world
@@ -206,8 +213,7 @@ def world_model_of(policy: Any, checkpoint: str, sampler: str = "auto") -> World
             from ..pipeline.sound import SoundDecoder, load_sound_tokenizer
 
             sound = SoundDecoder(load_sound_tokenizer(folder, device=model_device(policy.model)))
-    return WorldModel(policy.model, policy.encoder, policy.tokenizer, sound, schedule,
-                      _world_engine(policy) if schedule is None else None)
+    return WorldModel(policy.model, policy.encoder, policy.tokenizer, sound, schedule, _world_engine(policy))
 
 
 def _world_engine(policy: Any) -> Any | None:
@@ -644,8 +650,6 @@ class GenerationWorker:
         import torch
 
         from ..pipeline.omni import model_device
-        from ..pipeline.world_distilled import run_world_distilled
-
         req, world, gate = job.request, self.world, self.gate
         started = time.monotonic()
         seed = req.seed if req.seed is not None else int(np.random.default_rng().integers(0, 2**31))
@@ -716,11 +720,8 @@ class GenerationWorker:
             for k in range(req.count):
                 acquire()
                 generator = torch.Generator().manual_seed(seed + k)
-                if world.schedule is None:
-                    result = world.run_unipc(**req.kwargs, sound_decoder=sound, generator=generator, on_step=on_step)
-                else:
-                    result = run_world_distilled(world.model, world.encoder, world.tokenizer, **req.kwargs,
-                                                 schedule=world.schedule, generator=generator, on_step=on_step)
+                extra = {"sound_decoder": sound} if world.schedule is None else {}  # distilled: no sound
+                result = world.run(**req.kwargs, **extra, generator=generator, on_step=on_step)
                 release()
                 assert result.frames is not None
                 outputs.append((result.frames.numpy(),
