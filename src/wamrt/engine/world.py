@@ -269,9 +269,11 @@ class WorldEngine(Engine):
 
     def _record_segments(self, new_loop: Callable[[], _WorldLoop], steps: int) -> _WorldLoop:
         """Warm up one step of each kind (compile, autotune, cuDNN plans happen there), then capture every step
-        as its own graph in the pool all graphs share, in replay order: tensors one segment leaves for the next
-        stay referenced by the loop object, so later captures never reuse their memory. Returns the loop with
-        `graphs` set. (The only CUDA-specific step: CPU tests stand in for it.)"""
+        as its own graph in the pool all graphs share, in replay order. The state one segment leaves for the next
+        (latents, solver history) is referenced by the loop object while the next is captured, so a later
+        capture only reuses memory the loop had already let go of; replays in capture order then never overwrite
+        a tensor that is still to be read. Returns the loop with `graphs` set. (The only CUDA-specific step: CPU
+        tests stand in for it.)"""
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
