@@ -13,8 +13,10 @@
 # Everything it measures is packed into $OUT/<part>.tgz (the device tool returns few files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
+# .whl (everything, 32 MB) or .whl-bench (diffusers, importlib_metadata and the server wheels, 7 MB: what the
+# benches need, small enough to travel beside a flash-attn-4 part within a call's 64 MiB). Carry one of the two.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  $(ls .whl/*.whl .whl-bench/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 if ls -d .fa4* /tmp/wamrt-fa4 >/dev/null 2>&1; then  # flash-attn-4 carried in parts (scripts/fa4_install.sh)
   dsl=$(bash scripts/fa4_install.sh) && export PYTHONPATH=$PYTHONPATH:$dsl \
