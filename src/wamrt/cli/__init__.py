@@ -36,18 +36,23 @@ def build_parser() -> argparse.ArgumentParser:
     par.set_defaults(func=parallel_bench.run)
     serve = sub.add_parser("serve", help="policy server: openpi websocket, /v1/policy/infer, /v1/videos")
     load = bench.add_parser("load", help="closed-loop websocket lanes against a loopback server")
+    generate = sub.add_parser("generate", help="text / image / video -> an MP4 (with sound) or a PNG, one request",
+                              description="World generation as POST /v1/videos/sync runs it, with a progress bar.")
     try:  # the server stack is an extra (wamrt[server]); everything else works without it
         from ..bench import load as load_bench
         from ..serving import server as serve_cli
+        from . import generate as generate_cli
     except ImportError as e:
         missing = str(e)
-        for p in (serve, load):
+        for p in (serve, load, generate):
             p.set_defaults(func=lambda _args: _missing_extra("server", missing))
     else:
         serve_cli.add_arguments(serve)
         serve.set_defaults(func=serve_cli.run)
         load_bench.add_arguments(load)
         load.set_defaults(func=load_bench.run)
+        generate_cli.add_arguments(generate)
+        generate.set_defaults(func=generate_cli.run)
     quantize = sub.add_parser("quantize", help="write a quantized, hash-verified artifact "
                               "(gen-fp8, gen-fp8+reasoner-w8, all-fp8)")
     from ..quant import cli as quant_cli

@@ -1,0 +1,140 @@
+"""`wamrt generate`: one world-generation request from the command line -> an MP4 (H.264, AAC with sound) or a
+PNG, with a progress bar over the denoising steps.
+
+The request is what `POST /v1/videos/sync` (or `/v1/images/generations` for a PNG) would receive, built and
+validated by the server's own `build_generation`, so the flags mean what the HTTP fields mean and share their
+defaults (vLLM-Omni's Cosmos 3 recipe). On a CUDA device it runs on a `WorldEngine` (`--eager`: the reference
+pipeline); a distilled checkpoint runs its few-step sampler (`--sampler`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="tiny-world",
+                    help="checkpoint folder, built-in name or random:SIZE (default: tiny-world, sound heads included)")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--negative-prompt")
+    ap.add_argument("--image", type=Path, help="image -> video: the first frame (PNG, JPEG, ...)")
+    ap.add_argument("--video", type=Path, help="video -> video: an MP4 whose first frames condition")
+    ap.add_argument("--size", help="WIDTHxHEIGHT, multiples of 16 (default: 1280x720 video, 1024x1024 image)")
+    ap.add_argument("--frames", type=int, help="4k + 1 frames (default 189; an .png --out makes one image)")
+    ap.add_argument("--fps", type=float)
+    ap.add_argument("--steps", type=int, help="denoising steps (default 35 video / 50 image; distilled: its own)")
+    ap.add_argument("--guidance", type=float)
+    ap.add_argument("--shift", type=float, help="flow shift of the UniPC schedule (default 10)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sound", action="store_true", help="generate a sound track too (checkpoints with sound heads)")
+    ap.add_argument("--templates", action="store_true",
+                    help="add the resolution and duration sentences to the prompts (diffusers' default)")
+    ap.add_argument("--sampler", default="auto", choices=["auto", "unipc", "distilled"],
+                    help="auto: the distilled sampler when the checkpoint declares a distilled schedule")
+    ap.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--eager", action="store_true", help="the reference pipeline, not the WorldEngine (CUDA)")
+    ap.add_argument("--out", type=Path, required=True, help="output file: .mp4 (video) or .png (one image)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _fields(args: argparse.Namespace) -> dict:
+    """The HTTP form fields these flags stand for (`serving.generation.build_generation` validates them)."""
+    if args.image is not None and args.video is not None:
+        raise ValueError("give --image or --video, not both")
+    fields: dict = {"prompt": args.prompt, "seed": str(args.seed)}
+    for flag, name in (("negative_prompt", "negative_prompt"), ("size", "size"), ("frames", "num_frames"),
+                       ("fps", "fps"), ("steps", "num_inference_steps"), ("guidance", "guidance_scale"),
+                       ("shift", "flow_shift")):
+        value = getattr(args, flag)
+        if value is not None:
+            fields[name] = str(value)
+    if args.sound:
+        fields["generate_sound"] = "true"
+    reference = args.image or args.video
+    if reference is not None:
+        if not reference.is_file():
+            raise FileNotFoundError(f"no such file: {reference}")
+        fields["input_reference"] = reference.read_bytes()
+    if args.templates:
+        fields["extra_params"] = json.dumps({"use_resolution_template": True, "use_duration_template": True})
+    return fields
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from ..pipeline import RequestError, load_policy
+    from ..serving.errors import ServingError
+    from ..serving.generation import build_generation, world_model_of
+    from ..serving.media import audio_rate, encode_mp4, encode_png
+
+    suffix = args.out.suffix.lower()
+    if suffix not in (".mp4", ".png"):
+        print(f"error: --out must end in .mp4 or .png, got {args.out}", file=sys.stderr)
+        return 2
+    kind = "image" if suffix == ".png" else "video"
+    try:
+        fields = _fields(args)
+        if kind == "image" and fields.pop("num_frames", "1") != "1":
+            raise ValueError("a .png holds one image: leave --frames out")
+        policy = load_policy(args.model, device=args.device)
+        world = world_model_of(policy, args.model, args.sampler)
+        if world is None:
+            raise ValueError(f"{args.model} has no world-generation path")
+        device = next(policy.model.parameters()).device
+        if device.type == "cuda" and not args.eager:
+            from dataclasses import replace
+
+            from ..engine.world import WorldEngine
+
+            world = replace(world, engine=WorldEngine(policy.model, policy.encoder, policy.tokenizer,
+                                                      name=str(policy.name)))
+        req = build_generation(fields, world, kind=kind, max_pixels=2**62, model_name=args.model)
+    except (RequestError, ServingError, ValueError, FileNotFoundError) as e:
+        where = getattr(e, "field", None)
+        print(f"error: {f'{where}: ' if where else ''}{e}", file=sys.stderr)
+        return 2
+
+    bar = tqdm(total=req.steps, desc=f"{kind} {req.record.get('size', '')}".strip(), unit="step",
+               disable=args.quiet, file=sys.stderr)
+    t0 = time.perf_counter()
+    try:
+        extra = {"sound_decoder": world.sound} if req.sound else {}
+        result = world.run(**req.kwargs, **extra, generator=torch.Generator().manual_seed(args.seed),
+                           on_step=lambda _i, _n: bar.update(1))
+    finally:
+        bar.close()
+    assert result.frames is not None
+    frames = result.frames.numpy()
+    wave = None if result.sound is None else result.sound.numpy()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "image":
+        args.out.write_bytes(encode_png(frames[0]))
+    else:
+        rate = world.sound.sampling_rate if wave is not None else None
+        args.out.write_bytes(encode_mp4(frames, req.fps, wave, rate, threads=0))
+    summary = {
+        "out": str(args.out), "kind": kind, "frames": list(frames.shape), "fps": req.fps, "seed": args.seed,
+        "sampler": req.sampling, "sound": None if wave is None else {
+            "sample_rate": audio_rate(world.sound.sampling_rate), "seconds": wave.shape[1] / world.sound.sampling_rate},
+        "engine": "WorldEngine" if world.engine is not None else "eager", "seconds": time.perf_counter() - t0,
+        "timings_ms": {k: round(v, 1) for k, v in result.timings_ms.items() if not k.startswith("denoise_step")},
+        "notes": list(req.notes) + list(result.notes),
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {args.out}: {kind} {frames.shape[2]}x{frames.shape[1]}"
+              + (f", {frames.shape[0]} frames at {req.fps:g} fps" if kind == "video" else "")
+              + (f", sound {summary['sound']['seconds']:.2f} s" if wave is not None else "")
+              + f" in {summary['seconds']:.1f} s ({summary['engine']}, {req.sampling.get('sampler')} sampler, "
+              f"{req.steps} steps)")
+        for note in summary["notes"]:
+            print(f"note: {note}")
+    return 0
