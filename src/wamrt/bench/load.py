@@ -9,6 +9,10 @@ distinct instruction token counts the server ran (`metadata.prompt_tokens`), the
 during the row (`wamrt_graph_captures_total` on its /metrics) and errors by type. Bounded on purpose:
 loopback URLs only, at most `MAX_LANES` lanes and `MAX_SECONDS` seconds, so it can never be pointed at
 someone else's server. Writes a `kind: load` result (../shared/docs/performance.md) with `--out FILE`.
+
+`--background-generation FIELDS` runs world-generation jobs back to back on the same server while the lanes
+measure (`background_generation.py`); the lanes' numbers are the same fields as without, so a row with and a
+row without compare directly (`--baseline`), and the result gains a `background_generation` object.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from urllib.request import Request, urlopen
 import numpy as np
 
 from ..provenance import environment
+from .background_generation import BackgroundGeneration, parse_fields
 from .prompts import PROMPT_SETS, load_prompts
 from .stats import summarize
 
@@ -59,6 +64,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default=None, help="write the kind: load JSON result here")
     ap.add_argument("--baseline", default=None,
                     help="a 1-lane result file of the same model: adds requests/s, efficiency and tail ratios")
+    ap.add_argument("--background-generation", type=parse_fields, default=None, metavar="FIELDS",
+                    help="while the lanes run, submit this world-generation job to the server's /v1/videos/sync "
+                         "back to back: a JSON object of vLLM-Omni multipart fields, e.g. '{\"prompt\": \"a robot "
+                         "arm\", \"size\": \"832x480\", \"num_frames\": \"33\", \"num_inference_steps\": \"35\", "
+                         "\"guidance_scale\": \"6\", \"input_reference\": \"@sample\"}' (@sample = a built-in "
+                         "picture, @PATH = a file); adds a background_generation object to the result")
+    ap.add_argument("--generation-warmup", type=int, default=1, metavar="N",
+                    help="with --background-generation: jobs run alone, unmeasured, before the lanes start (a GPU "
+                         "server compiles and captures a job shape's graphs in its first job); 0 when an earlier row "
+                         "already ran the same job on this server")
 
 
 def check_url(url: str) -> str:
@@ -156,28 +171,52 @@ def metrics_url(url: str) -> str:
     return f"{'https' if parsed.scheme == 'wss' else 'http'}://{parsed.netloc}/metrics"
 
 
-def graph_captures(url: str, api_key: str | None = None) -> float | None:
-    """`wamrt_graph_captures_total` from the server's /metrics; None when it has none (the eager engine, a
-    server without graphs) or the page cannot be read."""
+def scrape(url: str, api_key: str | None = None) -> dict[str, float]:
+    """The unlabelled samples of the server's /metrics page ({} when it cannot be read)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         with urlopen(Request(metrics_url(url), headers=headers), timeout=10) as resp:  # noqa: S310  # loopback only
             text = resp.read().decode()
     except OSError:
-        return None
+        return {}
+    samples = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        if name == "wamrt_graph_captures_total":
-            return float(value)
-    return None
+        if name and not name.startswith("#") and "{" not in name:
+            try:
+                samples[name] = float(value)
+            except ValueError:
+                pass
+    return samples
+
+
+def graph_captures(url: str, api_key: str | None = None) -> float | None:
+    """`wamrt_graph_captures_total` from the server's /metrics; None when it has none (the eager engine, a
+    server without graphs) or the page cannot be read."""
+    return scrape(url, api_key).get("wamrt_graph_captures_total")
+
+
+# Generation's share of the device during a row (GenerationWorker counters): it shows generation's progress even
+# when no job finishes inside the row (under saturating policy traffic it gets no device time, by design).
+GENERATION_COUNTERS = {"device_s": "wamrt_generation_device_seconds_total",
+                       "segments": "wamrt_generation_segments_total"}
+
+
+def generation_counters(url: str, api_key: str | None = None) -> dict[str, float] | None:
+    samples = scrape(url, api_key)
+    if not all(name in samples for name in GENERATION_COUNTERS.values()):
+        return None
+    return {key: samples[name] for key, name in GENERATION_COUNTERS.items()}
 
 
 def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: int | None = None, warmup: int = 1,
              steps: int | None = None, api_key: str | None = None, obs: dict[str, Any] | None = None,
-             prompts: list[str] | None = None) -> dict[str, Any]:
+             prompts: list[str] | None = None, background: dict[str, Any] | None = None,
+             generation_warmup: int = 1) -> dict[str, Any]:
     """Run the lanes and return the summary (the `kind: load` fields). `prompts`: the instructions the lanes
     cycle through (default: `obs`'s own); `requests`: measure this many (rounded up to whole rounds of the
-    lanes) with `seconds` as the cap, else run for `seconds` (default 10)."""
+    lanes) with `seconds` as the cap, else run for `seconds` (default 10). `background`: multipart fields of a
+    world-generation job submitted back to back while the lanes measure (after `generation_warmup` jobs alone)."""
     from ..sample import sample_observation
 
     check_url(url)
@@ -189,6 +228,8 @@ def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: in
         seconds = MAX_SECONDS if requests is not None else 10.0
     if not 0 < seconds <= MAX_SECONDS:
         raise ValueError(f"--seconds must be in (0, {MAX_SECONDS:.0f}]")
+    if generation_warmup < 0:
+        raise ValueError(f"--generation-warmup must be >= 0, got {generation_warmup}")
     base = dict(obs or sample_observation(0))
     if steps is not None:
         base["params"] = {"num_steps": steps}
@@ -199,6 +240,10 @@ def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: in
     start = threading.Barrier(lanes + 1)
     threads = [threading.Thread(target=_lane, args=(url, api_key, plan, start, stop_at, s), daemon=True)
                for plan, s in zip(plans, stats, strict=True)]
+    generation = None
+    if background is not None:  # its warm-up runs alone, before the lanes' and before captures are counted
+        generation = BackgroundGeneration(url, background, api_key)
+        generation.warm_up(generation_warmup)
     captures_before = graph_captures(url, api_key)  # before the lanes' warm-up: it counts too
     for t in threads:
         t.start()
@@ -206,11 +251,27 @@ def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: in
         start.wait()  # every lane connected and warmed up
     except threading.BrokenBarrierError:
         pass
+    gen_before = None
+    if generation is not None:
+        gen_before = generation_counters(url, api_key)
+        generation.start()  # from the first measured request on
     t0 = time.monotonic()
     stop_at[0] = t0 + seconds
     for t in threads:
         t.join(seconds + 600)
     elapsed = time.monotonic() - t0
+    background_summary = None
+    if generation is not None:
+        generation.stop()  # hangs up on a job still running: it does not run on into the next row
+        gen_after = generation_counters(url, api_key)
+        # Device time and segments generation ran during the row (null: the server exports no such counters).
+        device_s = segments = share = None
+        if gen_before is not None and gen_after is not None:
+            device_s = round(gen_after["device_s"] - gen_before["device_s"], 3)
+            segments = int(gen_after["segments"] - gen_before["segments"])
+            share = round(device_s / elapsed, 4) if elapsed > 0 else None
+        background_summary = {**generation.summary(), "device_s": device_s, "segments": segments,
+                              "device_share": share}
     captures_after = graph_captures(url, api_key)
     lat = np.array([x for s in stats for x in s.latencies_ms])
     hist: Counter = sum((s.batch_sizes for s in stats), Counter())
@@ -230,7 +291,8 @@ def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: in
             "p99_ms": pct(99), "max_ms": float(lat.max()) if lat.size else None,
             "p50_ci95_ms": summarize(lat.tolist())["ci95_p50_ms"] if lat.size else None,  # bootstrap of the median
             "batch_hist": {str(k): v for k, v in sorted(hist.items())}, "distinct_prompts": len(observations),
-            "prompt_lengths": lengths or None, "graph_captures_after_warmup": captured, "errors": dict(errors)}
+            "prompt_lengths": lengths or None, "graph_captures_after_warmup": captured, "errors": dict(errors),
+            **({} if background_summary is None else {"background_generation": background_summary})}
 
 
 def check_baseline(baseline: dict[str, Any], model: Any, prompts: str) -> None:
@@ -250,11 +312,16 @@ def scaling_vs(summary: dict[str, Any], baseline: dict[str, Any]) -> dict[str, A
     average, and exactly when the server pads every prefix to one width, `--prompt-width`.)"""
     check_baseline(baseline, summary.get("model"), summary.get("prompts", "fixed"))
     ratio = summary["throughput_rps"] / baseline["throughput_rps"]
-    return {"baseline": {"lanes": baseline["lanes"], "throughput_rps": baseline["throughput_rps"],
-                         "p50_ms": baseline["p50_ms"]},
-            "rps_vs_baseline": ratio, "efficiency_vs_baseline": ratio,
-            "max_over_baseline_p50": summary["max_ms"] / baseline["p50_ms"],
-            "p99_over_baseline_p50": summary["p99_ms"] / baseline["p50_ms"]}
+    out = {"baseline": {"lanes": baseline["lanes"], "throughput_rps": baseline["throughput_rps"],
+                        "p50_ms": baseline["p50_ms"], "p99_ms": baseline.get("p99_ms")},
+           "rps_vs_baseline": ratio, "efficiency_vs_baseline": ratio,
+           "max_over_baseline_p50": summary["max_ms"] / baseline["p50_ms"],
+           "p99_over_baseline_p50": summary["p99_ms"] / baseline["p50_ms"]}
+    if summary.get("p50_ms") and baseline.get("p99_ms"):
+        # Same lanes with and without background generation: how much each end of the distribution moved.
+        out.update(p50_over_baseline_p50=summary["p50_ms"] / baseline["p50_ms"],
+                   p99_over_baseline_p99=summary["p99_ms"] / baseline["p99_ms"])
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -265,7 +332,8 @@ def run(args: argparse.Namespace) -> int:
             baseline = json.loads(Path(args.baseline).read_text())
             check_baseline(baseline, args.model, args.prompts)
         summary = run_load(args.url, lanes=args.lanes, seconds=args.seconds, requests=args.requests,
-                           warmup=args.warmup_requests, steps=args.steps, api_key=args.api_key, prompts=prompts)
+                           warmup=args.warmup_requests, steps=args.steps, api_key=args.api_key, prompts=prompts,
+                           background=args.background_generation, generation_warmup=args.generation_warmup)
     except (ValueError, OSError) as exc:
         print(f"wamrt bench load: {exc}", file=sys.stderr)
         return 2
@@ -276,11 +344,20 @@ def run(args: argparse.Namespace) -> int:
           f"p99 {summary['p99_ms']} ms; batch sizes {summary['batch_hist']}; prompt lengths "
           f"{summary['prompt_lengths']}; graph captures after warm-up {summary['graph_captures_after_warmup']}; "
           f"errors {summary['errors']}")
+    gen = summary.get("background_generation")
+    if gen is not None:
+        print(f"background generation: {gen['jobs_completed']} jobs done, {gen['jobs_failed']} failed, "
+              f"{gen['jobs_cancelled_at_end']} cancelled at the end; job p50 {gen['job_p50_s']} s, server paused p50 "
+              f"{gen['paused_ms_p50']} ms, model p50 {gen['model_ms_p50']} ms, longest segment "
+              f"{gen['segment_max_ms']} ms; device time {gen['device_s']} s in {gen['segments']} segments "
+              f"(share {gen['device_share']}); warm-up {gen['warmup_s']} s; first error {gen['first_error']}")
     if baseline is not None:
         summary.update(scaling_vs(summary, baseline))
-        print(f"vs 1 lane: x{summary['rps_vs_baseline']:.2f} requests/s, "
+        print(f"vs baseline ({summary['baseline']['lanes']} lanes): x{summary['rps_vs_baseline']:.2f} requests/s, "
               f"efficiency {summary['efficiency_vs_baseline']:.2f}, "
-              f"slowest request {summary['max_over_baseline_p50']:.2f}x the 1-lane p50")
+              f"slowest request {summary['max_over_baseline_p50']:.2f}x the baseline p50"
+              + (f", p50 x{summary['p50_over_baseline_p50']:.3f}, p99 x{summary['p99_over_baseline_p99']:.3f}"
+                 if "p99_over_baseline_p99" in summary else ""))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=2)

@@ -223,7 +223,9 @@ def _world_engine(policy: Any) -> Any | None:
     from ..engine import Engine
     from ..engine.world import WORLD_ENGINE_CONFIG, WorldEngine
 
-    if not isinstance(policy, Engine) or not policy.config.cuda_graph:
+    # On the device type too: CPU tests run the policy engine's graph path with a stand-in for CUDA graphs, and a
+    # WorldEngine with graphs refuses a CPU model.
+    if not isinstance(policy, Engine) or not policy.config.cuda_graph or policy.device.type != "cuda":
         return None
     config = replace(WORLD_ENGINE_CONFIG, attention=policy.config.attention, compile_mode=policy.config.compile_mode)
     return WorldEngine(policy.model, policy.encoder, policy.tokenizer, config, name=policy.name)
@@ -521,7 +523,9 @@ class GenerationOutcome:
     audio: dict[str, Any] | None  # {sample_rate, channels, seconds} of the MP4's AAC track
     seed: int
     mode: str  # text2video / image2video / video2video / text2image
-    timing: dict[str, float]  # queue_ms, model_ms, paused_ms, postprocess_ms, total_ms
+    # queue_ms, model_ms (running, less paused_ms), paused_ms (waiting for policy work), postprocess_ms, total_ms,
+    # segment_max_ms (the longest stretch a policy request arriving then had to wait for the device)
+    timing: dict[str, float]
     stage_durations: dict[str, float]  # seconds
     notes: list[str]
 
@@ -555,6 +559,9 @@ class GenerationWorker:
         # Longest stretch of device work between two points where generation could yield (a policy request
         # waits at most this long for the device).
         self.segment_max_ms = 0.0
+        # Device time generation held, in segments (exported on /metrics: how much of the device generation got
+        # next to policy traffic, also while no job finishes).
+        self.segments, self.device_seconds = 0, 0.0
         # diffusers' Wan VAE decodes one latent frame per call of `vae.decoder`: a pre-hook there lets a long
         # decode give the device up between frames as the denoising loop does between steps.
         self._decode_yield: Callable[[], None] | None = None
@@ -574,6 +581,12 @@ class GenerationWorker:
     @property
     def depth(self) -> int:
         return len(self._pending)
+
+    def stats(self) -> dict[str, Any]:
+        """What /metrics exports (`Metrics.watch_generation`)."""
+        return {"jobs": self.jobs_run, "segments": self.segments, "device_seconds": self.device_seconds,
+                "segment_max_seconds": self.segment_max_ms / 1e3, "running": int(self.running is not None),
+                "queued": self.depth}
 
     def submit(self, job: GenerationJob) -> Future:
         with self._cond:
@@ -655,6 +668,7 @@ class GenerationWorker:
         seed = req.seed if req.seed is not None else int(np.random.default_rng().integers(0, 2**31))
         total_steps, done, paused = req.steps * req.count, 0, 0.0
         held, seg_start = False, 0.0
+        job_segment_max = 0.0  # this job's longest segment (the reply's timing.segment_max_ms)
 
         def acquire(cancellable: bool = True) -> None:
             """Wait until no policy work is queued or running, then hold the device for one segment."""
@@ -666,9 +680,12 @@ class GenerationWorker:
 
         def yield_point() -> None:
             """Device work since the last point where a waiting policy request could have taken over."""
-            nonlocal seg_start
+            nonlocal seg_start, job_segment_max
             now = time.monotonic()
-            self.segment_max_ms = max(self.segment_max_ms, 1e3 * (now - seg_start))
+            job_segment_max = max(job_segment_max, 1e3 * (now - seg_start))
+            self.segment_max_ms = max(self.segment_max_ms, job_segment_max)
+            self.segments += 1
+            self.device_seconds += now - seg_start
             seg_start = now
 
         def release() -> None:
@@ -760,7 +777,7 @@ class GenerationWorker:
         stages["encode"] = post_ms / 1e3
         total_ms = 1e3 * (time.monotonic() - job.enqueued)
         timing = {"queue_ms": 1e3 * (started - job.enqueued), "model_ms": 1e3 * model_s, "paused_ms": 1e3 * paused,
-                  "postprocess_ms": post_ms, "total_ms": total_ms}
+                  "postprocess_ms": post_ms, "total_ms": total_ms, "segment_max_ms": job_segment_max}
         return GenerationOutcome(job.request_id, req.kind, mp4, pngs, list(frames.shape), req.fps, audio, seed, mode,
                                  timing, stages, list(req.notes) + run_notes)
 

@@ -50,6 +50,10 @@ class Metrics:
         """Export the engine's CUDA-graph cache (`Engine.graph_stats`) on every scrape."""
         self.registry.register(_GraphCollector(stats))
 
+    def watch_generation(self, stats: Callable[[], dict[str, Any]]) -> None:
+        """Export the world-generation worker's counters (`GenerationWorker.stats`) on every scrape."""
+        self.registry.register(_GenerationCollector(stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -72,3 +76,25 @@ class _GraphCollector:
         buckets = [(str(b), sum(x <= b for x in secs)) for b in _CAPTURE_BUCKETS] + [("+Inf", len(secs))]
         yield HistogramMetricFamily("wamrt_graph_capture_seconds", "Wall time of one capture (warm-up + record)",
                                     buckets=buckets, sum_value=sum(secs))
+
+
+class _GenerationCollector:
+    """wamrt_generation_jobs_total, _segments_total, _device_seconds_total (device time generation held, between
+    its yield points), _segment_max_seconds (the longest such stretch: a policy request's worst wait for the
+    device), _running and _queued, from the worker's own counters."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        yield CounterMetricFamily("wamrt_generation_jobs", "World-generation jobs finished (any outcome)",
+                                  value=s["jobs"])
+        yield CounterMetricFamily("wamrt_generation_segments", "Device segments world generation ran",
+                                  value=s["segments"])
+        yield CounterMetricFamily("wamrt_generation_device_seconds", "Device time world generation held",
+                                  value=s["device_seconds"])
+        yield GaugeMetricFamily("wamrt_generation_segment_max_seconds",
+                                "Longest device segment of world generation so far", value=s["segment_max_seconds"])
+        yield GaugeMetricFamily("wamrt_generation_running", "World-generation jobs running", value=s["running"])
+        yield GaugeMetricFamily("wamrt_generation_queued", "World-generation jobs queued", value=s["queued"])

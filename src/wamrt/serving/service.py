@@ -86,6 +86,7 @@ class Service:
         if self.world is not None:  # its own thread and queue; the device is shared through the batcher's gate
             self.generation = GenerationWorker(self.world, self.batcher.gate,
                                                max_jobs=self.config.max_generation_jobs)
+            self.metrics.watch_generation(self.generation.stats)
 
     async def warm_up(self) -> None:
         """Run the configured warm-up requests through the real path; /readyz turns 200 afterwards."""

@@ -226,10 +226,16 @@ def generation_record(rec: dict[str, Any], out: GenerationOutcome, req: Generati
                          "sound": req.sound, **({"notes": out.notes} if out.notes else {})})
 
 
-def _headers(service: Service, rid: str, rec: dict[str, Any], stages: dict[str, float]) -> dict[str, str]:
-    return {"X-Request-Id": rid, "X-Model": service.config.model_name,
-            "X-Inference-Time-S": f"{rec['inference_time_s']:.6f}", "X-Stage-Durations": json.dumps(stages),
-            "X-Peak-Memory-MB": f"{rec['peak_memory_mb']:.1f}"}
+def _headers(service: Service, rid: str, rec: dict[str, Any], stages: dict[str, float],
+             timing: dict[str, float] | None = None) -> dict[str, str]:
+    headers = {"X-Request-Id": rid, "X-Model": service.config.model_name,
+               "X-Inference-Time-S": f"{rec['inference_time_s']:.6f}", "X-Stage-Durations": json.dumps(stages),
+               "X-Peak-Memory-MB": f"{rec['peak_memory_mb']:.1f}"}
+    if timing is not None:
+        # The JSON form's `timing` (queue / model / paused ms...) for clients that take the MP4 itself: a load
+        # test reads it without asking for the video base64-encoded inside JSON, work the event loop would do.
+        headers["X-Timing"] = json.dumps(timing)
+    return headers
 
 
 class VideoJobs:
@@ -435,7 +441,7 @@ async def _generation_sync(request: Request, service: Service, req: GenerationRe
     out = await until_disconnect(request, service.generate(req, surface="videos_sync"))
     rec: dict[str, Any] = {"id": f"video_sync-{out.request_id}"}
     generation_record(rec, out, req)
-    headers = _headers(service, rec["id"], rec, out.stage_durations)
+    headers = _headers(service, rec["id"], rec, out.stage_durations, out.timing)
     assert out.mp4 is not None
     if "application/json" not in (request.headers.get("accept") or ""):
         return Response(out.mp4, media_type="video/mp4", headers=headers)
