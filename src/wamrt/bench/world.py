@@ -271,9 +271,10 @@ def plot_stages(results: list[dict], path: Path, gpu: str) -> None:
         bars = [("wamrt", r["stages_ms"], r["p50_ms"])]
         if r.get("peer"):
             bars.append(("diffusers", r["peer"]["stages_ms"], r["peer"]["p50_ms"]))
-        for x, (name, st, total) in enumerate(bars):
+        for x, (_, st, total) in enumerate(bars):
             decode = st.get("vae_decode", 0.0) + st.get("sound_decode", 0.0)
-            denoise = st.get("denoise", 0.0) + st.get("reasoner_prefill", 0.0) or st.get("denoise_and_rest", 0.0)
+            # ours: prefill + denoise; the peer's loop (its Reasoner runs inside): the rest of its time
+            denoise = (st.get("denoise", 0.0) + st.get("reasoner_prefill", 0.0)) or st.get("denoise_and_rest", 0.0)
             parts = {"encode + prep": max(total - decode - denoise, 0.0), "prefill + denoise": denoise,
                      "decode": decode}
             bottom = 0.0

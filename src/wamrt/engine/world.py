@@ -100,7 +100,8 @@ class WorldEngine(Engine):
     """World generation with the engine's techniques; `run(**run_world keywords)` is `run_world` made fast."""
 
     def __init__(self, model, encoder: FrameEncoder, tokenizer: CaptionTokenizer | Any,
-                 config: EngineConfig = WORLD_ENGINE_CONFIG, *, name: str = "", implicit_pad_decode: bool = True) -> None:
+                 config: EngineConfig = WORLD_ENGINE_CONFIG, *, name: str = "",
+                 implicit_pad_decode: bool = True) -> None:
         if config.isolate_requests:
             raise ValueError("isolate_requests is a policy-batching switch; a world request always runs alone")
         if not isinstance(tokenizer, CaptionTokenizer) and hasattr(tokenizer, "apply_chat_template"):
