@@ -2,13 +2,15 @@
 
 bf16 runs that differ only in GEMM batching already differ by rounding, so each path is judged against an
 fp32 run of the same weights (the function being computed): the engine must be no further from it than the
-eager bf16 reference (`run_world`) is. A replay of the captured steps must equal the run that captured them
-bit for bit, and the compiled engine without graphs too. Skipped without CUDA.
+eager bf16 reference (`run_world`, `run_world_distilled`) is. A replay of the captured steps must equal the run
+that captured them bit for bit, and the compiled engine without graphs too. Skipped without CUDA.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
@@ -38,88 +40,57 @@ def _stack(tmp_path):
     return model, encoder, CaptionTokenizer(AutoTokenizer.from_pretrained(str(tmp_path / "tok"), local_files_only=True))
 
 
-def test_world_engine_distilled_replay_bitwise_and_near_the_reference(tmp_path):
-    """The distilled few-step sampler on the fast path: graph replay == compiled engine without graphs, bit for
-    bit; against the eager distilled loop, no further from an fp32 run than that loop is."""
-    from dataclasses import replace
-
+def _check_engine_path(tmp_path, reference_fn: Callable, engine_method: str, seed: int, n_steps: int,
+                       **request) -> None:
+    """fp32 truth and the bf16 reference through `reference_fn(model, encoder, tokenizer, ...)`; then the engine's
+    `engine_method` compiled without graphs, with graphs (capture), and replayed with an on_step callback."""
     from wamrt.bench.world import conditioning_image
     from wamrt.engine.world import WORLD_ENGINE_CONFIG, WorldEngine
     from wamrt.pipeline.vae import FrameEncoder
-    from wamrt.pipeline.world_distilled import run_world_distilled
-    from wamrt.sampler import DistilledSchedule
 
     model, encoder, tokenizer = _stack(tmp_path)
     request = dict(prompt="a robot arm lifts a red cube", image=conditioning_image(300, 500), num_frames=FRAMES,
-                   height=HEIGHT, width=WIDTH, schedule=DistilledSchedule((1.0, 0.8333, 0.4125, 0.2)), decode=False)
+                   height=HEIGHT, width=WIDTH, decode=False, **request)
 
     def gen() -> torch.Generator:
-        return torch.Generator().manual_seed(3)
+        return torch.Generator().manual_seed(seed)
 
     model32 = copy.deepcopy(model).float()
-    truth = run_world_distilled(model32, FrameEncoder(copy.deepcopy(encoder.vae).float()), tokenizer,
-                                generator=gen(), **request).video_latents
+    truth = reference_fn(model32, FrameEncoder(copy.deepcopy(encoder.vae).float()), tokenizer, generator=gen(),
+                         **request).video_latents
     del model32
     torch.cuda.empty_cache()
-    reference = run_world_distilled(model, encoder, tokenizer, generator=gen(), **request).video_latents
-    eager = WorldEngine(model, encoder, tokenizer, replace(WORLD_ENGINE_CONFIG, cuda_graph=False))
-    compiled = eager.run_distilled(generator=gen(), **request).video_latents
-    del eager
-    engine = WorldEngine(model, encoder, tokenizer)
-    engine.run_distilled(generator=gen(), **request)  # captures
-    replay = engine.run_distilled(generator=gen(), **request).video_latents
-    assert engine.graphs.captures == 1
-    assert torch.equal(replay, compiled), "graph replay == the compiled engine without graphs"
-    ref_err, eng_err = rel_l2(reference, truth), rel_l2(replay, truth)
-    print(f"distilled rel L2 vs fp32: reference {ref_err:.3e}, engine {eng_err:.3e}")
-    assert eng_err <= NOT_WORSE_THAN_BF16 * ref_err + 1e-4
-
-
-def test_world_engine_vs_reference_and_fp32_truth_and_replay_bitwise(tmp_path):
-    from transformers import AutoTokenizer
-
-    from wamrt.bench.world import conditioning_image
-    from wamrt.engine.world import WorldEngine
-    from wamrt.pipeline.builtin import write_tokenizer
-    from wamrt.pipeline.random_weights import random_transformer, random_vae
-    from wamrt.pipeline.tokens import CaptionTokenizer
-    from wamrt.pipeline.vae import FrameEncoder
-    from wamrt.pipeline.world import run_world
-
-    dev = torch.device("cuda")
-    model = random_transformer("nano", dev, torch.bfloat16, layers=8)
-    encoder = FrameEncoder(random_vae(dev, torch.bfloat16))
-    write_tokenizer(tmp_path / "tok", level="words")
-    tokenizer = CaptionTokenizer(AutoTokenizer.from_pretrained(str(tmp_path / "tok"), local_files_only=True))
-    request = dict(prompt="a robot arm lifts a red cube", image=conditioning_image(300, 500), num_frames=FRAMES,
-                   height=HEIGHT, width=WIDTH, steps=STEPS, guidance=6.0, shift=10.0, decode=False)
-
-    def gen() -> torch.Generator:
-        return torch.Generator().manual_seed(7)
-
-    model32 = copy.deepcopy(model).float()
-    truth = run_world(model32, FrameEncoder(copy.deepcopy(encoder.vae).float()), tokenizer, generator=gen(),
-                      **request).video_latents
-    del model32
-    torch.cuda.empty_cache()
-    reference = run_world(model, encoder, tokenizer, generator=gen(), **request).video_latents
-
-    from dataclasses import replace
-
-    from wamrt.engine.world import WORLD_ENGINE_CONFIG
+    reference = reference_fn(model, encoder, tokenizer, generator=gen(), **request).video_latents
 
     eager = WorldEngine(model, encoder, tokenizer, replace(WORLD_ENGINE_CONFIG, cuda_graph=False))
-    compiled = eager.run(generator=gen(), **request).video_latents
+    compiled = getattr(eager, engine_method)(generator=gen(), **request).video_latents
     del eager
     engine = WorldEngine(model, encoder, tokenizer)  # compiled, graphs, 64-token prompt buckets
-    first = engine.run(generator=gen(), **request).video_latents  # captures
+    run = getattr(engine, engine_method)
+    first = run(generator=gen(), **request).video_latents  # captures
     steps_seen: list[int] = []
-    replay = engine.run(generator=gen(), on_step=lambda i, n: steps_seen.append(i), **request).video_latents
-    assert engine.graphs.captures == 1 and steps_seen == list(range(STEPS))
+    replay = run(generator=gen(), on_step=lambda i, n: steps_seen.append(i), **request).video_latents
+    assert engine.graphs.captures == 1 and steps_seen == list(range(n_steps))
     assert torch.equal(first, replay), "a replay must equal the run that captured it bit for bit"
     assert torch.equal(replay, compiled), "graph replay == the compiled engine without graphs"
 
     ref_err, eng_err = rel_l2(reference, truth), rel_l2(replay, truth)
-    print(f"rel L2 vs fp32: reference {ref_err:.3e}, engine {eng_err:.3e}; engine vs reference "
+    print(f"{engine_method}: rel L2 vs fp32: reference {ref_err:.3e}, engine {eng_err:.3e}; engine vs reference "
           f"{rel_l2(replay, reference):.3e}")
     assert eng_err <= NOT_WORSE_THAN_BF16 * ref_err + 1e-4
+
+
+def test_world_engine_vs_reference_and_fp32_truth_and_replay_bitwise(tmp_path):
+    from wamrt.pipeline.world import run_world
+
+    _check_engine_path(tmp_path, run_world, "run", 7, STEPS, steps=STEPS, guidance=6.0, shift=10.0)
+
+
+def test_world_engine_distilled_replay_bitwise_and_near_the_reference(tmp_path):
+    """The distilled few-step sampler on the fast path (conditional branch only; the re-noising draws and the
+    clean-frame anchor as graph inputs)."""
+    from wamrt.pipeline.world_distilled import run_world_distilled
+    from wamrt.sampler import DistilledSchedule
+
+    schedule = DistilledSchedule((1.0, 0.8333, 0.4125, 0.2))
+    _check_engine_path(tmp_path, run_world_distilled, "run_distilled", 3, schedule.steps, schedule=schedule)

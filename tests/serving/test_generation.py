@@ -387,22 +387,27 @@ YIELD_FIELDS = {"prompt": "p", "size": "32x48", "num_frames": "13", "num_inferen
                 "generate_sound": "true"}
 
 
-def test_decode_yields_keep_the_output_exact(world_server: ServerThread) -> None:
-    """A generation paused between VAE-decoded frames while a policy batch encodes with the same VAE (which
-    resets the decoder's feature cache) still produces exactly the MP4 of an undisturbed run."""
-    world = world_model_of(world_server.service.policy, "tiny-world")
+def undisturbed_and_meddled(world: Any) -> tuple[Any, Any, MeddlingGate]:
+    """The YIELD_FIELDS job run twice: alone, then yielding to a policy encode at every step and decoded frame."""
     req = build_generation(YIELD_FIELDS, world, max_pixels=MAX_PIXELS)
-    outs = []
-    for gate in (DeviceGate(), MeddlingGate(world.encoder)):
+    outs, meddling = [], MeddlingGate(world.encoder)
+    for gate in (DeviceGate(), meddling):
         worker = GenerationWorker(world, gate, max_jobs=1)
         try:
-            job = GenerationJob(req, "exact")
+            job = GenerationJob(req, "yields")
             worker.submit(job)
             outs.append(job.future.result(60))
         finally:
             worker.stop()
+    return outs[0], outs[1], meddling
+
+
+def test_decode_yields_keep_the_output_exact(world_server: ServerThread) -> None:
+    """A generation paused between VAE-decoded frames while a policy batch encodes with the same VAE (which
+    resets the decoder's feature cache) still produces exactly the MP4 of an undisturbed run."""
+    alone, meddled, gate = undisturbed_and_meddled(world_model_of(world_server.service.policy, "tiny-world"))
     assert gate.meddled >= 2 + 4  # steps and latent frames of the decode
-    assert outs[0].mp4 == outs[1].mp4
+    assert alone.mp4 == meddled.mp4
 
 
 def test_generation_through_a_world_engine_yields_and_stays_exact(world_server: ServerThread) -> None:
@@ -417,20 +422,10 @@ def test_generation_through_a_world_engine_yields_and_stays_exact(world_server: 
     assert base.engine is None  # a CPU server keeps run_world
     engine = WorldEngine(base.model, base.encoder, base.tokenizer,
                          EngineConfig(attention="auto", compile=False, cuda_graph=False, prompt_bucket=64))
-    world = replace(base, engine=engine)
-    req = build_generation(YIELD_FIELDS, world, max_pixels=MAX_PIXELS)
-    outs = []
-    for gate in (DeviceGate(), MeddlingGate(world.encoder)):
-        worker = GenerationWorker(world, gate, max_jobs=1)
-        try:
-            job = GenerationJob(req, "engine")
-            worker.submit(job)
-            outs.append(job.future.result(60))
-        finally:
-            worker.stop()
+    alone, meddled, gate = undisturbed_and_meddled(replace(base, engine=engine))
     assert engine.kv_cache.misses == 2 and engine.kv_cache.hits == 2  # both branches, then cached
     assert gate.meddled >= 2 + 4
-    assert outs[0].mp4 == outs[1].mp4 and outs[0].shape == outs[1].shape == [13, 48, 32, 3]  # size is WxH
+    assert alone.mp4 == meddled.mp4 and alone.shape == meddled.shape == [13, 48, 32, 3]  # size is WxH
 
 
 def _percentile(values: list[float], q: float) -> float:
