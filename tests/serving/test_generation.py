@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from oracle.generation_jobs import poll_job, wait_generation_idle
 from PIL import Image
 
 from wamrt.client.wire import packb, unpackb
@@ -77,26 +78,12 @@ def _streams(mp4: bytes) -> tuple[np.ndarray, dict[str, Any] | None]:
     return frames, info
 
 
-def _poll(url: str, vid: str, until: tuple[str, ...] = ("completed", "failed", "cancelled")) -> dict[str, Any]:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        rec = httpx.get(f"{url}/v1/videos/{vid}").json()
-        if rec["status"] in until:
-            return rec
-        time.sleep(0.01)
-    raise AssertionError(f"job {vid} never reached {until}")
 
 
 def _latents_alive(shape: tuple[int, ...]) -> int:
     return sum(isinstance(o, torch.Tensor) and tuple(o.shape) == shape for o in gc.get_objects())
 
 
-def _idle(server: ServerThread, timeout: float = 10.0) -> None:
-    worker = server.service.generation
-    deadline = time.monotonic() + timeout
-    while (worker.running is not None or worker.depth) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert worker.running is None and worker.depth == 0, "the generation worker did not stop"
 
 
 # --- media -----------------------------------------------------------------------------------------
@@ -216,7 +203,7 @@ def test_async_job_progress_then_delete_cancels_and_frees(world_server: ServerTh
     assert httpx.get(f"{url}/v1/videos/{vid}/content").status_code == 409  # not finished
     r = httpx.delete(f"{url}/v1/videos/{vid}").json()
     assert r == {"id": vid, "object": "video.deleted", "deleted": True, "status": "cancelled"}
-    _idle(world_server)  # stopped at the next step boundary
+    wait_generation_idle(world_server)  # stopped at the next step boundary
     cur = httpx.get(f"{url}/v1/videos/{vid}").json()
     assert cur["status"] == "cancelled" and cur["error"]["code"] == "cancelled" and cur["progress"] < 100
     content = httpx.get(f"{url}/v1/videos/{vid}/content")
@@ -231,7 +218,7 @@ def test_async_job_progress_then_delete_cancels_and_frees(world_server: ServerTh
     assert httpx.delete(f"{url}/v1/videos/{vid}").json()["deleted"] is True
     assert httpx.get(f"{url}/v1/videos/{vid}").status_code == 404
     jobs_before = worker.jobs_run
-    done = _poll(url, httpx.post(url + "/v1/videos", data={**LONG_JOB, "num_inference_steps": "2"}).json()["id"])
+    done = poll_job(url, httpx.post(url + "/v1/videos", data={**LONG_JOB, "num_inference_steps": "2"}).json()["id"])
     assert done["status"] == "completed" and done["progress"] == 100 and worker.jobs_run == jobs_before + 1
     assert done["video"]["shape"] == [13, 48, 80, 3] and done["file_name"] == f"{done['id']}.mp4"
     frames, _ = _streams(httpx.get(f"{url}/v1/videos/{done['id']}/content").content)
@@ -244,7 +231,7 @@ def test_sync_client_that_hangs_up_cancels_its_job(world_server: ServerThread) -
     with pytest.raises(httpx.TimeoutException):
         httpx.post(url + "/v1/videos/sync", data=LONG_JOB, timeout=0.5)  # 1000 steps: ~4 s if it ran on
     t0 = time.monotonic()
-    _idle(world_server)
+    wait_generation_idle(world_server)
     assert time.monotonic() - t0 < 2.5 and worker.jobs_run == started + 1  # stopped, not finished
     assert _latents_alive(LONG_LATENTS) == 0 and world_server.service.batcher.gate.demand == 0
 
@@ -252,13 +239,13 @@ def test_sync_client_that_hangs_up_cancels_its_job(world_server: ServerThread) -
 def test_queued_job_deleted_never_runs(world_server: ServerThread) -> None:
     url, worker = world_server.http_url, world_server.service.generation
     first = httpx.post(url + "/v1/videos", data=LONG_JOB).json()["id"]
-    _poll(url, first, until=("in_progress",))
+    poll_job(url, first, until=("in_progress",))
     second = httpx.post(url + "/v1/videos", data=LONG_JOB).json()["id"]
     assert httpx.get(f"{url}/v1/videos/{second}").json()["status"] == "queued"
     runs = worker.jobs_run
     for vid in (second, first):
         assert httpx.delete(f"{url}/v1/videos/{vid}").json()["status"] == "cancelled"
-    _idle(world_server)
+    wait_generation_idle(world_server)
     assert worker.jobs_run == runs + 1  # only the first one ever started
     assert httpx.get(f"{url}/v1/videos/{second}").json()["status"] == "cancelled"
 

@@ -25,6 +25,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from oracle.generation_jobs import poll_job, wait_generation_idle
 from PIL import Image
 
 import wamrt
@@ -89,22 +90,8 @@ def _direct(server: ServerThread, seed: int, **kw: Any) -> np.ndarray:
     return res.frames.numpy()
 
 
-def _idle(server: ServerThread, timeout: float = 10.0) -> None:
-    worker = server.service.generation
-    deadline = time.monotonic() + timeout
-    while (worker.running is not None or worker.depth) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert worker.running is None and worker.depth == 0, "the generation worker did not stop"
 
 
-def _poll(url: str, vid: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        rec = httpx.get(f"{url}/v1/videos/{vid}").json()
-        if rec["status"] not in ("queued", "in_progress"):
-            return rec
-        time.sleep(0.01)
-    raise AssertionError(f"job {vid} never finished")
 
 
 # --- which sampler ------------------------------------------------------------------------------------------
@@ -240,14 +227,14 @@ def test_async_progress_and_cancel(long_distilled_server: ServerThread) -> None:
         time.sleep(0.02)
     assert seen == sorted(seen) and seen[-1] < 100  # once per distilled step
     assert httpx.delete(f"{url}/v1/videos/{vid}").json()["status"] == "cancelled"
-    _idle(long_distilled_server)
+    wait_generation_idle(long_distilled_server)
     cur = httpx.get(f"{url}/v1/videos/{vid}").json()
     assert cur["status"] == "cancelled" and cur["progress"] < 100
     assert httpx.get(f"{url}/v1/videos/{vid}/content").status_code == 409
     assert long_distilled_server.service.batcher.gate.demand == 0
     # The server still generates; a job runs the checkpoint's step count without being asked for it.
     runs = worker.jobs_run
-    done = _poll(url, httpx.post(url + "/v1/videos", data={**job, "size": "32x32", "num_frames": "5"}).json()["id"])
+    done = poll_job(url, httpx.post(url + "/v1/videos", data={**job, "size": "32x32", "num_frames": "5"}).json()["id"])
     assert done["status"] == "completed" and done["progress"] == 100 and worker.jobs_run == runs + 1
     assert (done["metadata"]["sampler"], done["metadata"]["steps"]) == ("distilled", len(LONG_SIGMAS))
     assert _frames(httpx.get(f"{url}/v1/videos/{done['id']}/content").content).shape == (5, 32, 32, 3)

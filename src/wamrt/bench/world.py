@@ -16,7 +16,6 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from PIL import Image
 from ..ops.attention import measure_backends
 from ..provenance import environment
 from .flops import request_flops
+from .rows import time_requests
 from .stats import median_stages, summarize
 
 PROMPT = ("A robot arm in a bright kitchen picks up a red apple from a wooden table and places it gently into a "
@@ -74,18 +74,6 @@ class _StageClock:
     def __exit__(self, *exc: object) -> None:
         for obj, method, _ in self.targets:
             delattr(obj, method)  # the instance attribute shadowed the class's method
-
-
-def _time(fn: Callable[[int], dict[str, float]], warmup: int, runs: int) -> tuple[list[float], list[dict]]:
-    for i in range(warmup):
-        fn(i)
-    totals, stages = [], []
-    for i in range(runs):
-        t0 = time.perf_counter()
-        st = fn(warmup + i)
-        totals.append(1e3 * (time.perf_counter() - t0))
-        stages.append(st)
-    return totals, stages
 
 
 def run(args: argparse.Namespace) -> int:
@@ -178,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
                 st["denoise_and_rest"] = total - sum(st.values())
                 return st
 
-            ptimes, pstages = _time(peer_once, args.peer_warmup, args.peer_runs)
+            ptimes, pstages = time_requests(peer_once, args.peer_warmup, args.peer_runs)
             peer_result = {"name": "diffusers 0.42.1 Cosmos3OmniPipeline.__call__", **summarize(ptimes),
                            "stages_ms": median_stages(pstages)}
             print(f"[{mode}] peer p50 {peer_result['p50_ms']:.0f} ms {peer_result['stages_ms']}", flush=True)
@@ -194,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
             return res.timings_ms
 
         t_row = time.perf_counter()
-        times, stages = _time(ours_once, args.warmup, args.runs)
+        times, stages = time_requests(ours_once, args.warmup, args.runs)
         summary = summarize(times)
         decode_ms = compare_decodes(engine, request, sampling)
         floor = 1e3 * flops / (PEAK_BF16_TFLOPS * 1e12)

@@ -28,7 +28,7 @@ import torch
 from ..model import GeneratorTokens
 from ..pipeline.denoise import DenoiseInputs, DenoiseResult, SamplingOptions
 from ..pipeline.omni import decode_pixels
-from ..pipeline.tokens import CaptionTokenizer
+from ..pipeline.tokens import CaptionTokenizer, as_caption_tokenizer
 from ..pipeline.vae import FrameEncoder
 from ..pipeline.world import WorldResult, run_world
 from ..sampler import Anchor, DistilledPlan, cfg_combine, guidance_active, make_anchor
@@ -104,9 +104,7 @@ class WorldEngine(Engine):
                  implicit_pad_decode: bool = True) -> None:
         if config.isolate_requests:
             raise ValueError("isolate_requests is a policy-batching switch; a world request always runs alone")
-        if not isinstance(tokenizer, CaptionTokenizer) and hasattr(tokenizer, "apply_chat_template"):
-            tokenizer = CaptionTokenizer(tokenizer)
-        super().__init__(model, encoder, tokenizer, config=config, name=name)
+        super().__init__(model, encoder, as_caption_tokenizer(tokenizer), config=config, name=name)
         self.implicit_pad_decode = implicit_pad_decode
 
     def run(self, **kwargs: Any) -> WorldResult:

@@ -103,5 +103,13 @@ class CaptionTokenizer:
         return TokenizedCaption(caption, tuple(ids), text)
 
 
+def as_caption_tokenizer(tokenizer: Any) -> Any:
+    """A Hugging Face tokenizer wrapped as a CaptionTokenizer; a CaptionTokenizer or a stand-in with `encode`
+    (the random-weight models' tokenizers) as it is."""
+    if not isinstance(tokenizer, CaptionTokenizer) and hasattr(tokenizer, "apply_chat_template"):
+        return CaptionTokenizer(tokenizer)
+    return tokenizer
+
+
 def load_caption_tokenizer(local_dir: str | Path) -> CaptionTokenizer:
     return CaptionTokenizer.from_pretrained(local_dir)

@@ -52,7 +52,7 @@ from .omni import (
 )
 from .prompts import diffusers_system_prompt, diffusers_world_caption
 from .sound import SoundDecoder
-from .tokens import CaptionTokenizer
+from .tokens import CaptionTokenizer, as_caption_tokenizer
 from .vae import FrameEncoder
 
 WorldMode = Literal["text2image", "text2video", "image2video", "video2video"]
@@ -317,6 +317,16 @@ class WorldResult:
     notes: list[str] = field(default_factory=list)  # what the caller should know (e.g. a tiled decode)
 
 
+def decode_to_frames(decoder: PixelDecoder, encoder: FrameEncoder, latents: torch.Tensor, timings: dict[str, float],
+                     notes: list[str]) -> torch.Tensor:
+    """Final latents -> uint8 frames [T, H, W, 3] on the host, timed as `vae_decode`; what the decode reports (a
+    tiled fallback) goes to `notes`."""
+    t0 = time.perf_counter()
+    frames = pixels_to_uint8(decoder(encoder, latents, notes=notes)).cpu()  # rounded where the pixels are
+    timings["vae_decode"] = 1e3 * (time.perf_counter() - t0)
+    return frames
+
+
 @torch.inference_mode()
 def run_world(
     model: Cosmos3Transformer,
@@ -373,8 +383,7 @@ def run_world(
         use_resolution_template=use_resolution_template,
         use_duration_template=use_duration_template,
     )
-    if not isinstance(tokenizer, CaptionTokenizer) and hasattr(tokenizer, "apply_chat_template"):
-        tokenizer = CaptionTokenizer(tokenizer)  # a Hugging Face tokenizer; stand-ins with `encode` pass as they are
+    tokenizer = as_caption_tokenizer(tokenizer)
     if isinstance(sound_decoder, Cosmos3AVAEAudioTokenizer):
         sound_decoder = SoundDecoder(sound_decoder)
     prepared = req.prepare(model.config, encoder, tokenizer, sound_decoder=sound_decoder, generator=generator,
@@ -386,9 +395,7 @@ def run_world(
     frames = sound = None
     notes: list[str] = []
     if decode:
-        t0 = time.perf_counter()
-        frames = pixels_to_uint8(decoder(encoder, out.vision, notes=notes)).cpu()  # uint8 on the host either way
-        timings["vae_decode"] = 1e3 * (time.perf_counter() - t0)
+        frames = decode_to_frames(decoder, encoder, out.vision, timings, notes)
         if sound_latents is not None:
             assert sound_decoder is not None
             t0 = time.perf_counter()

@@ -31,10 +31,10 @@ from ..sampler import DistilledPlan, DistilledSchedule, distilled_plan, draw_ste
 from .denoise import DenoiseInputs, DenoiseResult, _prefill, _sync
 from .errors import RequestError
 from .inputs import ImageInput, VideoInput
-from .omni import decode_pixels, model_device, pixels_to_uint8
-from .tokens import CaptionTokenizer
+from .omni import decode_pixels, model_device
+from .tokens import CaptionTokenizer, as_caption_tokenizer
 from .vae import FrameEncoder
-from .world import WorldResult, world_request
+from .world import WorldResult, decode_to_frames, world_request
 
 MODULAR_INDEX = "modular_model_index.json"  # holds `distilled_sigmas` in a distilled checkpoint
 SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"
@@ -185,8 +185,7 @@ def run_world_distilled(
     )
     if req.enable_sound:
         raise RequestError("the distilled pipeline generates no sound", field="enable_sound")
-    if not isinstance(tokenizer, CaptionTokenizer) and hasattr(tokenizer, "apply_chat_template"):
-        tokenizer = CaptionTokenizer(tokenizer)  # a Hugging Face tokenizer; stand-ins with `encode` pass as they are
+    tokenizer = as_caption_tokenizer(tokenizer)
     device = model_device(model)
     plan = distilled_plan(schedule)
     prepared = req.prepare(model.config, encoder, tokenizer, generator=generator, device=device)
@@ -200,8 +199,6 @@ def run_world_distilled(
     frames = None
     notes: list[str] = []
     if decode:
-        t0 = time.perf_counter()
-        frames = pixels_to_uint8(decoder(encoder, out.vision, notes=notes)).cpu()  # uint8 on the host either way
-        timings["vae_decode"] = 1e3 * (time.perf_counter() - t0)
+        frames = decode_to_frames(decoder, encoder, out.vision, timings, notes)
     timings["total"] = 1e3 * (time.perf_counter() - t_start)
     return WorldResult(out.vision.float(), frames, None, None, timings, notes)
