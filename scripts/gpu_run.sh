@@ -10,7 +10,8 @@
 # `load` also needs the server stack as wheels in .whl/ (starlette, uvicorn, websockets, python-multipart);
 #   LOAD_REQUESTS (default 100) sizes each of its rows (1, 4, 8 lanes, mixed instructions).
 # `world-serve` (same wheels, plus PyAV for the MP4 replies): policy lanes with and without back-to-back i2v jobs
-#   on the same server; ROW_SECONDS (default 60) per row, the whole part fits WORLD_SERVE_BUDGET (default 420 s).
+#   on the same server; ROW_SECONDS (default 50) per row, the whole part fits WORLD_SERVE_BUDGET (default 480 s);
+#   STEP_SEGMENTS sets the server's --generation-step-segments (default 12).
 # Each part is killed after SECONDS (default 540) and packed whatever it finished.
 # Everything it measures is packed into $OUT/<part>.tgz (the device tool returns few files).
 set -uo pipefail
@@ -70,23 +71,25 @@ for spec in "$@"; do
           kill "$srv"; wait "$srv" ;;
     world-serve) # Policy latency while world generation runs on the same server (docs/serving.md, "Scheduling"):
           # row A: 1 lane, mixed instructions, no generation; row B: the same while image -> video jobs (480x832,
-          # 33 frames, 35 steps, guidance 6: `world`'s i2v row) run back to back on /v1/videos/sync; row C: 4 lanes
-          # with the same jobs. B and C carry --baseline A (p50 / p99 ratios). Server as in `load` (random:nano,
-          # prompt buckets, width 192), but --max-batch 4, the most lanes here: warm-up captures 4 batch sizes, not 8.
-          # Time, for a part meant to fit in WORLD_SERVE_BUDGET = 420 s: model build + warm-up ~60-90 s (`load`, 8
-          # sizes: 127 s); A = the lanes' warm-up (12 instructions once, ~10 s) + ROW_SECONDS (60) ~70 s; B = one job
-          # alone first (the WorldEngine compiles and captures the i2v bucket, 6-11 s, then ~7.5 s to run) + 70 s
-          # ~90 s; C ~70 s (no job alone: B warmed the bucket): ~90 + 70 + 90 + 70 = 320 s, + 15 s to stop and
-          # pack. Each row gets at most what is left split over the rows still to run (minus 30 s of warm-ups), so
-          # a slow start shortens rows rather than losing C. Expect few finished jobs: under 1 lane a job advances
-          # about one step per policy request (~0.7 s + a ~0.19 s step, ~45 segments: ~40 s a job), under 4 lanes
-          # maybe none (policy first, by design); background_generation.device_share says what it got.
-          budget=${WORLD_SERVE_BUDGET:-420}; [ "$limit" -lt "$budget" ] && budget=$limit
+          # 33 frames, 35 steps, guidance 6: `world`'s i2v row) run back to back on /v1/videos/sync; row D: 4 lanes,
+          # no generation; row C: 4 lanes with the same jobs. B carries --baseline A, C --baseline D (p50 / p99
+          # ratios at the same lane count). Server as in `load` (random:nano, prompt buckets, width 192), but
+          # --max-batch 4, the most lanes here: warm-up captures 4 batch sizes, not 8; each denoising step of a
+          # job is captured as --generation-step-segments (default 12) graphs, so a policy request waits for ~1/12
+          # of a step. Time, for a part meant to fit in WORLD_SERVE_BUDGET = 480 s: model build + warm-up ~65 s;
+          # A = the lanes' warm-up (~10 s) + ROW_SECONDS (50); B = one job alone first (the WorldEngine compiles
+          # and captures the i2v bucket, ~15 s, then ~7.5 s to run) + 60 s; D and C ~60 s each: ~65 + 60 + 85 +
+          # 60 + 60 = 330 s, + 15 s to stop and pack. Each row gets at most what is left split over the rows still
+          # to run (minus 30 s of warm-ups), so a slow start shortens rows rather than losing the last.
+          # Under 4 lanes generation gets little (policy first, by design); background_generation.device_share
+          # says what it got.
+          budget=${WORLD_SERVE_BUDGET:-480}; [ "$limit" -lt "$budget" ] && budget=$limit
           python3 -c 'import av, PIL' 2>/dev/null \
             || echo "PyAV / Pillow missing: the server cannot encode the MP4 replies, rows B and C will fail" \
             | tee -a "$res/log.txt"
           python3 -m wamrt.cli serve --model random:nano --max-batch 4 --max-wait-ms 10 --max-queue 64 \
-             --prompt-bucket 64 --prompt-width 192 --warmup 1 --port 8766 > "$res/server.txt" 2>&1 &
+             --prompt-bucket 64 --prompt-width 192 --warmup 1 --port 8766 \
+             --generation-step-segments "${STEP_SEGMENTS:-12}" > "$res/server.txt" 2>&1 &
           srv=$!
           for _ in $(seq 1 100); do
             curl -sf http://127.0.0.1:8766/readyz >/dev/null && break; kill -0 "$srv" 2>/dev/null || break; sleep 2
@@ -95,17 +98,20 @@ for spec in "$@"; do
           gen='{"prompt": "A robot arm picks up the red block and places it in the blue bowl.", "size": "832x480",
                 "num_frames": "33", "num_inference_steps": "35", "guidance_scale": "6", "seed": "0",
                 "input_reference": "@sample"}'
-          rows=(A B C)
-          for i in 0 1 2; do
+          rows=(A B D C)
+          for i in 0 1 2 3; do
             row=${rows[$i]}
             left=$(( budget - 15 - ($(date +%s) - t0) ))
-            cap=$(( left / (3 - i) - 30 )); [ "$cap" -gt "${ROW_SECONDS:-60}" ] && cap=${ROW_SECONDS:-60}
+            cap=$(( left / (4 - i) - 30 )); [ "$cap" -gt "${ROW_SECONDS:-50}" ] && cap=${ROW_SECONDS:-50}
             [ "$cap" -lt 20 ] && { echo "skipping row $row: ${left} s left" | tee -a "$res/log.txt"; continue; }
-            extra=(); [ -f "$res/world-serve-A.json" ] && extra=(--baseline "$res/world-serve-A.json")
+            extra=()
             case $row in
               A) extra=(--lanes 1) ;;
-              B) extra+=(--lanes 1 --background-generation "$gen") ;;
+              B) [ -f "$res/world-serve-A.json" ] && extra=(--baseline "$res/world-serve-A.json")
+                 extra+=(--lanes 1 --background-generation "$gen") ;;
+              D) extra=(--lanes 4) ;;
               C) warm=1; [ -f "$res/world-serve-B.json" ] && warm=0  # B compiled and captured the job's bucket
+                 [ -f "$res/world-serve-D.json" ] && extra=(--baseline "$res/world-serve-D.json")
                  extra+=(--lanes 4 --background-generation "$gen" --generation-warmup "$warm") ;;
             esac
             echo "row $row: ${cap} s" | tee -a "$res/log.txt"
@@ -116,7 +122,7 @@ for spec in "$@"; do
           curl -s http://127.0.0.1:8766/metrics | grep -E '^wamrt_(graph|generation)' > "$res/metrics.txt"
           kill "$srv"; wait "$srv"
           python3 -c 'import json, os, sys
-rows = {r: json.load(open(p)) for r in "ABC" for p in [sys.argv[1] + "/world-serve-" + r + ".json"] if os.path.exists(p)}
+rows = {r: json.load(open(p)) for r in "ABDC" for p in [sys.argv[1] + "/world-serve-" + r + ".json"] if os.path.exists(p)}
 ms = lambda v: "-" if v is None else "%.0f" % v
 lat = ["%s %s/%s" % (r, ms(d["p50_ms"]), ms(d["p99_ms"])) for r, d in rows.items()]
 gen = ["%s %s (device share %s, longest segment %s ms, %s failed)" % (r, g["jobs_completed"], g["device_share"],

@@ -18,7 +18,7 @@ from oracle.sound import tiny_sound_tokenizer
 from torch.utils._pytree import tree_flatten
 
 from wamrt.engine import EngineConfig
-from wamrt.engine.world import WorldEngine, _WorldLoop
+from wamrt.engine.world import WorldEngine, _WorldLoop, segment_ends
 from wamrt.model import Cosmos3Transformer, get_config, init_random_
 from wamrt.pipeline.sound import SoundDecoder
 from wamrt.pipeline.world import run_world
@@ -105,6 +105,31 @@ def test_world_engine_reports_every_step_and_stops_when_asked(stack) -> None:
         engine.run(sound_decoder=stack[2], on_step=stop_after_first, **_request("image2video", 0))
 
 
+def test_step_segments_split_the_layers_evenly() -> None:
+    assert segment_ends(36, 1) == frozenset()
+    assert segment_ends(36, 4) == {8, 17, 26}
+    assert segment_ends(28, 3) == {8, 18}
+    assert segment_ends(2, 2) == {0}
+
+
+def test_world_engine_step_segments_pause_mid_step_and_change_nothing(stack) -> None:
+    """Two segments per step: `on_segment` runs once inside every step (before that step's `on_step`), and the
+    result is the unsegmented engine's bit for bit (the same ops in the same order)."""
+    model, assets, sound = stack
+    want = _engine(stack).run(sound_decoder=sound, **_request("image2video", 0))
+    config = EngineConfig(attention="auto", compile=False, cuda_graph=False)
+    engine = WorldEngine(model, assets.encoder, assets.tokenizer, config, step_segments=len(model.layers))
+    events: list[str] = []
+    got = engine.run(sound_decoder=sound, on_segment=lambda: events.append("segment"),
+                     on_step=lambda i, n: events.append(f"step {i}"), **_request("image2video", 0))
+    per_step = ["segment"] * (len(model.layers) - 1)
+    assert events == [e for i in range(STEPS) for e in [*per_step, f"step {i}"]]
+    assert torch.equal(got.video_latents, want.video_latents)
+    for bad in (0, len(model.layers) + 1):
+        with pytest.raises(ValueError, match="step_segments"):
+            WorldEngine(model, assets.encoder, assets.tokenizer, config, step_segments=bad)
+
+
 class _RerunStep:
     """Stands in for one captured step: replay re-runs the step from the state tensors it read at capture and
     writes the tensors it produced at capture in place, as a graph replay writes its output memory."""
@@ -132,7 +157,7 @@ class RerunWorldEngine(WorldEngine):
         for i in range(steps):
             before = (loop.x_v, loop.x_s, loop.hist_v, loop.hist_s)
             loop.step(i)
-            loop.graphs.append(_RerunStep(loop, i, before, (loop.x_v, loop.x_s, loop.hist_v, loop.hist_s)))
+            loop.graphs.append([_RerunStep(loop, i, before, (loop.x_v, loop.x_s, loop.hist_v, loop.hist_s))])
         return loop
 
 

@@ -3,7 +3,8 @@
 bf16 runs that differ only in GEMM batching already differ by rounding, so each path is judged against an
 fp32 run of the same weights (the function being computed): the engine must be no further from it than the
 eager bf16 reference (`run_world`, `run_world_distilled`) is. A replay of the captured steps must equal the run
-that captured them bit for bit, and the compiled engine without graphs too. Skipped without CUDA.
+that captured them bit for bit, and the compiled engine without graphs too, and so must a server's engine
+that captures every step as several segments (`step_segments`). Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -73,6 +74,16 @@ def _check_engine_path(tmp_path, reference_fn: Callable, engine_method: str, see
     assert engine.graphs.captures == 1 and steps_seen == list(range(n_steps))
     assert torch.equal(first, replay), "a replay must equal the run that captured it bit for bit"
     assert torch.equal(replay, compiled), "graph replay == the compiled engine without graphs"
+    del engine, run
+    # A server's engine: every step captured as 3 segments of layers, the host called between them.
+    segmented = WorldEngine(model, encoder, tokenizer, step_segments=3)
+    pauses: list[int] = []
+    getattr(segmented, engine_method)(generator=gen(), **request)  # captures
+    split = getattr(segmented, engine_method)(generator=gen(), on_segment=lambda: pauses.append(1),
+                                              **request).video_latents
+    assert len(pauses) == 2 * n_steps
+    assert torch.equal(split, replay), "segmented steps == whole steps, bit for bit"
+    del segmented
 
     ref_err, eng_err = rel_l2(reference, truth), rel_l2(replay, truth)
     print(f"{engine_method}: rel L2 vs fp32: reference {ref_err:.3e}, engine {eng_err:.3e}; engine vs reference "

@@ -374,32 +374,60 @@ YIELD_FIELDS = {"prompt": "p", "size": "32x48", "num_frames": "13", "num_inferen
                 "generate_sound": "true"}
 
 
-def undisturbed_and_meddled(world: Any) -> tuple[Any, Any, MeddlingGate]:
-    """The YIELD_FIELDS job run twice: alone, then yielding to a policy encode at every step and decoded frame."""
+class EncodedMedia:
+    """What a job handed to the MP4 encoder: the pipeline's output itself. (x264's bytes for the same frames have
+    been seen to differ from one job on the worker thread to the next, so the MP4 bytes are not compared.)"""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import wamrt.serving.generation as generation
+
+        self.calls: list[tuple[np.ndarray, np.ndarray | None]] = []
+        encode = generation.encode_mp4
+
+        def recording(frames: np.ndarray, fps: float, audio: np.ndarray | None = None, *args: Any, **kw: Any):
+            self.calls.append((frames.copy(), None if audio is None else np.array(audio, copy=True)))
+            return encode(frames, fps, audio, *args, **kw)
+
+        monkeypatch.setattr(generation, "encode_mp4", recording)
+
+
+def same_media(a: tuple[np.ndarray, np.ndarray | None], b: tuple[np.ndarray, np.ndarray | None]) -> bool:
+    return np.array_equal(a[0], b[0]) and (a[1] is None) == (b[1] is None) and (a[1] is None or
+                                                                                np.array_equal(a[1], b[1]))
+
+
+def undisturbed_and_meddled(world: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, MeddlingGate]:
+    """The YIELD_FIELDS job run twice: alone, then yielding to a policy encode at every step and decoded frame.
+    Returns the frames and sound each run handed to the MP4 encoder, and the meddling gate."""
     req = build_generation(YIELD_FIELDS, world, max_pixels=MAX_PIXELS)
-    outs, meddling = [], MeddlingGate(world.encoder)
+    media, meddling = EncodedMedia(monkeypatch), MeddlingGate(world.encoder)
     for gate in (DeviceGate(), meddling):
         worker = GenerationWorker(world, gate, max_jobs=1)
         try:
             job = GenerationJob(req, "yields")
             worker.submit(job)
-            outs.append(job.future.result(60))
+            assert job.future.result(60).shape == [13, 48, 32, 3]  # size is WxH
         finally:
             worker.stop()
-    return outs[0], outs[1], meddling
+    assert len(media.calls) == 2 and media.calls[0][1] is not None  # with sound
+    return media.calls[0], media.calls[1], meddling
 
 
-def test_decode_yields_keep_the_output_exact(world_server: ServerThread) -> None:
+def test_decode_yields_keep_the_output_exact(world_server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     """A generation paused between VAE-decoded frames while a policy batch encodes with the same VAE (which
-    resets the decoder's feature cache) still produces exactly the MP4 of an undisturbed run."""
-    alone, meddled, gate = undisturbed_and_meddled(world_model_of(world_server.service.policy, "tiny-world"))
+    resets the decoder's feature cache) still produces exactly the frames and sound of an undisturbed run."""
+    alone, meddled, gate = undisturbed_and_meddled(world_model_of(world_server.service.policy, "tiny-world"),
+                                                   monkeypatch)
     assert gate.meddled >= 2 + 4  # steps and latent frames of the decode
-    assert alone.mp4 == meddled.mp4
+    assert same_media(alone, meddled)
 
 
-def test_generation_through_a_world_engine_yields_and_stays_exact(world_server: ServerThread) -> None:
+def test_generation_through_a_world_engine_yields_and_stays_exact(world_server: ServerThread,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """What a CUDA server does (`WorldModel.engine`, here without graphs): the job runs on the WorldEngine (its
-    Reasoner cache fills), still yields at every step and decoded frame, and equals an undisturbed run."""
+    Reasoner cache fills), still yields at every step and decoded frame, and equals an undisturbed run; with
+    every step split in two (`step_segments`, --generation-step-segments) it also yields once inside each step,
+    and the output stays the same."""
     from dataclasses import replace
 
     from wamrt.engine import EngineConfig
@@ -407,12 +435,18 @@ def test_generation_through_a_world_engine_yields_and_stays_exact(world_server: 
 
     base = world_model_of(world_server.service.policy, "tiny-world")
     assert base.engine is None  # a CPU server keeps run_world
-    engine = WorldEngine(base.model, base.encoder, base.tokenizer,
-                         EngineConfig(attention="auto", compile=False, cuda_graph=False, prompt_bucket=64))
-    alone, meddled, gate = undisturbed_and_meddled(replace(base, engine=engine))
+    config = EngineConfig(attention="auto", compile=False, cuda_graph=False, prompt_bucket=64)
+    engine = WorldEngine(base.model, base.encoder, base.tokenizer, config)
+    alone, meddled, gate = undisturbed_and_meddled(replace(base, engine=engine), monkeypatch)
     assert engine.kv_cache.misses == 2 and engine.kv_cache.hits == 2  # both branches, then cached
     assert gate.meddled >= 2 + 4
-    assert alone.mp4 == meddled.mp4 and alone.shape == meddled.shape == [13, 48, 32, 3]  # size is WxH
+    assert same_media(alone, meddled)
+
+    split = WorldEngine(base.model, base.encoder, base.tokenizer, config, step_segments=2)
+    split_alone, split_meddled, split_gate = undisturbed_and_meddled(replace(base, engine=split), monkeypatch)
+    steps = int(YIELD_FIELDS["num_inference_steps"])
+    assert split_gate.meddled == gate.meddled + steps  # one more yield inside every step
+    assert same_media(split_alone, alone) and same_media(split_meddled, alone)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -497,3 +531,18 @@ def test_stored_videos_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert set(jobs.content) == {"v1", "v3"} and "v2" not in jobs.records
     jobs.store("gone", b"x")  # deleted meanwhile: nothing stored
     assert "gone" not in jobs.content
+
+
+def test_generation_step_segments_flag_reaches_the_config_and_is_checked() -> None:
+    import argparse
+
+    from wamrt.serving.config import ServeConfigError
+    from wamrt.serving.server import add_arguments, config_from_args
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    assert config_from_args(ap.parse_args([])).generation_step_segments == ServeConfig.generation_step_segments
+    assert config_from_args(ap.parse_args(["--generation-step-segments", "3"])).generation_step_segments == 3
+    with pytest.raises(ServeConfigError) as err:
+        config_from_args(ap.parse_args(["--generation-step-segments", "0"]))
+    assert err.value.flag == "--generation-step-segments" and ">= 1" in str(err.value)

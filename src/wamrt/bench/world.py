@@ -16,6 +16,7 @@ import json
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -226,17 +227,30 @@ def run(args: argparse.Namespace) -> int:
 
 def compare_decodes(engine, request: dict, sampling: dict, runs: int = 3) -> dict[str, float]:
     """Median VAE decode (normalised latents -> float pixels on the device) of one request's latents with diffusers'
-    causal convolutions and with the engine's (`engine.vae_decode`), after one untimed call each."""
+    causal convolutions and norms (`diffusers_convs`), with implicit-padding convolutions only (`implicit_pad`) and
+    with the engine's default, implicit padding plus fused norm and SiLU (`implicit_pad_fused_norm`), after one
+    untimed call each (it absorbs the fused norm's compile)."""
+    from ..engine.vae_decode import implicit_pad_decoder
+
     latents = engine.run(**request, **sampling, generator=torch.Generator().manual_seed(0), decode=False).video_latents
+    vae = engine.encoder.vae
+    # (engine.implicit_pad_decode, swap around engine.decode_pixels): the engine swaps nothing when its flag is off,
+    # so the convolutions-only swap here never nests inside the engine's (the swap's lock is not reentrant).
+    variants = {
+        "diffusers_convs": (False, nullcontext),
+        "implicit_pad": (False, lambda: implicit_pad_decoder(vae, fuse_norms=False)),
+        "implicit_pad_fused_norm": (True, nullcontext),
+    }
     saved, out = engine.implicit_pad_decode, {}
     try:
-        for name, flag in (("diffusers_convs", False), ("implicit_pad", True)):
+        for name, (flag, swap) in variants.items():
             engine.implicit_pad_decode = flag
             times = []
             for i in range(runs + 1):
                 _sync(engine.device)
                 t0 = time.perf_counter()
-                engine.decode_pixels(engine.encoder, latents)
+                with swap():
+                    engine.decode_pixels(engine.encoder, latents)
                 _sync(engine.device)
                 if i:
                     times.append(1e3 * (time.perf_counter() - t0))

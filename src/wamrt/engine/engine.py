@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -478,22 +478,36 @@ class Engine:
         return sum(len(seqs) * cfg.num_attention_heads * (max(s.kv.length for s in seqs) + g_len) * cfg.head_dim
                    for seqs in kinds)
 
-    def _generator_step(self, tok: GeneratorTokens, bufs: _KVBuffers, rope: Rope, attn) -> GeneratorOutput:
+    def _generator_pieces(self, tok: GeneratorTokens, bufs: _KVBuffers, rope: Rope, attn,
+                          pause_after: Collection[int] = ()) -> Generator[None, None, GeneratorOutput]:
+        """One Generator pass that pauses (yields) after each layer index in `pause_after` and returns the
+        output: a world request captures each of its long steps as several graphs this way, so that a server can
+        hand the device to a policy request within a step (`WorldEngine(step_segments=...)`)."""
         model = self.model
         g = model.embed_generator(tok)
-        for layer, kbuf, vbuf in zip(model.layers, bufs.keys, bufs.values, strict=True):
+        for index, (layer, kbuf, vbuf) in enumerate(zip(model.layers, bufs.keys, bufs.values, strict=True)):
             q = self._pre(layer, g, rope, kbuf, vbuf, bufs.start)
             g = self._post(layer, g, attn(q, kbuf, vbuf, causal=False))
+            if index in pause_after:
+                yield
         return model.decode_generator(model.norm_moe_gen(g), tok)
+
+    def _generator_step(self, tok: GeneratorTokens, bufs: _KVBuffers, rope: Rope, attn) -> GeneratorOutput:
+        return run_to_end(self._generator_pieces(tok, bufs, rope, attn))
 
     def _velocities(self, groups: list, tok: GeneratorTokens, raw_dim: int | None) -> GeneratorOutput:
         """Velocities of every row of `groups` (see _step_batches), rows in group order; action columns from
         `raw_dim` on zeroed."""
+        return run_to_end(self._velocity_pieces(groups, tok, raw_dim))
+
+    def _velocity_pieces(self, groups: list, tok: GeneratorTokens, raw_dim: int | None,
+                         pause_after: Collection[int] = ()) -> Generator[None, None, GeneratorOutput]:
+        """`_velocities`, pausing after the layers in `pause_after` of each K/V-buffer group's pass."""
         outs = []
         for rows, kv, rope, attn in groups:
             sel = _select(tok, rows)
             if isinstance(kv, _KVBuffers):
-                outs.append(self._generator_step(sel, kv, rope, attn))
+                outs.append((yield from self._generator_pieces(sel, kv, rope, attn, pause_after)))
             else:
                 self.model.attention = attn
                 outs.append(self.model.generator_step(sel, rope, kv))
@@ -683,6 +697,15 @@ def _clone_seq(s: _Seq) -> _Seq:
 
 def _prefix_lengths(inp: DenoiseInputs) -> tuple[int, int]:
     return inp.cond.input_ids.shape[1], inp.uncond.input_ids.shape[1] if inp.uncond is not None else 0
+
+
+def run_to_end(pieces: Generator[None, None, Any]) -> Any:
+    """Runs a paused-computation generator (see `Engine._generator_pieces`) through and returns its result."""
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value
 
 
 def _select(tok: GeneratorTokens, rows: list[int]) -> GeneratorTokens:

@@ -1,26 +1,46 @@
-"""The Wan2.2 VAE decode with cheaper causal convolutions, swapped in for one decode only.
+"""The Wan2.2 VAE decode with cheaper causal convolutions and fused norms, swapped in for one decode only.
 
 diffusers' `WanCausalConv3d` copies its whole input into a zero-padded tensor (`F.pad`, time and space) before
 every convolution, and cuDNN converts that copy to channels-last and the output back. At 480x832x33 on the
 H200 the decode took 731 ms, of which 377 ms were convolutions and 350 ms copies, layout conversions and
-elementwise work (profile in bench/results/latency/2026-12-02-*-world/). Here the spatial padding is the
-convolution's own (implicit zeros: no copy), time padding is copied only while the causal cache is short
-(first frames), and the weights are kept channels-last, so cuDNN reads them as they are.
+elementwise work (profile in bench/results/latency/2026-12-02-*-world/). Two swaps cut the second part:
+
+* Convolutions: the spatial padding is the convolution's own (implicit zeros: no copy), time padding is copied
+  only while the causal cache is short (first frames), and the weights are kept channels-last, so cuDNN reads
+  them as they are.
+* Norms (`fuse_norms=True`, the default): diffusers' `WanRMS_norm` makes about seven passes over an activation
+  (upcast copy, norm reduction, divide, downcast, times scale, times gamma, plus a bias of 0.0) and the SiLU that
+  follows it in `WanResidualBlock` and at the decoder's head is one more. `rms_norm_silu` computes all of it from
+  one read and one write (on CUDA a `torch.compile`d kernel; elsewhere the same math eagerly), and the parent's
+  `nonlinearity` becomes `nn.Identity()` while the SiLU lives in the norm.
 
 Same function, other kernels: results equal diffusers' decode up to float rounding (the CPU test compares in
-fp32; in bf16 cuDNN's algorithm choice moves bits either way). The swap is a context manager on the decoder's
-modules so the shared VAE stays diffusers' own outside our decode (the encoder is never touched).
+fp32; in bf16 cuDNN's algorithm choice moves bits either way, and the fused norm rounds to bf16 once instead of
+after every step). The swap is a context manager on the decoder's modules so the shared VAE stays diffusers' own
+outside our decode (the encoder is never touched).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+from diffusers.models.autoencoders.autoencoder_kl_wan import (
+    WanCausalConv3d,
+    WanDecoder3d,
+    WanResidualBlock,
+    WanRMS_norm,
+)
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+RMS_NORM_EPS = 1e-12  # F.normalize's default, which diffusers' WanRMS_norm uses
 
 
 class _ImplicitPadCausalConv3d(WanCausalConv3d):
@@ -35,27 +55,161 @@ class _ImplicitPadCausalConv3d(WanCausalConv3d):
             front -= cache_x.shape[2]
         if front > 0:
             x = F.pad(x, (0, 0, 0, 0, front, 0))
-        return F.conv3d(x, self._channels_last_weight, self.bias, self.stride, (0, h_pad, w_pad), self.dilation,
-                        self.groups)
+        return F.conv3d(
+            x, self._channels_last_weight, self.bias, self.stride, (0, h_pad, w_pad), self.dilation, self.groups
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fused RMS norm (+ SiLU)
+
+
+def _rms_norm_silu_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | float, silu: bool) -> torch.Tensor:
+    # Elementwise ops and a keepdim reduction only: the output keeps x's memory format (channels-last activations
+    # from the channels-last convolutions stay channels-last, with no layout conversion before the next conv).
+    xf = x.float()
+    y = xf / torch.linalg.vector_norm(xf, dim=1, keepdim=True).clamp_min(RMS_NORM_EPS) * weight + bias
+    if silu:
+        y = F.silu(y)
+    return y.to(x.dtype)
+
+
+def _on_dense_rows(
+    fn: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | float, silu: bool
+) -> torch.Tensor:
+    """`fn(x, weight, bias, silu)` computed on x's memory seen as a contiguous [outer, C, inner] view (no copy), the
+    result viewed back in x's shape and memory format. The compiled kernel then sees at most a handful of kinds of
+    input (outer and inner one or more) instead of one per rank, frame count and layout (channels-last, contiguous,
+    the upsampler's frame-major output, ...), each of which would cost a recompile and could run into Dynamo's
+    recompile limit. An input with no such view (gaps, broadcast dims) goes to `fn` as it is."""
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # outermost dim first; stable for size-1 ties
+    dense = x.permute(order)
+    if not dense.is_contiguous():
+        return fn(x, weight, bias, silu)
+    at = order.index(1)
+    channels = x.shape[1]
+    rows = dense.view(math.prod(dense.shape[:at]), channels, math.prod(dense.shape[at + 1 :]))
+    if isinstance(bias, torch.Tensor):
+        bias = bias.reshape(channels, 1)
+    y = fn(rows, weight.reshape(channels, 1), bias, silu)
+    return y.view(dense.shape).permute(sorted(range(x.dim()), key=order.__getitem__))
+
+
+_compiled_rms_norm_silu: Callable[..., torch.Tensor] | None = None
+_compile_failed = False  # set once torch.compile has raised: eager from then on (warned once)
+_recompile_limit_warned = False
+COMPILED_DEVICE_TYPES = ("cuda",)  # elsewhere eager (CPU CI compares with diffusers in fp32)
+# Raised instead of compiling a new kind of input once Dynamo's recompile limit is reached (fullgraph=True); older
+# torch raises an `Unsupported` there, which the compile-failure branch takes.
+_RECOMPILE_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
+
+
+def rms_norm_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | float, silu: bool) -> torch.Tensor:
+    """`x / max(||x||_2 over dim 1, 1e-12) * weight + bias`, then SiLU if `silu`, computed in fp32 and rounded to
+    x's dtype once; `weight` is diffusers' `scale * gamma` in fp32, shaped like gamma ([C, 1, ...]). On CUDA one
+    compiled kernel: one read and one write of x where diffusers' norm and SiLU make about eight passes.
+    `dynamic=True` and the [outer, C, inner] view (`_on_dense_rows`) let the decoder's many shapes share a few
+    graphs; `silu` is a Python bool, so it specialises them."""
+    global _compiled_rms_norm_silu, _compile_failed, _recompile_limit_warned
+    if x.device.type not in COMPILED_DEVICE_TYPES or _compile_failed:
+        return _rms_norm_silu_eager(x, weight, bias, silu)
+    if _compiled_rms_norm_silu is None:
+        _compiled_rms_norm_silu = torch.compile(_rms_norm_silu_eager, dynamic=True, fullgraph=True)
+    try:
+        return _on_dense_rows(_compiled_rms_norm_silu, x, weight, bias, silu)
+    except _RECOMPILE_LIMIT_HIT as e:  # e.g. decodes in several dtypes: the kinds compiled so far stay compiled
+        if not _recompile_limit_warned:
+            _recompile_limit_warned = True
+            log.warning(
+                "VAE fused RMS norm: Dynamo's recompile limit reached; new kinds of input (here %s %s, "
+                "strides %s) run eagerly: %s",
+                x.dtype,
+                tuple(x.shape),
+                x.stride(),
+                e,
+            )
+        return _rms_norm_silu_eager(x, weight, bias, silu)
+    except torch._dynamo.exc.TorchDynamoException as e:  # a compile failure (Inductor's errors included), not OOM
+        _compile_failed = True
+        log.warning("torch.compile of the VAE's fused RMS norm failed; running it eagerly from now on: %s", e)
+        return _rms_norm_silu_eager(x, weight, bias, silu)
+
+
+class _FusedRMSNorm(WanRMS_norm):
+    """`WanRMS_norm` (+ the parent's SiLU when `_fused_silu`) as one `rms_norm_silu` call."""
+
+    _fused_weight: torch.Tensor
+    _fused_bias: torch.Tensor | float
+    _fused_silu: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_silu(x, self._fused_weight, self._fused_bias, self._fused_silu)
+
+
+# Every use of `self.nonlinearity` in these diffusers classes' forward comes directly after one of these norms
+# (WanResidualBlock: norm1 -> SiLU, norm2 -> SiLU, then dropout; WanDecoder3d: norm_out -> SiLU; diffusers 0.42.1),
+# so with the SiLU inside those norms the parent's own becomes an identity. Other blocks with a `nonlinearity`
+# (the encoder's) are never touched; the attention block's norm gets no SiLU.
+_NORMS_BEFORE_NONLINEARITY: dict[type[nn.Module], tuple[str, ...]] = {
+    WanResidualBlock: ("norm1", "norm2"),
+    WanDecoder3d: ("norm_out",),
+}
+_FUSED_ATTRS = ("_fused_weight", "_fused_bias", "_fused_silu")
+
+
+def _swap_norms(decoder: nn.Module, stack: ExitStack) -> None:
+    """Makes `decoder`'s norms `_FusedRMSNorm`s (with their parent's SiLU where it follows them); `stack` undoes it."""
+    norms = [m for m in decoder.modules() if type(m) is WanRMS_norm and m.channel_first]
+    silu_norms: set[int] = set()
+    for parent in list(decoder.modules()):
+        names = _NORMS_BEFORE_NONLINEARITY.get(type(parent))
+        if names is None or type(getattr(parent, "nonlinearity", None)) is not nn.SiLU:
+            continue
+        followed = [getattr(parent, n, None) for n in names]
+        if not all(type(n) is WanRMS_norm and n.channel_first for n in followed):
+            continue  # the SiLU stays where it is unless every norm before it takes it over
+        silu_norms.update(id(n) for n in followed)
+        saved = parent.nonlinearity
+        parent.nonlinearity = nn.Identity()
+        stack.callback(setattr, parent, "nonlinearity", saved)
+    for m in norms:
+        # Made on every entry (C floats each), so weights loaded between decodes are never stale.
+        bias = m.bias.detach().float() if isinstance(m.bias, torch.Tensor) else m.bias
+        m.__dict__.update(
+            _fused_weight=m.gamma.detach().float() * m.scale, _fused_bias=bias, _fused_silu=id(m) in silu_norms
+        )
+        m.__class__ = _FusedRMSNorm
+        stack.callback(_unfuse_norm, m)
+
+
+def _unfuse_norm(m: nn.Module) -> None:
+    m.__class__ = WanRMS_norm
+    for attr in _FUSED_ATTRS:
+        m.__dict__.pop(attr, None)
+
+
+def _swap_convs(decoder: nn.Module, stack: ExitStack) -> None:
+    for m in [m for m in decoder.modules() if type(m) is WanCausalConv3d]:
+        cached = m.__dict__.get("_channels_last_weight")
+        if cached is None or cached.dtype != m.weight.dtype or cached.device != m.weight.device:
+            # A channels-last copy made once (the decoder's weights are a few hundred MB in bf16).
+            m.__dict__["_channels_last_weight"] = m.weight.detach().to(memory_format=torch.channels_last_3d)
+        m.__class__ = _ImplicitPadCausalConv3d
+        stack.callback(setattr, m, "__class__", WanCausalConv3d)
 
 
 _swap_lock = threading.Lock()  # one decode at a time swaps the classes (a second waits rather than un-swapping)
 
 
 @contextmanager
-def implicit_pad_decoder(vae: torch.nn.Module) -> Iterator[None]:
-    """Within the block, `vae.decoder`'s causal convolutions run `_ImplicitPadCausalConv3d.forward`."""
+def implicit_pad_decoder(vae: torch.nn.Module, fuse_norms: bool = True) -> Iterator[None]:
+    """Within the block, `vae.decoder`'s causal convolutions run `_ImplicitPadCausalConv3d.forward` and, with
+    `fuse_norms`, its RMS norms (and the SiLUs after them) run `rms_norm_silu`; all is diffusers' own again after.
+    Not reentrant: a nested block on any VAE waits for ever on the lock."""
     decoder = getattr(vae, "decoder", None)
-    convs = [m for m in decoder.modules() if type(m) is WanCausalConv3d] if decoder is not None else []
-    with _swap_lock:
-        for m in convs:
-            cached = m.__dict__.get("_channels_last_weight")
-            if cached is None or cached.dtype != m.weight.dtype or cached.device != m.weight.device:
-                # A channels-last copy made once (the decoder's weights are a few hundred MB in bf16).
-                m.__dict__["_channels_last_weight"] = m.weight.detach().to(memory_format=torch.channels_last_3d)
-            m.__class__ = _ImplicitPadCausalConv3d
-        try:
-            yield
-        finally:
-            for m in convs:
-                m.__class__ = WanCausalConv3d
+    with _swap_lock, ExitStack() as undo:  # undo runs first (last in, first out), also when the body raises
+        if decoder is not None:
+            _swap_convs(decoder, undo)
+            if fuse_norms:
+                _swap_norms(decoder, undo)
+        yield

@@ -7,7 +7,8 @@ decode); the engine swaps in its denoising loop and its VAE decode:
 * one CUDA graph per step, captured once per shape bucket. Not one graph for the whole loop as the policy
   path does: a 35-step video takes seconds, and a server must be able to report progress, cancel and hand
   the device to queued policy requests between steps. A replay costs the same either way; between steps the
-  host only launches the next graph;
+  host only launches the next graph. A server splits each step further (`step_segments`: graphs of a few
+  layers each), so a policy request that arrives mid-step waits for a fraction of a step, not all of it;
 * prompts padded to `prompt_bucket`-token buckets (zero keys, see `EngineConfig.bucket_attention`), so a new
   prompt length does not cost a capture;
 * the VAE decode without diffusers' padded copy before every causal convolution (`vae_decode`), its frames
@@ -18,9 +19,10 @@ Results equal `run_world`'s up to bf16 rounding (GPU test) and exactly in fp32 o
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,13 +34,19 @@ from ..pipeline.tokens import CaptionTokenizer, as_caption_tokenizer
 from ..pipeline.vae import FrameEncoder
 from ..pipeline.world import WorldResult, run_world
 from ..sampler import Anchor, DistilledPlan, cfg_combine, guidance_active, make_anchor
-from .engine import Engine, EngineConfig, _clone_seq, _Seq
+from .engine import Engine, EngineConfig, _clone_seq, _Seq, run_to_end
 from .graph_cache import CapturedGraph, CaptureTimer, GraphKey
 from .vae_decode import implicit_pad_decoder
 
 # World prompts differ per request (prompt, negative prompt, duration/resolution sentences): without buckets
 # every new prompt length would be a capture (a full loop's warm-up).
 WORLD_ENGINE_CONFIG = EngineConfig(prompt_bucket=64, graph_cache_size=8)
+
+
+def segment_ends(layers: int, segments: int) -> frozenset[int]:
+    """The last layer of every segment but the final one (which also runs the output head and the solver), for
+    `segments` runs of consecutive layers as even as they come."""
+    return frozenset(round(k * layers / segments) - 1 for k in range(1, segments))
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,10 +64,10 @@ class _LoopSpec:
 
 
 class _WorldLoop:
-    """One request's denoising loop as one segment per step over shared state, so that each segment can be
-    captured as its own CUDA graph and progress, cancellation and yielding fall between them. Segment 0 also
-    writes the Reasoner prefixes into the step's K/V buffers (the prologue), so a replay of segment 0 reads
-    whatever prefixes were copied into the static inputs."""
+    """One request's denoising loop as segments over shared state (one per step, or `step_segments` per step),
+    so that each segment can be captured as its own CUDA graph and progress, cancellation and yielding fall
+    between them. Segment 0 also writes the Reasoner prefixes into the step's K/V buffers (the prologue), so a
+    replay of segment 0 reads whatever prefixes were copied into the static inputs."""
 
     def __init__(self, engine: WorldEngine, x_v: torch.Tensor, x_s: torch.Tensor | None, static: dict,
                  conds: list[_Seq], unconds: list[_Seq], spec: _LoopSpec) -> None:
@@ -69,9 +77,13 @@ class _WorldLoop:
         self.x_v, self.x_s = x_v, x_s
         self.hist_v, self.hist_s = self.plan.init_history(), self.plan.init_history()
         self.kinds: dict | None = None
-        self.graphs: list = []  # one captured graph per step, when captured
+        self.graphs: list[list] = []  # per step, its captured segments' graphs, when captured
 
     def step(self, i: int) -> None:
+        run_to_end(self.pieces(i))
+
+    def pieces(self, i: int) -> Generator[None, None, None]:
+        """Step `i`, pausing (yielding) where the engine splits a step into segments."""
         engine, spec = self.engine, self.spec
         if self.kinds is None:
             engine._kinds_needed = set(spec.cfg_steps)
@@ -82,7 +94,7 @@ class _WorldLoop:
             vision=self.x_v.to(dtype), vision_noisy=self.static["vision_noisy"],
             sound=None if self.x_s is None else self.x_s.to(dtype), sound_noisy=self.static.get("sound_noisy"),
         )
-        vel = engine._velocities(self.kinds[spec.cfg_steps[i]], tok, None)
+        vel = yield from engine._velocity_pieces(self.kinds[spec.cfg_steps[i]], tok, None, engine.pause_after)
 
         def combine(v: torch.Tensor) -> torch.Tensor:  # rows [cond; uncond] -> guided velocity (pipeline.denoise)
             if spec.upcast:
@@ -101,23 +113,34 @@ class WorldEngine(Engine):
 
     def __init__(self, model, encoder: FrameEncoder, tokenizer: CaptionTokenizer | Any,
                  config: EngineConfig = WORLD_ENGINE_CONFIG, *, name: str = "",
-                 implicit_pad_decode: bool = True) -> None:
+                 implicit_pad_decode: bool = True, step_segments: int = 1) -> None:
+        """`step_segments` > 1 splits every denoising step into that many segments of consecutive layers (each
+        its own graph; `on_segment` runs between them): for a server that yields the device to policy requests
+        mid-step. Alone (a benchmark, `wamrt generate`) one segment per step is the fastest: no host sync
+        between segments."""
         if config.isolate_requests:
             raise ValueError("isolate_requests is a policy-batching switch; a world request always runs alone")
+        layers = len(model.layers)
+        if not 1 <= step_segments <= layers:
+            raise ValueError(f"step_segments must be in [1, {layers}] (the model's layers), got {step_segments}")
         super().__init__(model, encoder, as_caption_tokenizer(tokenizer), config=config, name=name)
         self.implicit_pad_decode = implicit_pad_decode
+        self.step_segments = step_segments
+        self.pause_after = segment_ends(layers, step_segments)
 
-    def run(self, **kwargs: Any) -> WorldResult:
-        """`run_world(model, encoder, tokenizer, **kwargs)` with this engine's loop and decode."""
-        return run_world(self.model, self.encoder, self.tokenizer, denoiser=self.denoise, decoder=self.decode_pixels,
-                         **kwargs)
+    def run(self, *, on_segment: Callable[[], None] | None = None, **kwargs: Any) -> WorldResult:
+        """`run_world(model, encoder, tokenizer, **kwargs)` with this engine's loop and decode; `on_segment` is
+        called between the segments of a step (see `step_segments`), after the device finished the previous one."""
+        return run_world(self.model, self.encoder, self.tokenizer,
+                         denoiser=partial(self.denoise, on_segment=on_segment), decoder=self.decode_pixels, **kwargs)
 
-    def run_distilled(self, **kwargs: Any) -> WorldResult:
+    def run_distilled(self, *, on_segment: Callable[[], None] | None = None, **kwargs: Any) -> WorldResult:
         """`run_world_distilled(model, encoder, tokenizer, **kwargs)` (a distilled checkpoint's few-step sampler)
-        with this engine's loop and decode."""
+        with this engine's loop and decode; `on_segment` as in `run`."""
         from ..pipeline.world_distilled import run_world_distilled
 
-        return run_world_distilled(self.model, self.encoder, self.tokenizer, denoiser=self.denoise_distilled,
+        return run_world_distilled(self.model, self.encoder, self.tokenizer,
+                                   denoiser=partial(self.denoise_distilled, on_segment=on_segment),
                                    decoder=self.decode_pixels, **kwargs)
 
     def decode_pixels(self, encoder: FrameEncoder, latents: torch.Tensor, *, notes: list[str] | None = None
@@ -131,7 +154,8 @@ class WorldEngine(Engine):
 
     # ---------------------------------------------------------------------------------------------
     def denoise(self, model, inp: DenoiseInputs, opts: SamplingOptions, *,
-                on_step: Callable[[int, int], None] | None = None, **_: Any) -> DenoiseResult:
+                on_step: Callable[[int, int], None] | None = None, on_segment: Callable[[], None] | None = None,
+                **_: Any) -> DenoiseResult:
         """`pipeline.denoise.denoise` on the fast path (same signature; `record` and `clock` are not offered)."""
         self._check_inputs(model, inp)
         timesteps = tuple(opts.make_schedule().timesteps.tolist())
@@ -143,10 +167,11 @@ class WorldEngine(Engine):
         spec = _LoopSpec(timesteps, cfg_steps, opts.guidance, upcast=not opts.cfg_in_model_dtype,
                          solver=lambda _static: plan,
                          key=("unipc", timesteps, cfg_steps, opts.guidance, opts.solver, opts.cfg_in_model_dtype))
-        return self._denoise_world(inp, {}, spec, on_step)
+        return self._denoise_world(inp, {}, spec, on_step, on_segment)
 
     def denoise_distilled(self, model, inp: DenoiseInputs, plan: DistilledPlan, noise: torch.Tensor | None, *,
-                          on_step: Callable[[int, int], None] | None = None, **_: Any) -> DenoiseResult:
+                          on_step: Callable[[int, int], None] | None = None,
+                          on_segment: Callable[[], None] | None = None, **_: Any) -> DenoiseResult:
         """`pipeline.world_distilled.denoise_distilled` on the fast path: the conditional branch only, the
         pre-drawn re-noising draws and the clean-frame anchor as graph inputs."""
         self._check_inputs(model, inp)
@@ -169,7 +194,7 @@ class WorldEngine(Engine):
         spec = _LoopSpec(tuple(plan.timesteps), (False,) * steps, 1.0, upcast=True, solver=solver,
                          key=("distilled", tuple(plan.timesteps), tuple(plan.sigmas.tolist()), plan.stochastic,
                               anchored))
-        return self._denoise_world(inp, extra, spec, on_step, need_uncond=False)
+        return self._denoise_world(inp, extra, spec, on_step, on_segment, need_uncond=False)
 
     def _check_inputs(self, model, inp: DenoiseInputs) -> None:
         if model is not self.model:
@@ -178,7 +203,8 @@ class WorldEngine(Engine):
             raise ValueError("WorldEngine runs world generation; action modes go through Engine / the pipeline")
 
     def _denoise_world(self, inp: DenoiseInputs, extra: dict[str, torch.Tensor], spec: _LoopSpec,
-                       on_step: Callable[[int, int], None] | None, need_uncond: bool | None = None) -> DenoiseResult:
+                       on_step: Callable[[int, int], None] | None, on_segment: Callable[[], None] | None,
+                       need_uncond: bool | None = None) -> DenoiseResult:
         timings: dict[str, float] = {}
         with torch.inference_mode():
             self._sync()
@@ -195,11 +221,15 @@ class WorldEngine(Engine):
                 static["sound_noisy"] = inp.sound_noisy
             steps = len(spec.timesteps)
             if self.config.cuda_graph:
-                x_v, x_s = self._replay(inp.vision, inp.sound, static, conds, unconds, spec, on_step=on_step)
+                x_v, x_s = self._replay(inp.vision, inp.sound, static, conds, unconds, spec, on_step=on_step,
+                                        on_segment=on_segment)
             else:
                 loop = _WorldLoop(self, inp.vision, inp.sound, static, conds, unconds, spec)
                 for i in range(steps):
-                    loop.step(i)
+                    for _ in loop.pieces(i):
+                        if on_segment is not None:
+                            self._sync()
+                            on_segment()
                     if on_step is not None:
                         self._sync()
                         on_step(i, steps)
@@ -213,7 +243,7 @@ class WorldEngine(Engine):
         return GraphKey(1, tuple(x_v.shape[1:]), (), self._bucket_lengths(conds, unconds), sampler,
                         bucketed=bool(self.config.prompt_bucket))
 
-    def _replay(self, x_v, x_s, static, conds, unconds, spec: _LoopSpec, *, on_step):
+    def _replay(self, x_v, x_s, static, conds, unconds, spec: _LoopSpec, *, on_step, on_segment=None):
         key = self._world_key(x_v, x_s, conds, unconds, spec)
         entry = self.graphs.get(key)
         if entry is None:
@@ -232,11 +262,16 @@ class WorldEngine(Engine):
             dst_tensors += dst.kv.keys + dst.kv.values + [dst.rope.cos, dst.rope.sin] + masks[0]
             src_tensors += src.kv.keys + src.kv.values + [src.rope.cos, src.rope.sin] + masks[1]
         torch._foreach_copy_(dst_tensors, src_tensors)
-        for i, segment in enumerate(entry.graph):
-            segment.replay()
+        steps = len(entry.graph)
+        for i, segments in enumerate(entry.graph):
+            for j, segment in enumerate(segments):
+                segment.replay()
+                if on_segment is not None and j + 1 < len(segments):
+                    self._sync()  # a yield must leave no queued segment in front of the policy request
+                    on_segment()
             if on_step is not None:
                 self._sync()  # progress means done; and a yield must leave no queued step in front of others
-                on_step(i, len(entry.graph))
+                on_step(i, steps)
         assert entry.outputs is not None
         x_v_out, x_s_out = entry.outputs
         return x_v_out.clone(), None if x_s_out is None else x_s_out.clone()
@@ -267,12 +302,13 @@ class WorldEngine(Engine):
         return entry
 
     def _record_segments(self, new_loop: Callable[[], _WorldLoop], steps: int) -> _WorldLoop:
-        """Warm up one step of each kind (compile, autotune, cuDNN plans happen there), then capture every step
-        as its own graph in the pool all graphs share, in replay order. The state one segment leaves for the next
-        (latents, solver history) is referenced by the loop object while the next is captured, so a later
-        capture only reuses memory the loop had already let go of; replays in capture order then never overwrite
-        a tensor that is still to be read. Returns the loop with `graphs` set. (The only CUDA-specific step: CPU
-        tests stand in for it.)"""
+        """Warm up one step of each kind (compile, autotune, cuDNN plans happen there), then capture every
+        segment (a step, or a part of one: `step_segments`) as its own graph in the pool all graphs share, in
+        replay order. The state one segment leaves for the next (latents, solver history, a step's hidden states
+        between its segments) is referenced by the loop object (or the step's paused generator) while the next is
+        captured, so a later capture only reuses memory already let go of; replays in capture order then never
+        overwrite a tensor that is still to be read. Returns the loop with `graphs` set. (The only CUDA-specific
+        step: CPU tests stand in for it.)"""
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
@@ -287,8 +323,14 @@ class WorldEngine(Engine):
         torch.cuda.current_stream(self.device).wait_stream(side)
         loop = new_loop()
         for i in range(steps):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                loop.step(i)
-            loop.graphs.append(graph)
+            pieces, graphs, finished = loop.pieces(i), [], False
+            while not finished:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._graph_pool):
+                    try:
+                        next(pieces)
+                    except StopIteration:
+                        finished = True
+                graphs.append(graph)
+            loop.graphs.append(graphs)
         return loop

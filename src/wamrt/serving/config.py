@@ -36,6 +36,10 @@ class ServeConfig:
     # video jobs never take the policy queue's slots).
     max_video_pixels: int = 1280 * 720 * 189
     max_generation_jobs: int = 4
+    # CUDA servers: every denoising step of a generation job is captured as this many segments of consecutive
+    # layers (at most one per layer), and a policy request waits for the segment in flight, not the whole step
+    # (a 480p i2v step is ~190 ms on Nano; each segment adds a host sync, ~0.05 ms).
+    generation_step_segments: int = 12
     model_name: str = "tiny-droid"
     # The fast engine's EngineConfig.prompt_bucket (0: exact prompt lengths). On by default since it costs nothing
     # measurable (H200, 2026-12-02: E5-bucket / E5 = 0.98 at Edge, 0.99 at Nano) and spares every new instruction
@@ -54,6 +58,9 @@ class ServeConfig:
             raise ServeConfigError(f"must be >= 256 pixels, got {self.max_video_pixels}", flag="--max-video-pixels")
         if self.max_generation_jobs < 1:
             raise ServeConfigError(f"must be >= 1, got {self.max_generation_jobs}", flag="--max-generation-jobs")
+        if self.generation_step_segments < 1:
+            raise ServeConfigError(f"must be >= 1, got {self.generation_step_segments}",
+                                   flag="--generation-step-segments")
         # Checked here, not only in the engine: a typo should fail at startup naming the flag, before a
         # model is built (minutes at Nano), and on every path that makes a config (CLI, Ray replicas).
         if self.prompt_bucket < 0:

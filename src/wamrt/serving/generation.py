@@ -9,8 +9,10 @@ and held by `WorldModel.schedule`; `build_generation` reads the request fields f
 Scheduling. Generation runs on its own thread (`GenerationWorker`, one job at a time, its own bounded
 queue of `max_generation_jobs`), and shares the device with the policy queue through the batcher's
 `DeviceGate`: it holds the device for one segment at a time (prefill plus the first denoising step, each
-further step, the VAE / sound decode) and between segments (the pipelines' `on_step`) it gives the device up
-for as long as any policy request is queued or running.
+further step, each latent frame of the VAE decode, the sound decode) and between segments (the pipelines'
+`on_step`, the decoder's per-frame hook) it gives the device up for as long as any policy request is queued or
+running. On CUDA servers the `WorldEngine` splits every step further into `--generation-step-segments` graphs of
+consecutive layers and yields between them too (`on_segment`), so a 480p step of ~190 ms is ~16 ms segments.
 So a policy request waits at most one generation segment, and a video job never takes a slot of the policy
 queue. The same `on_step` reports progress and stops a cancelled job (DELETE, or its /sync client left)
 between steps; the job's tensors go with the unwound stack.
@@ -92,17 +94,18 @@ class WorldModel:
     schedule: DistilledSchedule | None = None  # None: UniPC with CFG (`run_world`)
     engine: Any | None = None  # a `WorldEngine` (served fast engine on CUDA), else None: the eager pipelines
 
-    def run(self, **kwargs: Any) -> Any:
+    def run(self, *, on_segment: Callable[[], None] | None = None, **kwargs: Any) -> Any:
         """One request with the served sampler (`run_world`, or `run_world_distilled` with the checkpoint's
-        schedule), through the engine when there is one."""
+        schedule), through the engine when there is one; `on_segment` runs inside every step where the engine
+        splits it (`WorldEngine.step_segments`; the eager pipelines have no such points)."""
         if self.schedule is not None:
             if self.engine is not None:
-                return self.engine.run_distilled(schedule=self.schedule, **kwargs)
+                return self.engine.run_distilled(schedule=self.schedule, on_segment=on_segment, **kwargs)
             from ..pipeline.world_distilled import run_world_distilled
 
             return run_world_distilled(self.model, self.encoder, self.tokenizer, schedule=self.schedule, **kwargs)
         if self.engine is not None:
-            return self.engine.run(**kwargs)
+            return self.engine.run(on_segment=on_segment, **kwargs)
         from ..pipeline.world import run_world
 
         return run_world(self.model, self.encoder, self.tokenizer, **kwargs)
@@ -196,11 +199,12 @@ def resolve_sampler(sampler: str, checkpoint: str) -> DistilledSchedule | None:
                                flag="--sampler") from exc
 
 
-def world_model_of(policy: Any, checkpoint: str, sampler: str = "auto") -> WorldModel | None:
+def world_model_of(policy: Any, checkpoint: str, sampler: str = "auto", *,
+                   step_segments: int = 1) -> WorldModel | None:
     """The served policy's (or fast engine's) model/encoder/tokenizer as a `WorldModel`; None when it has none
     (a stand-in policy, a multi-GPU front end). The sound tokenizer is loaded only for a transformer with
     sound heads, from the loaded checkpoint (`policy.name`) or else the served one (`checkpoint`); the sampler
-    is `resolve_sampler(sampler, checkpoint)`."""
+    is `resolve_sampler(sampler, checkpoint)`; `step_segments` is the `WorldEngine`'s (capped at the layers)."""
     if not all(hasattr(policy, a) for a in ("model", "encoder", "tokenizer")):
         return None
     schedule = resolve_sampler(sampler, checkpoint)
@@ -213,10 +217,11 @@ def world_model_of(policy: Any, checkpoint: str, sampler: str = "auto") -> World
             from ..pipeline.sound import SoundDecoder, load_sound_tokenizer
 
             sound = SoundDecoder(load_sound_tokenizer(folder, device=model_device(policy.model)))
-    return WorldModel(policy.model, policy.encoder, policy.tokenizer, sound, schedule, _world_engine(policy))
+    return WorldModel(policy.model, policy.encoder, policy.tokenizer, sound, schedule,
+                      _world_engine(policy, step_segments))
 
 
-def _world_engine(policy: Any) -> Any | None:
+def _world_engine(policy: Any, step_segments: int = 1) -> Any | None:
     """A `WorldEngine` sharing the served fast engine's model, VAE and tokenizer (its own compiled wrappers, graph
     pool and K/V arena; one of them runs at a time, see `DeviceGate`), when that engine runs CUDA graphs; else
     None (CPU servers and the eager reference policy keep `run_world`)."""
@@ -228,7 +233,8 @@ def _world_engine(policy: Any) -> Any | None:
     if not isinstance(policy, Engine) or not policy.config.cuda_graph or policy.device.type != "cuda":
         return None
     config = replace(WORLD_ENGINE_CONFIG, attention=policy.config.attention, compile_mode=policy.config.compile_mode)
-    return WorldEngine(policy.model, policy.encoder, policy.tokenizer, config, name=policy.name)
+    return WorldEngine(policy.model, policy.encoder, policy.tokenizer, config, name=policy.name,
+                       step_segments=min(step_segments, len(policy.model.layers)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -702,6 +708,17 @@ class GenerationWorker:
             release()  # a segment ends here: waiting policy batches run now
             acquire()  # raises GenerationCancelled when the job was cancelled meanwhile
 
+        def mid_step() -> None:
+            """Between two segments of one denoising step (the engine's `step_segments`): hand the device over
+            only when a policy request waits; the step's state stays in the engine's graph buffers meanwhile."""
+            if job.cancelled():
+                raise GenerationCancelled("cancelled")
+            if not gate.demand:
+                yield_point()
+                return
+            release()
+            acquire()
+
         vae = getattr(world.encoder, "vae", None)
 
         def decode_yield(keep_vae_cache: bool = True) -> None:
@@ -738,7 +755,7 @@ class GenerationWorker:
                 acquire()
                 generator = torch.Generator().manual_seed(seed + k)
                 extra = {"sound_decoder": sound} if world.schedule is None else {}  # distilled: no sound
-                result = world.run(**req.kwargs, **extra, generator=generator, on_step=on_step)
+                result = world.run(**req.kwargs, **extra, generator=generator, on_step=on_step, on_segment=mid_step)
                 release()
                 assert result.frames is not None
                 outputs.append((result.frames.numpy(),

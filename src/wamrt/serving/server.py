@@ -39,6 +39,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          f"(default {ServeConfig.max_video_pixels} = 1280x720 x 189 frames); larger ones get 400")
     ap.add_argument("--max-generation-jobs", type=int, default=ServeConfig.max_generation_jobs, metavar="N",
                     help="world-generation jobs queued or running at once (their own queue; over it: busy, 429)")
+    ap.add_argument("--generation-step-segments", type=int, default=ServeConfig.generation_step_segments,
+                    metavar="N",
+                    help="CUDA servers: split every denoising step of a generation job into N graphs of consecutive "
+                         "layers (at most one per layer), so a policy request waits for 1/N of a step, not a whole "
+                         f"step (default {ServeConfig.generation_step_segments}); see docs/serving.md")
     ap.add_argument("--sampler", choices=SAMPLER_CHOICES, default="auto",
                     help="world generation's sampler: auto = the checkpoint's (the distilled few-step sampler when "
                          "the checkpoint folder declares a distilled schedule, else UniPC with CFG); unipc; distilled "
@@ -84,6 +89,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         safety_file=args.safety, warmup_requests=args.warmup, model_name=str(args.model),
         prompt_bucket=args.prompt_bucket, prompt_width=args.prompt_width, batch_invariant=args.batch_invariant,
         max_video_pixels=args.max_video_pixels, max_generation_jobs=args.max_generation_jobs, sampler=args.sampler,
+        generation_step_segments=args.generation_step_segments,
     )
 
 

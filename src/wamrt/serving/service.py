@@ -74,7 +74,8 @@ class Service:
         # World generation (text/image/video -> video, text -> image) on the served checkpoint; None if the
         # engine exposes no model/VAE/tokenizer. Its sound tokenizer is loaded here when the transformer has
         # sound heads and the checkpoint ships one, and its sampler (UniPC or distilled) is decided here.
-        self.world = world_model_of(policy, config.model_name, config.sampler)
+        self.world = world_model_of(policy, config.model_name, config.sampler,
+                                    step_segments=config.generation_step_segments)
         self.generation: GenerationWorker | None = None
         self._tokenizer = getattr(policy, "tokenizer", None)
         self._token_counts: dict[str, int] = {}
