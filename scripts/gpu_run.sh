@@ -156,7 +156,7 @@ print("world-serve: policy p50/p99 ms " + " | ".join(lat) + "; generation jobs d
 for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
     print(sq, sk, m((2, 32, sq, 128), 32, sk, dtype=torch.bfloat16, device=torch.device("cuda")))' 2>&1 \
              | tee -a "$res/log.txt" ;;
-    world-tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_world_engine_gpu.py \
+    world-tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_world_engine_gpu.py tests/engine/test_vae_decode.py \
              2>&1 | tee "$res/log.txt" ;;
     tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_engine_gpu.py tests/engine/test_bucket_attention.py tests/sampler 2>&1 \
              | tee "$res/log.txt" ;;
