@@ -152,12 +152,14 @@ class _RerunStep:
 
 
 class RerunWorldEngine(WorldEngine):
-    def _record_segments(self, new_loop, steps):
+    def _record_segments(self, new_loop, steps, between=None):
         loop = new_loop()
         for i in range(steps):
             before = (loop.x_v, loop.x_s, loop.hist_v, loop.hist_s)
             loop.step(i)
             loop.graphs.append([_RerunStep(loop, i, before, (loop.x_v, loop.x_s, loop.hist_v, loop.hist_s))])
+            if between is not None:
+                between()
         return loop
 
 
@@ -179,6 +181,18 @@ def test_world_graph_path_refreshes_its_inputs_on_cpu(stack) -> None:
     want = _reference(stack, **_request("text2video_sound", 4))
     _assert_same_result(engine.run(sound_decoder=stack[2], **_request("text2video_sound", 4)), want)
     assert len(engine.graphs) == 2  # sound changes the shapes: a second bucket
+
+
+def test_world_capture_hands_the_host_back_between_segments_on_cpu(stack) -> None:
+    """A server's `on_segment` also runs while a new shape is captured (after every recorded segment), so a
+    capture does not hold policy requests up for its whole length; replays of one-segment steps never call it."""
+    engine = _engine(stack, RerunWorldEngine)
+    engine.config = replace(engine.config, cuda_graph=True)
+    calls: list[int] = []
+    engine.run(sound_decoder=stack[2], on_segment=lambda: calls.append(1), **_request("image2video", 0))
+    assert len(calls) == STEPS and engine.graphs.captures == 1
+    engine.run(sound_decoder=stack[2], on_segment=lambda: calls.append(2), **_request("image2video", 1))
+    assert len(calls) == STEPS and engine.graphs.captures == 1
 
 
 DISTILLED_CASES: dict[str, dict[str, Any]] = {

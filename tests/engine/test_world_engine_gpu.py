@@ -78,7 +78,10 @@ def _check_engine_path(tmp_path, reference_fn: Callable, engine_method: str, see
     # A server's engine: every step captured as 3 segments of layers, the host called between them.
     segmented = WorldEngine(model, encoder, tokenizer, step_segments=3)
     pauses: list[int] = []
-    getattr(segmented, engine_method)(generator=gen(), **request)  # captures
+    # The capture hands the host back after every warm-up step and recorded segment, then the replay.
+    getattr(segmented, engine_method)(generator=gen(), on_segment=lambda: pauses.append(0), **request)
+    assert len(pauses) >= 3 * n_steps + 2
+    pauses.clear()
     split = getattr(segmented, engine_method)(generator=gen(), on_segment=lambda: pauses.append(1),
                                               **request).video_latents
     assert len(pauses) == 2 * n_steps

@@ -248,7 +248,7 @@ class WorldEngine(Engine):
         entry = self.graphs.get(key)
         if entry is None:
             with CaptureTimer(self.device) as timer:
-                entry = self._capture_world(x_v, x_s, static, conds, unconds, spec)
+                entry = self._capture_world(x_v, x_s, static, conds, unconds, spec, between=on_segment)
             entry.seconds, entry.nbytes = timer.seconds, timer.nbytes
             self.graphs.add(key, entry)
         ins = entry.inputs
@@ -276,7 +276,8 @@ class WorldEngine(Engine):
         x_v_out, x_s_out = entry.outputs
         return x_v_out.clone(), None if x_s_out is None else x_s_out.clone()
 
-    def _capture_world(self, x_v, x_s, static, conds, unconds, spec: _LoopSpec) -> CapturedGraph:
+    def _capture_world(self, x_v, x_s, static, conds, unconds, spec: _LoopSpec, *,
+                       between: Callable[[], None] | None = None) -> CapturedGraph:
         entry = CapturedGraph()
         seqs = [_clone_seq(s) for s in conds + unconds]
         s_conds, s_unconds = seqs[: len(conds)], seqs[len(conds):]
@@ -292,7 +293,7 @@ class WorldEngine(Engine):
         arena = self._arena_for(conds, unconds, list(spec.cfg_steps))
         self._arena_cursor = 0
         try:
-            loop = self._record_segments(new_loop, len(spec.timesteps))
+            loop = self._record_segments(new_loop, len(spec.timesteps), between)
         finally:
             self._arena_cursor = None
         entry.graph = loop.graphs
@@ -301,14 +302,20 @@ class WorldEngine(Engine):
         entry.keepalive = (spec, loop, arena)
         return entry
 
-    def _record_segments(self, new_loop: Callable[[], _WorldLoop], steps: int) -> _WorldLoop:
+    def _record_segments(self, new_loop: Callable[[], _WorldLoop], steps: int,
+                         between: Callable[[], None] | None = None) -> _WorldLoop:
         """Warm up one step of each kind (compile, autotune, cuDNN plans happen there), then capture every
         segment (a step, or a part of one: `step_segments`) as its own graph in the pool all graphs share, in
         replay order. The state one segment leaves for the next (latents, solver history, a step's hidden states
         between its segments) is referenced by the loop object (or the step's paused generator) while the next is
         captured, so a later capture only reuses memory already let go of; replays in capture order then never
         overwrite a tensor that is still to be read. Returns the loop with `graphs` set. (The only CUDA-specific
-        step: CPU tests stand in for it.)"""
+        step: CPU tests stand in for it.)
+
+        `between` (a server's `on_segment`) runs after every warm-up step and every captured segment, outside
+        any capture, with the device idle: a new shape's capture (5.9 s for Nano i2v at 12 segments a step) then
+        holds policy requests up for its longest piece, the first warm-up step with its compile, not the whole.
+        Other engines' work in those gaps stays out of this graph pool."""
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
@@ -319,6 +326,9 @@ class WorldEngine(Engine):
                 kinds = warm.spec.cfg_steps
                 for i in range(1 + max(kinds.index(k) for k in set(kinds))):
                     warm.step(i)  # up to the first step of the last kind to appear (guided / unguided)
+                    if between is not None:
+                        self._sync()
+                        between()
                 del warm
         torch.cuda.current_stream(self.device).wait_stream(side)
         loop = new_loop()
@@ -332,5 +342,8 @@ class WorldEngine(Engine):
                     except StopIteration:
                         finished = True
                 graphs.append(graph)
+                if between is not None:
+                    self._sync()
+                    between()
             loop.graphs.append(graphs)
         return loop
