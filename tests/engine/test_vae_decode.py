@@ -182,8 +182,16 @@ def test_fused_norm_rounds_to_bf16_once() -> None:
     assert torch.any((stepwise - once).abs() > BF16_ULP * once.abs())  # so the check above can tell the two apart
 
 
-def _compile_on_cpu_with(monkeypatch, compile_) -> None:
-    """`rms_norm_silu` takes its compiled branch on the CPU, with `compile_` standing in for torch.compile."""
+def _compile_on_cpu_raising(monkeypatch, error: BaseException) -> None:
+    """`rms_norm_silu` takes its compiled branch on the CPU, where a stand-in for torch.compile returns a function
+    that raises `error` when called (as a compiled function raises on its first call)."""
+
+    def compile_(fn, **_):
+        def call(*args):
+            raise error
+
+        return call
+
     monkeypatch.setattr(vae_decode, "COMPILED_DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(vae_decode, "_compiled_rms_norm_silu", None)
     monkeypatch.setattr(vae_decode, "_compile_failed", False)
@@ -192,13 +200,8 @@ def _compile_on_cpu_with(monkeypatch, compile_) -> None:
 
 
 def test_a_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, caplog) -> None:
-    def failing_compile(fn, **_):
-        def call(*args):
-            raise torch._dynamo.exc.TorchDynamoException("no compiler here")  # the base of Inductor's errors too
-
-        return call
-
-    _compile_on_cpu_with(monkeypatch, failing_compile)
+    # TorchDynamoException is the base of Inductor's errors too.
+    _compile_on_cpu_raising(monkeypatch, torch._dynamo.exc.TorchDynamoException("no compiler here"))
     x, norm = _input("channels_last"), _diffusers_norm(16, images=False, seed=3)
     weight = norm.gamma.detach() * norm.scale
     with caplog.at_level(logging.WARNING, logger=vae_decode.__name__):
@@ -210,13 +213,7 @@ def test_a_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, cap
 
 @pytest.mark.skipif(not hasattr(torch._dynamo.exc, "FailOnRecompileLimitHit"), reason="older torch")
 def test_past_the_recompile_limit_new_inputs_run_eagerly_and_compiling_stays_on(monkeypatch, caplog) -> None:
-    def full_compile(fn, **_):
-        def call(*args):
-            raise torch._dynamo.exc.FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
-
-        return call
-
-    _compile_on_cpu_with(monkeypatch, full_compile)
+    _compile_on_cpu_raising(monkeypatch, torch._dynamo.exc.FailOnRecompileLimitHit("Hard failure, fullgraph=True"))
     x, norm = _input("frame_major"), _diffusers_norm(16, images=False, seed=3)
     weight = norm.gamma.detach() * norm.scale
     with caplog.at_level(logging.WARNING, logger=vae_decode.__name__):
@@ -227,13 +224,7 @@ def test_past_the_recompile_limit_new_inputs_run_eagerly_and_compiling_stays_on(
 
 
 def test_an_error_that_is_not_a_compile_failure_is_raised(monkeypatch) -> None:
-    def oom_compile(fn, **_):
-        def call(*args):
-            raise torch.OutOfMemoryError("out of memory")
-
-        return call
-
-    _compile_on_cpu_with(monkeypatch, oom_compile)
+    _compile_on_cpu_raising(monkeypatch, torch.OutOfMemoryError("out of memory"))
     with pytest.raises(torch.OutOfMemoryError):  # the decode's tiled retry (omni._decode_fitting) must see it
         rms_norm_silu(_input("contiguous"), torch.ones(16, 1, 1, 1), 0.0, True)
     assert not vae_decode._compile_failed
