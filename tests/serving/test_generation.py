@@ -565,3 +565,31 @@ def test_generation_step_segments_flag_reaches_the_config_and_is_checked() -> No
     with pytest.raises(ServeConfigError) as err:
         config_from_args(ap.parse_args(["--generation-step-segments", "0"]))
     assert err.value.flag == "--generation-step-segments" and ">= 1" in str(err.value)
+
+
+def test_generation_warmup_runs_before_ready_and_names_bad_input(tmp_path: Any) -> None:
+    """`--generation-warmup`: each job runs through the generation thread before /readyz turns 200; a value that
+    is not a JSON object, or names a missing file, fails at startup naming the flag; a job the server refuses
+    leaves /readyz at 503 with the field in the error."""
+    import wamrt
+    from wamrt.serving.config import ServeConfigError
+
+    for bad, words in (("not json", "not JSON"), ("[1]", "JSON object"),
+                       ('{"input_reference": "@/no/such/file.png"}', "is not a file")):
+        with pytest.raises(ServeConfigError, match=words) as err:
+            ServeConfig(model_name="tiny-world", generation_warmup=(bad,))
+        assert err.value.flag == "--generation-warmup"
+
+    policy = wamrt.load_policy("tiny-world", device="cpu")
+    shape = '{"size": "48x32", "num_frames": "5", "num_inference_steps": "2", "input_reference": "@sample"}'
+    cfg = ServeConfig(model_name="tiny-world", steps=1, max_video_pixels=MAX_PIXELS, generation_warmup=(shape,))
+    with ServerThread(policy, cfg) as server:
+        ready = httpx.get(server.http_url + "/readyz")
+        assert ready.status_code == 200, ready.text
+        assert server.service.generation is not None and server.service.generation.jobs_run == 1
+
+    refused = '{"size": "50x32", "num_frames": "5"}'  # 50 is not a multiple of the 16-pixel patch
+    cfg = ServeConfig(model_name="tiny-world", steps=1, max_video_pixels=MAX_PIXELS, generation_warmup=(refused,))
+    with pytest.raises(RuntimeError, match="warm-up failed: InvalidRequest: size: .*multiples of 16"):
+        with ServerThread(policy, cfg):
+            pass

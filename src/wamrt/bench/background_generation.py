@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from ..serving.generation import SAMPLE_REFERENCE as SAMPLE
+from ..serving.generation import sample_picture
+
 SYNC_PATH = "/v1/videos/sync"
-SAMPLE = "@sample"  # a field value naming the built-in test picture (the sample observation's wrist view)
 EXAMPLE = '{"prompt": "a robot arm", "size": "832x480", "num_frames": "33", "input_reference": "@sample"}'
 
 
@@ -51,14 +53,6 @@ def parse_fields(text: str) -> dict[str, Any]:
             raise argparse.ArgumentTypeError(f"field {key!r}: {value[1:]!r} is not a file ({SAMPLE} = the built-in "
                                              "picture)")
     return fields
-
-
-def sample_picture() -> bytes:
-    """PNG of the sample observation's 360x640 wrist view: a table with three coloured discs."""
-    from ..sample import sample_observation
-    from ..serving.media import encode_png
-
-    return encode_png(sample_observation(0)["observation/wrist_image_left"])
 
 
 def encode_form(fields: dict[str, Any]) -> tuple[bytes, str]:

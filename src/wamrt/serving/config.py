@@ -40,6 +40,9 @@ class ServeConfig:
     # layers (at most one per layer), and a policy request waits for the segment in flight, not the whole step
     # (a 480p i2v step is ~190 ms on Nano; each segment adds a host sync, ~0.05 ms).
     generation_step_segments: int = 12
+    # World-generation jobs run before /readyz turns 200 (JSON objects of /v1/videos/sync fields): a CUDA server
+    # compiles and captures a job shape's graphs in its first job, which no policy request should wait for.
+    generation_warmup: tuple[str, ...] = ()
     model_name: str = "tiny-droid"
     # The fast engine's EngineConfig.prompt_bucket (0: exact prompt lengths). On by default since it costs nothing
     # measurable (H200, 2026-12-02: E5-bucket / E5 = 0.98 at Edge, 0.99 at Nano) and spares every new instruction
@@ -61,6 +64,13 @@ class ServeConfig:
         if self.generation_step_segments < 1:
             raise ServeConfigError(f"must be >= 1, got {self.generation_step_segments}",
                                    flag="--generation-step-segments")
+        from .generation import warmup_fields
+
+        for text in self.generation_warmup:
+            try:
+                warmup_fields(text)
+            except ValueError as exc:
+                raise ServeConfigError(str(exc), flag="--generation-warmup") from None
         # Checked here, not only in the engine: a typo should fail at startup naming the flag, before a
         # model is built (minutes at Nano), and on every path that makes a config (CLI, Ray replicas).
         if self.prompt_bucket < 0:

@@ -240,6 +240,40 @@ def _world_engine(policy: Any, step_segments: int = 1) -> Any | None:
 # ------------------------------------------------------------------------------------------------
 # Requests
 
+SAMPLE_REFERENCE = "@sample"  # a field value naming the built-in picture (the sample observation's wrist view)
+
+
+def sample_picture() -> bytes:
+    """PNG of the sample observation's 360x640 wrist view: a table with three coloured discs."""
+    from ..sample import sample_observation
+
+    return encode_png(sample_observation(0)["observation/wrist_image_left"])
+
+
+def warmup_fields(text: str) -> dict[str, Any]:
+    """One `wamrt serve --generation-warmup` value -> the fields of a warm-up job: a JSON object of
+    /v1/videos/sync form fields, where "@sample" is the built-in picture and "@PATH" a file's bytes (curl's -F
+    convention). Raises ValueError saying what is wrong."""
+    example = '{"size": "832x480", "num_frames": "33", "input_reference": "@sample"}'
+    try:
+        fields = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc}); expected an object such as {example}") from None
+    if not isinstance(fields, dict) or not fields:
+        raise ValueError(f"must be a non-empty JSON object of /v1/videos/sync fields, such as {example}")
+    fields.setdefault("prompt", "A robot arm picks up the red block and places it in the blue bowl.")
+    for key, value in fields.items():
+        if isinstance(value, str) and value.startswith("@"):
+            if value == SAMPLE_REFERENCE:
+                fields[key] = sample_picture()
+                continue
+            path = Path(value[1:])
+            if not path.is_file():
+                raise ValueError(f"field {key!r}: {value[1:]!r} is not a file ({SAMPLE_REFERENCE} = the built-in "
+                                 "picture)")
+            fields[key] = path.read_bytes()
+    return fields
+
 
 @dataclass
 class GenerationRequest:

@@ -44,6 +44,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="CUDA servers: split every denoising step of a generation job into N graphs of consecutive "
                          "layers (at most one per layer), so a policy request waits for 1/N of a step, not a whole "
                          f"step (default {ServeConfig.generation_step_segments}); see docs/serving.md")
+    ap.add_argument("--generation-warmup", action="append", default=[], metavar="FIELDS",
+                    help="a world-generation job run before /readyz turns 200, so that a GPU server compiles and "
+                         "captures its shape before robots connect: a JSON object of /v1/videos/sync fields, e.g. "
+                         "'{\"size\": \"832x480\", \"num_frames\": \"33\", \"input_reference\": \"@sample\"}' "
+                         "(@sample = a built-in picture, @PATH = a file; prompt optional); repeat for more shapes")
     ap.add_argument("--sampler", choices=SAMPLER_CHOICES, default="auto",
                     help="world generation's sampler: auto = the checkpoint's (the distilled few-step sampler when "
                          "the checkpoint folder declares a distilled schedule, else UniPC with CFG); unipc; distilled "
@@ -89,7 +94,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         safety_file=args.safety, warmup_requests=args.warmup, model_name=str(args.model),
         prompt_bucket=args.prompt_bucket, prompt_width=args.prompt_width, batch_invariant=args.batch_invariant,
         max_video_pixels=args.max_video_pixels, max_generation_jobs=args.max_generation_jobs, sampler=args.sampler,
-        generation_step_segments=args.generation_step_segments,
+        generation_step_segments=args.generation_step_segments, generation_warmup=tuple(args.generation_warmup),
     )
 
 
@@ -173,7 +178,9 @@ class ServerThread:
             time.sleep(0.02)
         while self.wait_ready and not self.service.ready:
             if self.service.warmup_error or time.monotonic() > end:
-                raise RuntimeError(f"warm-up failed: {self.service.warmup_error}")
+                error = self.service.warmup_error or f"not ready after {timeout:g} s"
+                self.stop()  # a server that will not be used does not keep its port and threads
+                raise RuntimeError(f"warm-up failed: {error}")
             time.sleep(0.02)
         return self
 

@@ -109,10 +109,26 @@ class Service:
                                                for j in range(k)))
                 for i in range(self.config.warmup_requests):
                     await self.batcher.run(Job(sample_observation(i), 0, dict(self.defaults)))
+            for text in self.config.generation_warmup:
+                await self.warm_up_generation(text)
             self.ready = True
         except Exception as exc:  # keep serving /healthz; /readyz reports the failure
-            self.warmup_error = f"{type(exc).__name__}: {exc}"
+            field = getattr(exc, "field", None)  # a --generation-warmup job the server refuses names its field
+            self.warmup_error = f"{type(exc).__name__}: {f'{field}: ' if field else ''}{exc}"
             log.exception("warm-up failed")
+
+    async def warm_up_generation(self, text: str) -> None:
+        """One `--generation-warmup` job through the generation thread (the path requests take), unmetered."""
+        from .generation import build_generation, warmup_fields
+
+        fields = await asyncio.to_thread(warmup_fields, text)
+        req = await asyncio.to_thread(build_generation, fields, self.world, max_pixels=self.config.max_video_pixels,
+                                      model_name=self.config.model_name)
+        job = self.enqueue_generation(req, request_id=new_request_id("gen-warmup"))
+        started = time.monotonic()
+        await asyncio.wrap_future(job.future)
+        log.info("generation warm-up %s x %s frames: %.1f s", req.record["size"], req.kwargs["num_frames"],
+                 time.monotonic() - started)
 
     def stop(self) -> None:
         if self.generation:
