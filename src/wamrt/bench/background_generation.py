@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ..serving.generation import SAMPLE_REFERENCE as SAMPLE
-from ..serving.generation import sample_picture
+from ..serving.generation import reference_upload
 
 SYNC_PATH = "/v1/videos/sync"
 EXAMPLE = '{"prompt": "a robot arm", "size": "832x480", "num_frames": "33", "input_reference": "@sample"}'
@@ -62,12 +62,8 @@ def encode_form(fields: dict[str, Any]) -> tuple[bytes, str]:
     for key, value in fields.items():
         head = f'--{boundary}\r\nContent-Disposition: form-data; name="{key}"'
         if isinstance(value, str) and value.startswith("@"):
-            if value == SAMPLE:
-                name, blob, ctype = "sample.png", sample_picture(), "image/png"
-            else:
-                path = Path(value[1:])
-                name, blob = path.name, path.read_bytes()
-                ctype = mimetypes.guess_type(name)[0] or "application/octet-stream"
+            name, blob = reference_upload(value)
+            ctype = mimetypes.guess_type(name)[0] or "application/octet-stream"
             parts.append(f'{head}; filename="{name}"\r\nContent-Type: {ctype}\r\n\r\n'.encode() + blob + b"\r\n")
             continue
         if isinstance(value, bool):

@@ -264,15 +264,22 @@ def warmup_fields(text: str) -> dict[str, Any]:
     fields.setdefault("prompt", "A robot arm picks up the red block and places it in the blue bowl.")
     for key, value in fields.items():
         if isinstance(value, str) and value.startswith("@"):
-            if value == SAMPLE_REFERENCE:
-                fields[key] = sample_picture()
-                continue
-            path = Path(value[1:])
-            if not path.is_file():
-                raise ValueError(f"field {key!r}: {value[1:]!r} is not a file ({SAMPLE_REFERENCE} = the built-in "
-                                 "picture)")
-            fields[key] = path.read_bytes()
+            try:
+                fields[key] = reference_upload(value)[1]
+            except ValueError as exc:
+                raise ValueError(f"field {key!r}: {exc}") from None
     return fields
+
+
+def reference_upload(value: str) -> tuple[str, bytes]:
+    """A field value "@sample" (the built-in picture) or "@PATH" -> (file name, bytes); ValueError for a missing
+    file."""
+    if value == SAMPLE_REFERENCE:
+        return "sample.png", sample_picture()
+    path = Path(value[1:])
+    if not path.is_file():
+        raise ValueError(f"{value[1:]!r} is not a file ({SAMPLE_REFERENCE} = the built-in picture)")
+    return path.name, path.read_bytes()
 
 
 @dataclass
@@ -742,22 +749,13 @@ class GenerationWorker:
             release()  # a segment ends here: waiting policy batches run now
             acquire()  # raises GenerationCancelled when the job was cancelled meanwhile
 
-        def mid_step() -> None:
-            """Between two segments of one denoising step (the engine's `step_segments`): hand the device over
-            only when a policy request waits; the step's state stays in the engine's graph buffers meanwhile."""
-            if job.cancelled():
-                raise GenerationCancelled("cancelled")
-            if not gate.demand:
-                yield_point()
-                return
-            release()
-            acquire()
-
         vae = getattr(world.encoder, "vae", None)
 
         def decode_yield(keep_vae_cache: bool = True) -> None:
-            """Between two latent frames of the VAE decode (see `_between_decoded_frames`), and before the sound
-            decode."""
+            """Between two latent frames of the VAE decode (see `_between_decoded_frames`), before the sound
+            decode and, with `keep_vae_cache=False`, between two segments of one denoising step (the engine's
+            `step_segments`; the step's state stays in the engine's graph buffers meanwhile): the device goes to
+            policy work only while some waits."""
             if job.cancelled():  # still holding the device: drop a half-built cache, then stop
                 if keep_vae_cache:
                     vae.clear_cache()
@@ -769,13 +767,17 @@ class GenerationWorker:
             # (`clear_cache`): keep this decode's cache and put it back before going on (output bit-exact).
             saved = {name: getattr(vae, name) for name in _WAN_DECODE_STATE if keep_vae_cache and hasattr(vae, name)}
             release()
-            acquire(cancellable=False)  # the cache must be restored under the device; cancel is checked next frame
+            # A kept cache must be restored under the device; cancel is then checked at the next frame.
+            acquire(cancellable=not keep_vae_cache)
             for name, value in saved.items():
                 setattr(vae, name, value)
 
         sound = None
         if req.sound:
             sound = _SoundWithYield(world.sound, lambda: decode_yield(keep_vae_cache=False))
+
+        def mid_step() -> None:
+            decode_yield(keep_vae_cache=False)
 
         if job.on_progress is not None:
             job.on_progress(0)  # started
