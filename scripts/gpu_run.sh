@@ -4,6 +4,7 @@
 #   parts: smoke edge nano tests load quant-edge quant-nano (lossy rows E6-E8 + quality, issue 7)
 #          world (issue 15: WorldEngine t2i / i2v vs diffusers; MODES, RUNS, PEER_RUNS, WORLD_MODEL, WORLD_ARGS)
 #          world-tests (the WorldEngine GPU test), fa4-tests (flash-attn-4 against SDPA, in a graph)
+#          kernels (issue 14: `wamrt bench kernels --sweep` and the GPU tests of the epilogue GEMMs and the VAE encode)
 #          rows-edge rows-nano (E5 and its alternatives timed in one process; ROWS, default E5,E5-bucket,E5-bucket-mask
 #          (issue 13: prompt buckets against exact lengths); E5-mask, E5-autotune on request -- autotuning can take
 #          minutes at Nano, so give it a part of its own, e.g. rows-nano:560)
@@ -47,7 +48,7 @@ for spec in "$@"; do
           timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/quant 2>&1 | tail -15 | tee -a "$res/log.txt" ;;
     rows-edge|rows-nano)
           wamrt bench latency --model "${part#rows-}" --rows "${ROWS:-E5,E5-bucket,E5-bucket-mask}" \
-             --full-rows "${ROWS:-E5,E5-bucket,E5-bucket-mask}" --steps 4 \
+             --full-rows "${ROWS:-E5,E5-bucket,E5-bucket-mask}" --steps 4 ${TRACE_ROWS:+--trace --trace-rows "$TRACE_ROWS"} \
              --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" --out "$res" 2>&1 | tee "$res/log.txt" ;;
     load) # Issue 13: lanes cycle through twelve instructions of 118-152 tokens (`--prompts mixed`, variable-length
           # tokenizer of random:nano); every prefix is padded to the declared width 192 (3 x 64-token buckets),
@@ -156,6 +157,11 @@ print("world-serve: policy p50/p99 ms " + " | ".join(lat) + "; generation jobs d
 for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
     print(sq, sk, m((2, 32, sq, 128), 32, sk, dtype=torch.bfloat16, device=torch.device("cuda")))' 2>&1 \
              | tee -a "$res/log.txt" ;;
+    kernels) # Issue 14: GEMM call sites, cuBLAS + Inductor vs quack's fused epilogues (tile sweep), then the GPU tests
+          # of the new kernels (epilogues, first-frame VAE encode).
+          wamrt bench kernels --sweep --out "$res" 2>&1 | tee "$res/log.txt"
+          timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_epilogues.py \
+             tests/engine/test_vae_encode.py 2>&1 | tail -20 | tee -a "$res/log.txt" ;;
     world-tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_world_engine_gpu.py tests/engine/test_vae_decode.py \
              2>&1 | tee "$res/log.txt" ;;
     tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_engine_gpu.py tests/engine/test_bucket_attention.py tests/sampler 2>&1 \

@@ -25,13 +25,15 @@ from .stats import median_stages, summarize
 ROWS: dict[str, tuple[str, dict]] = {
     "E0": ("eager reference: diffusers call pattern (Reasoner in every forward, SDPA enable_gqa, 33-frame VAE)",
            dict(attention="gqa", reuse_reasoner=False, vae_frames=33, batch_cfg=False, compile=False,
-                cuda_graph=False)),
+                cuda_graph=False, vae_encode="diffusers")),
     "E1": ("+ attention backend (K/V heads expanded, fastest SDPA kernel)",
-           dict(reuse_reasoner=False, vae_frames=33, batch_cfg=False, compile=False, cuda_graph=False)),
-    "E2": ("+ Reasoner K/V once per prompt (LRU) + frame-0 VAE", dict(batch_cfg=False, compile=False,
-                                                                    cuda_graph=False)),
-    "E3": ("+ both CFG branches in one Generator pass", dict(compile=False, cuda_graph=False)),
-    "E4": ("+ fused QKV / gate-up + regional torch.compile", dict(cuda_graph=False)),
+           dict(reuse_reasoner=False, vae_frames=33, batch_cfg=False, compile=False, cuda_graph=False,
+                vae_encode="diffusers")),
+    "E2": ("+ Reasoner K/V once per prompt (LRU) + frame-0 VAE",
+           dict(batch_cfg=False, compile=False, cuda_graph=False, vae_encode="diffusers")),
+    "E3": ("+ both CFG branches in one Generator pass",
+           dict(compile=False, cuda_graph=False, vae_encode="diffusers")),
+    "E4": ("+ fused QKV / gate-up + regional torch.compile + frame-0 VAE as 2D convolutions", dict(cuda_graph=False)),
     "E5": ("+ whole denoise loop as one CUDA graph", dict()),
     # Alternative to E5 (not cumulative): the CFG branches' attention as one masked call.
     "E5-mask": ("E5 with one masked attention call for both CFG branches", dict(cfg_attention="mask")),
@@ -45,10 +47,15 @@ ROWS: dict[str, tuple[str, dict]] = {
                     dict(compile_mode="max-autotune-no-cudagraphs")),
     # E5 on cuDNN attention whichever kernel measured fastest (the comparison row for a new attention kernel).
     "E5-cudnn": ("E5 with cuDNN attention", dict(attention="cudnn")),
+    # The layer tail's residual adds and MLP activation inside quack GEMM epilogues (needs quack-kernels).
+    "E5-quack": ("E5 with fused-epilogue GEMMs (quack)", dict(epilogues="quack")),
+    # E5 with diffusers' own encode of the conditioning frame (the comparison row for the 2D first-frame encode).
+    "E5-vae-diffusers": ("E5 with diffusers' VAE encode of frame 0", dict(vae_encode="diffusers")),
 }
 
 # Opt-in rows: E5-autotune spends minutes autotuning at Nano, which the default waterfall run cannot afford.
-DEFAULT_ROWS = [r for r in ROWS if r not in ("E5-bucket", "E5-bucket-mask", "E5-autotune", "E5-cudnn")]
+DEFAULT_ROWS = [r for r in ROWS if r not in ("E5-bucket", "E5-bucket-mask", "E5-autotune", "E5-cudnn", "E5-quack",
+                                             "E5-vae-diffusers")]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             runs = args.runs if row in args.full_rows else args.quick_runs
             result = measure_row(engine, RowSpec(row, label, steps), args, env, command, warm, runs,
                                  peer_result=peer_result, attention_ms=attention_ms,
-                                 trace_dir=out_dir if args.trace and row == rows[-1] else None)
+                                 trace_dir=out_dir if args.trace and row in (args.trace_rows or rows[-1:]) else None)
             rows_out.append(result)
             name = f"{args.model}-s{steps}-{row}.json"
             (out_dir / name).write_text(json.dumps(result, indent=2) + "\n")
@@ -150,7 +157,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--peer-all-steps", action="store_true", help="also run the peer for later --steps values")
     ap.add_argument("--peer-warmup", type=int, default=3)
     ap.add_argument("--peer-runs", type=int, default=10)
-    ap.add_argument("--trace", action="store_true", help="profile one extra request of the last row")
+    ap.add_argument("--trace", action="store_true", help="profile one extra request of the last row (or --trace-rows)")
+    ap.add_argument("--trace-rows", type=lambda s: [r for r in s.split(",") if r], default=[],
+                    help="with --trace: the rows to profile (comma-separated), each in its own trace file")
     ap.add_argument("--lossy-rows", type=lambda s: [r for r in s.split(",") if r], default=[],
                     help="lossy rows after the exact ones (E6 gen-fp8, E7 +2 steps, E8 +CFG on the first step only)")
     ap.add_argument("--quality", action="store_true",

@@ -55,6 +55,16 @@ def kernel_split(prof) -> dict[str, float]:
     return split
 
 
+def top_kernels(prof, n: int = 30) -> list[dict]:
+    """The n GPU kernels with the most total time in a torch.profiler run: name (cut to 120 characters), ms, calls."""
+    rows = []
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+        if t and evt.device_type.name == "CUDA":
+            rows.append({"kernel": evt.key[:120], "ms": t / 1e3, "calls": evt.count})
+    return sorted(rows, key=lambda r: -r["ms"])[:n]
+
+
 def plot_waterfall(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -162,6 +172,7 @@ def measure_row(engine: Engine, spec: RowSpec, args: argparse.Namespace, env: di
         trace = trace_dir / f"trace-{args.model}-s{spec.steps}-{spec.row}.json"
         prof.export_chrome_trace(str(trace))
         result["kernel_split_ms"] = kernel_split(prof)
+        result["kernel_top_ms"] = top_kernels(prof)
         print(f"kernel split (ms): {result['kernel_split_ms']} -> {trace}", flush=True)
     return result
 

@@ -29,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     world_bench.add_arguments(world)
     world.set_defaults(func=world_bench.run)
+    kern = bench.add_parser("kernels", help="the Generator's GEMM call sites: cuBLAS + Inductor vs quack's fused "
+                            "epilogues, at real shapes (GPU)")
+    from ..bench import kernels as kernels_bench
+
+    kernels_bench.add_arguments(kern)
+    kern.set_defaults(func=kernels_bench.run)
     par = bench.add_parser("parallel", help="latency on 2 GPUs: --parallel cfg (vs one GPU) or tp (Super)")
     from ..bench import parallel as parallel_bench
 

@@ -53,13 +53,16 @@ from ..pipeline.policy import Policy, device_name, validate_options
 from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
 from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
+from .epilogues import EPILOGUES, generator_post_quack, prepare_epilogues, quack_available, unsupported_reason
 from .fuse import fuse_generator
 from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
 from .prefix_cache import PaddedPrefixes, ReasonerCache, left_pad_kv
+from .vae_encode import FirstFrameEncoder
 
 log = logging.getLogger(__name__)
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+VAE_ENCODES = ("first-frame", "diffusers")
 BUCKET_ATTENTION = ("lse", "mask")
 HOST_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))  # canvas threads of a batch (the rest: server, GPU)
 
@@ -70,6 +73,9 @@ class EngineConfig:
     attention: str = "cudnn"
     reuse_reasoner: bool = True  # False: the Reasoner runs inside every forward (reference pattern)
     vae_frames: int = 1  # pixel frames encoded; chunk + 1 = what diffusers encodes
+    # How a single frame is encoded: "first-frame" = 2D convolutions with the one kernel tap that meets data, fused
+    # norms (engine/vae_encode.py; same function as diffusers' up to rounding), "diffusers" = its video encode.
+    vae_encode: str = "first-frame"
     batch_cfg: bool = True  # both CFG branches (and all requests) in one Generator pass
     # How batched sequences with different prefix lengths attend: "split" = one unmasked call per
     # sequence on its valid keys; "mask" = one masked call for the batch.
@@ -85,6 +91,10 @@ class EngineConfig:
     # epilogue (the "other kernels" share of the profile); minutes of autotuning at capture. Our own
     # graph capture replaces Inductor's cudagraphs, hence the -no-cudagraphs modes only.
     compile_mode: str = "default"
+    # The Generator layer's tail after attention: "inductor" = cuBLAS GEMMs with Inductor's kernels between them;
+    # "quack" = residual adds and the MLP activation in the GEMM epilogues (engine/epilogues.py; needs
+    # quack-kernels, which comes with flash-attn-4, and a Hopper / Blackwell GPU).
+    epilogues: str = "inductor"
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
     kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
     graph_cache_size: int = 16  # captured buckets kept (LRU) ...
@@ -150,6 +160,7 @@ class Engine:
         quantization: str | None = None,
     ) -> None:
         self.model, self.encoder, self.tokenizer = model, encoder, tokenizer
+        self._canvas_encoder = FirstFrameEncoder(encoder) if config.vae_encode == "first-frame" else encoder
         self.contract, self.options, self.config, self.name = contract, options, config, name
         self.quantization = quantization  # the `wamrt quantize` recipe of the weights, if any (metadata)
         self.device = next(model.parameters()).device
@@ -160,6 +171,15 @@ class Engine:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {config.compile_mode!r}")
         if config.attention == "fa4" and not fa4_available(self.device):
             raise ValueError("attention='fa4' needs flash-attn-4 installed and a Hopper or Blackwell GPU")
+        if config.epilogues not in EPILOGUES:
+            raise ValueError(f"epilogues must be one of {EPILOGUES}, got {config.epilogues!r}")
+        if config.epilogues == "quack":
+            if not quack_available(self.device):
+                raise ValueError("epilogues='quack' needs quack-kernels installed and a Hopper or Blackwell GPU")
+            if (problem := unsupported_reason(model)) is not None:
+                raise ValueError(f"epilogues='quack' cannot serve this model: {problem}")
+        if config.vae_encode not in VAE_ENCODES:
+            raise ValueError(f"vae_encode must be one of {VAE_ENCODES}, got {config.vae_encode!r}")
         if config.bucket_attention not in BUCKET_ATTENTION:
             raise ValueError(f"bucket_attention must be one of {BUCKET_ATTENTION}, got {config.bucket_attention!r}")
         if config.prompt_width < 0 or (config.prompt_width and not config.prompt_bucket):
@@ -183,7 +203,11 @@ class Engine:
         self._host_pool: ThreadPoolExecutor | None = None  # batch preprocessing (see _host_inputs)
         self._plans: dict[tuple, Any] = {}
         self._backend = BackendAttention(generator=config.attention if config.attention != "gqa" else "auto")
-        self._pre, self._post, self._rescale = _pre_into, _post, rescale_zero_keys
+        post = _post
+        if config.epilogues == "quack":
+            prepare_epilogues(model)
+            post = generator_post_quack
+        self._pre, self._post, self._rescale = _pre_into, post, rescale_zero_keys
         self.bucket_attention = config.bucket_attention  # what runs (may fall back to "mask", see below)
         if config.prompt_bucket and config.bucket_attention == "lse" and self.device.type == "cuda":
             backend = config.attention if config.attention != "gqa" else "auto"
@@ -202,7 +226,7 @@ class Engine:
             # reference Policy) share one model, and a compile=False engine must run uncompiled code.
             mode = None if config.compile_mode == "default" else config.compile_mode
             self._pre = torch.compile(_pre_into, dynamic=False, mode=mode)
-            self._post = torch.compile(_post, dynamic=False, mode=mode)
+            self._post = torch.compile(post, dynamic=False, mode=mode)
             self._rescale = torch.compile(rescale_zero_keys, dynamic=False, mode=mode)  # one fused kernel
 
     @classmethod
@@ -263,7 +287,7 @@ class Engine:
             # One VAE call for the batch (each request is charged the call), or one per request when isolated.
             for group in ([[i] for i in ok] if self.config.isolate_requests else [ok] if ok else []):
                 t0 = time.perf_counter()
-                latents = encode_canvases(self.encoder, [hosts[i].padded for i in group], self.device,
+                latents = encode_canvases(self._canvas_encoder, [hosts[i].padded for i in group], self.device,
                                           self.config.vae_frames)
                 self._sync()
                 encode_ms = 1e3 * (time.perf_counter() - t0)

@@ -1,0 +1,220 @@
+"""The Generator layer's tail (after attention) with the elementwise work inside the GEMMs' epilogues.
+
+`MoTLayer.generator_post` is out-projection + residual, norm, MLP (gate/up, SiLU*up or ReLU^2, down) + residual.
+Compiled by Inductor, the GEMMs are cuBLAS calls and everything between them is Triton kernels that read and
+write the GEMM outputs once more: at Nano the gate/up output alone is 6,186 x 24,576 bf16 (304 MB) per layer
+and step, which SiLU*up reads back to write half of it. Here three GEMMs carry that work in their epilogues:
+
+    g = g + o @ W_out^T             residual as the GEMM's C operand
+    a = act(norm(g) @ W_up^T)       SwiGLU (interleaved gate/up columns) or ReLU^2 on the fp32 accumulator
+    g = g + a @ W_down^T            residual again
+
+The kernels are quack's (`quack-kernels`, Tri Dao's CuTe DSL GEMMs for Hopper and Blackwell; it comes with
+flash-attn-4), an optional dependency, behind two custom ops so that `torch.compile` sees one opaque call per GEMM
+and compiles the norm around them. The activation is applied to the fp32 accumulator before the one rounding to
+bf16 (Inductor's path rounds gate and up first): not bit-identical to the unfused layer, no less accurate; the GPU
+test compares both with an fp32 oracle. `generator_post_reference` is the same dataflow in plain PyTorch (CPU tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model import Cosmos3Transformer
+from ..model.layer import MLP, MoTLayer
+from .fuse import FusedGateUp, fuse_generator
+
+EPILOGUES = ("inductor", "quack")
+
+
+def quack_available(device: torch.device | None = None) -> bool:
+    """quack-kernels importable and the GPU one of its GEMM architectures (sm90 Hopper, sm100 Blackwell)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import quack.gemm_interface  # noqa: F401
+    except Exception:  # ImportError, or the CuTe DSL failing to find its libraries
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def activation_of(mlp: MLP) -> str:
+    return "swiglu" if mlp.gated else "relu_sq"
+
+
+def act_reference(y: torch.Tensor, activation: str) -> torch.Tensor:
+    """The activation on a GEMM output; SwiGLU reads interleaved columns (gate 0, up 0, gate 1, ...)."""
+    if activation == "swiglu":
+        return F.silu(y[..., 0::2]) * y[..., 1::2]
+    if activation == "relu_sq":
+        return torch.relu(y).square()
+    raise ValueError(f"activation must be 'swiglu' or 'relu_sq', got {activation!r}")
+
+
+def interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[I, K] and [I, K] -> [2I, K] with rows gate 0, up 0, gate 1, up 1, ..."""
+    return torch.stack((gate, up), dim=1).flatten(0, 1)
+
+
+# -- quack behind custom ops ---------------------------------------------------------------------------------
+
+# Tile configurations per call site (epilogue, K, N) on Hopper, the fastest of `wamrt bench kernels --sweep` on the
+# H200; a site not listed runs quack's default (128 x 192 tiles, ping-pong, 2 x 1 cluster). Pinned rather than
+# autotuned: quack's autotuner compiles ~40 CuTe DSL kernels per epilogue kind at the first call of a shape, minutes
+# of warm-up a server should not pay.
+SM90_TILES: dict[tuple[str, int, int], tuple[int, int, bool, int, int]] = {}
+SWEEP_TILES: list[tuple[int, int, bool, int, int]] = [  # (tile_m, tile_n, pingpong, cluster_m, cluster_n)
+    (128, 192, True, 2, 1), (128, 128, True, 2, 1), (128, 256, False, 2, 1), (256, 128, False, 2, 1),
+    (256, 192, False, 2, 1), (256, 192, False, 1, 2),
+]
+
+
+def gemm_config(tiles: tuple[int, int, bool, int, int] | None):
+    """A quack GemmConfig for Hopper from (tile_m, tile_n, pingpong, cluster_m, cluster_n); None: quack's default."""
+    if tiles is None:
+        return None
+    from quack.gemm_config import GemmConfig
+
+    tile_m, tile_n, pingpong, cluster_m, cluster_n = tiles
+    return GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m, cluster_n=cluster_n,
+                      is_dynamic_persistent=False, device_capacity=9)
+
+
+def _site_config(epilogue: str, weight: torch.Tensor):
+    if torch.cuda.get_device_capability(weight.device)[0] != 9:
+        return None
+    n, k = weight.shape
+    return gemm_config(SM90_TILES.get((epilogue, k, n)))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def gemm_residual_2d(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, config=None) -> torch.Tensor:
+    """residual + x @ weight^T for 2D x [M, K], weight [N, K], residual [M, N], on one quack GEMM with `config`."""
+    from quack.gemm_interface import gemm_tuned
+
+    out = torch.empty_like(residual)
+    gemm_tuned.fn(x, weight.t(), out, residual, config=config)  # the kernel without the autotuner
+    return out
+
+
+def gemm_act_2d(x: torch.Tensor, weight: torch.Tensor, activation: str, config=None) -> torch.Tensor:
+    """act(x @ weight^T) for 2D x on one quack GEMM with `config`; the pre-activation is never written."""
+    from quack.gemm_interface import gemm_act
+
+    _, post = gemm_act(x, weight.t(), activation=activation, store_preact=False, tuned=False, config=config)
+    return post
+
+
+@torch.library.custom_op("wamrt::gemm_residual", mutates_args=(), device_types="cuda")
+def quack_gemm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ weight^T in one GEMM (x [..., K], weight [N, K], residual [..., N])."""
+    out = gemm_residual_2d(_rows(x), weight, _rows(residual), _site_config("residual", weight))
+    return out.view(residual.shape)
+
+
+@quack_gemm_residual.register_fake
+def _(x, weight, residual):
+    return torch.empty_like(residual, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("wamrt::gemm_act", mutates_args=(), device_types="cuda")
+def quack_gemm_act(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(x @ weight^T) in one GEMM (x [..., K], weight [N, K]; SwiGLU halves N)."""
+    post = gemm_act_2d(_rows(x), weight, activation, _site_config(activation, weight))
+    return post.view(*x.shape[:-1], post.shape[-1])
+
+
+@quack_gemm_act.register_fake
+def _(x, weight, activation):
+    n = weight.shape[0] // 2 if activation == "swiglu" else weight.shape[0]
+    return x.new_empty(*x.shape[:-1], n)
+
+
+def _torch_gemm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return residual + F.linear(x, weight)
+
+
+def _torch_gemm_act(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+    return act_reference(F.linear(x, weight), activation)
+
+
+# -- the layer tail ----------------------------------------------------------------------------------------
+
+
+def _tail(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor, gemm_residual: Callable, gemm_act: Callable
+          ) -> torch.Tensor:
+    mlp = layer.mlp_moe_gen
+    g = gemm_residual(o.transpose(1, 2).flatten(2), layer.self_attn.to_add_out.weight, g)
+    h = layer.post_attention_layernorm_moe_gen(g)
+    a = gemm_act(h, mlp.epilogue_weight, activation_of(mlp))
+    return gemm_residual(a, mlp.down_proj.weight, g)
+
+
+def generator_post_quack(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """`layer.generator_post(g, o)` on quack's fused-epilogue GEMMs (needs `prepare_epilogues(model)`)."""
+    return _tail(layer, g, o, quack_gemm_residual, quack_gemm_act)
+
+
+def generator_post_reference(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """The same dataflow and weight layout in plain PyTorch: what the quack path computes, on any device."""
+    return _tail(layer, g, o, _torch_gemm_residual, _torch_gemm_act)
+
+
+class InterleavedGateUp(FusedGateUp):
+    """Fused gate/up whose matrix rows alternate gate, up (the layout a SwiGLU epilogue reads pairs from)."""
+
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        y = self.gate_up_proj(x)
+        return y[..., 0::2], y[..., 1::2]
+
+    @property
+    def epilogue_weight(self) -> torch.Tensor:
+        return self.gate_up_proj.weight
+
+
+class EpilogueMLP(MLP):
+    """Un-gated (ReLU^2) MLP: the up-projection's matrix is the epilogue GEMM's as it is."""
+
+    @property
+    def epilogue_weight(self) -> torch.Tensor:
+        return self.up_proj.weight
+
+
+def unsupported_reason(model: Cosmos3Transformer) -> str | None:
+    """Why the fused-epilogue tail cannot serve this model's Generator layers, or None."""
+    layer = model.layers[0]
+    linears = [layer.self_attn.to_add_out, layer.mlp_moe_gen.down_proj]
+    if not model.config.gated_mlp:
+        linears.append(layer.mlp_moe_gen.up_proj)
+    for lin in linears:
+        if type(lin) is not nn.Linear or lin.bias is not None:
+            return f"{type(lin).__name__} (bias: {getattr(lin, 'bias', None) is not None}) is not a plain bf16 linear"
+        if lin.weight.dtype not in (torch.bfloat16, torch.float16):
+            return f"weights are {lin.weight.dtype}, the epilogue GEMMs take bf16 / fp16"
+    return None
+
+
+def prepare_epilogues(model: Cosmos3Transformer) -> Cosmos3Transformer:
+    """Fuse the Generator (`fuse_generator`) with gate/up rows interleaved, and give every Generator MLP an
+    `epilogue_weight`. Idempotent; a model fused earlier with [gate; up] rows is re-laid out in place (the math of
+    its modules stays the same)."""
+    fuse_generator(model)
+    for layer in model.layers:
+        mlp = layer.mlp_moe_gen
+        if isinstance(mlp, InterleavedGateUp | EpilogueMLP):
+            continue
+        if mlp.gated:
+            w = mlp.gate_up_proj.weight
+            gate, up = w.detach().chunk(2, dim=0)
+            mlp.gate_up_proj.weight = nn.Parameter(interleave_rows(gate, up), requires_grad=False)
+            mlp.__class__ = InterleavedGateUp
+        else:
+            mlp.__class__ = EpilogueMLP
+    return model

@@ -1,0 +1,113 @@
+"""The first-frame VAE encode (engine/vae_encode.py) against diffusers' own encode. CPU, fp32, tiny Wan2.2-layout
+VAE: its encoder has every module kind the real one has (residual down blocks with temporal and spatial
+downsamplers and average shortcuts, the mid block's attention, the head). The GPU test (skipped without CUDA)
+compares bf16 encodes of the full-size encoder."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from oracle.assets import tiny_assets
+from torch import nn
+
+from wamrt.engine.vae_encode import FirstFrameEncoder
+from wamrt.pipeline.errors import RequestError
+
+# max |ours - diffusers| <= REL_TOL * max |diffusers|: fp32, the same sums without the zero taps (~1e-6 seen).
+REL_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return tiny_assets(tmp_path_factory.mktemp("vae-encode"))
+
+
+def _pixels(b: int, t: int, h: int = 64, w: int = 96, seed: int = 0) -> torch.Tensor:
+    return torch.rand(b, 3, t, h, w, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = want.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert scale > 0 and err <= REL_TOL * scale, f"{what}: {err:.3e} > {REL_TOL} * {scale:.3e}"
+
+
+def _state(vae: nn.Module) -> list[tuple[str, type, tuple[str, ...]]]:
+    return [(name, type(m), tuple(sorted(m.__dict__))) for name, m in vae.named_modules()]
+
+
+def test_one_frame_equals_diffusers_encode(assets) -> None:
+    ours = FirstFrameEncoder(assets.encoder)
+    kinds = {type(m).__name__ for m in assets.vae.encoder.modules()}
+    assert {"WanResidualDownBlock", "AvgDown3D", "WanResample", "WanAttentionBlock"} <= kinds  # every rule runs
+    for b in (1, 2):
+        pixels = _pixels(b, 1, seed=b)
+        want = assets.encoder.encode(pixels)
+        before = _state(assets.vae)
+        _assert_close(ours.encode(pixels), want, f"batch {b}")
+        assert _state(assets.vae) == before  # the shared VAE is read, never modified
+
+
+def test_uint8_frames_and_odd_sizes(assets) -> None:
+    ours = FirstFrameEncoder(assets.encoder)
+    frames = torch.randint(0, 256, (2, 48, 80, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    _assert_close(ours.encode_uint8(frames), assets.encoder.encode_uint8(frames), "uint8 frames 48x80")
+    with pytest.raises(RequestError, match="multiple of 16"):
+        ours.encode(_pixels(1, 1, 40, 64))
+    with pytest.raises(RequestError, match="uint8"):
+        ours.encode_uint8(frames.float())
+
+
+def test_several_frames_go_to_diffusers(assets) -> None:
+    pixels = _pixels(1, 5)
+    assert torch.equal(FirstFrameEncoder(assets.encoder).encode(pixels), assets.encoder.encode(pixels))
+
+
+def test_tap_cache_follows_new_weights(assets) -> None:
+    ours = FirstFrameEncoder(assets.encoder)
+    pixels = _pixels(1, 1, seed=5)
+    ours.encode(pixels)
+    conv = assets.vae.encoder.conv_in
+    saved = conv.weight
+    try:
+        conv.weight = nn.Parameter(saved.detach() * 2, requires_grad=False)  # weights reloaded
+        _assert_close(ours.encode(pixels), assets.encoder.encode(pixels), "after a weight swap")
+    finally:
+        conv.weight = saved
+
+
+def test_unknown_module_falls_back_to_diffusers(assets, caplog) -> None:
+    ours = FirstFrameEncoder(assets.encoder)
+    enc = assets.vae.encoder
+    saved = enc.nonlinearity
+    enc.nonlinearity = nn.GELU()  # no fused rule for it: the whole encode must be diffusers' own
+    try:
+        pixels = _pixels(1, 1, seed=7)
+        with caplog.at_level(logging.WARNING, logger="wamrt.engine.vae_encode"):
+            got = ours.encode(pixels)
+        assert torch.equal(got, assets.encoder.encode(pixels))
+        assert "GELU" in caplog.text and "diffusers" in caplog.text
+    finally:
+        enc.nonlinearity = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_full_size_bf16_encode_matches_diffusers() -> None:
+    from wamrt.pipeline.random_weights import random_vae
+    from wamrt.pipeline.vae import FrameEncoder
+
+    dev = torch.device("cuda")
+    frames = FrameEncoder(random_vae(dev, torch.bfloat16))
+    ours = FirstFrameEncoder(frames)
+    ref32 = FrameEncoder(random_vae(dev, torch.float32))
+    pixels = _pixels(1, 1, 480, 640, seed=9).to(dev)
+    want = ref32.encode(pixels)
+    diffusers_err = (frames.encode(pixels) - want).abs().max().item()
+    ours_err = (ours.encode(pixels) - want).abs().max().item()
+    # bf16 against the fp32 encode: ours rounds fewer times than diffusers' bf16 path, so no further away (with
+    # slack for cuDNN's algorithm choice).
+    assert ours_err <= 1.5 * diffusers_err, (ours_err, diffusers_err)
