@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs flash-attn-4 (the "fa4" attention backend) on the GPU machine into /tmp/site from carried, git-ignored
+# Installs flash-attn-4 (the "fa4" attention backend) on the GPU machine into /tmp/wamrt-py/site-packages from carried, git-ignored
 # folders:
 #   .fa4/        flash-attn-4 4.0.0b36 and its small dependencies as wheels (nvidia-cutlass-dsl 4.8.1 and its
 #                -libs-base / -libs-core, apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels)
@@ -10,13 +10,17 @@
 # warm machine does: every call that carries a part runs this script, which stages what it finds in
 # /tmp/wamrt-fa4 and installs once all three are there. Exit 3: staged, not complete yet. On success prints the
 # PYTHONPATH entry the DSL needs (its wheel adds it with a .pth file, which --target installs skip).
+# The target is a folder named site-packages: quack (the GEMM library flash-attn-4 depends on) fingerprints its compiled
+# epilogues by recursing into every function they reach, except installed ones, which it recognises by a
+# `/site-packages/` in their path; from any other folder it recurses into the CuTe DSL itself and fails on a
+# ContextVar there (measured 2026-12-02 with quack 0.6.5 and nvidia-cutlass-dsl 4.8.1 in /tmp/site).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage=/tmp/wamrt-fa4
 mkdir -p "$stage"
 for d in .fa4 .fa4-part1 .fa4-part2; do [ -d "$d" ] && cp -r "$d" "$stage/"; done
 for d in .fa4 .fa4-part1 .fa4-part2; do [ -d "$stage/$d" ] || { echo "fa4: staged, $d still missing" >&2; exit 3; }; done
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/wamrt-py/site-packages \
   "$stage"/.fa4/*.whl >&2
-cat "$stage"/.fa4-part1/cu13.tar.xz.* "$stage"/.fa4-part2/cu13.tar.xz.* | xz -d | tar x -C /tmp/site
-echo /tmp/site/nvidia_cutlass_dsl/dsl_packages
+cat "$stage"/.fa4-part1/cu13.tar.xz.* "$stage"/.fa4-part2/cu13.tar.xz.* | xz -d | tar x -C /tmp/wamrt-py/site-packages
+echo /tmp/wamrt-py/site-packages/nvidia_cutlass_dsl/dsl_packages

@@ -4,11 +4,11 @@
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/summary.txt"; }
 
 # Carried (git-ignored) folders: .whl/ (mujoco 4.0.0 + mujoco-core/studio, glfw, pyopengl, diffusers,
-# importlib_metadata, starlette, uvicorn, websockets, python-multipart; installed --no-deps into /tmp/site)
+# importlib_metadata, starlette, uvicorn, websockets, python-multipart; installed --no-deps into /tmp/wamrt-py/site-packages)
 # and .gl/ (libglvnd EGL/GL debs, unpacked into /). SKIP_INSTALL=1 uses the current environment (local tests).
 install_carried() {
   if [ "${SKIP_INSTALL:-0}" != 1 ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/wamrt-py/site-packages .whl/*.whl \
       || { log "FATAL: wheel install failed"; return 1; }
     for f in .gl/*.deb; do dpkg -x "$f" / || log "warning: dpkg -x $f failed"; done
     ldconfig 2>/dev/null || true

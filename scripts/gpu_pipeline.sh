@@ -73,7 +73,7 @@ TRAIN_ARGS=${TRAIN_ARGS:-}  # appended to every variant (local tests: --size tin
 ROLL_ARGS=${ROLL_ARGS:-}    # appended to every rollout and gate (local tests: --max-steps 16)
 # shellcheck source=scripts/gpu_lib.sh
 source scripts/gpu_lib.sh
-export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=/tmp/wamrt-py/site-packages:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 wamrt() { "$PY" -m wamrt.cli "$@"; }
 
 collect() {  # copy what exists now into $OUT (small files; at most 8 come back)

@@ -20,9 +20,9 @@ cd "$(dirname "$0")/.."
 # .whl (everything, 32 MB) or .whl-bench (diffusers, importlib_metadata and the server wheels, 7 MB: what the
 # benches need, small enough to travel beside a flash-attn-4 part within a call's 64 MiB). Carry one of the two.
 # .whl-av: PyAV (36 MB), which the server's MP4 replies need (the world-serve part); the image has none.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/wamrt-py/site-packages \
   $(ls .whl/*.whl .whl-bench/*.whl .whl-av/*.whl 2>/dev/null) || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/wamrt-py/site-packages:$PWD/src PYTHONUNBUFFERED=1
 if ls -d .fa4* /tmp/wamrt-fa4 >/dev/null 2>&1; then  # flash-attn-4 carried in parts (scripts/fa4_install.sh)
   dsl=$(bash scripts/fa4_install.sh) && export PYTHONPATH=$PYTHONPATH:$dsl \
     && python3 -c 'import flash_attn.cute.interface; print("flash-attn-4 installed")' \

@@ -104,11 +104,11 @@ def test_quack_call_sites_match_fp32(hidden, inter, activation) -> None:
     n_up = 2 * inter if activation == "swiglu" else inter
     w_up = (torch.randn(n_up, hidden, device=dev, generator=g) / hidden**0.5).bfloat16()
     w_down = (torch.randn(hidden, inter, device=dev, generator=g) / inter**0.5).bfloat16()
-    act = quack_gemm_act(x, w_up, activation)
+    act = quack_gemm_act(x, w_up, activation, [])
     act_ref = act_reference(x.float() @ w_up.float().t(), activation)
     unfused = act_reference((x @ w_up.t()).float(), activation)  # cuBLAS, rounded before the activation
     assert (act.float() - act_ref).abs().max() <= (unfused - act_ref).abs().max() * 1.01 + 1e-3
-    out = quack_gemm_residual(act, w_down, res)
+    out = quack_gemm_residual(act, w_down, res, [])
     out_ref = res.float() + act.float() @ w_down.float().t()
     unfused_out = (res + act @ w_down.t()).float()
     assert (out.float() - out_ref).abs().max() <= (unfused_out - out_ref).abs().max() * 1.01 + 1e-3
@@ -132,3 +132,12 @@ def test_engine_on_quack_replays_its_graph_exactly() -> None:
     assert (a == b).all()
     c = inductor.infer(obs, seed=7).actions
     assert abs(a - c).max() < 0.05 * max(abs(c).max(), 1.0)  # same model, activation rounded once fewer
+
+
+def test_site_tiles_pin_per_architecture() -> None:
+    from wamrt.engine.epilogues import QUACK_DEFAULT, SM90_SITES, site_tiles
+
+    assert site_tiles("residual", 2048, 2048, 9) == [int(t) for t in QUACK_DEFAULT]  # unlisted: quack's default
+    stay = [key for key, tiles in SM90_SITES.items() if tiles is None]
+    assert stay and site_tiles(*stay[0], 9) is None  # measured slower than cuBLAS: the unfused path
+    assert site_tiles(*stay[0], 10) == []  # Blackwell: quack's own default, nothing pinned

@@ -111,3 +111,18 @@ def test_full_size_bf16_encode_matches_diffusers() -> None:
     # bf16 against the fp32 encode: ours rounds fewer times than diffusers' bf16 path, so no further away (with
     # slack for cuDNN's algorithm choice).
     assert ours_err <= 1.5 * diffusers_err, (ours_err, diffusers_err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_encode_replays_the_eager_walk_exactly() -> None:
+    from wamrt.pipeline.random_weights import random_vae
+    from wamrt.pipeline.vae import FrameEncoder
+
+    dev = torch.device("cuda")
+    frames = FrameEncoder(random_vae(dev, torch.bfloat16))
+    eager, graphed = FirstFrameEncoder(frames), FirstFrameEncoder(frames, capture=True, max_graphs=1)
+    for b, seed in ((1, 11), (1, 12), (2, 13), (1, 14)):  # new shapes evict the old graph (max_graphs=1)
+        pixels = _pixels(b, 1, 480, 640, seed=seed).to(dev)
+        assert torch.equal(graphed.encode(pixels), eager.encode(pixels)), (b, seed)
+    assert graphed.capture and len(graphed._graphs) == 1

@@ -53,7 +53,7 @@ from ..pipeline.policy import Policy, device_name, validate_options
 from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
 from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
-from .epilogues import EPILOGUES, generator_post_quack, prepare_epilogues, quack_available, unsupported_reason
+from .epilogues import EPILOGUES, prepare_epilogues, quack_available, quack_generator_post, unsupported_reason
 from .fuse import fuse_generator
 from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
 from .prefix_cache import PaddedPrefixes, ReasonerCache, left_pad_kv
@@ -160,7 +160,8 @@ class Engine:
         quantization: str | None = None,
     ) -> None:
         self.model, self.encoder, self.tokenizer = model, encoder, tokenizer
-        self._canvas_encoder = FirstFrameEncoder(encoder) if config.vae_encode == "first-frame" else encoder
+        self._canvas_encoder = (FirstFrameEncoder(encoder, capture=config.cuda_graph)
+                                if config.vae_encode == "first-frame" else encoder)
         self.contract, self.options, self.config, self.name = contract, options, config, name
         self.quantization = quantization  # the `wamrt quantize` recipe of the weights, if any (metadata)
         self.device = next(model.parameters()).device
@@ -206,7 +207,7 @@ class Engine:
         post = _post
         if config.epilogues == "quack":
             prepare_epilogues(model)
-            post = generator_post_quack
+            post = quack_generator_post(self.device)
         self._pre, self._post, self._rescale = _pre_into, post, rescale_zero_keys
         self.bucket_attention = config.bucket_attention  # what runs (may fall back to "mask", see below)
         if config.prompt_bucket and config.bucket_attention == "lse" and self.device.type == "cuda":

@@ -62,18 +62,22 @@ def interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 # -- quack behind custom ops ---------------------------------------------------------------------------------
 
-# Tile configurations per call site (epilogue, K, N) on Hopper, the fastest of `wamrt bench kernels --sweep` on the
-# H200; a site not listed runs quack's default (128 x 192 tiles, ping-pong, 2 x 1 cluster). Pinned rather than
-# autotuned: quack's autotuner compiles ~40 CuTe DSL kernels per epilogue kind at the first call of a shape, minutes
-# of warm-up a server should not pay.
-SM90_TILES: dict[tuple[str, int, int], tuple[int, int, bool, int, int]] = {}
-SWEEP_TILES: list[tuple[int, int, bool, int, int]] = [  # (tile_m, tile_n, pingpong, cluster_m, cluster_n)
-    (128, 192, True, 2, 1), (128, 128, True, 2, 1), (128, 256, False, 2, 1), (256, 128, False, 2, 1),
-    (256, 192, False, 2, 1), (256, 192, False, 1, 2),
+Tiles = tuple[int, int, bool, int, int]  # (tile_m, tile_n, pingpong, cluster_m, cluster_n)
+QUACK_DEFAULT: Tiles = (128, 192, True, 2, 1)  # quack 0.6.5's Hopper default
+# Per call site (epilogue, K, N) on Hopper: the tiles `wamrt bench kernels --sweep` measured fastest on the H200, or
+# None where cuBLAS + Inductor's kernel measured faster than every quack tile (that site keeps the unfused path).
+# Sites not listed run QUACK_DEFAULT. Pinned, not autotuned: quack's autotuner compiles ~40 CuTe DSL kernels per
+# epilogue kind at the first call of a shape, minutes of warm-up a server should not pay.
+SM90_SITES: dict[tuple[str, int, int], Tiles | None] = {
+    ("residual", 12288, 4096): None,  # Nano down-projection: cuBLAS 0.87 ms, quack's best 0.99 (2698e5a sweep)
+}
+SWEEP_TILES: list[Tiles] = [
+    QUACK_DEFAULT, (128, 128, True, 2, 1), (128, 256, False, 2, 1), (256, 128, False, 2, 1), (256, 192, False, 2, 1),
+    (256, 192, False, 1, 2),
 ]
 
 
-def gemm_config(tiles: tuple[int, int, bool, int, int] | None):
+def gemm_config(tiles: Tiles | None):
     """A quack GemmConfig for Hopper from (tile_m, tile_n, pingpong, cluster_m, cluster_n); None: quack's default."""
     if tiles is None:
         return None
@@ -84,11 +88,12 @@ def gemm_config(tiles: tuple[int, int, bool, int, int] | None):
                       is_dynamic_persistent=False, device_capacity=9)
 
 
-def _site_config(epilogue: str, weight: torch.Tensor):
-    if torch.cuda.get_device_capability(weight.device)[0] != 9:
-        return None
-    n, k = weight.shape
-    return gemm_config(SM90_TILES.get((epilogue, k, n)))
+def site_tiles(epilogue: str, k: int, n: int, capability: int) -> list[int] | None:
+    """The tile list a call site's custom op gets ([] = quack's default for the GPU), or None: stay on cuBLAS."""
+    if capability != 9:
+        return []
+    tiles = SM90_SITES.get((epilogue, k, n), QUACK_DEFAULT)
+    return None if tiles is None else [int(t) for t in tiles]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -112,27 +117,32 @@ def gemm_act_2d(x: torch.Tensor, weight: torch.Tensor, activation: str, config=N
     return post
 
 
+def _config(tiles: list[int]):
+    return gemm_config((tiles[0], tiles[1], bool(tiles[2]), tiles[3], tiles[4])) if tiles else None
+
+
 @torch.library.custom_op("wamrt::gemm_residual", mutates_args=(), device_types="cuda")
-def quack_gemm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + x @ weight^T in one GEMM (x [..., K], weight [N, K], residual [..., N])."""
-    out = gemm_residual_2d(_rows(x), weight, _rows(residual), _site_config("residual", weight))
+def quack_gemm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, tiles: list[int]
+                        ) -> torch.Tensor:
+    """residual + x @ weight^T in one GEMM (x [..., K], weight [N, K], residual [..., N]); `tiles` as `site_tiles`."""
+    out = gemm_residual_2d(_rows(x), weight, _rows(residual), _config(tiles))
     return out.view(residual.shape)
 
 
 @quack_gemm_residual.register_fake
-def _(x, weight, residual):
+def _(x, weight, residual, tiles):
     return torch.empty_like(residual, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("wamrt::gemm_act", mutates_args=(), device_types="cuda")
-def quack_gemm_act(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(x @ weight^T) in one GEMM (x [..., K], weight [N, K]; SwiGLU halves N)."""
-    post = gemm_act_2d(_rows(x), weight, activation, _site_config(activation, weight))
+def quack_gemm_act(x: torch.Tensor, weight: torch.Tensor, activation: str, tiles: list[int]) -> torch.Tensor:
+    """act(x @ weight^T) in one GEMM (x [..., K], weight [N, K]; SwiGLU halves N); `tiles` as `site_tiles`."""
+    post = gemm_act_2d(_rows(x), weight, activation, _config(tiles))
     return post.view(*x.shape[:-1], post.shape[-1])
 
 
 @quack_gemm_act.register_fake
-def _(x, weight, activation):
+def _(x, weight, activation, tiles):
     n = weight.shape[0] // 2 if activation == "swiglu" else weight.shape[0]
     return x.new_empty(*x.shape[:-1], n)
 
@@ -157,14 +167,33 @@ def _tail(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor, gemm_residual: Call
     return gemm_residual(a, mlp.down_proj.weight, g)
 
 
-def generator_post_quack(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """`layer.generator_post(g, o)` on quack's fused-epilogue GEMMs (needs `prepare_epilogues(model)`)."""
-    return _tail(layer, g, o, quack_gemm_residual, quack_gemm_act)
-
-
 def generator_post_reference(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     """The same dataflow and weight layout in plain PyTorch: what the quack path computes, on any device."""
     return _tail(layer, g, o, _torch_gemm_residual, _torch_gemm_act)
+
+
+def quack_generator_post(device: torch.device) -> Callable[[MoTLayer, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`layer.generator_post(g, o)` on quack's fused-epilogue GEMMs for `device`'s architecture, each call site on
+    its pinned tiles or on cuBLAS where that measured faster (needs `prepare_epilogues(model)`). The choices are
+    Python decisions on the weights' shapes, so a compiled tail holds only the chosen kernels."""
+    capability = torch.cuda.get_device_capability(device)[0]
+
+    def gemm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        tiles = site_tiles("residual", weight.shape[1], weight.shape[0], capability)
+        if tiles is None:
+            return _torch_gemm_residual(x, weight, residual)
+        return quack_gemm_residual(x, weight, residual, tiles)
+
+    def gemm_act(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+        tiles = site_tiles(activation, weight.shape[1], weight.shape[0], capability)
+        if tiles is None:
+            return _torch_gemm_act(x, weight, activation)
+        return quack_gemm_act(x, weight, activation, tiles)
+
+    def generator_post(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        return _tail(layer, g, o, gemm_residual, gemm_act)
+
+    return generator_post
 
 
 class InterleavedGateUp(FusedGateUp):
