@@ -137,7 +137,7 @@ def test_engine_on_quack_replays_its_graph_exactly() -> None:
 def test_site_tiles_pin_per_architecture() -> None:
     from wamrt.engine.epilogues import QUACK_DEFAULT, SM90_SITES, site_tiles
 
-    assert site_tiles("residual", 2048, 2048, 9) == [int(t) for t in QUACK_DEFAULT]  # unlisted: quack's default
+    assert site_tiles("swiglu", 5120, 51200, 9) == [int(t) for t in QUACK_DEFAULT]  # unlisted: the kind's default
     stay = [key for key, tiles in SM90_SITES.items() if tiles is None]
     assert stay and site_tiles(*stay[0], 9) is None  # measured slower than cuBLAS: the unfused path
     assert site_tiles(*stay[0], 10) == []  # Blackwell: quack's own default, nothing pinned

@@ -66,11 +66,21 @@ Tiles = tuple[int, int, bool, int, int]  # (tile_m, tile_n, pingpong, cluster_m,
 QUACK_DEFAULT: Tiles = (128, 192, True, 2, 1)  # quack 0.6.5's Hopper default
 # Per call site (epilogue, K, N) on Hopper: the tiles `wamrt bench kernels --sweep` measured fastest on the H200, or
 # None where cuBLAS + Inductor's kernel measured faster than every quack tile (that site keeps the unfused path).
-# Sites not listed run QUACK_DEFAULT. Pinned, not autotuned: quack's autotuner compiles ~40 CuTe DSL kernels per
-# epilogue kind at the first call of a shape, minutes of warm-up a server should not pay.
+# H200 at 809fa37, 10 calls per CUDA graph (bench/results/kernels/2026-12-02-809fa37/): the activation sites win
+# (Edge up+ReLU^2 0.313 vs 0.387 ms, Nano gate/up+SwiGLU 1.857 vs 2.014), every residual site loses (Edge out 0.086
+# vs 0.088 before Inductor fuses the add into the next norm, Edge down 0.423 vs 0.347, Nano out 0.346 vs 0.294,
+# Nano down 1.014 vs 0.926). Sites not listed take their epilogue kind's default below. Pinned, not autotuned:
+# quack's autotuner compiles ~40 CuTe DSL kernels per epilogue kind at the first call of a shape, minutes of
+# warm-up a server should not pay.
 SM90_SITES: dict[tuple[str, int, int], Tiles | None] = {
-    ("residual", 12288, 4096): None,  # Nano down-projection: cuBLAS 0.87 ms, quack's best 0.99 (2698e5a sweep)
+    ("relu_sq", 2048, 9216): QUACK_DEFAULT,
+    ("swiglu", 4096, 24576): QUACK_DEFAULT,
+    ("residual", 2048, 2048): None,
+    ("residual", 9216, 2048): None,
+    ("residual", 4096, 4096): None,
+    ("residual", 12288, 4096): None,
 }
+SM90_DEFAULT: dict[str, Tiles | None] = {"residual": None, "relu_sq": QUACK_DEFAULT, "swiglu": QUACK_DEFAULT}
 SWEEP_TILES: list[Tiles] = [
     QUACK_DEFAULT, (128, 128, True, 2, 1), (128, 256, False, 2, 1), (256, 128, False, 2, 1), (256, 192, False, 2, 1),
     (256, 192, False, 1, 2),
@@ -92,7 +102,7 @@ def site_tiles(epilogue: str, k: int, n: int, capability: int) -> list[int] | No
     """The tile list a call site's custom op gets ([] = quack's default for the GPU), or None: stay on cuBLAS."""
     if capability != 9:
         return []
-    tiles = SM90_SITES.get((epilogue, k, n), QUACK_DEFAULT)
+    tiles = SM90_SITES.get((epilogue, k, n), SM90_DEFAULT[epilogue])
     return None if tiles is None else [int(t) for t in tiles]
 
 
