@@ -4,6 +4,7 @@
 #   parts: smoke edge nano tests load quant-edge quant-nano (lossy rows E6-E8 + quality, issue 7)
 #          world (issue 15: WorldEngine t2i / i2v vs diffusers; MODES, RUNS, PEER_RUNS, WORLD_MODEL, WORLD_ARGS)
 #          world-tests (the WorldEngine GPU test), fa4-tests (flash-attn-4 against SDPA, in a graph)
+#          peer-edge peer-nano (issue 14: ROWS at 4 and 2 steps with the diffusers peer in the same process)
 #          kernels (issue 14: `wamrt bench kernels --sweep` and the GPU tests of the epilogue GEMMs and the VAE encode)
 #          rows-edge rows-nano (E5 and its alternatives timed in one process; ROWS, default E5,E5-bucket,E5-bucket-mask
 #          (issue 13: prompt buckets against exact lengths); E5-mask, E5-autotune on request -- autotuning can take
@@ -49,6 +50,10 @@ for spec in "$@"; do
     rows-edge|rows-nano)
           wamrt bench latency --model "${part#rows-}" --rows "${ROWS:-E5,E5-bucket,E5-bucket-mask}" \
              --full-rows "${ROWS:-E5,E5-bucket,E5-bucket-mask}" --steps 4 ${TRACE_ROWS:+--trace --trace-rows "$TRACE_ROWS"} \
+             --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" --out "$res" 2>&1 | tee "$res/log.txt" ;;
+    peer-edge|peer-nano) # Issue 14: ROWS (default E5,E5-quack) at 4 and 2 steps beside the diffusers peer, one process
+          wamrt bench latency --model "${part#peer-}" --rows "${ROWS:-E5,E5-quack}" --full-rows "${ROWS:-E5,E5-quack}" \
+             --other-steps-rows "${ROWS:-E5,E5-quack}" --steps 4 2 --peer diffusers --peer-warmup 2 --peer-runs "${PEER_RUNS:-8}" \
              --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" --out "$res" 2>&1 | tee "$res/log.txt" ;;
     load) # Issue 13: lanes cycle through twelve instructions of 118-152 tokens (`--prompts mixed`, variable-length
           # tokenizer of random:nano); every prefix is padded to the declared width 192 (3 x 64-token buckets),
