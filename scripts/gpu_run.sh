@@ -24,7 +24,8 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/wamrt-py/site-packages \
   $(ls .whl/*.whl .whl-bench/*.whl .whl-av/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/wamrt-py/site-packages:$PWD/src PYTHONUNBUFFERED=1
-if ls -d .fa4* /tmp/wamrt-fa4 >/dev/null 2>&1; then  # flash-attn-4 carried in parts (scripts/fa4_install.sh)
+# flash-attn-4 carried in parts (scripts/fa4_install.sh), in this call or staged by an earlier one on this machine
+if compgen -G ".fa4*" >/dev/null || [ -d /tmp/wamrt-fa4 ]; then
   dsl=$(bash scripts/fa4_install.sh) && export PYTHONPATH=$PYTHONPATH:$dsl \
     && python3 -c 'import flash_attn.cute.interface; print("flash-attn-4 installed")' \
     || echo "flash-attn-4 not installed (parts staged so far: $(ls /tmp/wamrt-fa4 2>/dev/null | tr '\n' ' ')): fa4 stays off"
