@@ -44,14 +44,46 @@ def test_serve_defaults_match_the_issue() -> None:
                                       "--guidance-interval", "960", "1001", "--port", "8123", "--prompt-bucket", "32"])
     cfg = config_from_args(args)
     assert cfg.prompt_bucket == 32
-    assert cfg.engine_settings("cuda:0") == {"prompt_bucket": 32, "prompt_width": 0,
-                                             "isolate_requests": False}  # engine defaults else
+    assert cfg.engine_settings("cuda:0") == {"attention": "cudnn", "epilogues": "inductor", "prompt_bucket": 32,
+                                             "prompt_width": 0, "isolate_requests": False}  # engine defaults else
     assert cfg.engine_settings("cpu") == {"attention": "auto", "compile": False, "cuda_graph": False,
                                           "prompt_bucket": 32, "prompt_width": 0, "isolate_requests": False}
     invariant = config_from_args(build_parser().parse_args(["serve", "--max-batch", "16", "--batch-invariant"]))
     assert invariant.engine_settings("cuda:0")["isolate_requests"] is True  # every request computed alone
     assert (cfg.api_key, cfg.max_batch, cfg.max_wait_ms, cfg.max_queue, cfg.port) == ("k", 2, 1.5, 9, 8123)
     assert cfg.sampler_defaults() == {"steps": 2, "guidance": 1.5, "shift": 4.0, "guidance_interval": (960, 1001)}
+
+
+def test_kernel_flags_fail_at_startup_where_they_cannot_run() -> None:
+    from wamrt.engine.epilogues import quack_available
+    from wamrt.ops.attention import fa4_available
+    from wamrt.serving.config import ServeConfigError
+
+    args = build_parser().parse_args(["serve", "--attention", "flash", "--epilogues", "inductor"])
+    assert config_from_args(args).engine_settings("cuda:0")["attention"] == "flash"
+    for flags, flag in ((["--attention", "fa4"], "--attention"), (["--epilogues", "quack"], "--epilogues")):
+        cfg = config_from_args(build_parser().parse_args(["serve", *flags]))
+        with pytest.raises(ServeConfigError, match="CUDA GPU only") as err:
+            cfg.engine_settings("cpu")
+        assert err.value.flag == flag
+        if not (fa4_available() if flag == "--attention" else quack_available()):
+            with pytest.raises(ServeConfigError, match="installed") as err:
+                cfg.engine_settings("cuda:0")
+            assert err.value.flag == flag
+    with pytest.raises(ServeConfigError) as err:
+        ServeConfig(epilogues="cutlass")
+    assert err.value.flag == "--epilogues"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--attention", "math"])
+
+
+def test_kernel_flags_refused_by_an_eager_server(capsys) -> None:
+    from wamrt.serving.server import run
+
+    assert run(build_parser().parse_args(["serve", "--epilogues", "quack", "--engine", "eager"])) == 2
+    assert "--epilogues: applies to the fast engine" in capsys.readouterr().err
+    assert run(build_parser().parse_args(["serve", "--attention", "fa4", "--engine", "fast"])) == 2  # CPU here
+    assert "--attention: fa4 runs on a CUDA GPU only" in capsys.readouterr().err
 
 
 def test_readyz_waits_for_warm_up(obs: dict[str, Any]) -> None:

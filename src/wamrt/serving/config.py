@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+ATTENTION_CHOICES = ("cudnn", "flash", "efficient", "fa4")
+EPILOGUE_CHOICES = ("inductor", "quack")
+
 
 class ServeConfigError(ValueError):
     """A setting that cannot work; `flag` names the `wamrt serve` flag (the field is its snake_case form)."""
@@ -52,6 +55,11 @@ class ServeConfig:
     # batches run at this width and capture the graphs every shorter instruction (and any mix) replays.
     prompt_width: int = 0
     batch_invariant: bool = False  # every request computed alone (EngineConfig.isolate_requests): bit-exact replays
+    # The fast engine's kernels on CUDA (EngineConfig.attention / .epilogues). The measured fastest exact configuration
+    # on the H200 is attention "fa4" + epilogues "quack" (both from the optional flash-attn-4 install; README, issue 14);
+    # the defaults need nothing beyond PyTorch.
+    attention: str = "cudnn"
+    epilogues: str = "inductor"
     # World generation's sampler: auto (from the checkpoint folder) | unipc | distilled (`generation.resolve_sampler`).
     sampler: str = "auto"
     extra_metadata: dict[str, Any] = field(default_factory=dict)
@@ -84,6 +92,12 @@ class ServeConfig:
             up = -(-self.prompt_width // self.prompt_bucket) * self.prompt_bucket
             raise ServeConfigError(f"{self.prompt_width} is not a multiple of --prompt-bucket {self.prompt_bucket} "
                                    f"(a prefix is padded to whole buckets; use {up})", flag="--prompt-width")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ServeConfigError(f"must be one of {', '.join(ATTENTION_CHOICES)}, got {self.attention!r}",
+                                   flag="--attention")
+        if self.epilogues not in EPILOGUE_CHOICES:
+            raise ServeConfigError(f"must be one of {', '.join(EPILOGUE_CHOICES)}, got {self.epilogues!r}",
+                                   flag="--epilogues")
         # Two small JSON reads of the checkpoint folder, so that a distilled sampler forced on a checkpoint without
         # a distilled schedule (or an unreadable one) fails naming --sampler before any model is built.
         from .generation import resolve_sampler
@@ -91,9 +105,29 @@ class ServeConfig:
         resolve_sampler(self.sampler, self.model_name)
 
     def engine_settings(self, device: str) -> dict[str, Any]:
-        """EngineConfig fields for the fast engine on `device` (CPU: no compile, no graphs; tests)."""
-        base: dict[str, Any] = {} if device.startswith("cuda") else dict(attention="auto", compile=False,
-                                                                         cuda_graph=False)
+        """EngineConfig fields for the fast engine on `device` (CPU: no compile, no graphs; tests). Kernels the
+        device cannot run fail here, naming the flag, before the engine touches the model."""
+        cuda = device.startswith("cuda")
+        if cuda:
+            import torch
+
+            from ..engine.epilogues import quack_available
+            from ..ops.attention import fa4_available
+
+            dev = torch.device(device)
+            if self.attention == "fa4" and not fa4_available(dev):
+                raise ServeConfigError("fa4 needs flash-attn-4 installed and a Hopper or Blackwell GPU",
+                                       flag="--attention")
+            if self.epilogues == "quack" and not quack_available(dev):
+                raise ServeConfigError("quack needs quack-kernels installed (flash-attn-4 brings it) and a Hopper "
+                                       "or Blackwell GPU", flag="--epilogues")
+            base: dict[str, Any] = dict(attention=self.attention, epilogues=self.epilogues)
+        else:
+            for flag, value, default in (("--attention", self.attention, "cudnn"),
+                                         ("--epilogues", self.epilogues, "inductor")):
+                if value != default:
+                    raise ServeConfigError(f"{value} runs on a CUDA GPU only (this engine is on {device})", flag=flag)
+            base = dict(attention="auto", compile=False, cuda_graph=False)
         return {**base, "prompt_bucket": self.prompt_bucket, "prompt_width": self.prompt_width,
                 "isolate_requests": self.batch_invariant}
 

@@ -14,7 +14,7 @@ import uvicorn
 from ..net import free_port
 from .app import build_app
 from .batcher import BatchPolicy
-from .config import ServeConfig, ServeConfigError
+from .config import ATTENTION_CHOICES, EPILOGUE_CHOICES, ServeConfig, ServeConfigError
 from .generation import SAMPLER_CHOICES
 
 
@@ -73,6 +73,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "denoising loop at batch 1; host work still batched), so its actions do not depend on "
                          "which requests share its batch or where it sits in it, and a rollout replays bit for "
                          "bit (paired gates); GPU work is no longer shared across requests")
+    ap.add_argument("--attention", choices=ATTENTION_CHOICES, default=ServeConfig.attention,
+                    help="fast engine on CUDA: the Generator attention kernel; fa4 = flash-attn-4 (optional install; "
+                         "the fastest measured on the H200, see README)")
+    ap.add_argument("--epilogues", choices=EPILOGUE_CHOICES, default=ServeConfig.epilogues,
+                    help="fast engine on CUDA: quack = the MLP activation inside the up-projection GEMM's epilogue "
+                         "(quack-kernels, which flash-attn-4 brings; Nano -14 ms per request on the H200); "
+                         "inductor = cuBLAS GEMMs and compiled elementwise kernels")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs of this host behind one engine (with --parallel)")
     ap.add_argument("--parallel", choices=["none", "cfg", "tp"], default="none",
                     help="cfg = one CFG branch per GPU (2 GPUs, full model each); tp = every layer split across "
@@ -95,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         prompt_bucket=args.prompt_bucket, prompt_width=args.prompt_width, batch_invariant=args.batch_invariant,
         max_video_pixels=args.max_video_pixels, max_generation_jobs=args.max_generation_jobs, sampler=args.sampler,
         generation_step_segments=args.generation_step_segments, generation_warmup=tuple(args.generation_warmup),
+        attention=args.attention, epilogues=args.epilogues,
     )
 
 
@@ -124,8 +132,18 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "fast" or (args.engine == "auto" and policy.device.type == "cuda"):
         from ..engine import Engine, EngineConfig
 
+        try:
+            settings = config.engine_settings(str(policy.device))
+        except ServeConfigError as exc:
+            print(f"wamrt serve: {exc}", file=sys.stderr)
+            return 2
         # same infer_batch/metadata contract, batched on the GPU
-        policy = Engine.from_policy(policy, EngineConfig(**config.engine_settings(str(policy.device))))
+        policy = Engine.from_policy(policy, EngineConfig(**settings))
+    elif (config.attention, config.epilogues) != (ServeConfig.attention, ServeConfig.epilogues):
+        flag = "--attention" if config.attention != ServeConfig.attention else "--epilogues"
+        print(f"wamrt serve: {flag}: applies to the fast engine (--engine fast, or auto on CUDA); this server runs "
+              f"the eager reference on {policy.device}", file=sys.stderr)
+        return 2
     uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level)).run()
     return 0
 
