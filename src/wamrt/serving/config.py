@@ -55,9 +55,9 @@ class ServeConfig:
     # batches run at this width and capture the graphs every shorter instruction (and any mix) replays.
     prompt_width: int = 0
     batch_invariant: bool = False  # every request computed alone (EngineConfig.isolate_requests): bit-exact replays
-    # The fast engine's kernels on CUDA (EngineConfig.attention / .epilogues). The measured fastest exact configuration
-    # on the H200 is attention "fa4" + epilogues "quack" (both from the optional flash-attn-4 install; README, issue 14);
-    # the defaults need nothing beyond PyTorch.
+    # The fast engine's kernels on CUDA (EngineConfig.attention / .epilogues). The fastest exact configuration measured
+    # on the H200 is attention "fa4" + epilogues "quack" (both from the optional wamrt[kernels]; README, issue 14); the
+    # defaults need nothing beyond PyTorch.
     attention: str = "cudnn"
     epilogues: str = "inductor"
     # World generation's sampler: auto (from the checkpoint folder) | unipc | distilled (`generation.resolve_sampler`).
