@@ -49,13 +49,17 @@ ROWS: dict[str, tuple[str, dict]] = {
     "E5-cudnn": ("E5 with cuDNN attention", dict(attention="cudnn")),
     # The layer tail's residual adds and MLP activation inside quack GEMM epilogues (needs quack-kernels).
     "E5-quack": ("E5 with fused-epilogue GEMMs (quack)", dict(epilogues="quack")),
+    # ... and the server's prompt buckets: both CFG branches in one attention call per layer (no per-branch calls,
+    # no output gather); what `wamrt serve --epilogues quack` runs (its --prompt-bucket defaults to 64).
+    "E5-quack-bucket": ("E5-quack with prompts padded to 64-token buckets (one attention call per layer)",
+                        dict(epilogues="quack", prompt_bucket=64)),
     # E5 with diffusers' own encode of the conditioning frame (the comparison row for the 2D first-frame encode).
     "E5-vae-diffusers": ("E5 with diffusers' VAE encode of frame 0", dict(vae_encode="diffusers")),
 }
 
 # Opt-in rows: E5-autotune spends minutes autotuning at Nano, which the default waterfall run cannot afford.
 DEFAULT_ROWS = [r for r in ROWS if r not in ("E5-bucket", "E5-bucket-mask", "E5-autotune", "E5-cudnn", "E5-quack",
-                                             "E5-vae-diffusers")]
+                                             "E5-quack-bucket", "E5-vae-diffusers")]
 
 
 def run(args: argparse.Namespace) -> int:
