@@ -2,7 +2,7 @@
 Inductor's elementwise kernel after it) and with the elementwise work in the GEMM's epilogue (quack), at the real
 shapes (both CFG branches: 6,186 tokens at tier 480). Prints and writes one JSON file: median ms, TFLOP/s, and
 the first call's time of each quack kernel (its CuTe DSL compile, paid once per kernel at warm-up). `--sweep` times
-the tile configurations of `engine.epilogues.SWEEP_TILES`; the winners go into `SM90_TILES`."""
+the tile configurations of `engine.epilogues.SWEEP_TILES`; the winners go into `SM90_SITES`."""
 
 from __future__ import annotations
 

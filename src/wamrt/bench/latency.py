@@ -47,7 +47,8 @@ ROWS: dict[str, tuple[str, dict]] = {
                     dict(compile_mode="max-autotune-no-cudagraphs")),
     # E5 on cuDNN attention whichever kernel measured fastest (the comparison row for a new attention kernel).
     "E5-cudnn": ("E5 with cuDNN attention", dict(attention="cudnn")),
-    # The layer tail's residual adds and MLP activation inside quack GEMM epilogues (needs quack-kernels).
+    # The layer tail's GEMMs with their elementwise work in quack epilogues where that measured faster (on the H200:
+    # the MLP activation; engine/epilogues.py SM90_SITES). Needs quack-kernels.
     "E5-quack": ("E5 with fused-epilogue GEMMs (quack)", dict(epilogues="quack")),
     # ... and the server's prompt buckets: both CFG branches in one attention call per layer (no per-branch calls,
     # no output gather); what `wamrt serve --epilogues quack` runs (its --prompt-bucket defaults to 64).

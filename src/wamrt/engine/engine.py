@@ -92,8 +92,9 @@ class EngineConfig:
     # graph capture replaces Inductor's cudagraphs, hence the -no-cudagraphs modes only.
     compile_mode: str = "default"
     # The Generator layer's tail after attention: "inductor" = cuBLAS GEMMs with Inductor's kernels between them;
-    # "quack" = residual adds and the MLP activation in the GEMM epilogues (engine/epilogues.py; needs
-    # quack-kernels, which comes with flash-attn-4, and a Hopper / Blackwell GPU).
+    # "quack" = each GEMM in the form that measured faster per call site, on the H200 the MLP activation in the
+    # up-projection's epilogue (engine/epilogues.py; needs quack-kernels, which comes with flash-attn-4, and a
+    # Hopper / Blackwell GPU).
     epilogues: str = "inductor"
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
     kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)

@@ -3,11 +3,14 @@
 `MoTLayer.generator_post` is out-projection + residual, norm, MLP (gate/up, SiLU*up or ReLU^2, down) + residual.
 Compiled by Inductor, the GEMMs are cuBLAS calls and everything between them is Triton kernels that read and
 write the GEMM outputs once more: at Nano the gate/up output alone is 6,186 x 24,576 bf16 (304 MB) per layer
-and step, which SiLU*up reads back to write half of it. Here three GEMMs carry that work in their epilogues:
+and step, which SiLU*up reads back to write half of it. Each GEMM of the tail has a fused form here:
 
     g = g + o @ W_out^T             residual as the GEMM's C operand
     a = act(norm(g) @ W_up^T)       SwiGLU (interleaved gate/up columns) or ReLU^2 on the fp32 accumulator
     g = g + a @ W_down^T            residual again
+
+and each call site runs the form that measured faster (`SM90_SITES`): on the H200 the activation GEMMs are
+quack's and the residual GEMMs stay cuBLAS + Inductor (quack's GEMM is slower there than the add it saves).
 
 The kernels are quack's (`quack-kernels`, Tri Dao's CuTe DSL GEMMs for Hopper and Blackwell; it comes with
 flash-attn-4), an optional dependency, behind two custom ops so that `torch.compile` sees one opaque call per GEMM
@@ -229,9 +232,12 @@ class EpilogueMLP(MLP):
 def unsupported_reason(model: Cosmos3Transformer) -> str | None:
     """Why the fused-epilogue tail cannot serve this model's Generator layers, or None."""
     layer = model.layers[0]
-    linears = [layer.self_attn.to_add_out, layer.mlp_moe_gen.down_proj]
-    if not model.config.gated_mlp:
-        linears.append(layer.mlp_moe_gen.up_proj)
+    mlp = layer.mlp_moe_gen
+    linears = [layer.self_attn.to_add_out, mlp.down_proj]
+    if isinstance(mlp, FusedGateUp):
+        linears.append(mlp.gate_up_proj)
+    else:
+        linears += [mlp.gate_proj, mlp.up_proj] if mlp.gated else [mlp.up_proj]
     for lin in linears:
         if type(lin) is not nn.Linear or lin.bias is not None:
             return f"{type(lin).__name__} (bias: {getattr(lin, 'bias', None) is not None}) is not a plain bf16 linear"
