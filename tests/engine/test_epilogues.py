@@ -141,3 +141,13 @@ def test_site_tiles_pin_per_architecture() -> None:
     stay = [key for key, tiles in SM90_SITES.items() if tiles is None]
     assert stay and site_tiles(*stay[0], 9) is None  # measured slower than cuBLAS: the unfused path
     assert site_tiles(*stay[0], 10) == []  # Blackwell: quack's own default, nothing pinned
+
+
+def test_quantized_or_fp32_weights_are_refused_with_the_reason() -> None:
+    from wamrt.quant import quantize_model
+
+    model = tiny_model("tiny-qwen", seed=8, dtype=torch.bfloat16)
+    assert unsupported_reason(model) is None
+    quantize_model(model, "gen-fp8")
+    assert "Fp8Linear" in unsupported_reason(model)
+    assert "float32" in unsupported_reason(tiny_model("tiny-edge", seed=8))
