@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Collection, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 VAE_ENCODES = ("first-frame", "diffusers")
 BUCKET_ATTENTION = ("lse", "mask")
+ROPE_CACHE_SIZE = 64  # packing layouts (instruction length x geometry) whose Generator RoPE tables are kept
 HOST_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))  # canvas threads of a batch (the rest: server, GPU)
 
 
@@ -204,6 +206,7 @@ class Engine:
         self._noise_shape: tuple[int, ...] | None = None
         self._host_pool: ThreadPoolExecutor | None = None  # batch preprocessing (see _host_inputs)
         self._plans: dict[tuple, Any] = {}
+        self._ropes: OrderedDict[tuple, Rope] = OrderedDict()  # Generator RoPE per packing layout (LRU)
         self._backend = BackendAttention(generator=config.attention if config.attention != "gqa" else "auto")
         post = _post
         if config.epilogues == "quack":
@@ -402,7 +405,21 @@ class Engine:
 
     def _branch(self, request: int, branch) -> _Seq:
         kv = self.kv_cache.get(branch.input_ids, branch.positions)
-        return _Seq(request, kv, self.model.rope(branch.positions).split(branch.input_ids.shape[1])[1])
+        return _Seq(request, kv, self._generator_rope(branch))
+
+    def _generator_rope(self, branch) -> Rope:
+        """The Generator part of a branch's RoPE table, cached per packing layout (equal layouts have equal
+        positions: `Branch.layout`); a few hundred microseconds of small kernels per branch and request otherwise."""
+        key = branch.layout
+        if key is None:
+            return self.model.rope(branch.positions).split(branch.input_ids.shape[1])[1]
+        rope = self._ropes.get(key)
+        if rope is None:
+            rope = self._ropes[key] = self.model.rope(branch.positions).split(branch.input_ids.shape[1])[1]
+            while len(self._ropes) > ROPE_CACHE_SIZE:
+                self._ropes.popitem(last=False)
+        self._ropes.move_to_end(key)
+        return rope
 
     def _bucket_lengths(self, conds: list[_Seq], unconds: list[_Seq]) -> tuple[int, ...]:
         """Prefix lengths that (with the shapes) identify a captured graph (padded ones with prompt buckets)."""

@@ -49,6 +49,9 @@ class Branch:
 
     input_ids: torch.Tensor  # [1, U]
     positions: torch.Tensor  # [1, 3, U + G] float32
+    # What the positions are a function of (text length, geometry, ...), when the packer knows it: equal layouts,
+    # equal positions, so a consumer may cache what it derives from them (the engine's RoPE tables). Read-only.
+    layout: tuple | None = None
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Literal
 
 import numpy as np
@@ -171,7 +172,7 @@ def finish_droid(
         uncond=droid_branch(model.config, uncond_ids, (lat_t, lat_h, lat_w), contract, device), vision=vision,
         vision_noisy=droid_vision_noisy(lat_t, device),
         action=action, action_noisy=droid_action_noisy(contract, device),
-        domain_ids=torch.tensor([contract.domain_id], device=device), raw_action_dim=contract.raw_action_dim,
+        domain_ids=_domain_ids(contract.domain_id, device), raw_action_dim=contract.raw_action_dim,
     )
     timings["pack"] = 1e3 * (time.perf_counter() - t0)
     return PreparedDroid(inputs, prompt, seed, host.canvas, host.padded.image_size, timings, state)
@@ -205,24 +206,46 @@ def droid_branch(cfg: Cosmos3Config, ids: tuple[int, ...], latent_thw: tuple[int
                  contract: DroidContract, device: torch.device | str = "cpu") -> Branch:
     """One CFG branch of a DROID request: its token ids and the positions of the packed sequence
     [text | lat_t x ph x pw vision patches | history + chunk action rows]. Shared by inference
-    (`prepare_droid`) and training (`wamrt.train`), so both pack the same way."""
-    lat_t, lat_h, lat_w = latent_thw
+    (`prepare_droid`) and training (`wamrt.train`), so both pack the same way. The positions tensor is shared by
+    every branch of the same layout (cached; never write into it)."""
+    layout = ("droid", len(ids), tuple(latent_thw), contract.chunk + contract.history, float(contract.fps))
+    positions = _droid_positions(cfg, layout, str(torch.device(device)))
+    return Branch(torch.tensor([ids], dtype=torch.long, device=device), positions, layout)
+
+
+# Requests of one robot share their geometry and usually their instruction length: the positions (a few hundred
+# microseconds of CPU work and a host-to-device copy per branch) are made once per layout.
+@lru_cache(maxsize=256)
+def _droid_positions(cfg: Cosmos3Config, layout: tuple, device: str) -> torch.Tensor:
+    _, n_text, (lat_t, lat_h, lat_w), rows, fps = layout
     ph, pw = -(-lat_h // cfg.latent_patch_size), -(-lat_w // cfg.latent_patch_size)
-    rows = contract.chunk + contract.history
-    off = generator_offset(cfg, len(ids))
-    pos = torch.cat([text_positions(len(ids)), vision_positions(cfg, lat_t, ph, pw, off, contract.fps),
-                     action_positions(cfg, rows, off, contract.fps, start_frame=0)], dim=1)
-    return Branch(torch.tensor([ids], dtype=torch.long, device=device), pos[None].to(device))
+    off = generator_offset(cfg, n_text)
+    pos = torch.cat([text_positions(n_text), vision_positions(cfg, lat_t, ph, pw, off, fps),
+                     action_positions(cfg, rows, off, fps, start_frame=0)], dim=1)
+    return pos[None].to(device)
 
 
+@lru_cache(maxsize=64)
 def droid_vision_noisy(lat_t: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[1, lat_t] bool: latent frame 0 (the observation) is clean, the future frames are generated."""
+    """[1, lat_t] bool: latent frame 0 (the observation) is clean, the future frames are generated (cached: never
+    write into it)."""
     return (torch.arange(lat_t, device=device) >= 1)[None]
 
 
 def droid_action_noisy(contract: DroidContract, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[1, history + chunk] bool: the state row(s) are clean, the chunk rows are generated."""
-    return (torch.arange(contract.chunk + contract.history, device=device) >= contract.history)[None]
+    """[1, history + chunk] bool: the state row(s) are clean, the chunk rows are generated (cached: never write
+    into it)."""
+    return _action_noisy(contract.chunk + contract.history, contract.history, device)
+
+
+@lru_cache(maxsize=64)
+def _action_noisy(rows: int, history: int, device: torch.device | str) -> torch.Tensor:
+    return (torch.arange(rows, device=device) >= history)[None]
+
+
+@lru_cache(maxsize=64)
+def _domain_ids(domain_id: int, device: torch.device | str) -> torch.Tensor:
+    return torch.tensor([domain_id], device=device)
 
 
 def droid_metadata(name: str, contract: DroidContract, options: SamplingOptions) -> dict[str, Any]:
