@@ -43,11 +43,12 @@ def test_zero_key_attention_equals_attention_on_the_real_keys(real):
     assert rel(got, want) <= FP32_TOL and rel(masked, want) <= FP32_TOL
 
 
-def test_lse_is_the_natural_log_of_the_softmax_denominator():
+@pytest.mark.parametrize("backend", ["math", "auto"])  # auto on CPU: PyTorch's CPU flash kernel
+def test_lse_is_the_natural_log_of_the_softmax_denominator(backend):
     q, k, v, _ = padded_batch([8], width=8, gen_len=16)
     k = k.repeat_interleave(2, dim=1)
     v = v.repeat_interleave(2, dim=1)
-    out, lse = sdpa_with_lse(q, k, v, backend="math")
+    out, lse = sdpa_with_lse(q, k, v, backend=backend)
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=1e-5)
     assert rel(out, torch.softmax(scores, -1) @ v) <= FP32_TOL
