@@ -24,6 +24,17 @@ def test_positions_are_shared_per_layout_and_equal_a_fresh_computation() -> None
     assert torch.equal(a.positions, fresh) and fresh is not a.positions
 
 
+def test_cached_tensors_made_under_inference_mode_still_serve_autograd() -> None:
+    cfg, contract = get_config("tiny-qwen"), DroidContract()
+    ids = tuple(range(21))  # a layout no other test uses, so the first call here fills the cache
+    with torch.inference_mode():
+        first = droid_branch(cfg, ids, (2, 4, 6), contract)
+    assert not first.positions.is_inference()
+    weight = torch.ones(1, requires_grad=True)
+    (droid_branch(cfg, ids, (2, 4, 6), contract).positions * weight).sum().backward()  # saved for backward
+    assert weight.grad is not None
+
+
 def test_engine_rope_tables_are_cached_per_layout() -> None:
     from wamrt.engine import Engine, EngineConfig
     from wamrt.pipeline.policy import random_policy

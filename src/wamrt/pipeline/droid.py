@@ -214,8 +214,11 @@ def droid_branch(cfg: Cosmos3Config, ids: tuple[int, ...], latent_thw: tuple[int
 
 
 # Requests of one robot share their geometry and usually their instruction length: the positions (a few hundred
-# microseconds of CPU work and a host-to-device copy per branch) are made once per layout.
+# microseconds of CPU work and a host-to-device copy per branch) are made once per layout. Every cached tensor is
+# made outside inference mode (a normal tensor), whichever mode the first caller ran in: inference reads it as it
+# reads weights, and training may save it for backward (an inference tensor there raises).
 @lru_cache(maxsize=256)
+@torch.inference_mode(False)
 def _droid_positions(cfg: Cosmos3Config, layout: tuple, device: str) -> torch.Tensor:
     _, n_text, (lat_t, lat_h, lat_w), rows, fps = layout
     ph, pw = -(-lat_h // cfg.latent_patch_size), -(-lat_w // cfg.latent_patch_size)
@@ -226,6 +229,7 @@ def _droid_positions(cfg: Cosmos3Config, layout: tuple, device: str) -> torch.Te
 
 
 @lru_cache(maxsize=64)
+@torch.inference_mode(False)
 def droid_vision_noisy(lat_t: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[1, lat_t] bool: latent frame 0 (the observation) is clean, the future frames are generated (cached: never
     write into it)."""
@@ -239,11 +243,13 @@ def droid_action_noisy(contract: DroidContract, device: torch.device | str = "cp
 
 
 @lru_cache(maxsize=64)
+@torch.inference_mode(False)
 def _action_noisy(rows: int, history: int, device: torch.device | str) -> torch.Tensor:
     return (torch.arange(rows, device=device) >= history)[None]
 
 
 @lru_cache(maxsize=64)
+@torch.inference_mode(False)
 def _domain_ids(domain_id: int, device: torch.device | str) -> torch.Tensor:
     return torch.tensor([domain_id], device=device)
 
