@@ -49,39 +49,34 @@ class UnsupportedEncoder(TypeError):
     """The encoder holds a module this 2D walk has no rule for."""
 
 
-class FirstFrameEncoder:
-    """`FrameEncoder`'s interface; `encode` of a single frame runs the 2D walk, anything else diffusers' encode."""
+class FirstFrameEncoder(FrameEncoder):
+    """A `FrameEncoder` whose `encode` of a single frame runs the 2D walk; anything else is diffusers' encode."""
 
     def __init__(self, frames: FrameEncoder, *, capture: bool = False, max_graphs: int = 8) -> None:
-        self.frames = frames
+        super().__init__(frames.vae)
         self.capture, self.max_graphs = capture, max_graphs
         # input shape -> (graph, static input, static output); LRU. One memory pool for all: replays are serialised
         # by _graph_lock and every output is copied out before the next replay.
         self._graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = OrderedDict()
         self._graph_lock = threading.Lock()
         self._pool = None
-        self.vae = frames.vae
-        self.spatial, self.temporal = frames.spatial, frames.temporal
         self._patch = frames.vae.config.patch_size
-        self._weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(conv) -> (its weight, 2D tap)
-        self._lock = threading.Lock()  # the weight cache only; the walk itself shares nothing
+        # (id(module), what) -> (the parameter it was made from, the derived tensor): conv taps, norm weights
+        self._derived: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()  # the derived-tensor cache only; the walk itself shares nothing
         self._unsupported: str | None = None
-
-    @property
-    def latent_channels(self) -> int:
-        return self.frames.latent_channels
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [B, 3, T, H, W] in [-1, 1] -> fp32 [B, C, T', H/16, W/16], as `FrameEncoder.encode`."""
         if pixels.ndim != 5 or pixels.shape[1] != 3 or pixels.shape[2] != 1 or self._unsupported:
-            return self.frames.encode(pixels)
+            return super().encode(pixels)
         h, w = pixels.shape[-2:]
         if h % self.spatial or w % self.spatial:
             raise RequestError(f"VAE input size {h}x{w} must be a multiple of {self.spatial}")
-        # The VAE's device and dtype as FrameEncoder saw them at load: diffusers' `ModelMixin.dtype` walks every
-        # submodule per access (~2.8 ms of host time per request at the Wan2.2 VAE, an idle GPU in the profile).
-        x = pixels.to(device=self.frames.mean.device, dtype=self.frames.mean.dtype)
+        # The VAE's device and dtype as seen at construction: diffusers' `ModelMixin.dtype` walks every submodule
+        # per access (~2.8 ms of host time per request at the Wan2.2 VAE, an idle GPU in the profile).
+        x = pixels.to(device=self.mean.device, dtype=self.mean.dtype)
         if self._patch is not None:
             x = patchify(x, patch_size=self._patch)
         x = x[:, :, 0].contiguous(memory_format=torch.channels_last)
@@ -90,8 +85,8 @@ class FirstFrameEncoder:
         except UnsupportedEncoder as e:
             self._unsupported = str(e)
             log.warning("first-frame VAE encode: %s; using diffusers' encode", e)
-            return self.frames.encode(pixels)
-        return ((mu.unsqueeze(2) - self.frames.mean) * self.frames.inv_std).float()
+            return super().encode(pixels)
+        return ((mu.unsqueeze(2) - self.mean) * self.inv_std).float()
 
     def _latent_mean(self, x: torch.Tensor) -> torch.Tensor:
         """Patchified frame [B, C, H, W] -> the posterior mean [B, z, h, w] (latent_dist.mode())."""
@@ -177,8 +172,10 @@ class FirstFrameEncoder:
         if type(m) is not WanRMS_norm or not m.channel_first:
             raise UnsupportedEncoder(f"no first-frame rule for norm {type(m).__name__}")
         c = m.gamma.shape[0]
-        weight = (m.gamma.detach().float() * m.scale).reshape(c, 1, 1)
-        bias = m.bias.detach().float().reshape(c, 1, 1) if isinstance(m.bias, torch.Tensor) else m.bias
+        weight = self._cached(m, "weight", m.gamma, lambda g: (g.detach().float() * m.scale).reshape(c, 1, 1))
+        bias = m.bias
+        if isinstance(bias, torch.Tensor):
+            bias = self._cached(m, "bias", bias, lambda b: b.detach().float().reshape(c, 1, 1))
         return rms_norm_silu(x, weight, bias, silu)
 
     def _conv(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -191,12 +188,16 @@ class FirstFrameEncoder:
         return F.conv2d(x, self._tap(m), m.bias, m.stride[1:], (h_pad, w_pad), m.dilation[1:], m.groups)
 
     def _tap(self, m: WanCausalConv3d) -> torch.Tensor:
-        """The last time tap of m's kernel, channels-last; made once per weight tensor."""
+        """The last time tap of m's kernel, channels-last."""
+        return self._cached(m, "tap", m.weight,
+                            lambda w: w.detach()[:, :, -1].contiguous(memory_format=torch.channels_last))
+
+    def _cached(self, m: nn.Module, what: str, source: torch.Tensor, make) -> torch.Tensor:
+        """`make(source)`, made once per parameter tensor (again when the module's parameter is replaced)."""
         with self._lock:
-            entry = self._weights.get(id(m))
-            if entry is None or entry[0] is not m.weight:
-                tap = m.weight.detach()[:, :, -1].contiguous(memory_format=torch.channels_last)
-                entry = self._weights[id(m)] = (m.weight, tap)
+            entry = self._derived.get((id(m), what))
+            if entry is None or entry[0] is not source:
+                entry = self._derived[(id(m), what)] = (source, make(source))
             return entry[1]
 
 
