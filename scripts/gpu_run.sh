@@ -55,7 +55,8 @@ for spec in "$@"; do
     peer-edge|peer-nano) # Issue 14: ROWS (default E5,E5-quack) at 4 and 2 steps beside the diffusers peer, one process
           wamrt bench latency --model "${part#peer-}" --rows "${ROWS:-E5,E5-quack}" --full-rows "${ROWS:-E5,E5-quack}" \
              --other-steps-rows "${ROWS:-E5,E5-quack}" --steps 4 2 --peer diffusers --peer-warmup 2 --peer-runs "${PEER_RUNS:-8}" \
-             --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" --out "$res" 2>&1 | tee "$res/log.txt" ;;
+             --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" ${TRACE_ROWS:+--trace --trace-rows "$TRACE_ROWS"} \
+             --out "$res" 2>&1 | tee "$res/log.txt" ;;
     load) # Issue 13: lanes cycle through twelve instructions of 118-152 tokens (`--prompts mixed`, variable-length
           # tokenizer of random:nano); every prefix is padded to the declared width 192 (3 x 64-token buckets),
           # so warm-up's captures (batch 8..1 at width 192) serve every mix: graph_captures_after_warmup must be 0.

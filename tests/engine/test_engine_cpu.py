@@ -29,6 +29,8 @@ CONFIGS = {
     "E2": dict(attention="auto", batch_cfg=False),
     "E3": dict(attention="auto", batch_cfg=True),
     "E3-mask": dict(attention="auto", batch_cfg=True, cfg_attention="mask"),
+    # [Generator | prefix | zeros] keys; off fa4 one call per sequence on a prefix of its row
+    "E3-lengths": dict(attention="auto", batch_cfg=True, cfg_attention="lengths"),
 }
 
 
@@ -183,6 +185,12 @@ def _inputs(engine: Engine, prompt: str):
                          tokenizer=engine.tokenizer, contract=engine.contract, seed=0, device=engine.device).inputs
 
 
+def test_cfg_attention_is_checked(policy):
+    with pytest.raises(ValueError, match="cfg_attention must be one of"):
+        Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False,
+                                                cfg_attention="varlen"))
+
+
 def test_prompt_bucket_configuration_is_checked(policy):
     with pytest.raises(ValueError, match="prompt_bucket must be >= 0"):
         Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False, prompt_bucket=-1))
@@ -220,11 +228,13 @@ def _graph_engine(policy, **kw) -> Engine:
     return engine
 
 
-def test_graph_path_static_inputs_arena_and_buckets_on_cpu(policy):
+@pytest.mark.parametrize("cfg_attention", ["split", "lengths"])
+def test_graph_path_static_inputs_arena_and_buckets_on_cpu(policy, cfg_attention):
     """The capture/replay bookkeeping (static inputs, K/V arena sized by _arena_elements, one entry per
-    bucket) without a GPU: batch sizes 2 and 1 and both step kinds, interleaved, equal the eager engine."""
+    bucket) without a GPU: batch sizes 2 and 1 and both step kinds, interleaved, equal the eager engine; in both
+    K/V layouts (prefix first, Generator first)."""
     eager = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
-    graphs = _graph_engine(policy)
+    graphs = _graph_engine(policy, cfg_attention=cfg_attention)
     obs = [sample_observation(0), sample_observation(1)]
     for kw in (dict(steps=2), dict(steps=2, guidance_interval=(960, 1001))):
         want2 = [c.actions for c in eager.infer_batch(obs, seeds=[3, 4], **kw)]

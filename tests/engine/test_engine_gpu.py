@@ -35,6 +35,7 @@ def nano():
 
 def test_engine_vs_reference_fp32_truth_and_graph_bitwise(nano):
     from wamrt.engine import Engine, EngineConfig
+    from wamrt.ops.attention import fa4_available
     from wamrt.pipeline.policy import Policy
     from wamrt.pipeline.vae import FrameEncoder
     from wamrt.sample import sample_observation
@@ -55,8 +56,12 @@ def test_engine_vs_reference_fp32_truth_and_graph_bitwise(nano):
                                                                  cfg_attention="mask"))
     runs["compiled"] = Engine.from_policy(nano, EngineConfig(cuda_graph=False))
     runs["graph"] = Engine.from_policy(nano, EngineConfig())
+    if fa4_available():  # both CFG branches in one flash-attn-4 call (keys [Generator | prefix | zeros])
+        runs["graph-fa4-lengths"] = Engine.from_policy(nano, EngineConfig(attention="fa4", cfg_attention="lengths"))
     out = {name: e.infer(obs, seed=5).actions for name, e in runs.items()}
     replay = runs["graph"].infer(obs, seed=5).actions
+    if "graph-fa4-lengths" in runs:
+        assert np.array_equal(runs["graph-fa4-lengths"].infer(obs, seed=5).actions, out["graph-fa4-lengths"])
     report = {name: (rel_l2(a, ref.actions), rel_l2(a, truth.actions)) for name, a in out.items()}
     print(f"\nbf16 reference vs fp32: {ref_err:.3e}")
     for name, (vs_ref, vs_truth) in report.items():

@@ -84,3 +84,40 @@ def test_fa4_prompt_buckets_and_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, attn(q2, k2, v2, causal=False)), "replay == eager on new inputs"
+
+
+@pytest.mark.gpu
+@needs_fa4
+def test_fa4_key_lengths_one_call_matches_per_sequence_sdpa_and_replays():
+    """KeyLengthAttention on fa4 (one call, seqused_k) against one SDPA call per sequence on its own keys, at the
+    Nano policy shape ([Generator | prefix | zeros]: 3092 + 125 keys and 3092 + 30 + 95 zeros), eager and replayed
+    from a CUDA graph with new inputs; the lengths tensor is made inside the capture."""
+    from wamrt.ops.attention import KeyLengthAttention
+
+    lengths = [3092 + 125, 3092 + 30]
+    q, k, v = _qkv(3092, 3092 + 125)
+    for t in (k, v):
+        t[1, :, lengths[1]:] = 0
+    attn = KeyLengthAttention(lengths, torch.device("cuda"), backend="fa4")
+    got = attn(q, k, v, causal=False)
+    for b, n in enumerate(lengths):
+        want = F.scaled_dot_product_attention(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n])
+        assert _rel_l2(got[b : b + 1], want) <= OUT_REL_L2, b
+
+    static = [t.clone() for t in (q, k, v)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        KeyLengthAttention(lengths, torch.device("cuda"))(*static, causal=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = KeyLengthAttention(lengths, torch.device("cuda"))(*static, causal=False)
+    q2, k2, v2 = _qkv(3092, 3092 + 125, seed=1)
+    for t in (k2, v2):
+        t[1, :, lengths[1]:] = 0
+    for dst, src in zip(static, (q2, k2, v2), strict=True):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, attn(q2, k2, v2, causal=False)), "replay == eager on new inputs"

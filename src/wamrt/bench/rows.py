@@ -46,7 +46,9 @@ def kernel_split(prof) -> dict[str, float]:
         if not t or evt.device_type.name != "CUDA":
             continue
         name = evt.key.lower()
-        if any(s in name for s in ("sdpa", "flash", "fmha", "attention")):
+        if name.startswith("triton_"):  # Inductor's fused elementwise / norm kernels; their names list the ops
+            split["other"] += t / 1e3  # they fuse around, e.g. "..._add_gemm_act_mean_..." is a norm, not a GEMM
+        elif any(s in name for s in ("sdpa", "flash", "fmha", "attention")):
             split["attention"] += t / 1e3
         elif any(s in name for s in ("gemm", "cutlass", "xmma", "nvjet", "cublas")):
             split["gemm"] += t / 1e3

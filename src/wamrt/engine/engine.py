@@ -27,6 +27,7 @@ import torch
 from ..model import Cosmos3Transformer, GeneratorOutput, GeneratorTokens, ReasonerKV, Rope
 from ..ops.attention import (
     BackendAttention,
+    KeyLengthAttention,
     KeyMaskAttention,
     MaskedBatchAttention,
     PrefixOffsetAttention,
@@ -57,7 +58,7 @@ from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
 from .epilogues import EPILOGUES, prepare_epilogues, quack_available, quack_generator_post, unsupported_reason
 from .fuse import fuse_generator
 from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
-from .prefix_cache import PaddedPrefixes, ReasonerCache, left_pad_kv
+from .prefix_cache import PaddedPrefixes, ReasonerCache, pad_kv
 from .vae_encode import FirstFrameEncoder
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ log = logging.getLogger(__name__)
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 VAE_ENCODES = ("first-frame", "diffusers")
 BUCKET_ATTENTION = ("lse", "mask")
+CFG_ATTENTION = ("split", "mask", "lengths")
 ROPE_CACHE_SIZE = 64  # packing layouts (instruction length x geometry) whose Generator RoPE tables are kept
 HOST_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))  # canvas threads of a batch (the rest: server, GPU)
 
@@ -80,7 +82,9 @@ class EngineConfig:
     vae_encode: str = "first-frame"
     batch_cfg: bool = True  # both CFG branches (and all requests) in one Generator pass
     # How batched sequences with different prefix lengths attend: "split" = one unmasked call per
-    # sequence on its valid keys; "mask" = one masked call for the batch.
+    # sequence on its valid keys; "mask" = one masked call for the batch; "lengths" = keys laid out
+    # [Generator | prefix | zeros] and, on fa4, one call for the batch with each sequence's key count as data
+    # (flash-attn-4's seqused_k; other backends: per-sequence calls on that layout).
     cfg_attention: str = "split"
     # > 0: every Reasoner prefix in a batch is left-padded up to a multiple of this many tokens and the
     # padding keys are masked by a mask tensor, so one captured graph serves every prompt length in the
@@ -136,18 +140,23 @@ class _KVBuffers:
     start: int  # where the Generator part begins
 
 
-def _post(layer, g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    return layer.generator_post(g, o)
+def _post(layer, g: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return layer.generator_post_split(g, o)
 
 
-def _pre_into(layer, g: torch.Tensor, rope: Rope, kbuf: torch.Tensor, vbuf: torch.Tensor, start: int) -> torch.Tensor:
-    """The Generator layer's projections, writing K/V (heads repeated for GQA) into the step buffers.
-    Compiled, the RoPE/norm epilogue and the buffer store become one kernel."""
+def _pre_into(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope, kbuf: torch.Tensor,
+              vbuf: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The previous layer's last residual add (`generator_post_split`), then this layer's projections, writing K/V
+    (heads repeated for GQA) into the step buffers from `start` on -> (q, g). Compiled, the add is part of the input
+    norm's kernel (one pass over g fewer per layer: at Edge a 27 us add kernel per layer and step), and the RoPE /
+    norm epilogue and the buffer stores become one kernel."""
+    if update is not None:
+        g = g + update
     q, k, v = layer.generator_pre(g, rope)
-    groups = q.shape[1] // k.shape[1]
-    kbuf[:, :, start:] = k.repeat_interleave(groups, dim=1)
-    vbuf[:, :, start:] = v.repeat_interleave(groups, dim=1)
-    return q
+    groups, n = q.shape[1] // k.shape[1], k.shape[2]
+    kbuf[:, :, start : start + n] = k.repeat_interleave(groups, dim=1)
+    vbuf[:, :, start : start + n] = v.repeat_interleave(groups, dim=1)
+    return q, g
 
 
 class Engine:
@@ -184,6 +193,8 @@ class Engine:
                 raise ValueError(f"epilogues='quack' cannot serve this model: {problem}")
         if config.vae_encode not in VAE_ENCODES:
             raise ValueError(f"vae_encode must be one of {VAE_ENCODES}, got {config.vae_encode!r}")
+        if config.cfg_attention not in CFG_ATTENTION:
+            raise ValueError(f"cfg_attention must be one of {CFG_ATTENTION}, got {config.cfg_attention!r}")
         if config.bucket_attention not in BUCKET_ATTENTION:
             raise ValueError(f"bucket_attention must be one of {BUCKET_ATTENTION}, got {config.bucket_attention!r}")
         if config.prompt_width < 0 or (config.prompt_width and not config.prompt_bucket):
@@ -211,7 +222,7 @@ class Engine:
         post = _post
         if config.epilogues == "quack":
             prepare_epilogues(model)
-            post = quack_generator_post(self.device)
+            post = quack_generator_post(self.device, split=True)
         self._pre, self._post, self._rescale = _pre_into, post, rescale_zero_keys
         self.bucket_attention = config.bucket_attention  # what runs (may fall back to "mask", see below)
         if config.prompt_bucket and config.bucket_attention == "lse" and self.device.type == "cuda":
@@ -469,14 +480,20 @@ class Engine:
                 kinds[cfg_on] = [([s.request], s.kv, s.rope, attn) for s in seqs]
         return kinds
 
-    def _kv_buffers(self, seqs: list[_Seq]) -> tuple[_KVBuffers, Rope, PrefixOffsetAttention]:
-        """Per layer, one [S, H, Umax + G, d] key and value buffer per batch: the Reasoner prefixes
-        (left-padded, K/V heads already repeated for GQA) are written once here; each step writes the
-        Generator K/V behind them from inside the compiled projection, so no per-step cat or expand."""
-        keys, values, offsets = left_pad_kv([s.kv for s in seqs])
+    def _kv_buffers(self, seqs: list[_Seq]) -> tuple[_KVBuffers, Rope, Any]:
+        """Per layer, one [S, H, Umax + G, d] key and value buffer per batch: the Reasoner prefixes (padded, K/V
+        heads already repeated for GQA) are written once here; each step writes the Generator K/V beside them from
+        inside the compiled projection, so no per-step cat or expand. Layouts: [prefix left-padded | Generator]
+        (per-sequence calls on a suffix, masks, prompt buckets), or with cfg_attention="lengths" [Generator |
+        prefix | zeros], each sequence's keys a prefix of its row (one call on fa4: KeyLengthAttention)."""
         cfg = self.model.config
         groups, g_len = cfg.kv_groups, seqs[0].rope.cos.shape[1]
+        masks = [s.kv.key_mask for s in seqs]
+        bucketed = any(m is not None for m in masks)
+        generator_first = self.config.cfg_attention == "lengths" and not bucketed
+        keys, values, pads = pad_kv([s.kv for s in seqs], front=not generator_first)
         umax = keys[0].shape[2]
+        prefix = slice(g_len, g_len + umax) if generator_first else slice(0, umax)
         shape = (len(seqs), cfg.num_attention_heads, umax + g_len, cfg.head_dim)
         region = self._arena_region(math.prod(shape))
         kb, vb = [], []
@@ -485,24 +502,26 @@ class Engine:
                 kbuf, vbuf = k.new_empty(shape), v.new_empty(shape)
             else:
                 kbuf, vbuf = (self._kv_arena[layer, i, region].view(shape) for i in (0, 1))
-            kbuf[:, :, :umax] = k.repeat_interleave(groups, dim=1)
-            vbuf[:, :, :umax] = v.repeat_interleave(groups, dim=1)
+            kbuf[:, :, prefix] = k.repeat_interleave(groups, dim=1)
+            vbuf[:, :, prefix] = v.repeat_interleave(groups, dim=1)
             kb.append(kbuf)
             vb.append(vbuf)
         rope = Rope(torch.cat([s.rope.cos for s in seqs]), torch.cat([s.rope.sin for s in seqs]))
-        masks = [s.kv.key_mask for s in seqs]
-        if any(m is not None for m in masks):  # prompt buckets: equal padded widths, validity as data
-            assert all(m is not None for m in masks) and not any(offsets)
+        if bucketed:  # prompt buckets: equal padded widths, validity as data
+            assert all(m is not None for m in masks) and not any(pads)
             valid = torch.cat(masks)  # type: ignore[arg-type]
             valid = torch.cat([valid, valid.new_ones(len(seqs), g_len)], dim=1)
             if self.bucket_attention == "lse":
                 attn = ZeroKeyAttention(valid, backend=self.config.attention, rescale=self._rescale)
             else:
                 attn = KeyMaskAttention(valid, backend=self.config.attention)
-        elif self.config.cfg_attention == "mask" and any(offsets):
-            attn = MaskedBatchAttention(offsets, umax + g_len, self.device, backend=self.config.attention)
+        elif generator_first:
+            attn = KeyLengthAttention([g_len + umax - p for p in pads], self.device, backend=self.config.attention)
+            return _KVBuffers(kb, vb, 0), rope, attn
+        elif self.config.cfg_attention == "mask" and any(pads):
+            attn = MaskedBatchAttention(pads, umax + g_len, self.device, backend=self.config.attention)
         else:
-            attn = PrefixOffsetAttention(offsets, backend=self.config.attention)
+            attn = PrefixOffsetAttention(pads, backend=self.config.attention)
         return _KVBuffers(kb, vb, umax), rope, attn
 
     def _arena_region(self, n: int) -> slice | None:
@@ -527,12 +546,14 @@ class Engine:
         output: a world request captures each of its long steps as several graphs this way, so that a server can
         hand the device to a policy request within a step (`WorldEngine(step_segments=...)`)."""
         model = self.model
-        g = model.embed_generator(tok)
+        g, update = model.embed_generator(tok), None
         for index, (layer, kbuf, vbuf) in enumerate(zip(model.layers, bufs.keys, bufs.values, strict=True)):
-            q = self._pre(layer, g, rope, kbuf, vbuf, bufs.start)
-            g = self._post(layer, g, attn(q, kbuf, vbuf, causal=False))
+            q, g = self._pre(layer, g, update, rope, kbuf, vbuf, bufs.start)
+            g, update = self._post(layer, g, attn(q, kbuf, vbuf, causal=False))
             if index in pause_after:
                 yield
+        if update is not None:
+            g = g + update
         return model.decode_generator(model.norm_moe_gen(g), tok)
 
     def _generator_step(self, tok: GeneratorTokens, bufs: _KVBuffers, rope: Rope, attn) -> GeneratorOutput:

@@ -172,30 +172,43 @@ def _torch_gemm_act(x: torch.Tensor, weight: torch.Tensor, activation: str) -> t
 
 
 def _tail(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor, gemm_residual: Callable, gemm_act: Callable
-          ) -> torch.Tensor:
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(g, the MLP's update still to add) where the down-projection's site runs unfused; (g with it added, None)
+    where its GEMM adds the residual in the epilogue."""
     mlp = layer.mlp_moe_gen
     g = gemm_residual(o.transpose(1, 2).flatten(2), layer.self_attn.to_add_out.weight, g)
     h = layer.post_attention_layernorm_moe_gen(g)
     a = gemm_act(h, mlp.epilogue_weight, activation_of(mlp))
-    return gemm_residual(a, mlp.down_proj.weight, g)
+    return gemm_residual(a, mlp.down_proj.weight, g, defer=True)
+
+
+def _summed(pair: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    g, update = pair
+    return g if update is None else g + update
+
+
+def _torch_tail_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, defer: bool = False):
+    return (residual, F.linear(x, weight)) if defer else _torch_gemm_residual(x, weight, residual)
 
 
 def generator_post_reference(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     """The same dataflow and weight layout in plain PyTorch: what the quack path computes, on any device."""
-    return _tail(layer, g, o, _torch_gemm_residual, _torch_gemm_act)
+    return _summed(_tail(layer, g, o, _torch_tail_residual, _torch_gemm_act))
 
 
-def quack_generator_post(device: torch.device) -> Callable[[MoTLayer, torch.Tensor, torch.Tensor], torch.Tensor]:
+def quack_generator_post(device: torch.device, *, split: bool = False) -> Callable:
     """`layer.generator_post(g, o)` on quack's fused-epilogue GEMMs for `device`'s architecture, each call site on
     its pinned tiles or on cuBLAS where that measured faster (needs `prepare_epilogues(model)`). The choices are
-    Python decisions on the weights' shapes, so a compiled tail holds only the chosen kernels."""
+    Python decisions on the weights' shapes, so a compiled tail holds only the chosen kernels. With `split`, the
+    form of `layer.generator_post_split`: (g, update) with update None where the down-projection's GEMM added it."""
     capability = torch.cuda.get_device_capability(device)[0]
 
-    def gemm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def gemm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, defer: bool = False):
         tiles = site_tiles("residual", weight.shape[1], weight.shape[0], capability)
         if tiles is None:
-            return _torch_gemm_residual(x, weight, residual)
-        return quack_gemm_residual(x, weight, residual, tiles)
+            return _torch_tail_residual(x, weight, residual, defer)
+        out = quack_gemm_residual(x, weight, residual, tiles)
+        return (out, None) if defer else out
 
     def gemm_act(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
         tiles = site_tiles(activation, weight.shape[1], weight.shape[0], capability)
@@ -203,10 +216,13 @@ def quack_generator_post(device: torch.device) -> Callable[[MoTLayer, torch.Tens
             return _torch_gemm_act(x, weight, activation)
         return quack_gemm_act(x, weight, activation, tiles)
 
-    def generator_post(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    def generator_post_split(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor):
         return _tail(layer, g, o, gemm_residual, gemm_act)
 
-    return generator_post
+    def generator_post(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        return _summed(_tail(layer, g, o, gemm_residual, gemm_act))
+
+    return generator_post_split if split else generator_post
 
 
 class InterleavedGateUp(FusedGateUp):

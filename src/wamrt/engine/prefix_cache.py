@@ -62,14 +62,18 @@ class PaddedPrefixes:
         return padded
 
 
-def left_pad_kv(kvs: list[ReasonerKV]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
-    """Stack per-sequence K/V [1, K, U_s, d] into [S, K, Umax, d] with padding at the front."""
+def pad_kv(kvs: list[ReasonerKV], *, front: bool = True
+           ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """Stack per-sequence K/V [1, K, U_s, d] into [S, K, Umax, d], zero padding at the front (or at the back), and
+    each sequence's padding length."""
     longest = max(kv.length for kv in kvs)
-    offsets = [longest - kv.length for kv in kvs]
+    pads = [longest - kv.length for kv in kvs]
+
+    def padded(t: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, 0, n, 0) if front else (0, 0, 0, n))
+
     keys, values = [], []
     for layer in range(len(kvs[0].keys)):
-        keys.append(torch.cat([torch.nn.functional.pad(kv.keys[layer], (0, 0, o, 0))
-                               for kv, o in zip(kvs, offsets, strict=True)]))
-        values.append(torch.cat([torch.nn.functional.pad(kv.values[layer], (0, 0, o, 0))
-                                 for kv, o in zip(kvs, offsets, strict=True)]))
-    return keys, values, offsets
+        keys.append(torch.cat([padded(kv.keys[layer], n) for kv, n in zip(kvs, pads, strict=True)]))
+        values.append(torch.cat([padded(kv.values[layer], n) for kv, n in zip(kvs, pads, strict=True)]))
+    return keys, values, pads

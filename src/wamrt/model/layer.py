@@ -145,5 +145,11 @@ class MoTLayer(nn.Module):
 
     def generator_post(self, g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """o [B, H, G, d] attention output -> next g [B, G, h]."""
+        g, update = self.generator_post_split(g, o)
+        return g + update
+
+    def generator_post_split(self, g: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`generator_post` before its last residual add: (g after the attention's residual, the MLP's update).
+        An engine can make that add part of the next layer's input norm, which reads g anyway."""
         g = g + self.self_attn.to_add_out(o.transpose(1, 2).flatten(2))
-        return g + self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(g))
+        return g, self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(g))

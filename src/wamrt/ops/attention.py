@@ -41,15 +41,21 @@ def fa4_available(device: torch.device | None = None) -> bool:
     return torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
-def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False):
+def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False,
+                  seqused_k: torch.Tensor | None = None):
     """Unmasked, non-causal FlashAttention-4 on [B, H, S, d] tensors (K/V may have fewer heads: GQA in the kernel).
     The kernel's [B, S, H, d] layout is a transposed view of ours, so nothing is copied either way; the output
     is a [B, H, Sq, d] view of [B, Sq, H, d] memory, the order the output projection reads. With return_lse also
-    the log-sum-exp [B, H, Sq] fp32, natural log, as sdpa_with_lse returns it."""
-    from flash_attn.cute.interface import flash_attn_func  # optional: flash-attn-4
+    the log-sum-exp [B, H, Sq] fp32, natural log, as sdpa_with_lse returns it. seqused_k [B] int32: sequence b
+    attends to its first seqused_k[b] keys only (the kernel's own lengths, read on the device); the keys after
+    them must be finite (a tile that straddles the end is loaded whole, and masked scores times NaN are NaN)."""
+    from flash_attn.cute.interface import flash_attn_func, flash_attn_varlen_func  # optional: flash-attn-4
 
-    out, lse = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=False,
-                               return_lse=return_lse)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if seqused_k is None:
+        out, lse = flash_attn_func(qt, kt, vt, causal=False, return_lse=return_lse)
+    else:
+        out, lse = flash_attn_varlen_func(qt, kt, vt, seqused_k=seqused_k, causal=False, return_lse=return_lse)
     out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
 
@@ -116,6 +122,36 @@ class PrefixOffsetAttention:
         outs = [sdpa(q[b : b + 1], k[b : b + 1, :, o:], v[b : b + 1, :, o:], causal=False,
                      backend=self.backend).transpose(1, 2) for b, o in enumerate(self.offsets)]
         return torch.cat(outs, dim=0).transpose(1, 2)  # [B, H, Sq, d] view
+
+
+class KeyLengthAttention:
+    """Generator attention for a batch whose keys are laid out [Generator | Reasoner prefix | padding]: sequence b
+    attends to its first lengths[b] keys (attention is a sum over keys: their order does not change it).
+
+    On "fa4" the whole batch is one call, the lengths read by the kernel from the device (flash-attn-4's
+    seqused_k): no per-sequence calls and no gather of their outputs, and twice the work items per launch. Other
+    backends run PrefixOffsetAttention's per-sequence calls on this layout. The padding keys must be finite
+    (the engine writes zeros there)."""
+
+    def __init__(self, lengths: Sequence[int], device: torch.device, backend: str = "fa4",
+                 reasoner: str = "auto") -> None:
+        self.lengths = list(lengths)
+        self.backend, self.reasoner = backend, reasoner
+        # Device fills from Python ints (no host-to-device copy), so it can be made inside graph capture.
+        self.used = (torch.stack([torch.full((), n, dtype=torch.int32, device=device) for n in self.lengths])
+                     if backend == "fa4" else None)
+
+    def __call__(self, q, k, v, *, causal: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if causal:
+            return sdpa(q, k, v, causal=True, backend=self.reasoner)
+        if all(n == k.shape[2] for n in self.lengths):
+            return sdpa(q, k, v, causal=False, backend=self.backend)
+        if self.used is not None:
+            return fa4_attention(q, k, v, seqused_k=self.used)
+        # [B, Sq, H, d] memory order, as PrefixOffsetAttention's gather.
+        outs = [sdpa(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], causal=False,
+                     backend=self.backend).transpose(1, 2) for b, n in enumerate(self.lengths)]
+        return torch.cat(outs, dim=0).transpose(1, 2)
 
 
 class KeyMaskAttention:
