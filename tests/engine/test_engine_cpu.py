@@ -185,10 +185,17 @@ def _inputs(engine: Engine, prompt: str):
                          tokenizer=engine.tokenizer, contract=engine.contract, seed=0, device=engine.device).inputs
 
 
-def test_cfg_attention_is_checked(policy):
+def test_cfg_attention_is_checked_and_auto_picks_lengths_on_fa4_only(policy, monkeypatch):
     with pytest.raises(ValueError, match="cfg_attention must be one of"):
         Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False,
                                                 cfg_attention="varlen"))
+    plain = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
+    assert plain.metadata()["engine"]["cfg_attention"] == "split"
+    import wamrt.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "fa4_available", lambda device=None: True)  # construction only, no call
+    fa4 = Engine.from_policy(policy, EngineConfig(attention="fa4", compile=False, cuda_graph=False))
+    assert fa4.metadata()["engine"]["cfg_attention"] == "lengths"
 
 
 def test_prompt_bucket_configuration_is_checked(policy):

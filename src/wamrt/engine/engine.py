@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 VAE_ENCODES = ("first-frame", "diffusers")
 BUCKET_ATTENTION = ("lse", "mask")
-CFG_ATTENTION = ("split", "mask", "lengths")
+CFG_ATTENTION = ("auto", "split", "mask", "lengths")
 ROPE_CACHE_SIZE = 64  # packing layouts (instruction length x geometry) whose Generator RoPE tables are kept
 HOST_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))  # canvas threads of a batch (the rest: server, GPU)
 
@@ -84,8 +84,9 @@ class EngineConfig:
     # How batched sequences with different prefix lengths attend: "split" = one unmasked call per
     # sequence on its valid keys; "mask" = one masked call for the batch; "lengths" = keys laid out
     # [Generator | prefix | zeros] and, on fa4, one call for the batch with each sequence's key count as data
-    # (flash-attn-4's seqused_k; other backends: per-sequence calls on that layout).
-    cfg_attention: str = "split"
+    # (flash-attn-4's seqused_k; other backends: per-sequence calls on that layout). "auto": "lengths" on fa4
+    # (H200, 4 steps: Edge 159.2 vs 163.9 ms, Nano 638.9 vs 647.7 ms with quack epilogues), else "split".
+    cfg_attention: str = "auto"
     # > 0: every Reasoner prefix in a batch is left-padded up to a multiple of this many tokens and the
     # padding keys are masked by a mask tensor, so one captured graph serves every prompt length in the
     # bucket (a new instruction length otherwise costs a capture: 7-23 s at Nano). The price is a masked
@@ -224,7 +225,11 @@ class Engine:
             prepare_epilogues(model)
             post = quack_generator_post(self.device, split=True)
         self._pre, self._post, self._rescale = _pre_into, post, rescale_zero_keys
-        self.bucket_attention = config.bucket_attention  # what runs (may fall back to "mask", see below)
+        # what runs: "auto" resolved here, bucket_attention may fall back to "mask" (below)
+        self.cfg_attention = config.cfg_attention
+        if self.cfg_attention == "auto":
+            self.cfg_attention = "lengths" if config.attention == "fa4" else "split"
+        self.bucket_attention = config.bucket_attention
         if config.prompt_bucket and config.bucket_attention == "lse" and self.device.type == "cuda":
             backend = config.attention if config.attention != "gqa" else "auto"
             problem = zero_key_attention_problem(self.device, model.dtype, backend)
@@ -267,7 +272,8 @@ class Engine:
         engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "compile_mode",
                                                        "cuda_graph", "prompt_bucket", "prompt_width",
                                                        "isolate_requests")}
-        engine["bucket_attention"] = self.bucket_attention  # the effective one
+        engine["bucket_attention"] = self.bucket_attention  # the effective ones
+        engine["cfg_attention"] = self.cfg_attention
         engine["graphs"] = [k.describe() for k in self.graphs]  # the captured buckets, least recently used first
         return {**droid_metadata(self.name, self.contract, self.options), "quantization": self.quantization,
                 "gpu": device_name(self.device), "engine": engine}
@@ -490,7 +496,7 @@ class Engine:
         groups, g_len = cfg.kv_groups, seqs[0].rope.cos.shape[1]
         masks = [s.kv.key_mask for s in seqs]
         bucketed = any(m is not None for m in masks)
-        generator_first = self.config.cfg_attention == "lengths" and not bucketed
+        generator_first = self.cfg_attention == "lengths" and not bucketed
         keys, values, pads = pad_kv([s.kv for s in seqs], front=not generator_first)
         umax = keys[0].shape[2]
         prefix = slice(g_len, g_len + umax) if generator_first else slice(0, umax)
@@ -518,7 +524,7 @@ class Engine:
         elif generator_first:
             attn = KeyLengthAttention([g_len + umax - p for p in pads], self.device, backend=self.config.attention)
             return _KVBuffers(kb, vb, 0), rope, attn
-        elif self.config.cfg_attention == "mask" and any(pads):
+        elif self.cfg_attention == "mask" and any(pads):
             attn = MaskedBatchAttention(pads, umax + g_len, self.device, backend=self.config.attention)
         else:
             attn = PrefixOffsetAttention(pads, backend=self.config.attention)
