@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (its own python3 with torch; diffusers carried as a wheel in .whl/).
 # Usage: WAMRT_GIT_SHA=<sha> bash scripts/gpu_run.sh PART[:SECONDS]...
-#   parts: smoke edge nano tests load quant-edge quant-nano (lossy rows E6-E8 + quality, issue 7)
+#   parts: smoke edge nano tests load quant-edge quant-nano (lossy rows LOSSY_ROWS, default E6,E7,E8, + quality, the
+#          quantization GPU tests and the fused fp8 activation kernel's)
 #          world (issue 15: WorldEngine t2i / i2v vs diffusers; MODES, RUNS, PEER_RUNS, WORLD_MODEL, WORLD_ARGS)
 #          world-tests (the WorldEngine GPU test), fa4-tests (flash-attn-4 against SDPA, in a graph)
 #          peer-edge peer-nano (issue 14: ROWS at 4 and 2 steps with the diffusers peer in the same process)
@@ -46,8 +47,10 @@ for spec in "$@"; do
              | tee "$res/log.txt" ;;
     quant-edge|quant-nano)
           wamrt bench latency --model "${part#quant-}" --rows E5 --steps 4 --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" \
-             --lossy-rows E6,E7,E8 --quality --trace --out "$res" 2>&1 | tee "$res/log.txt"
-          timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/quant 2>&1 | tail -15 | tee -a "$res/log.txt" ;;
+             --lossy-rows "${LOSSY_ROWS:-E6,E7,E8}" --quality --trace ${TRACE_ROWS:+--trace-rows "$TRACE_ROWS"} \
+             --out "$res" 2>&1 | tee "$res/log.txt"
+          timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/quant tests/engine/test_fp8_tail.py 2>&1 \
+             | tail -30 | tee -a "$res/log.txt" ;;
     rows-edge|rows-nano)
           wamrt bench latency --model "${part#rows-}" --rows "${ROWS:-E5,E5-bucket,E5-bucket-mask}" \
              --full-rows "${ROWS:-E5,E5-bucket,E5-bucket-mask}" --steps 4 ${TRACE_ROWS:+--trace --trace-rows "$TRACE_ROWS"} \

@@ -25,11 +25,15 @@ from ..quant.sqnr import SQNR_BAR_DB
 from ..sample import sample_observation
 from .rows import RowSpec, engine_config, measure_row, plot_waterfall, print_row
 
-# row -> (label, steps, recipe, CFG on the first step only)
-LOSSY_ROWS: dict[str, tuple[str, int, str, bool]] = {
-    "E6": ("lossy: + gen-fp8 (Generator linears fp8 e4m3 W8A8)", 4, "gen-fp8", False),
-    "E7": ("lossy: + 2 sampling steps", 2, "gen-fp8", False),
-    "E8": ("lossy: + CFG on the first step only (guidance interval)", 2, "gen-fp8", True),
+# row -> (label, steps, recipe, CFG on the first step only, engine flags)
+LOSSY_ROWS: dict[str, tuple[str, int, str, bool, dict]] = {
+    "E6": ("lossy: + gen-fp8 (Generator linears fp8 e4m3 W8A8)", 4, "gen-fp8", False, {}),
+    "E7": ("lossy: + 2 sampling steps", 2, "gen-fp8", False, {}),
+    "E8": ("lossy: + CFG on the first step only (guidance interval)", 2, "gen-fp8", True, {}),
+    # E6 with Inductor's kernel for the MLP activation + the down-projection's input quantization (the comparison
+    # row for engine/fp8_tail.py's fused kernel).
+    "E6-inductor": ("E6 with Inductor's activation-quantization kernel", 4, "gen-fp8", False,
+                    {"fp8_activation": "inductor"}),
 }
 QUALITY_REQUESTS = 4  # observations (and seeds) every lossy configuration is compared on
 
@@ -72,7 +76,7 @@ def run_lossy_rows(policy: Policy, args: argparse.Namespace, env: dict, command:
         raise SystemExit(f"unknown lossy rows {unknown}; known: {list(LOSSY_ROWS)}")
     specs = {}
     for row in rows:
-        label, steps, recipe, first_only = LOSSY_ROWS[row]
+        label, steps, recipe, first_only, _ = LOSSY_ROWS[row]
         specs[row] = RowSpec(row, label, steps, recipe, first_step_interval(policy, steps) if first_only else None,
                              lossy=True)
 
@@ -120,9 +124,9 @@ def run_lossy_rows(policy: Policy, args: argparse.Namespace, env: dict, command:
               f"linears, {len(quality['sqnr']['failing'])} under {SQNR_BAR_DB} dB", flush=True)
     results = []
     for row, spec in specs.items():
-        engine = Engine.from_policy(policy, engine_config(dev, attention=attention))
+        engine = Engine.from_policy(policy, engine_config(dev, attention=attention, **LOSSY_ROWS[row][4]))
         result = measure_row(engine, spec, args, env, command, args.warmup, args.runs, attention_ms=attention_ms,
-                             trace_dir=out_dir if args.trace and row == rows[0] else None)
+                             trace_dir=out_dir if args.trace and row in (args.trace_rows or rows[:1]) else None)
         if args.quality:
             got = _chunks(engine, overrides(spec))
             result["quality"] = {

@@ -56,6 +56,7 @@ from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
 from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
 from .epilogues import EPILOGUES, prepare_epilogues, quack_available, quack_generator_post, unsupported_reason
+from .fp8_tail import FP8_ACTIVATION, fp8_generator_post_split, fp8_tail_problem
 from .fuse import fuse_generator
 from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
 from .prefix_cache import PaddedPrefixes, ReasonerCache, pad_kv
@@ -103,6 +104,10 @@ class EngineConfig:
     # up-projection's epilogue (engine/epilogues.py; needs quack-kernels, which comes with flash-attn-4, and a
     # Hopper / Blackwell GPU).
     epilogues: str = "inductor"
+    # gen-fp8 models: "fused" = the MLP activation and the down-projection's per-token fp8 quantization in one
+    # Triton kernel (engine/fp8_tail.py; one read of the up-projection's output instead of Inductor's two);
+    # "inductor" = Inductor's kernel. No effect on bf16 models.
+    fp8_activation: str = "fused"
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
     kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
     graph_cache_size: int = 16  # captured buckets kept (LRU) ...
@@ -192,6 +197,8 @@ class Engine:
                 raise ValueError("epilogues='quack' needs quack-kernels installed and a Hopper or Blackwell GPU")
             if (problem := unsupported_reason(model)) is not None:
                 raise ValueError(f"epilogues='quack' cannot serve this model: {problem}")
+        if config.fp8_activation not in FP8_ACTIVATION:
+            raise ValueError(f"fp8_activation must be one of {FP8_ACTIVATION}, got {config.fp8_activation!r}")
         if config.vae_encode not in VAE_ENCODES:
             raise ValueError(f"vae_encode must be one of {VAE_ENCODES}, got {config.vae_encode!r}")
         if config.cfg_attention not in CFG_ATTENTION:
@@ -224,6 +231,8 @@ class Engine:
         if config.epilogues == "quack":
             prepare_epilogues(model)
             post = quack_generator_post(self.device, split=True)
+        elif config.fp8_activation == "fused" and fp8_tail_problem(model.layers[0]) is None:
+            post = fp8_generator_post_split
         self._pre, self._post, self._rescale = _pre_into, post, rescale_zero_keys
         # what runs: "auto" resolved here, bucket_attention may fall back to "mask" (below)
         self.cfg_attention = config.cfg_attention

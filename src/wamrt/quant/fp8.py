@@ -113,9 +113,12 @@ class Fp8Linear(nn.Module):
         # One dynamic scale per token: computed on the fly (no calibration), so it stays correct for
         # any input and needs no host sync inside a CUDA graph.
         xq, x_scale = quantize_rowwise_fp8(x.reshape(-1, self.in_features))
-        fn = fp8_linear_scaled_mm if self._use_scaled_mm(x) else fp8_linear_reference
-        out = fn(xq, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
-        return out.reshape(*lead, self.out_features)
+        return self.matmul_quantized(xq, x_scale, x.dtype).reshape(*lead, self.out_features)
+
+    def matmul_quantized(self, xq: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The GEMM on an input already quantized (`quantize_rowwise_fp8` form): xq [M, K] e4m3, x_scale [M, 1]."""
+        fn = fp8_linear_scaled_mm if self._use_scaled_mm(xq) else fp8_linear_reference
+        return fn(xq, x_scale, self.weight, self.weight_scale, self.bias, out_dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \

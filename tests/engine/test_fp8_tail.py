@@ -1,0 +1,151 @@
+"""The gen-fp8 layer tail with the MLP activation and the down-projection's input quantization in one kernel
+(`engine/fp8_tail.py`): the same function as the layer's own quantized modules, on the CPU (reference path) and on
+CUDA (the Triton kernel at Edge and Nano shapes, in a CUDA graph)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from wamrt.engine.fp8_tail import fp8_act_quant, fp8_act_quant_reference, fp8_generator_post_split, fp8_tail_problem
+from wamrt.model import Cosmos3Transformer
+from wamrt.model.config import CONFIGS
+from wamrt.quant import quantize_model
+from wamrt.quant.fp8 import quantize_rowwise_fp8
+
+# Two roundings of the same fp8 function (the unfused path rounds the activation to bf16 before quantizing): far
+# below the fp8 noise itself (~4e-2 relative L2 at e4m3).
+TAIL_REL_L2 = 2e-2
+SCALE_RTOL = 1e-2  # a row's absmax, of fp32 vs bf16-rounded activations
+FP8_NOISE_MAX = 0.06  # e4m3 per-row quantization of a Gaussian-like row: ~3e-2 relative L2
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _quantized_layer(gated: bool, device: str = "cpu", full_size: bool = False):
+    """(bf16/fp32 layer, its gen-fp8 copy, config): one layer of tiny-qwen / tiny-edge, or of Nano / Edge."""
+    name = ("nano" if gated else "edge") if full_size else ("tiny-qwen" if gated else "tiny-edge")
+    cfg = replace(CONFIGS[name], num_hidden_layers=1, vocab_size=512)
+    torch.manual_seed(0)
+    model = Cosmos3Transformer(cfg).to(device)
+    with torch.no_grad():
+        for p in model.layers.parameters():  # random weights, non-trivial norm gains
+            p.normal_(0, p.shape[-1] ** -0.5) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    plain = copy.deepcopy(model)
+    quantize_model(model, "gen-fp8")
+    return plain.layers[0], model.layers[0], cfg
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_reference_act_quant_is_the_activation_quantized_per_row(gated):
+    torch.manual_seed(1)
+    y = torch.randn(37, 96 if gated else 48)
+    q, scale = fp8_act_quant_reference(y, gated)
+    act = F.silu(y[:, :48]) * y[:, 48:] if gated else torch.relu(y).square()
+    want_q, want_scale = quantize_rowwise_fp8(act)
+    assert q.shape == (37, 48) and scale.shape == (37, 1)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert _rel_l2(q.float() * scale, act) < FP8_NOISE_MAX
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@torch.no_grad()
+def test_fused_tail_equals_the_layers_quantized_modules_on_cpu(gated):
+    plain, layer, cfg = _quantized_layer(gated)
+    assert fp8_tail_problem(layer) is None and fp8_tail_problem(plain) is not None
+    torch.manual_seed(2)
+    g = torch.randn(2, 40, cfg.hidden_size)
+    o = torch.randn(2, cfg.num_attention_heads, 40, cfg.head_dim)
+    want_g, want_u = layer.generator_post_split(g, o)
+    got_g, got_u = fp8_generator_post_split(layer, g, o)
+    assert torch.equal(got_g, want_g)  # the attention half is the same modules
+    assert _rel_l2(got_u, want_u) <= TAIL_REL_L2
+    exact_g, exact_u = plain.generator_post_split(g, o)  # the unquantized layer: fp8 noise, not a wrong function
+    assert _rel_l2(got_u, exact_u) < 0.1
+    if not gated:  # the custom op under torch.compile (its fake implementation), once
+        compiled_g, compiled_u = torch.compile(fp8_generator_post_split, dynamic=False)(layer, g, o)
+        assert _rel_l2(compiled_u, got_u) <= TAIL_REL_L2
+
+
+def test_engine_takes_the_fused_tail_for_fp8_models_only(tmp_path, monkeypatch):
+    from wamrt import load_policy
+    from wamrt.engine import Engine, EngineConfig
+    from wamrt.sample import sample_observation
+
+    monkeypatch.setenv("WAMRT_CACHE", str(tmp_path))
+    pol = load_policy("tiny-droid", device="cpu")
+    base = dict(attention="auto", compile=False, cuda_graph=False)
+    assert Engine.from_policy(pol, EngineConfig(**base))._post is not fp8_generator_post_split
+    quantize_model(pol.model, "gen-fp8")
+    fused = Engine.from_policy(pol, EngineConfig(**base))
+    unfused = Engine.from_policy(pol, EngineConfig(fp8_activation="inductor", **base))
+    assert fused._post is fp8_generator_post_split and unfused._post is not fp8_generator_post_split
+    obs = sample_observation(0)
+    a, b = fused.infer(obs, seed=3, steps=2).actions, unfused.infer(obs, seed=3, steps=2).actions
+    # fp8 rounding flips compound over layers and steps (tests/quant/test_quant_engine.py): same scale of error
+    assert float(((a - b) ** 2).sum() ** 0.5 / (b**2).sum() ** 0.5) < 0.2
+    with pytest.raises(ValueError, match="fp8_activation must be one of"):
+        Engine.from_policy(pol, EngineConfig(fp8_activation="triton", **base))
+
+
+@pytest.mark.parametrize("m,n,gated", [(6184, 9216, False), (6184, 12288, True), (37, 2048, True)])  # Edge, Nano
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_act_quant_matches_reference_and_replays(m, n, gated):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    y = torch.randn(m, 2 * n if gated else n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, scale = fp8_act_quant(y, gated)
+    want_q, want_scale = fp8_act_quant_reference(y, gated)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0)
+    act = (F.silu(y[:, :n].float()) * y[:, n:].float()) if gated else torch.relu(y.float()).square()
+    ours, theirs = _rel_l2(q.float() * scale, act), _rel_l2(want_q.float() * want_scale, act)
+    differ = float((q.view(torch.uint8) != want_q.view(torch.uint8)).float().mean())
+    print(f"\n{m}x{n} gated={gated}: rel L2 vs fp32 {ours:.4e} (reference {theirs:.4e}), "
+          f"e4m3 codes differing {differ:.1e}")
+    assert ours <= theirs * 1.01 and differ < 1e-3  # rounding ties of fp32 division only
+
+    static = y.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fp8_act_quant(static, gated)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_q, out_scale = fp8_act_quant(static, gated)
+    static.copy_(torch.randn(static.shape, device="cuda", dtype=torch.bfloat16, generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    again_q, again_scale = fp8_act_quant(static, gated)
+    assert torch.equal(out_q.view(torch.uint8), again_q.view(torch.uint8)) and torch.equal(out_scale, again_scale)
+
+
+@pytest.mark.parametrize("gated", [False, True])  # an Edge layer, a Nano layer
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_tail_on_cuda_compiled_against_the_layers_modules(gated):
+    from wamrt.quant.fp8 import scaled_mm_supported
+
+    if not scaled_mm_supported(torch.device("cuda")):
+        pytest.skip("fp8 GEMM needs sm 8.9+")
+    plain, layer, cfg = _quantized_layer(gated, "cuda", full_size=True)
+    layer, plain, hidden = layer.to(torch.bfloat16), plain.to(torch.bfloat16), cfg.hidden_size
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    g = torch.randn(2, 3092, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    o = torch.randn(2, cfg.num_attention_heads, 3092, cfg.head_dim, device="cuda", dtype=torch.bfloat16,
+                    generator=gen)
+    with torch.inference_mode():
+        want = sum(layer.generator_post_split(g, o))
+        got = sum(torch.compile(fp8_generator_post_split, dynamic=False)(layer, g, o))
+        exact = sum(plain.generator_post_split(g, o))
+    print(f"\nfused tail vs modules {_rel_l2(got, want):.3e}; vs bf16 layer: fused {_rel_l2(got, exact):.3e}, "
+          f"modules {_rel_l2(want, exact):.3e}")
+    assert _rel_l2(got, want) <= TAIL_REL_L2
+    assert _rel_l2(got, exact) <= 1.05 * _rel_l2(want, exact) + 1e-4
