@@ -49,7 +49,7 @@ for spec in "$@"; do
           wamrt bench latency --model "${part#quant-}" --rows E5 --steps 4 --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" \
              --lossy-rows "${LOSSY_ROWS:-E6,E7,E8}" --quality --trace ${TRACE_ROWS:+--trace-rows "$TRACE_ROWS"} \
              --out "$res" 2>&1 | tee "$res/log.txt"
-          timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/quant tests/engine/test_fp8_tail.py 2>&1 \
+          timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/quant tests/engine/test_fp8_fusion.py 2>&1 \
              | tail -30 | tee -a "$res/log.txt" ;;
     rows-edge|rows-nano)
           wamrt bench latency --model "${part#rows-}" --rows "${ROWS:-E5,E5-bucket,E5-bucket-mask}" \

@@ -30,10 +30,9 @@ LOSSY_ROWS: dict[str, tuple[str, int, str, bool, dict]] = {
     "E6": ("lossy: + gen-fp8 (Generator linears fp8 e4m3 W8A8)", 4, "gen-fp8", False, {}),
     "E7": ("lossy: + 2 sampling steps", 2, "gen-fp8", False, {}),
     "E8": ("lossy: + CFG on the first step only (guidance interval)", 2, "gen-fp8", True, {}),
-    # E6 with Inductor's kernel for the MLP activation + the down-projection's input quantization (the comparison
-    # row for engine/fp8_tail.py's fused kernel).
-    "E6-inductor": ("E6 with Inductor's activation-quantization kernel", 4, "gen-fp8", False,
-                    {"fp8_activation": "inductor"}),
+    # E6 with Inductor's kernels for the fp8 input quantizations (the comparison row for engine/fp8_fusion.py).
+    "E6-inductor": ("E6 with Inductor's kernels for the fp8 input quantizations", 4, "gen-fp8", False,
+                    {"fp8_quantize": "inductor"}),
 }
 QUALITY_REQUESTS = 4  # observations (and seeds) every lossy configuration is compared on
 

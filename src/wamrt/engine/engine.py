@@ -15,7 +15,7 @@ import math
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Generator, Iterator, Mapping
+from collections.abc import Callable, Collection, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -56,7 +56,7 @@ from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
 from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
 from .epilogues import EPILOGUES, prepare_epilogues, quack_available, quack_generator_post, unsupported_reason
-from .fp8_tail import FP8_ACTIVATION, fp8_generator_post_split, fp8_tail_problem
+from .fp8_fusion import FP8_QUANTIZE, fp8_fusion_problem, fp8_generator_post_split, fp8_generator_qkv
 from .fuse import fuse_generator
 from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
 from .prefix_cache import PaddedPrefixes, ReasonerCache, pad_kv
@@ -104,10 +104,9 @@ class EngineConfig:
     # up-projection's epilogue (engine/epilogues.py; needs quack-kernels, which comes with flash-attn-4, and a
     # Hopper / Blackwell GPU).
     epilogues: str = "inductor"
-    # gen-fp8 models: "fused" = the MLP activation and the down-projection's per-token fp8 quantization in one
-    # Triton kernel (engine/fp8_tail.py; one read of the up-projection's output instead of Inductor's two);
-    # "inductor" = Inductor's kernel. No effect on bf16 models.
-    fp8_activation: str = "fused"
+    # gen-fp8 models: "fused" = each fp8 GEMM's per-token input quantization inside the op before it (the norms, the
+    # MLP activation; Triton kernels, engine/fp8_fusion.py); "inductor" = Inductor's kernels. No effect on bf16 models.
+    fp8_quantize: str = "fused"
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
     kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
     graph_cache_size: int = 16  # captured buckets kept (LRU) ...
@@ -150,19 +149,30 @@ def _post(layer, g: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.
     return layer.generator_post_split(g, o)
 
 
-def _pre_into(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope, kbuf: torch.Tensor,
-              vbuf: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The previous layer's last residual add (`generator_post_split`), then this layer's projections, writing K/V
-    (heads repeated for GQA) into the step buffers from `start` on -> (q, g). Compiled, the add is part of the input
-    norm's kernel (one pass over g fewer per layer: at Edge a 27 us add kernel per layer and step), and the RoPE /
-    norm epilogue and the buffer stores become one kernel."""
+def _generator_qkv(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The previous layer's last residual add (`generator_post_split`), then `generator_pre` -> (q, k, v, g).
+    Compiled, the add is part of the input norm's kernel: one pass over g fewer per layer (at Edge a 27 us add
+    kernel per layer and step)."""
     if update is not None:
         g = g + update
-    q, k, v = layer.generator_pre(g, rope)
-    groups, n = q.shape[1] // k.shape[1], k.shape[2]
-    kbuf[:, :, start : start + n] = k.repeat_interleave(groups, dim=1)
-    vbuf[:, :, start : start + n] = v.repeat_interleave(groups, dim=1)
-    return q, g
+    return (*layer.generator_pre(g, rope), g)
+
+
+def _pre_into(qkv: Callable):
+    """The Generator layer's half before attention: `qkv` (`_generator_qkv` or its gen-fp8 form), writing K/V
+    (heads repeated for GQA) into the step buffers from `start` on -> (q, g). Compiled, the RoPE / norm epilogue and
+    the buffer stores become one kernel."""
+
+    def pre_into(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope, kbuf: torch.Tensor,
+                 vbuf: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, g = qkv(layer, g, update, rope)
+        groups, n = q.shape[1] // k.shape[1], k.shape[2]
+        kbuf[:, :, start : start + n] = k.repeat_interleave(groups, dim=1)
+        vbuf[:, :, start : start + n] = v.repeat_interleave(groups, dim=1)
+        return q, g
+
+    return pre_into
 
 
 class Engine:
@@ -197,8 +207,8 @@ class Engine:
                 raise ValueError("epilogues='quack' needs quack-kernels installed and a Hopper or Blackwell GPU")
             if (problem := unsupported_reason(model)) is not None:
                 raise ValueError(f"epilogues='quack' cannot serve this model: {problem}")
-        if config.fp8_activation not in FP8_ACTIVATION:
-            raise ValueError(f"fp8_activation must be one of {FP8_ACTIVATION}, got {config.fp8_activation!r}")
+        if config.fp8_quantize not in FP8_QUANTIZE:
+            raise ValueError(f"fp8_quantize must be one of {FP8_QUANTIZE}, got {config.fp8_quantize!r}")
         if config.vae_encode not in VAE_ENCODES:
             raise ValueError(f"vae_encode must be one of {VAE_ENCODES}, got {config.vae_encode!r}")
         if config.cfg_attention not in CFG_ATTENTION:
@@ -231,9 +241,11 @@ class Engine:
         if config.epilogues == "quack":
             prepare_epilogues(model)
             post = quack_generator_post(self.device, split=True)
-        elif config.fp8_activation == "fused" and fp8_tail_problem(model.layers[0]) is None:
-            post = fp8_generator_post_split
-        self._pre, self._post, self._rescale = _pre_into, post, rescale_zero_keys
+        pre = _pre_into(_generator_qkv)
+        fp8_fused = config.fp8_quantize == "fused" and fp8_fusion_problem(model.layers[0]) is None
+        if config.epilogues != "quack" and fp8_fused:
+            pre, post = _pre_into(fp8_generator_qkv), fp8_generator_post_split
+        self._pre, self._post, self._rescale = pre, post, rescale_zero_keys
         # what runs: "auto" resolved here, bucket_attention may fall back to "mask" (below)
         self.cfg_attention = config.cfg_attention
         if self.cfg_attention == "auto":
@@ -255,7 +267,7 @@ class Engine:
             # Compiled wrappers live on the engine, not on the model's layers: engines (and the eager
             # reference Policy) share one model, and a compile=False engine must run uncompiled code.
             mode = None if config.compile_mode == "default" else config.compile_mode
-            self._pre = torch.compile(_pre_into, dynamic=False, mode=mode)
+            self._pre = torch.compile(pre, dynamic=False, mode=mode)
             self._post = torch.compile(post, dynamic=False, mode=mode)
             self._rescale = torch.compile(rescale_zero_keys, dynamic=False, mode=mode)  # one fused kernel
 

@@ -85,7 +85,11 @@ class MoTAttention(nn.Module):
 
     def generator_qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, G, h] (normed) -> q [B, H, G, d], k, v [B, K, G, d]."""
-        q, k, v = self.generator_projections(x)
+        return self.generator_heads(*self.generator_projections(x), rope)
+
+    def generator_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections' outputs [B, G, H*d] / [B, G, K*d] -> per-head norms and RoPE, [B, heads, G, d]."""
         q = apply_rope(self.norm_added_q(self._heads(q, self.num_heads)), rope)
         k = apply_rope(self.norm_added_k(self._heads(k, self.num_kv_heads)), rope)
         v = self._heads(v, self.num_kv_heads)

@@ -1,17 +1,26 @@
-"""The gen-fp8 layer tail with the MLP activation and the down-projection's input quantization in one kernel
-(`engine/fp8_tail.py`): the same function as the layer's own quantized modules, on the CPU (reference path) and on
-CUDA (the Triton kernel at Edge and Nano shapes, in a CUDA graph)."""
+"""The gen-fp8 layer with each fp8 GEMM's input quantization fused into the op before it (`engine/fp8_fusion.py`):
+the same function as the layer's own quantized modules, on the CPU (reference paths) and on CUDA (the Triton kernels
+at Edge and Nano shapes, in a CUDA graph, and a whole compiled layer)."""
 
 from __future__ import annotations
 
 import copy
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from wamrt.engine.fp8_tail import fp8_act_quant, fp8_act_quant_reference, fp8_generator_post_split, fp8_tail_problem
+from wamrt.engine.fp8_fusion import (
+    fp8_act_quant,
+    fp8_act_quant_reference,
+    fp8_add_rms_norm_quant,
+    fp8_add_rms_norm_quant_reference,
+    fp8_fusion_problem,
+    fp8_generator_post_split,
+    fp8_generator_qkv,
+)
 from wamrt.model import Cosmos3Transformer
 from wamrt.model.config import CONFIGS
 from wamrt.quant import quantize_model
@@ -59,7 +68,7 @@ def test_reference_act_quant_is_the_activation_quantized_per_row(gated):
 @torch.no_grad()
 def test_fused_tail_equals_the_layers_quantized_modules_on_cpu(gated):
     plain, layer, cfg = _quantized_layer(gated)
-    assert fp8_tail_problem(layer) is None and fp8_tail_problem(plain) is not None
+    assert fp8_fusion_problem(layer) is None and fp8_fusion_problem(plain) is not None
     torch.manual_seed(2)
     g = torch.randn(2, 40, cfg.hidden_size)
     o = torch.randn(2, cfg.num_attention_heads, 40, cfg.head_dim)
@@ -74,6 +83,42 @@ def test_fused_tail_equals_the_layers_quantized_modules_on_cpu(gated):
         assert _rel_l2(compiled_u, got_u) <= TAIL_REL_L2
 
 
+@pytest.mark.parametrize("nemotron", [True, False])
+@torch.no_grad()
+def test_reference_norm_quant_is_the_modules_norm_quantized_per_row(nemotron):
+    from wamrt.model.norms import RMSNorm
+
+    torch.manual_seed(4)
+    norm = RMSNorm(64, 1e-5, nemotron=nemotron).to(torch.bfloat16)
+    norm.weight.uniform_(0.5, 1.5)
+    x, update = torch.randn(2, 37, 64, dtype=torch.bfloat16).unbind(0)
+    s, q, scale = fp8_add_rms_norm_quant_reference(x, update, norm.weight, norm.eps)
+    want_q, want_scale = quantize_rowwise_fp8(norm(x + update))
+    assert torch.equal(s, x + update)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-2 if not nemotron else 1e-6, atol=0)
+    if nemotron:  # the same roundings
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert _rel_l2(q.float() * scale, want_q.float() * want_scale) <= TAIL_REL_L2
+    s0, q0, _ = fp8_add_rms_norm_quant(x, None, norm.weight, norm.eps)  # no residual: s is x (a copy)
+    assert torch.equal(s0, x) and s0.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@torch.no_grad()
+def test_fused_qkv_equals_the_layers_modules_on_cpu(gated):
+    from wamrt.model import Rope
+
+    _, layer, cfg = _quantized_layer(gated)
+    torch.manual_seed(5)
+    g, update = torch.randn(2, 2, 40, cfg.hidden_size).unbind(0)
+    rope = Rope(torch.randn(2, 40, cfg.head_dim).cos(), torch.randn(2, 40, cfg.head_dim).sin())
+    q, k, v, g2 = fp8_generator_qkv(layer, g, update, rope)
+    want = layer.generator_pre(g + update, rope)
+    assert torch.equal(g2, g + update)
+    for got, ref in zip((q, k, v), want, strict=True):
+        assert got.shape == ref.shape and _rel_l2(got, ref) <= TAIL_REL_L2
+
+
 def test_engine_takes_the_fused_tail_for_fp8_models_only(tmp_path, monkeypatch):
     from wamrt import load_policy
     from wamrt.engine import Engine, EngineConfig
@@ -85,14 +130,17 @@ def test_engine_takes_the_fused_tail_for_fp8_models_only(tmp_path, monkeypatch):
     assert Engine.from_policy(pol, EngineConfig(**base))._post is not fp8_generator_post_split
     quantize_model(pol.model, "gen-fp8")
     fused = Engine.from_policy(pol, EngineConfig(**base))
-    unfused = Engine.from_policy(pol, EngineConfig(fp8_activation="inductor", **base))
+    unfused = Engine.from_policy(pol, EngineConfig(fp8_quantize="inductor", **base))
     assert fused._post is fp8_generator_post_split and unfused._post is not fp8_generator_post_split
     obs = sample_observation(0)
     a, b = fused.infer(obs, seed=3, steps=2).actions, unfused.infer(obs, seed=3, steps=2).actions
-    # fp8 rounding flips compound over layers and steps (tests/quant/test_quant_engine.py): same scale of error
-    assert float(((a - b) ** 2).sum() ** 0.5 / (b**2).sum() ** 0.5) < 0.2
-    with pytest.raises(ValueError, match="fp8_activation must be one of"):
-        Engine.from_policy(pol, EngineConfig(fp8_activation="triton", **base))
+    assert np.array_equal(a, b)  # fp32 model: both paths round nothing before e4m3, and quantize alike
+    compiled = Engine.from_policy(pol, EngineConfig(attention="auto", cuda_graph=False))  # the custom ops compiled
+    c = compiled.infer(obs, seed=3, steps=2).actions
+    # an fp32 reordering flips e4m3 roundings, which compound over layers and steps (tests/quant/test_quant_engine.py)
+    assert 0 < float(np.linalg.norm(c - a) / np.linalg.norm(a)) < 0.1
+    with pytest.raises(ValueError, match="fp8_quantize must be one of"):
+        Engine.from_policy(pol, EngineConfig(fp8_quantize="triton", **base))
 
 
 @pytest.mark.parametrize("m,n,gated", [(6184, 9216, False), (6184, 12288, True), (37, 2048, True)])  # Edge, Nano
@@ -127,10 +175,44 @@ def test_triton_act_quant_matches_reference_and_replays(m, n, gated):
     assert torch.equal(out_q.view(torch.uint8), again_q.view(torch.uint8)) and torch.equal(out_scale, again_scale)
 
 
+@pytest.mark.parametrize("m,n,with_update", [(6184, 2048, True), (6184, 4096, True), (6184, 4096, False)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_norm_quant_matches_reference_and_replays(m, n, with_update):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, update = torch.randn(2, m, n, device="cuda", dtype=torch.bfloat16, generator=gen).unbind(0)
+    update = update if with_update else None
+    weight = torch.rand(n, device="cuda", generator=gen).to(torch.bfloat16) + 0.5
+    s, q, scale = fp8_add_rms_norm_quant(x, update, weight, 1e-6)
+    want_s, want_q, want_scale = fp8_add_rms_norm_quant_reference(x, update, weight, 1e-6)
+    assert torch.equal(s, want_s)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-2, atol=0)  # the normed row's bf16 rounding may differ
+    differ = float((q.view(torch.uint8) != want_q.view(torch.uint8)).float().mean())
+    rel = _rel_l2(q.float() * scale, want_q.float() * want_scale)
+    print(f"\n{m}x{n} update={with_update}: rel L2 vs reference {rel:.2e}, e4m3 codes differing {differ:.1e}")
+    assert rel <= TAIL_REL_L2 and differ < 2e-2
+
+    static = [x.clone(), None if update is None else update.clone()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fp8_add_rms_norm_quant(static[0], static[1], weight, 1e-6)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_add_rms_norm_quant(static[0], static[1], weight, 1e-6)
+    static[0].copy_(torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    again = fp8_add_rms_norm_quant(static[0], static[1], weight, 1e-6)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(out[1:2], again[1:2]))
+    assert torch.equal(out[0], again[0]) and torch.equal(out[2], again[2])
+
+
 @pytest.mark.parametrize("gated", [False, True])  # an Edge layer, a Nano layer
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fused_tail_on_cuda_compiled_against_the_layers_modules(gated):
+def test_fused_layer_on_cuda_compiled_against_the_layers_modules(gated):
     from wamrt.quant.fp8 import scaled_mm_supported
 
     if not scaled_mm_supported(torch.device("cuda")):
@@ -141,11 +223,23 @@ def test_fused_tail_on_cuda_compiled_against_the_layers_modules(gated):
     g = torch.randn(2, 3092, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     o = torch.randn(2, cfg.num_attention_heads, 3092, cfg.head_dim, device="cuda", dtype=torch.bfloat16,
                     generator=gen)
+    from wamrt.model import Rope
+
+    rope = Rope(torch.randn(2, 3092, cfg.head_dim, device="cuda", generator=gen).cos().to(torch.bfloat16),
+                torch.randn(2, 3092, cfg.head_dim, device="cuda", generator=gen).sin().to(torch.bfloat16))
+    update = torch.randn(g.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
     with torch.inference_mode():
         want = sum(layer.generator_post_split(g, o))
         got = sum(torch.compile(fp8_generator_post_split, dynamic=False)(layer, g, o))
         exact = sum(plain.generator_post_split(g, o))
+        want_qkv = layer.generator_pre(g + update, rope)
+        got_qkv = torch.compile(fp8_generator_qkv, dynamic=False)(layer, g, update, rope)[:3]
+        exact_qkv = plain.generator_pre(g + update, rope)
     print(f"\nfused tail vs modules {_rel_l2(got, want):.3e}; vs bf16 layer: fused {_rel_l2(got, exact):.3e}, "
           f"modules {_rel_l2(want, exact):.3e}")
     assert _rel_l2(got, want) <= TAIL_REL_L2
     assert _rel_l2(got, exact) <= 1.05 * _rel_l2(want, exact) + 1e-4
+    for name, a, b, c in zip("qkv", got_qkv, want_qkv, exact_qkv, strict=True):
+        print(f"{name}: fused vs modules {_rel_l2(a, b):.3e}; vs bf16: fused {_rel_l2(a, c):.3e}, modules "
+              f"{_rel_l2(b, c):.3e}")
+        assert _rel_l2(a, b) <= TAIL_REL_L2 and _rel_l2(a, c) <= 1.05 * _rel_l2(b, c) + 1e-4

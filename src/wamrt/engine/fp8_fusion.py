@@ -1,0 +1,218 @@
+"""The gen-fp8 Generator layer with each fp8 GEMM's input quantization fused into the op before it.
+
+In a gen-fp8 model (`wamrt quantize`, `Fp8Linear`: e4m3 weights, one dynamic scale per token) every Generator GEMM
+quantizes its input row by row (absmax per row -> e4m3). Compiled by Inductor, around three of the four GEMMs that
+costs an extra reduction pass: H200, Edge E6 at 1f607ba (bench/results/latency/2026-12-02-1f607ba-quant-edge/),
+138.7 ms per request, of which
+* 11.4 ms: the MLP activation + the down-projection's quantization, a looped reduction over the bf16 up-projection
+  output (6,184 x 9,216 per layer and step) that reads every row twice: 101 us a call, where one read of it and one
+  write of its e4m3 form is ~40 us of HBM traffic;
+* 9.1 ms: the input norm before q/k/v and the post-attention norm before the up-projection, each a residual add +
+  mean-square reduction kernel followed by a second reduction kernel for the normed row's absmax and quantization.
+
+Here each is one pass with the row in registers: `fp8_act_quant` (SwiGLU or ReLU^2, absmax, e4m3) and
+`fp8_add_rms_norm_quant` (residual add, RMSNorm, absmax, e4m3), Triton kernels behind custom ops, so Inductor
+compiles the rest of the layer around them; the GEMMs stay `torch._scaled_mm`. Hand-written because no library
+kernel fuses the activation or the norm with per-row fp8 quantization (torchao's and vLLM's per-token quantizers
+take the activation's output: one more write and read of it). Computed in fp32, rounded to bf16 where the residual
+stream and the normed row are (the unfused layer rounds the activation to bf16 too): the same function up to
+rounding; the GPU tests compare both with the layer's own modules and with bf16.
+
+The `*_reference` functions are the same computations in plain PyTorch, what runs off CUDA (CPU tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..model.layer import MoTLayer
+from ..model.rope import Rope
+from ..quant.fp8 import _AMAX_FLOOR, FP8, FP8_MAX, Fp8Linear, quantize_rowwise_fp8
+from .fuse import FusedGateUp, FusedGeneratorQKV
+
+FP8_QUANTIZE = ("fused", "inductor")
+
+
+def fp8_act_quant_reference(y: torch.Tensor, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """y [M, N] (gated: [M, 2N], gate columns then up columns) -> (e4m3 [M, N], fp32 scale [M, 1]) of
+    silu(gate) * up or relu(y)^2, computed in fp32; the scale maps each row's absmax onto the e4m3 max."""
+    yf = y.float()
+    if gated:
+        gate, up = yf.chunk(2, dim=-1)
+        a = F.silu(gate) * up
+    else:
+        a = torch.relu(yf).square()
+    scale = a.abs().amax(dim=-1, keepdim=True).clamp(min=_AMAX_FLOOR) / FP8_MAX
+    return (a / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+_kernel = None
+
+
+def _triton_kernel():
+    global _kernel
+    if _kernel is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def act_quant(y_ptr, q_ptr, scale_ptr, n, y_row_stride, GATED: tl.constexpr, BLOCK: tl.constexpr):
+            row = tl.program_id(0).to(tl.int64)
+            cols = tl.arange(0, BLOCK)
+            mask = cols < n
+            src = y_ptr + row * y_row_stride
+            if GATED:
+                gate = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+                up = tl.load(src + n + cols, mask=mask, other=0.0).to(tl.float32)
+                a = gate * tl.sigmoid(gate) * up
+            else:
+                a = tl.maximum(tl.load(src + cols, mask=mask, other=0.0).to(tl.float32), 0.0)
+                a = a * a
+            scale = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-12) / 448.0
+            q = tl.minimum(tl.maximum(a / scale, -448.0), 448.0)
+            tl.store(q_ptr + row * n + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+            tl.store(scale_ptr + row, scale)
+
+        _kernel = act_quant
+    return _kernel
+
+
+def fp8_add_rms_norm_quant_reference(x: torch.Tensor, update: torch.Tensor | None, weight: torch.Tensor, eps: float
+                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, update [M, h] (update may be None) -> (s = x + update, e4m3 [M, h], fp32 scale [M, 1]) of the RMSNorm of s
+    times `weight`, computed in fp32 and rounded to s's dtype once before it is quantized (the Nemotron flavour's
+    rounding; the Qwen flavour rounds once more, inside the norm)."""
+    s = x if update is None else x + update
+    sf = s.float()
+    y = (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(s.dtype)
+    q, scale = quantize_rowwise_fp8(y)
+    return s, q, scale
+
+
+_norm_kernel = None
+
+
+def _triton_norm_kernel():
+    global _norm_kernel
+    if _norm_kernel is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def add_norm_quant(x_ptr, u_ptr, w_ptr, s_ptr, q_ptr, scale_ptr, n, eps, HAS_UPDATE: tl.constexpr,
+                           BLOCK: tl.constexpr):
+            row = tl.program_id(0).to(tl.int64)
+            cols = tl.arange(0, BLOCK)
+            mask = cols < n
+            x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
+            if HAS_UPDATE:
+                x = (x.to(tl.float32) + tl.load(u_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32))
+                x = x.to(s_ptr.dtype.element_ty)  # the residual stream, rounded as the unfused add rounds it
+                tl.store(s_ptr + row * n + cols, x, mask=mask)
+            xf = x.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            y = (xf * rstd * w).to(s_ptr.dtype.element_ty).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
+            q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+            tl.store(q_ptr + row * n + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+            tl.store(scale_ptr + row, scale)
+
+        _norm_kernel = add_norm_quant
+    return _norm_kernel
+
+
+@torch.library.custom_op("wamrt::fp8_add_rms_norm_quant", mutates_args=())
+def fp8_add_rms_norm_quant(x: torch.Tensor, update: torch.Tensor | None, weight: torch.Tensor, eps: float
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`fp8_add_rms_norm_quant_reference` in one Triton kernel on CUDA (one program per row). x, update [M, h]
+    contiguous; without update the first output is a copy of x (a custom op's outputs cannot alias its inputs)."""
+    if not x.is_cuda:
+        s, q, scale = fp8_add_rms_norm_quant_reference(x, update, weight, eps)
+        return (s.clone() if update is None else s), q, scale
+    import triton
+
+    x = x.contiguous()
+    m, n = x.shape
+    s = torch.empty_like(x) if update is not None else x.clone()
+    q = torch.empty(m, n, dtype=FP8, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    u = update.contiguous() if update is not None else x
+    _triton_norm_kernel()[(m,)](x, u, weight, s, q, scale, n, eps, HAS_UPDATE=update is not None,
+                                BLOCK=triton.next_power_of_2(n), num_warps=8)
+    return s, q, scale
+
+
+@fp8_add_rms_norm_quant.register_fake
+def _(x, update, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape, dtype=FP8), x.new_empty(x.shape[0], 1, dtype=torch.float32)
+
+
+@torch.library.custom_op("wamrt::fp8_act_quant", mutates_args=())
+def fp8_act_quant(y: torch.Tensor, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_act_quant_reference` in one Triton kernel on CUDA (one program per row, the row in registers)."""
+    if not y.is_cuda:
+        return fp8_act_quant_reference(y, gated)
+    import triton
+
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    m, width = y.shape
+    n = width // 2 if gated else width
+    q = torch.empty(m, n, dtype=FP8, device=y.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=y.device)
+    block = triton.next_power_of_2(n)
+    # 16 warps keep a 16k-wide row at 32 fp32 values per thread (64 with SwiGLU's two halves): no spills.
+    _triton_kernel()[(m,)](y, q, scale, n, y.stride(0), GATED=gated, BLOCK=block, num_warps=16 if block >= 8192 else 8)
+    return q, scale
+
+
+@fp8_act_quant.register_fake
+def _(y, gated):
+    n = y.shape[1] // 2 if gated else y.shape[1]
+    return y.new_empty(y.shape[0], n, dtype=FP8), y.new_empty(y.shape[0], 1, dtype=torch.float32)
+
+
+def fp8_fusion_problem(layer: MoTLayer) -> str | None:
+    """Why `fp8_generator_qkv` / `fp8_generator_post_split` cannot serve this layer, or None."""
+    mlp, attn = layer.mlp_moe_gen, layer.self_attn
+    if mlp.gated and not isinstance(mlp, FusedGateUp):
+        return "gate and up are not one fused projection"
+    if not isinstance(attn, FusedGeneratorQKV):
+        return "q, k and v are not one fused projection"
+    up = mlp.gate_up_proj if mlp.gated else mlp.up_proj
+    for name, lin in (("q/k/v", attn.add_qkv_proj), ("up", up), ("down", mlp.down_proj)):
+        if not isinstance(lin, Fp8Linear):
+            return f"the {name} projection is not an Fp8Linear"
+    if up.out_features != (2 if mlp.gated else 1) * mlp.down_proj.in_features:
+        return "up-projection and down-projection widths disagree"
+    return None
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def fp8_generator_qkv(layer: MoTLayer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The previous layer's residual add, `layer.generator_pre` -> (q, k, v, g), for a gen-fp8 layer
+    (`fp8_fusion_problem(layer)` is None): the add, the input norm and the q/k/v GEMM's input quantization in
+    `fp8_add_rms_norm_quant`."""
+    norm, attn = layer.input_layernorm_moe_gen, layer.self_attn
+    g2, xq, scale = fp8_add_rms_norm_quant(_rows(g), None if update is None else _rows(update), norm.weight, norm.eps)
+    qkv = attn.add_qkv_proj.matmul_quantized(xq, scale, g.dtype).view(*g.shape[:-1], -1)
+    q, k, v = attn.generator_heads(*qkv.split(attn.qkv_sizes, dim=-1), rope)
+    return q, k, v, g2.view(g.shape)
+
+
+def fp8_generator_post_split(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layer.generator_post_split(g, o)` for a gen-fp8 layer (`fp8_fusion_problem(layer)` is None): the residual
+    add, the norm and the up-projection's input quantization in `fp8_add_rms_norm_quant`, the MLP activation and
+    the down-projection's input quantization in `fp8_act_quant`."""
+    mlp, norm = layer.mlp_moe_gen, layer.post_attention_layernorm_moe_gen
+    attn_out = layer.self_attn.to_add_out(o.transpose(1, 2).flatten(2))
+    g2, hq, h_scale = fp8_add_rms_norm_quant(_rows(g), _rows(attn_out), norm.weight, norm.eps)
+    y = (mlp.gate_up_proj if mlp.gated else mlp.up_proj).matmul_quantized(hq, h_scale, g.dtype)
+    xq, scale = fp8_act_quant(y, mlp.gated)
+    update = mlp.down_proj.matmul_quantized(xq, scale, g.dtype)
+    return g2.view(g.shape), update.view(g.shape)
