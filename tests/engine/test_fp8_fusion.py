@@ -37,12 +37,12 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _quantized_layer(gated: bool, device: str = "cpu", full_size: bool = False):
+def _quantized_layer(gated: bool, device: str = "cpu", full_size: bool = False, dtype: torch.dtype = torch.float32):
     """(bf16/fp32 layer, its gen-fp8 copy, config): one layer of tiny-qwen / tiny-edge, or of Nano / Edge."""
     name = ("nano" if gated else "edge") if full_size else ("tiny-qwen" if gated else "tiny-edge")
     cfg = replace(CONFIGS[name], num_hidden_layers=1, vocab_size=512)
     torch.manual_seed(0)
-    model = Cosmos3Transformer(cfg).to(device)
+    model = Cosmos3Transformer(cfg).to(device, dtype)
     with torch.no_grad():
         for p in model.layers.parameters():  # random weights, non-trivial norm gains
             p.normal_(0, p.shape[-1] ** -0.5) if p.ndim > 1 else p.uniform_(0.5, 1.5)
@@ -55,7 +55,7 @@ def _quantized_layer(gated: bool, device: str = "cpu", full_size: bool = False):
 def test_reference_act_quant_is_the_activation_quantized_per_row(gated):
     torch.manual_seed(1)
     y = torch.randn(37, 96 if gated else 48)
-    q, scale = fp8_act_quant_reference(y, gated)
+    q, scale = fp8_act_quant_reference(y, "swiglu" if gated else "relu_sq")
     act = F.silu(y[:, :48]) * y[:, 48:] if gated else torch.relu(y).square()
     want_q, want_scale = quantize_rowwise_fp8(act)
     assert q.shape == (37, 48) and scale.shape == (37, 1)
@@ -143,19 +143,23 @@ def test_engine_takes_the_fused_tail_for_fp8_models_only(tmp_path, monkeypatch):
         Engine.from_policy(pol, EngineConfig(fp8_quantize="triton", **base))
 
 
-@pytest.mark.parametrize("m,n,gated", [(6184, 9216, False), (6184, 12288, True), (37, 2048, True)])  # Edge, Nano
+# Edge down-projection and output projection inputs, Nano's, a ragged small batch
+@pytest.mark.parametrize("m,n,activation", [(6184, 9216, "relu_sq"), (6184, 2048, "none"), (6184, 12288, "swiglu"),
+                                            (6184, 4096, "none"), (37, 2048, "swiglu")])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_triton_act_quant_matches_reference_and_replays(m, n, gated):
+def test_triton_act_quant_matches_reference_and_replays(m, n, activation):
+    gated = activation == "swiglu"
     gen = torch.Generator(device="cuda").manual_seed(0)
     y = torch.randn(m, 2 * n if gated else n, device="cuda", dtype=torch.bfloat16, generator=gen)
-    q, scale = fp8_act_quant(y, gated)
-    want_q, want_scale = fp8_act_quant_reference(y, gated)
+    q, scale = fp8_act_quant(y, activation)
+    want_q, want_scale = fp8_act_quant_reference(y, activation)
     torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0)
-    act = (F.silu(y[:, :n].float()) * y[:, n:].float()) if gated else torch.relu(y.float()).square()
+    act = {"swiglu": lambda: F.silu(y[:, :n].float()) * y[:, n:].float(),
+           "relu_sq": lambda: torch.relu(y.float()).square(), "none": lambda: y.float()}[activation]()
     ours, theirs = _rel_l2(q.float() * scale, act), _rel_l2(want_q.float() * want_scale, act)
     differ = float((q.view(torch.uint8) != want_q.view(torch.uint8)).float().mean())
-    print(f"\n{m}x{n} gated={gated}: rel L2 vs fp32 {ours:.4e} (reference {theirs:.4e}), "
+    print(f"\n{m}x{n} {activation}: rel L2 vs fp32 {ours:.4e} (reference {theirs:.4e}), "
           f"e4m3 codes differing {differ:.1e}")
     assert ours <= theirs * 1.01 and differ < 1e-3  # rounding ties of fp32 division only
 
@@ -163,15 +167,15 @@ def test_triton_act_quant_matches_reference_and_replays(m, n, gated):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fp8_act_quant(static, gated)
+        fp8_act_quant(static, activation)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out_q, out_scale = fp8_act_quant(static, gated)
+        out_q, out_scale = fp8_act_quant(static, activation)
     static.copy_(torch.randn(static.shape, device="cuda", dtype=torch.bfloat16, generator=gen))
     graph.replay()
     torch.cuda.synchronize()
-    again_q, again_scale = fp8_act_quant(static, gated)
+    again_q, again_scale = fp8_act_quant(static, activation)
     assert torch.equal(out_q.view(torch.uint8), again_q.view(torch.uint8)) and torch.equal(out_scale, again_scale)
 
 
@@ -217,8 +221,8 @@ def test_fused_layer_on_cuda_compiled_against_the_layers_modules(gated):
 
     if not scaled_mm_supported(torch.device("cuda")):
         pytest.skip("fp8 GEMM needs sm 8.9+")
-    plain, layer, cfg = _quantized_layer(gated, "cuda", full_size=True)
-    layer, plain, hidden = layer.to(torch.bfloat16), plain.to(torch.bfloat16), cfg.hidden_size
+    plain, layer, cfg = _quantized_layer(gated, "cuda", full_size=True, dtype=torch.bfloat16)
+    hidden = cfg.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(3)
     g = torch.randn(2, 3092, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     o = torch.randn(2, cfg.num_attention_heads, 3092, cfg.head_dim, device="cuda", dtype=torch.bfloat16,

@@ -26,6 +26,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+try:  # the kernels run on CUDA only; PyTorch's CUDA builds bring Triton, CPU builds may not
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 from ..model.layer import MoTLayer
 from ..model.rope import Rope
 from ..quant.fp8 import _AMAX_FLOOR, FP8, FP8_MAX, Fp8Linear, quantize_rowwise_fp8
@@ -34,48 +40,110 @@ from .fuse import FusedGateUp, FusedGeneratorQKV
 FP8_QUANTIZE = ("fused", "inductor")
 
 
-def fp8_act_quant_reference(y: torch.Tensor, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """y [M, N] (gated: [M, 2N], gate columns then up columns) -> (e4m3 [M, N], fp32 scale [M, 1]) of
-    silu(gate) * up or relu(y)^2, computed in fp32; the scale maps each row's absmax onto the e4m3 max."""
+ACTIVATIONS = ("swiglu", "relu_sq", "none")
+
+
+def fp8_act_quant_reference(y: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """y [M, N] (swiglu: [M, 2N], gate columns then up columns) -> (e4m3 [M, N], fp32 scale [M, 1]) of
+    silu(gate) * up, relu(y)^2 or y itself, computed in fp32; the scale maps each row's absmax onto the e4m3 max."""
     yf = y.float()
-    if gated:
+    if activation == "swiglu":
         gate, up = yf.chunk(2, dim=-1)
         a = F.silu(gate) * up
-    else:
+    elif activation == "relu_sq":
         a = torch.relu(yf).square()
+    elif activation == "none":
+        a = yf
+    else:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     scale = a.abs().amax(dim=-1, keepdim=True).clamp(min=_AMAX_FLOOR) / FP8_MAX
     return (a / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-_kernel = None
+if triton is not None:
 
+    @triton.jit
+    def _activation(src, cols, mask, N: tl.constexpr, ACT: tl.constexpr):
+        a = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 0:  # swiglu: a is the gate
+            a = a * tl.sigmoid(a) * tl.load(src + N + cols, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 1:  # relu_sq
+            a = tl.maximum(a, 0.0)
+            a = a * a
+        return a
 
-def _triton_kernel():
-    global _kernel
-    if _kernel is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def act_quant(y_ptr, q_ptr, scale_ptr, n, y_row_stride, GATED: tl.constexpr, BLOCK: tl.constexpr):
-            row = tl.program_id(0).to(tl.int64)
+    # Autotuned per (width, activation) on the first call (the engine's warm-up, outside graph capture), over
+    # one-pass (the row in registers) and two-pass (column chunks, the second pass mostly from L2) variants. Every
+    # variant computes the same bits: a maximum does not depend on the order it is taken in.
+    @triton.autotune(configs=[triton.Config({"BLOCK": b}, num_warps=w) for b, w in
+                              ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (16384, 16), (16384, 32))],
+                     key=["N", "ACT"])
+    @triton.jit
+    def _act_quant_kernel(y_ptr, q_ptr, scale_ptr, y_row_stride, N: tl.constexpr, ACT: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        src = y_ptr + row * y_row_stride
+        dst = q_ptr + row * N
+        if BLOCK >= N:
             cols = tl.arange(0, BLOCK)
-            mask = cols < n
-            src = y_ptr + row * y_row_stride
-            if GATED:
-                gate = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-                up = tl.load(src + n + cols, mask=mask, other=0.0).to(tl.float32)
-                a = gate * tl.sigmoid(gate) * up
-            else:
-                a = tl.maximum(tl.load(src + cols, mask=mask, other=0.0).to(tl.float32), 0.0)
-                a = a * a
+            mask = cols < N
+            a = _activation(src, cols, mask, N, ACT)
             scale = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-12) / 448.0
             q = tl.minimum(tl.maximum(a / scale, -448.0), 448.0)
-            tl.store(q_ptr + row * n + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+            tl.store(dst + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+            tl.store(scale_ptr + row, scale)
+        else:
+            peak = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, N, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                peak = tl.maximum(peak, tl.abs(_activation(src, cols, cols < N, N, ACT)))
+            scale = tl.maximum(tl.max(peak, axis=0), 1e-12) / 448.0
+            for start in range(0, N, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < N
+                q = tl.minimum(tl.maximum(_activation(src, cols, mask, N, ACT) / scale, -448.0), 448.0)
+                tl.store(dst + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
             tl.store(scale_ptr + row, scale)
 
-        _kernel = act_quant
-    return _kernel
+    @triton.jit
+    def _add_norm_quant_kernel(x_ptr, u_ptr, w_ptr, s_ptr, q_ptr, scale_ptr, n, eps, HAS_UPDATE: tl.constexpr,
+                               BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
+        if HAS_UPDATE:
+            x = (x.to(tl.float32) + tl.load(u_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32))
+            x = x.to(s_ptr.dtype.element_ty)  # the residual stream, rounded as the unfused add rounds it
+            tl.store(s_ptr + row * n + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (xf * rstd * w).to(s_ptr.dtype.element_ty).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
+        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+        tl.store(q_ptr + row * n + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(scale_ptr + row, scale)
+
+
+@torch.library.custom_op("wamrt::fp8_act_quant", mutates_args=())
+def fp8_act_quant(y: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_act_quant_reference` in one Triton kernel on CUDA (one program per row). y [M, width], rows contiguous."""
+    if not y.is_cuda:
+        return fp8_act_quant_reference(y, activation)
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    m, width = y.shape
+    n = width // 2 if activation == "swiglu" else width
+    q = torch.empty(m, n, dtype=FP8, device=y.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=y.device)
+    _act_quant_kernel[(m,)](y, q, scale, y.stride(0), N=n, ACT=ACTIVATIONS.index(activation))
+    return q, scale
+
+
+@fp8_act_quant.register_fake
+def _(y, activation):
+    n = y.shape[1] // 2 if activation == "swiglu" else y.shape[1]
+    return y.new_empty(y.shape[0], n, dtype=FP8), y.new_empty(y.shape[0], 1, dtype=torch.float32)
 
 
 def fp8_add_rms_norm_quant_reference(x: torch.Tensor, update: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -90,39 +158,6 @@ def fp8_add_rms_norm_quant_reference(x: torch.Tensor, update: torch.Tensor | Non
     return s, q, scale
 
 
-_norm_kernel = None
-
-
-def _triton_norm_kernel():
-    global _norm_kernel
-    if _norm_kernel is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def add_norm_quant(x_ptr, u_ptr, w_ptr, s_ptr, q_ptr, scale_ptr, n, eps, HAS_UPDATE: tl.constexpr,
-                           BLOCK: tl.constexpr):
-            row = tl.program_id(0).to(tl.int64)
-            cols = tl.arange(0, BLOCK)
-            mask = cols < n
-            x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
-            if HAS_UPDATE:
-                x = (x.to(tl.float32) + tl.load(u_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32))
-                x = x.to(s_ptr.dtype.element_ty)  # the residual stream, rounded as the unfused add rounds it
-                tl.store(s_ptr + row * n + cols, x, mask=mask)
-            xf = x.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            y = (xf * rstd * w).to(s_ptr.dtype.element_ty).to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
-            q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
-            tl.store(q_ptr + row * n + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-            tl.store(scale_ptr + row, scale)
-
-        _norm_kernel = add_norm_quant
-    return _norm_kernel
-
-
 @torch.library.custom_op("wamrt::fp8_add_rms_norm_quant", mutates_args=())
 def fp8_add_rms_norm_quant(x: torch.Tensor, update: torch.Tensor | None, weight: torch.Tensor, eps: float
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,15 +166,13 @@ def fp8_add_rms_norm_quant(x: torch.Tensor, update: torch.Tensor | None, weight:
     if not x.is_cuda:
         s, q, scale = fp8_add_rms_norm_quant_reference(x, update, weight, eps)
         return (s.clone() if update is None else s), q, scale
-    import triton
-
     x = x.contiguous()
     m, n = x.shape
     s = torch.empty_like(x) if update is not None else x.clone()
     q = torch.empty(m, n, dtype=FP8, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     u = update.contiguous() if update is not None else x
-    _triton_norm_kernel()[(m,)](x, u, weight, s, q, scale, n, eps, HAS_UPDATE=update is not None,
+    _add_norm_quant_kernel[(m,)](x, u, weight, s, q, scale, n, eps, HAS_UPDATE=update is not None,
                                 BLOCK=triton.next_power_of_2(n), num_warps=8)
     return s, q, scale
 
@@ -147,30 +180,6 @@ def fp8_add_rms_norm_quant(x: torch.Tensor, update: torch.Tensor | None, weight:
 @fp8_add_rms_norm_quant.register_fake
 def _(x, update, weight, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape, dtype=FP8), x.new_empty(x.shape[0], 1, dtype=torch.float32)
-
-
-@torch.library.custom_op("wamrt::fp8_act_quant", mutates_args=())
-def fp8_act_quant(y: torch.Tensor, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fp8_act_quant_reference` in one Triton kernel on CUDA (one program per row, the row in registers)."""
-    if not y.is_cuda:
-        return fp8_act_quant_reference(y, gated)
-    import triton
-
-    y = y if y.stride(-1) == 1 else y.contiguous()
-    m, width = y.shape
-    n = width // 2 if gated else width
-    q = torch.empty(m, n, dtype=FP8, device=y.device)
-    scale = torch.empty(m, 1, dtype=torch.float32, device=y.device)
-    block = triton.next_power_of_2(n)
-    # 16 warps keep a 16k-wide row at 32 fp32 values per thread (64 with SwiGLU's two halves): no spills.
-    _triton_kernel()[(m,)](y, q, scale, n, y.stride(0), GATED=gated, BLOCK=block, num_warps=16 if block >= 8192 else 8)
-    return q, scale
-
-
-@fp8_act_quant.register_fake
-def _(y, gated):
-    n = y.shape[1] // 2 if gated else y.shape[1]
-    return y.new_empty(y.shape[0], n, dtype=FP8), y.new_empty(y.shape[0], 1, dtype=torch.float32)
 
 
 def fp8_fusion_problem(layer: MoTLayer) -> str | None:
@@ -181,7 +190,7 @@ def fp8_fusion_problem(layer: MoTLayer) -> str | None:
     if not isinstance(attn, FusedGeneratorQKV):
         return "q, k and v are not one fused projection"
     up = mlp.gate_up_proj if mlp.gated else mlp.up_proj
-    for name, lin in (("q/k/v", attn.add_qkv_proj), ("up", up), ("down", mlp.down_proj)):
+    for name, lin in (("q/k/v", attn.add_qkv_proj), ("output", attn.to_add_out), ("up", up), ("down", mlp.down_proj)):
         if not isinstance(lin, Fp8Linear):
             return f"the {name} projection is not an Fp8Linear"
     if up.out_features != (2 if mlp.gated else 1) * mlp.down_proj.in_features:
@@ -208,11 +217,13 @@ def fp8_generator_qkv(layer: MoTLayer, g: torch.Tensor, update: torch.Tensor | N
 def fp8_generator_post_split(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`layer.generator_post_split(g, o)` for a gen-fp8 layer (`fp8_fusion_problem(layer)` is None): the residual
     add, the norm and the up-projection's input quantization in `fp8_add_rms_norm_quant`, the MLP activation and
-    the down-projection's input quantization in `fp8_act_quant`."""
+    the down-projection's input quantization in `fp8_act_quant`, and the attention output's quantization for the
+    output projection in `fp8_act_quant` without activation."""
     mlp, norm = layer.mlp_moe_gen, layer.post_attention_layernorm_moe_gen
-    attn_out = layer.self_attn.to_add_out(o.transpose(1, 2).flatten(2))
-    g2, hq, h_scale = fp8_add_rms_norm_quant(_rows(g), _rows(attn_out), norm.weight, norm.eps)
+    oq, o_scale = fp8_act_quant(_rows(o.transpose(1, 2).flatten(2)), "none")
+    attn_out = layer.self_attn.to_add_out.matmul_quantized(oq, o_scale, g.dtype)
+    g2, hq, h_scale = fp8_add_rms_norm_quant(_rows(g), attn_out, norm.weight, norm.eps)
     y = (mlp.gate_up_proj if mlp.gated else mlp.up_proj).matmul_quantized(hq, h_scale, g.dtype)
-    xq, scale = fp8_act_quant(y, mlp.gated)
+    xq, scale = fp8_act_quant(y, "swiglu" if mlp.gated else "relu_sq")
     update = mlp.down_proj.matmul_quantized(xq, scale, g.dtype)
     return g2.view(g.shape), update.view(g.shape)
