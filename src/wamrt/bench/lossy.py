@@ -104,7 +104,10 @@ def run_lossy_rows(policy: Policy, args: argparse.Namespace, env: dict, command:
     swapped = quantize_model(policy.model, "gen-fp8")
     print(f"gen-fp8: {len(swapped)} linears swapped", flush=True)
     if args.quality:
-        sq_engine = Engine.from_policy(policy, engine_config(dev, attention=attention, compile=False, cuda_graph=False))
+        # The SQNR table hooks each quantized module's forward: the unfused path calls them (engine/fp8_fusion.py
+        # calls their GEMMs on inputs it quantized itself).
+        sq_engine = Engine.from_policy(policy, engine_config(dev, attention=attention, compile=False, cuda_graph=False,
+                                                             fp8_quantize="inductor"))
         table = layer_sqnr(reference, policy.model,
                            lambda m: sq_engine.infer(sample_observation(500), seed=1000, steps=4))
         del sq_engine, reference
