@@ -113,6 +113,8 @@ def run_lossy_rows(policy: Policy, args: argparse.Namespace, env: dict, command:
         del sq_engine, reference
         torch.cuda.empty_cache() if dev.type == "cuda" else None
         measured = [r for r in table if r.calls]
+        if not measured:
+            raise RuntimeError("SQNR: no quantized linear's forward ran (is the engine calling the GEMMs directly?)")
         values = np.array([r.sqnr_db for r in measured])
         quality["sqnr"] = {
             "bar_db": SQNR_BAR_DB, "layers": len(table), "measured": len(measured),
