@@ -242,8 +242,7 @@ class Engine:
             prepare_epilogues(model)
             post = quack_generator_post(self.device, split=True)
         pre = _pre_into(_generator_qkv)
-        fp8_fused = config.fp8_quantize == "fused" and fp8_fusion_problem(model.layers[0]) is None
-        if config.epilogues != "quack" and fp8_fused:
+        if config.fp8_quantize == "fused" and fp8_fusion_problem(model.layers[0]) is None:  # (quack refuses fp8)
             pre, post = _pre_into(fp8_generator_qkv), fp8_generator_post_split
         self._pre, self._post, self._rescale = pre, post, rescale_zero_keys
         # what runs: "auto" resolved here, bucket_attention may fall back to "mask" (below)
