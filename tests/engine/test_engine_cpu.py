@@ -31,6 +31,8 @@ CONFIGS = {
     "E3-mask": dict(attention="auto", batch_cfg=True, cfg_attention="mask"),
     # [Generator | prefix | zeros] keys; off fa4 one call per sequence on a prefix of its row
     "E3-lengths": dict(attention="auto", batch_cfg=True, cfg_attention="lengths"),
+    # ... with K/V buffers at the model's K/V heads (SDPA repeats them per call here; fa4 shares them in the kernel)
+    "E3-lengths-gqa": dict(attention="auto", batch_cfg=True, cfg_attention="lengths", gqa_buffers=True),
 }
 
 
@@ -235,13 +237,14 @@ def _graph_engine(policy, **kw) -> Engine:
     return engine
 
 
-@pytest.mark.parametrize("cfg_attention", ["split", "lengths"])
-def test_graph_path_static_inputs_arena_and_buckets_on_cpu(policy, cfg_attention):
+@pytest.mark.parametrize("layout", [dict(cfg_attention="split"), dict(cfg_attention="lengths"),
+                                    dict(cfg_attention="lengths", gqa_buffers=True)])
+def test_graph_path_static_inputs_arena_and_buckets_on_cpu(policy, layout):
     """The capture/replay bookkeeping (static inputs, K/V arena sized by _arena_elements, one entry per
     bucket) without a GPU: batch sizes 2 and 1 and both step kinds, interleaved, equal the eager engine; in both
     K/V layouts (prefix first, Generator first)."""
     eager = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
-    graphs = _graph_engine(policy, cfg_attention=cfg_attention)
+    graphs = _graph_engine(policy, **layout)
     obs = [sample_observation(0), sample_observation(1)]
     for kw in (dict(steps=2), dict(steps=2, guidance_interval=(960, 1001))):
         want2 = [c.actions for c in eager.infer_batch(obs, seeds=[3, 4], **kw)]
@@ -252,6 +255,19 @@ def test_graph_path_static_inputs_arena_and_buckets_on_cpu(policy, cfg_attention
             for g, w in zip(got2 + [got1], want2 + [want1], strict=True):
                 assert np.abs(g - w).max() <= TOL, kw
     assert len(graphs.graphs) == 4  # 2 batch sizes x 2 guidance patterns
+
+
+def test_gqa_buffers_hold_the_kv_heads_only(policy):
+    """With gqa_buffers the K/V arena (every step buffer of a captured loop) is sized for the model's K/V heads."""
+    cfg = policy.model.config
+    obs = [sample_observation(0), sample_observation(1)]
+    arenas = {}
+    for gqa in (False, True):
+        engine = _graph_engine(policy, cfg_attention="lengths", gqa_buffers=gqa)
+        engine.infer_batch(obs, seeds=[3, 4], steps=1)
+        arenas[gqa] = engine._kv_arena.shape[-1]
+    assert cfg.num_key_value_heads < cfg.num_attention_heads
+    assert arenas[True] * cfg.num_attention_heads == arenas[False] * cfg.num_key_value_heads
 
 
 def test_prompt_bucket_graph_replays_a_new_prompt_length_correctly_on_cpu(policy):

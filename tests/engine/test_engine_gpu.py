@@ -58,10 +58,14 @@ def test_engine_vs_reference_fp32_truth_and_graph_bitwise(nano):
     runs["graph"] = Engine.from_policy(nano, EngineConfig())
     if fa4_available():  # both CFG branches in one flash-attn-4 call (keys [Generator | prefix | zeros])
         runs["graph-fa4-lengths"] = Engine.from_policy(nano, EngineConfig(attention="fa4", cfg_attention="lengths"))
+        # ... with the buffers at the 8 K/V heads, the kernel sharing them across the 32 query heads
+        runs["graph-fa4-gqa"] = Engine.from_policy(nano, EngineConfig(attention="fa4", cfg_attention="lengths",
+                                                                      gqa_buffers=True))
     out = {name: e.infer(obs, seed=5).actions for name, e in runs.items()}
     replay = runs["graph"].infer(obs, seed=5).actions
-    if "graph-fa4-lengths" in runs:
-        assert np.array_equal(runs["graph-fa4-lengths"].infer(obs, seed=5).actions, out["graph-fa4-lengths"])
+    for name in ("graph-fa4-lengths", "graph-fa4-gqa"):
+        if name in runs:
+            assert np.array_equal(runs[name].infer(obs, seed=5).actions, out[name]), name
     report = {name: (rel_l2(a, ref.actions), rel_l2(a, truth.actions)) for name, a in out.items()}
     print(f"\nbf16 reference vs fp32: {ref_err:.3e}")
     for name, (vs_ref, vs_truth) in report.items():

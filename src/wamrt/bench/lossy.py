@@ -33,6 +33,9 @@ LOSSY_ROWS: dict[str, tuple[str, int, str, bool, dict]] = {
     # E6 with Inductor's kernels for the fp8 input quantizations (the comparison row for engine/fp8_fusion.py).
     "E6-inductor": ("E6 with Inductor's kernels for the fp8 input quantizations", 4, "gen-fp8", False,
                     {"fp8_quantize": "inductor"}),
+    # E6 / E7 with step K/V buffers at the model's K/V heads (EngineConfig.gqa_buffers; for flash-attn-4).
+    "E6-gqa": ("E6 with K/V buffers at the K/V heads", 4, "gen-fp8", False, {"gqa_buffers": True}),
+    "E7-gqa": ("E7 with K/V buffers at the K/V heads", 2, "gen-fp8", False, {"gqa_buffers": True}),
 }
 QUALITY_REQUESTS = 4  # observations (and seeds) every lossy configuration is compared on
 

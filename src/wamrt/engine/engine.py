@@ -107,6 +107,11 @@ class EngineConfig:
     # gen-fp8 models: "fused" = each fp8 GEMM's per-token input quantization inside the op before it (the norms, the
     # MLP activation; Triton kernels, engine/fp8_fusion.py); "inductor" = Inductor's kernels. No effect on bf16 models.
     fp8_quantize: str = "fused"
+    # In the [Generator | prefix | zeros] layout (cfg_attention "lengths"): the step K/V buffers keep the model's K/V
+    # heads and the attention kernel shares each across its query heads (flash-attn-4 does GQA itself), instead of
+    # buffers with the heads repeated: K/V stores and buffers 2x (Edge) / 4x (Nano) smaller. SDPA backends would
+    # repeat them per call (correct, slower): meant for fa4. Not yet timed on the GPU.
+    gqa_buffers: bool = False
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
     kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
     graph_cache_size: int = 16  # captured buckets kept (LRU) ...
@@ -167,12 +172,17 @@ def _pre_into(qkv: Callable):
     def pre_into(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope, kbuf: torch.Tensor,
                  vbuf: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, g = qkv(layer, g, update, rope)
-        groups, n = q.shape[1] // k.shape[1], k.shape[2]
-        kbuf[:, :, start : start + n] = k.repeat_interleave(groups, dim=1)
-        vbuf[:, :, start : start + n] = v.repeat_interleave(groups, dim=1)
+        n = k.shape[2]
+        kbuf[:, :, start : start + n] = _repeat_heads(k, kbuf.shape[1])
+        vbuf[:, :, start : start + n] = _repeat_heads(v, vbuf.shape[1])
         return q, g
 
     return pre_into
+
+
+def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, K, S, d] K or V with its heads repeated (GQA groups) up to `heads`."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
 class Engine:
@@ -513,14 +523,14 @@ class Engine:
         (per-sequence calls on a suffix, masks, prompt buckets), or with cfg_attention="lengths" [Generator |
         prefix | zeros], each sequence's keys a prefix of its row (one call on fa4: KeyLengthAttention)."""
         cfg = self.model.config
-        groups, g_len = cfg.kv_groups, seqs[0].rope.cos.shape[1]
+        g_len = seqs[0].rope.cos.shape[1]
         masks = [s.kv.key_mask for s in seqs]
         bucketed = any(m is not None for m in masks)
         generator_first = self.cfg_attention == "lengths" and not bucketed
         keys, values, pads = pad_kv([s.kv for s in seqs], front=not generator_first)
         umax = keys[0].shape[2]
         prefix = slice(g_len, g_len + umax) if generator_first else slice(0, umax)
-        shape = (len(seqs), cfg.num_attention_heads, umax + g_len, cfg.head_dim)
+        shape = (len(seqs), self._buffer_heads(seqs), umax + g_len, cfg.head_dim)
         region = self._arena_region(math.prod(shape))
         kb, vb = [], []
         for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
@@ -528,8 +538,8 @@ class Engine:
                 kbuf, vbuf = k.new_empty(shape), v.new_empty(shape)
             else:
                 kbuf, vbuf = (self._kv_arena[layer, i, region].view(shape) for i in (0, 1))
-            kbuf[:, :, prefix] = k.repeat_interleave(groups, dim=1)
-            vbuf[:, :, prefix] = v.repeat_interleave(groups, dim=1)
+            kbuf[:, :, prefix] = _repeat_heads(k, shape[1])
+            vbuf[:, :, prefix] = _repeat_heads(v, shape[1])
             kb.append(kbuf)
             vb.append(vbuf)
         rope = Rope(torch.cat([s.rope.cos for s in seqs]), torch.cat([s.rope.sin for s in seqs]))
@@ -550,6 +560,14 @@ class Engine:
             attn = PrefixOffsetAttention(pads, backend=self.config.attention)
         return _KVBuffers(kb, vb, umax), rope, attn
 
+    def _buffer_heads(self, seqs: list[_Seq]) -> int:
+        """Heads of a batch's step K/V buffers: the model's K/V heads with `gqa_buffers` in the Generator-first layout
+        (the kernel shares them across query heads), else the query heads."""
+        cfg = self.model.config
+        grouped = (self.config.gqa_buffers and self.cfg_attention == "lengths"
+                   and all(s.kv.key_mask is None for s in seqs))
+        return cfg.num_key_value_heads if grouped else cfg.num_attention_heads
+
     def _arena_region(self, n: int) -> slice | None:
         """The next n elements of the K/V arena while a graph is warmed up or captured, else None."""
         if self._arena_cursor is None:
@@ -563,7 +581,7 @@ class Engine:
         cfg = self.model.config
         g_len = conds[0].rope.cos.shape[1]
         kinds = [conds + unconds] if unconds and all(cfg_steps) else [conds] + ([conds + unconds] if unconds else [])
-        return sum(len(seqs) * cfg.num_attention_heads * (max(s.kv.length for s in seqs) + g_len) * cfg.head_dim
+        return sum(len(seqs) * self._buffer_heads(seqs) * (max(s.kv.length for s in seqs) + g_len) * cfg.head_dim
                    for seqs in kinds)
 
     def _generator_pieces(self, tok: GeneratorTokens, bufs: _KVBuffers, rope: Rope, attn,
