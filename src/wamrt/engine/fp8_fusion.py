@@ -10,7 +10,8 @@ costs an extra reduction pass: H200, Edge E6 at 1f607ba (bench/results/latency/2
 * 9.1 ms: the input norm before q/k/v and the post-attention norm before the up-projection, each a residual add +
   mean-square reduction kernel followed by a second reduction kernel for the normed row's absmax and quantization.
 
-Here each is one pass with the row in registers: `fp8_act_quant` (SwiGLU or ReLU^2, absmax, e4m3) and
+Here each is one pass with the row in registers: `fp8_act_quant` (SwiGLU or ReLU^2, absmax, e4m3; without an
+activation it also quantizes the attention output for the output projection) and
 `fp8_add_rms_norm_quant` (residual add, RMSNorm, absmax, e4m3), Triton kernels behind custom ops, so Inductor
 compiles the rest of the layer around them; the GEMMs stay `torch._scaled_mm`. Hand-written because no library
 kernel fuses the activation or the norm with per-row fp8 quantization (torchao's and vLLM's per-token quantizers
@@ -195,6 +196,8 @@ def fp8_fusion_problem(layer: MoTLayer) -> str | None:
             return f"the {name} projection is not an Fp8Linear"
     if up.out_features != (2 if mlp.gated else 1) * mlp.down_proj.in_features:
         return "up-projection and down-projection widths disagree"
+    if triton is None and up.weight.is_cuda:
+        return "Triton is not installed"
     return None
 
 
