@@ -55,7 +55,8 @@ ROWS: dict[str, tuple[str, dict]] = {
     "E5-quack-bucket": ("E5-quack with prompts padded to 64-token buckets (one attention call per layer)",
                         dict(epilogues="quack", prompt_bucket=64)),
     # ... and both CFG branches in one flash-attn-4 call per layer: keys laid out [Generator | prefix | zeros], each
-    # branch's key count read by the kernel (no per-branch calls, no output gather). Needs flash-attn-4.
+    # branch's key count read by the kernel (no per-branch calls, no output gather). Needs flash-attn-4. Since
+    # cfg_attention "auto" picks this on fa4, E5-quack equals it wherever the probe picks fa4; this row forces fa4.
     "E5-quack-lengths": ("E5-quack with both CFG branches in one flash-attn-4 call (per-branch key lengths)",
                          dict(epilogues="quack", attention="fa4", cfg_attention="lengths")),
     # ... and step K/V buffers at the model's K/V heads, flash-attn-4 sharing them across query heads (gqa_buffers).
