@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (its own python3 with torch; diffusers carried as a wheel in .whl/).
 # Usage: WAMRT_GIT_SHA=<sha> bash scripts/gpu_run.sh PART[:SECONDS]...
-#   parts: smoke edge nano tests load quant-edge quant-nano (lossy rows LOSSY_ROWS, default E6,E7,E8, + quality, the
+#   parts: smoke edge nano tests kernel-tests load quant-edge quant-nano (lossy rows LOSSY_ROWS, default E6,E7,E8, + quality, the
 #          quantization GPU tests and the fused fp8 activation kernel's)
 #          world (issue 15: WorldEngine t2i / i2v vs diffusers; MODES, RUNS, PEER_RUNS, WORLD_MODEL, WORLD_ARGS)
 #          world-tests (the WorldEngine GPU test), fa4-tests (flash-attn-4 against SDPA, in a graph)
@@ -176,6 +176,9 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              2>&1 | tee "$res/log.txt" ;;
     tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_engine_gpu.py tests/engine/test_bucket_attention.py tests/sampler 2>&1 \
              | tee "$res/log.txt" ;;
+    kernel-tests) # the Triton kernels against their references (head epilogue, fp8 fusion), in graphs, timed
+          timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_qkv_epilogue.py \
+             tests/engine/test_fp8_fusion.py 2>&1 | tee "$res/log.txt" ;;
   esac
   echo "part $part took $(( $(date +%s) - t0 )) s"
   tar czf "$OUT/$part.tgz" -C "$res" .

@@ -62,6 +62,12 @@ ROWS: dict[str, tuple[str, dict]] = {
     # ... and step K/V buffers at the model's K/V heads, flash-attn-4 sharing them across query heads (gqa_buffers).
     "E5-quack-gqa": ("E5-quack-lengths with K/V buffers at the K/V heads (GQA in the attention kernel)",
                      dict(epilogues="quack", attention="fa4", cfg_attention="lengths", gqa_buffers=True)),
+    # ... and the Generator's per-head norms, RoPE and K/V stores in one Triton kernel (engine/qkv_epilogue.py).
+    "E5-quack-heads": ("E5-quack-lengths with the q/k/v head epilogue in one Triton kernel",
+                       dict(epilogues="quack", attention="fa4", cfg_attention="lengths", head_epilogue="triton")),
+    "E5-quack-heads-gqa": ("E5-quack-heads with K/V buffers at the K/V heads",
+                           dict(epilogues="quack", attention="fa4", cfg_attention="lengths", head_epilogue="triton",
+                                gqa_buffers=True)),
     # E5 with diffusers' own encode of the conditioning frame (the comparison row for the 2D first-frame encode).
     "E5-vae-diffusers": ("E5 with diffusers' VAE encode of frame 0", dict(vae_encode="diffusers")),
 }
@@ -69,6 +75,7 @@ ROWS: dict[str, tuple[str, dict]] = {
 # Opt-in rows: E5-autotune spends minutes autotuning at Nano, which the default waterfall run cannot afford.
 DEFAULT_ROWS = [r for r in ROWS if r not in ("E5-bucket", "E5-bucket-mask", "E5-autotune", "E5-cudnn", "E5-quack",
                                              "E5-quack-bucket", "E5-quack-lengths", "E5-quack-gqa",
+                                             "E5-quack-heads", "E5-quack-heads-gqa",
                                              "E5-vae-diffusers")]
 
 

@@ -36,6 +36,13 @@ LOSSY_ROWS: dict[str, tuple[str, int, str, bool, dict]] = {
     # E6 / E7 with step K/V buffers at the model's K/V heads (EngineConfig.gqa_buffers; for flash-attn-4).
     "E6-gqa": ("E6 with K/V buffers at the K/V heads", 4, "gen-fp8", False, {"gqa_buffers": True}),
     "E7-gqa": ("E7 with K/V buffers at the K/V heads", 2, "gen-fp8", False, {"gqa_buffers": True}),
+    # E6 / E7 with the q/k/v head epilogue in one Triton kernel (EngineConfig.head_epilogue), and with gqa_buffers.
+    "E6-heads": ("E6 with the q/k/v head epilogue in one kernel", 4, "gen-fp8", False, {"head_epilogue": "triton"}),
+    "E7-heads": ("E7 with the q/k/v head epilogue in one kernel", 2, "gen-fp8", False, {"head_epilogue": "triton"}),
+    "E6-heads-gqa": ("E6-heads with K/V buffers at the K/V heads", 4, "gen-fp8", False,
+                     {"head_epilogue": "triton", "gqa_buffers": True}),
+    "E7-heads-gqa": ("E7-heads with K/V buffers at the K/V heads", 2, "gen-fp8", False,
+                     {"head_epilogue": "triton", "gqa_buffers": True}),
 }
 QUALITY_REQUESTS = 4  # observations (and seeds) every lossy configuration is compared on
 

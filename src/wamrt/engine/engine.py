@@ -56,10 +56,17 @@ from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
 from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
 from .epilogues import EPILOGUES, prepare_epilogues, quack_available, quack_generator_post, unsupported_reason
-from .fp8_fusion import FP8_QUANTIZE, fp8_fusion_problem, fp8_generator_post_split, fp8_generator_qkv
+from .fp8_fusion import (
+    FP8_QUANTIZE,
+    fp8_fusion_problem,
+    fp8_generator_post_split,
+    fp8_generator_projections,
+    fp8_generator_qkv,
+)
 from .fuse import fuse_generator
 from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
 from .prefix_cache import PaddedPrefixes, ReasonerCache, pad_kv
+from .qkv_epilogue import HEAD_EPILOGUES, repeat_heads, generator_heads_into, head_epilogue_problem
 from .vae_encode import FirstFrameEncoder
 
 log = logging.getLogger(__name__)
@@ -112,6 +119,10 @@ class EngineConfig:
     # buffers with the heads repeated: K/V stores and buffers 2x (Edge) / 4x (Nano) smaller. SDPA backends would
     # repeat them per call (correct, slower): meant for fa4. Not yet timed on the GPU.
     gqa_buffers: bool = False
+    # The Generator's per-head q/k norms, RoPE and K/V buffer stores: "triton" = one kernel per layer
+    # (engine/qkv_epilogue.py), "inductor" = Inductor's kernels (four per layer at Edge), "auto" = "triton" where
+    # it runs (CUDA, Triton installed, bf16 / fp16), else "inductor".
+    head_epilogue: str = "inductor"
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
     kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
     graph_cache_size: int = 16  # captured buckets kept (LRU) ...
@@ -164,25 +175,40 @@ def _generator_qkv(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Ro
     return (*layer.generator_pre(g, rope), g)
 
 
+def _generator_projections(layer, g: torch.Tensor, update: torch.Tensor | None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_generator_qkv` up to the projections: (q [B, G, H*d], k, v [B, G, K*d], g), before the per-head norms and
+    RoPE (which `qkv_epilogue.generator_heads_into` then applies in one kernel with the K/V buffer stores)."""
+    if update is not None:
+        g = g + update
+    return (*layer.self_attn.generator_projections(layer.input_layernorm_moe_gen(g)), g)
+
+
 def _pre_into(qkv: Callable):
     """The Generator layer's half before attention: `qkv` (`_generator_qkv` or its gen-fp8 form), writing K/V
-    (heads repeated for GQA) into the step buffers from `start` on -> (q, g). Compiled, the RoPE / norm epilogue and
-    the buffer stores become one kernel."""
+    (heads repeated for GQA) into the step buffers from `start` on -> (q, g). Compiled by Inductor as a whole."""
 
     def pre_into(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope, kbuf: torch.Tensor,
                  vbuf: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, g = qkv(layer, g, update, rope)
         n = k.shape[2]
-        kbuf[:, :, start : start + n] = _repeat_heads(k, kbuf.shape[1])
-        vbuf[:, :, start : start + n] = _repeat_heads(v, vbuf.shape[1])
+        kbuf[:, :, start : start + n] = repeat_heads(k, kbuf.shape[1])
+        vbuf[:, :, start : start + n] = repeat_heads(v, vbuf.shape[1])
         return q, g
 
     return pre_into
 
 
-def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """[B, K, S, d] K or V with its heads repeated (GQA groups) up to `heads`."""
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+def _pre_heads(projections: Callable):
+    """`_pre_into` with the part after the projections (`projections`: `_generator_projections` or its gen-fp8
+    form, compiled) in the Triton head epilogue (head_epilogue="triton")."""
+
+    def pre_heads(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope, kbuf: torch.Tensor,
+                  vbuf: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, g = projections(layer, g, update)
+        return generator_heads_into(layer.self_attn, q, k, v, rope, kbuf, vbuf, start), g
+
+    return pre_heads
 
 
 class Engine:
@@ -219,6 +245,8 @@ class Engine:
                 raise ValueError(f"epilogues='quack' cannot serve this model: {problem}")
         if config.fp8_quantize not in FP8_QUANTIZE:
             raise ValueError(f"fp8_quantize must be one of {FP8_QUANTIZE}, got {config.fp8_quantize!r}")
+        if config.head_epilogue not in ("auto", *HEAD_EPILOGUES):
+            raise ValueError(f"head_epilogue must be one of {('auto', *HEAD_EPILOGUES)}, got {config.head_epilogue!r}")
         if config.vae_encode not in VAE_ENCODES:
             raise ValueError(f"vae_encode must be one of {VAE_ENCODES}, got {config.vae_encode!r}")
         if config.cfg_attention not in CFG_ATTENTION:
@@ -251,10 +279,17 @@ class Engine:
         if config.epilogues == "quack":
             prepare_epilogues(model)
             post = quack_generator_post(self.device, split=True)
-        pre = _pre_into(_generator_qkv)
+        qkv, projections = _generator_qkv, _generator_projections
         if config.fp8_quantize == "fused" and fp8_fusion_problem(model.layers[0]) is None:  # (quack refuses fp8)
-            pre, post = _pre_into(fp8_generator_qkv), fp8_generator_post_split
-        self._pre, self._post, self._rescale = pre, post, rescale_zero_keys
+            qkv, projections, post = fp8_generator_qkv, fp8_generator_projections, fp8_generator_post_split
+        # what runs: "auto" resolved here (as cfg_attention below)
+        self.head_epilogue = config.head_epilogue
+        head_problem = head_epilogue_problem(model.layers[0].self_attn, self.device, model.dtype)
+        if self.head_epilogue == "auto":
+            self.head_epilogue = "inductor" if head_problem else "triton"
+        elif self.head_epilogue == "triton" and head_problem:
+            raise ValueError(f"head_epilogue='triton' cannot serve this model here: {head_problem}")
+        self._pre, self._post, self._rescale = _pre_into(qkv), post, rescale_zero_keys
         # what runs: "auto" resolved here, bucket_attention may fall back to "mask" (below)
         self.cfg_attention = config.cfg_attention
         if self.cfg_attention == "auto":
@@ -276,9 +311,14 @@ class Engine:
             # Compiled wrappers live on the engine, not on the model's layers: engines (and the eager
             # reference Policy) share one model, and a compile=False engine must run uncompiled code.
             mode = None if config.compile_mode == "default" else config.compile_mode
-            self._pre = torch.compile(pre, dynamic=False, mode=mode)
+            if self.head_epilogue == "triton":  # the kernel launches outside the compiled region
+                self._pre = _pre_heads(torch.compile(projections, dynamic=False, mode=mode))
+            else:
+                self._pre = torch.compile(self._pre, dynamic=False, mode=mode)
             self._post = torch.compile(post, dynamic=False, mode=mode)
             self._rescale = torch.compile(rescale_zero_keys, dynamic=False, mode=mode)  # one fused kernel
+        elif self.head_epilogue == "triton":
+            self._pre = _pre_heads(projections)
 
     @classmethod
     def from_policy(cls, policy: Policy, config: EngineConfig = EngineConfig()) -> Engine:
@@ -304,6 +344,7 @@ class Engine:
                                                        "isolate_requests")}
         engine["bucket_attention"] = self.bucket_attention  # the effective ones
         engine["cfg_attention"] = self.cfg_attention
+        engine["head_epilogue"] = self.head_epilogue
         engine["graphs"] = [k.describe() for k in self.graphs]  # the captured buckets, least recently used first
         return {**droid_metadata(self.name, self.contract, self.options), "quantization": self.quantization,
                 "gpu": device_name(self.device), "engine": engine}
@@ -538,8 +579,8 @@ class Engine:
                 kbuf, vbuf = k.new_empty(shape), v.new_empty(shape)
             else:
                 kbuf, vbuf = (self._kv_arena[layer, i, region].view(shape) for i in (0, 1))
-            kbuf[:, :, prefix] = _repeat_heads(k, shape[1])
-            vbuf[:, :, prefix] = _repeat_heads(v, shape[1])
+            kbuf[:, :, prefix] = repeat_heads(k, shape[1])
+            vbuf[:, :, prefix] = repeat_heads(v, shape[1])
             kb.append(kbuf)
             vb.append(vbuf)
         rope = Rope(torch.cat([s.rope.cos for s in seqs]), torch.cat([s.rope.sin for s in seqs]))

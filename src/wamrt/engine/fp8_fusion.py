@@ -205,16 +205,23 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def fp8_generator_qkv(layer: MoTLayer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The previous layer's residual add, `layer.generator_pre` -> (q, k, v, g), for a gen-fp8 layer
-    (`fp8_fusion_problem(layer)` is None): the add, the input norm and the q/k/v GEMM's input quantization in
-    `fp8_add_rms_norm_quant`."""
+def fp8_generator_projections(layer: MoTLayer, g: torch.Tensor, update: torch.Tensor | None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The previous layer's residual add, the input norm and the q/k/v projections -> (q [B, G, H*d], k, v, g) for a
+    gen-fp8 layer (`fp8_fusion_problem(layer)` is None): the add, the norm and the q/k/v GEMM's input quantization
+    in `fp8_add_rms_norm_quant`."""
     norm, attn = layer.input_layernorm_moe_gen, layer.self_attn
     g2, xq, scale = fp8_add_rms_norm_quant(_rows(g), None if update is None else _rows(update), norm.weight, norm.eps)
     qkv = attn.add_qkv_proj.matmul_quantized(xq, scale, g.dtype).view(*g.shape[:-1], -1)
-    q, k, v = attn.generator_heads(*qkv.split(attn.qkv_sizes, dim=-1), rope)
-    return q, k, v, g2.view(g.shape)
+    return (*qkv.split(attn.qkv_sizes, dim=-1), g2.view(g.shape))
+
+
+def fp8_generator_qkv(layer: MoTLayer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`fp8_generator_projections`, then the per-head norms and RoPE: `layer.generator_pre` after the residual add
+    -> (q, k, v, g)."""
+    q, k, v, g2 = fp8_generator_projections(layer, g, update)
+    return (*layer.self_attn.generator_heads(q, k, v, rope), g2)
 
 
 def fp8_generator_post_split(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,163 @@
+"""The Generator's q/k/v epilogue as one Triton kernel: per-head RMSNorm and RoPE of q and k, and the stores of k
+and v into the step K/V buffers (heads repeated for GQA where the buffers hold the query heads).
+
+Compiled by Inductor, `MoTAttention.generator_heads` plus the two buffer stores were four kernels per layer and
+step (H200, Edge E6 trace at dd746d7: 8.8 ms of the 113 ms denoise stage): a reduction kernel each for q and k,
+and since a norm's output feeding a repeated (GQA) store lands in a kernel of its own, two more for the k and v
+stores, k round-tripping through memory. The work is one memory pass -- read the projection once, write q and
+the buffers once -- which is what this kernel does, one program per token row.
+
+Rounding follows the eager model step by step: the norm rounds to the model dtype where `RMSNorm` does (Nemotron:
+once, after the weight; otherwise before and after the weight), each RoPE product and their sum round as bf16
+tensor ops do. Products of two bf16 values are exact in fp32, so the kernel equals eager up to the norm's fp32
+summation order and rsqrt (the GPU test: at most one unit in the last place, almost every element exact).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.layer import MoTAttention
+from ..model.norms import RMSNorm
+from ..model.rope import Rope
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs (CI) have none and never run the kernel
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+HEAD_EPILOGUES = ("inductor", "triton")
+
+
+def generator_heads_into_reference(attn: MoTAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope,
+                                   kbuf: torch.Tensor, vbuf: torch.Tensor, start: int) -> torch.Tensor:
+    """The model's `generator_heads` on the projections q [B, G, H*d], k, v [B, G, K*d], k and v then stored into
+    kbuf / vbuf [B, KB, L, d] at positions [start, start + G) with each K/V head repeated KB / K times
+    -> q [B, H, G, d]."""
+    q, k, v = attn.generator_heads(q, k, v, rope)
+    n = k.shape[2]
+    kbuf[:, :, start : start + n] = repeat_heads(k, kbuf.shape[1])
+    vbuf[:, :, start : start + n] = repeat_heads(v, vbuf.shape[1])
+    return q
+
+
+def repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, K, S, d] K or V with its heads repeated (GQA groups) up to `heads`."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round(x, DTYPE: tl.constexpr):
+        return x.to(DTYPE).to(tl.float32)
+
+    @triton.jit
+    def _norm_rope(x1, x2, w_ptr, cos1, cos2, sin1, sin2, eps, D: tl.constexpr, NEMOTRON: tl.constexpr,
+                   DTYPE: tl.constexpr):
+        """[heads, D/2] halves of fp32 rows -> the halves after the per-head RMSNorm and rotate-half RoPE, fp32
+        holding model-dtype values."""
+        half = tl.arange(0, D // 2)
+        w1 = tl.load(w_ptr + half).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :]
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+        if NEMOTRON:
+            y1, y2 = _round(w1 * (x1 * inv), DTYPE), _round(w2 * (x2 * inv), DTYPE)
+        else:
+            y1, y2 = _round(_round(x1 * inv, DTYPE) * w1, DTYPE), _round(_round(x2 * inv, DTYPE) * w2, DTYPE)
+        # x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+        r1 = _round(_round(y1 * cos1, DTYPE) + _round(-y2 * sin1, DTYPE), DTYPE)
+        r2 = _round(_round(y2 * cos2, DTYPE) + _round(y1 * sin2, DTYPE), DTYPE)
+        return r1, r2
+
+    @triton.jit
+    def _qkv_heads_kernel(q_src, k_src, v_src, q_row_stride, k_row_stride, v_row_stride, rope_cos, rope_sin, rope_row_stride, wq_ptr, wk_ptr,
+                          q_out, k_buf, v_buf, buf_b_stride, buf_h_stride, buf_t_stride, rows_per_seq, start, eps,
+                          H: tl.constexpr, KH: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, NEMOTRON: tl.constexpr):
+        DTYPE = q_out.dtype.element_ty  # the model dtype: where eager rounds, the kernel rounds to it
+        row = tl.program_id(0)
+        b = row // rows_per_seq
+        t = row % rows_per_seq
+        half = tl.arange(0, D // 2)[None, :]
+        cos1 = tl.load(rope_cos + row * rope_row_stride + half).to(tl.float32)
+        cos2 = tl.load(rope_cos + row * rope_row_stride + D // 2 + half).to(tl.float32)
+        sin1 = tl.load(rope_sin + row * rope_row_stride + half).to(tl.float32)
+        sin2 = tl.load(rope_sin + row * rope_row_stride + D // 2 + half).to(tl.float32)
+
+        hq = tl.arange(0, BLOCK_H)[:, None]
+        mq = hq < H
+        src = q_src + row.to(tl.int64) * q_row_stride + hq * D + half
+        x1 = tl.load(src, mask=mq, other=0.0).to(tl.float32)
+        x2 = tl.load(src + D // 2, mask=mq, other=0.0).to(tl.float32)
+        y1, y2 = _norm_rope(x1, x2, wq_ptr, cos1, cos2, sin1, sin2, eps, D, NEMOTRON, DTYPE)
+        dst = q_out + row.to(tl.int64) * (H * D) + hq * D + half
+        tl.store(dst, y1, mask=mq)
+        tl.store(dst + D // 2, y2, mask=mq)
+
+        hk = tl.arange(0, BLOCK_KH)[:, None]
+        mk = hk < KH
+        src = k_src + row.to(tl.int64) * k_row_stride + hk * D + half
+        x1 = tl.load(src, mask=mk, other=0.0).to(tl.float32)
+        x2 = tl.load(src + D // 2, mask=mk, other=0.0).to(tl.float32)
+        y1, y2 = _norm_rope(x1, x2, wk_ptr, cos1, cos2, sin1, sin2, eps, D, NEMOTRON, DTYPE)
+        src = v_src + row.to(tl.int64) * v_row_stride + hk * D + half
+        v1 = tl.load(src, mask=mk, other=0.0)
+        v2 = tl.load(src + D // 2, mask=mk, other=0.0)
+        pos = b.to(tl.int64) * buf_b_stride + (start + t).to(tl.int64) * buf_t_stride + half
+        for j in tl.static_range(REP):  # the K/V head's copies for its query-head group (repeat_interleave)
+            at = pos + (hk * REP + j) * buf_h_stride
+            tl.store(k_buf + at, y1, mask=mk)
+            tl.store(k_buf + at + D // 2, y2, mask=mk)
+            tl.store(v_buf + at, v1, mask=mk)
+            tl.store(v_buf + at + D // 2, v2, mask=mk)
+
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def head_epilogue_problem(attn: MoTAttention, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why `generator_heads_into` cannot serve this attention module here, or None."""
+    if device.type != "cuda":
+        return "the Triton kernel needs a CUDA device"
+    if triton is None:
+        return "Triton is not installed"
+    if dtype not in _DTYPES:
+        return f"the kernel runs bf16 / fp16 models, not {dtype}"
+    d = attn.head_dim
+    if d & (d - 1) or d < 4:
+        return f"head_dim {d} is not a power of two"
+    for name in ("norm_added_q", "norm_added_k"):
+        norm = getattr(attn, name)
+        if type(norm) is not RMSNorm:
+            return f"{name} is a {type(norm).__name__}, not the model's RMSNorm"
+        if norm.weight.dtype != dtype:
+            return f"{name}.weight is {norm.weight.dtype}, the activations {dtype}"
+    if (attn.norm_added_q.eps, attn.norm_added_q.nemotron) != (attn.norm_added_k.eps, attn.norm_added_k.nemotron):
+        return "the q and k norms differ in eps or kind"
+    return None
+
+
+def generator_heads_into(attn: MoTAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope,
+                         kbuf: torch.Tensor, vbuf: torch.Tensor, start: int) -> torch.Tensor:
+    """`generator_heads_into_reference` as one kernel launch (`head_epilogue_problem` is None). q, k, v may be
+    column slices of one fused projection output."""
+    bsz, g_len = q.shape[:2]
+    heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q, k, v = (t if t.stride(-1) == 1 and t.stride(0) == g_len * t.stride(1) else t.contiguous() for t in (q, k, v))
+    if kbuf.stride() != vbuf.stride() or kbuf.stride(-1) != 1 or kbuf.shape[1] % kv_heads:
+        raise ValueError(f"K/V buffers {tuple(kbuf.shape)} need equal strides, a contiguous last dimension and a "
+                         f"multiple of {kv_heads} heads")
+    if kbuf.shape[2] < start + g_len:
+        raise ValueError(f"K/V buffers of {kbuf.shape[2]} positions cannot hold {g_len} from {start} on")
+    cos, sin = (t.expand(bsz, -1, -1).contiguous() for t in rope)  # no copy when already [B, G, d] contiguous
+    out = torch.empty(bsz, g_len, heads * d, device=q.device, dtype=q.dtype)
+    norm_q, norm_k = attn.norm_added_q, attn.norm_added_k
+    _qkv_heads_kernel[(bsz * g_len,)](
+        q, k, v, q.stride(1), k.stride(1), v.stride(1), cos, sin, d, norm_q.weight, norm_k.weight, out, kbuf, vbuf,
+        kbuf.stride(0), kbuf.stride(1), kbuf.stride(2), g_len, start, norm_q.eps,
+        H=heads, KH=kv_heads, REP=kbuf.shape[1] // kv_heads, D=d, BLOCK_H=triton.next_power_of_2(heads),
+        BLOCK_KH=triton.next_power_of_2(kv_heads), NEMOTRON=norm_q.nemotron, num_warps=8 if heads * d >= 4096 else 4,
+    )
+    return out.view(bsz, g_len, heads, d).transpose(1, 2)

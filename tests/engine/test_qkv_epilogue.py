@@ -1,0 +1,188 @@
+"""The Generator's q/k/v epilogue in one kernel (`engine/qkv_epilogue.py`): the engine's wiring on the CPU (reference
+paths, config errors) and, on CUDA, the Triton kernel against the model's eager `generator_heads` plus the buffer
+stores at Edge and Nano shapes, in a CUDA graph, and timed against Inductor's kernels for the same work."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from wamrt.engine.engine import _generator_projections, _generator_qkv, _pre_heads, _pre_into
+from wamrt.engine.qkv_epilogue import generator_heads_into, generator_heads_into_reference, head_epilogue_problem
+from wamrt.model import Cosmos3Transformer, Rope
+from wamrt.model.config import CONFIGS
+
+# The kernel rounds where eager rounds; what may differ is the norm's fp32 sum order and rsqrt: one unit in the last
+# place of an element, on few elements.
+MAX_ULPS = 1
+INEXACT_FRACTION = 1e-3
+
+
+def _layer(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    cfg = replace(CONFIGS[name], num_hidden_layers=1, vocab_size=512)
+    torch.manual_seed(0)
+    model = Cosmos3Transformer(cfg).to(device, dtype)
+    with torch.no_grad():
+        for p in model.layers.parameters():  # random weights, non-trivial norm gains
+            p.normal_(0, p.shape[-1] ** -0.5) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    return model.layers[0], cfg
+
+
+def _rope(bsz: int, g_len: int, d: int, device: str, dtype: torch.dtype, seed: int = 3) -> Rope:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ang = 40 * torch.rand(bsz, g_len, d // 2, device=device, generator=gen)
+    emb = torch.cat([ang, ang], dim=-1)
+    return Rope(emb.cos().to(dtype), emb.sin().to(dtype))
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen", "tiny-edge"])
+@pytest.mark.parametrize("grouped", [False, True])
+@torch.no_grad()
+def test_projections_then_reference_heads_equal_the_layers_pre_on_cpu(name, grouped):
+    """`_pre_heads(_generator_projections)` with the reference epilogue is the inductor path (`_pre_into`) bit for bit:
+    the split of the layer's pre half the engine compiles around the kernel computes the same function."""
+    layer, cfg = _layer(name)
+    bsz, g_len, start = 2, 24, 5
+    heads = cfg.num_key_value_heads if grouped else cfg.num_attention_heads
+    torch.manual_seed(1)
+    g, update = torch.randn(2, bsz, g_len, cfg.hidden_size).unbind(0)
+    rope = _rope(bsz, g_len, cfg.head_dim, "cpu", torch.float32)
+    bufs = [torch.randn(bsz, heads, start + g_len + 3, cfg.head_dim) for _ in range(2)]
+    want_bufs = [b.clone() for b in bufs]
+    q_want, g_want = _pre_into(_generator_qkv)(layer, g, update, rope, *want_bufs, start)
+
+    import wamrt.engine.engine as engine_module
+
+    pre = _pre_heads(_generator_projections)
+    original = engine_module.generator_heads_into
+    engine_module.generator_heads_into = generator_heads_into_reference
+    try:
+        q, g2 = pre(layer, g, update, rope, *bufs, start)
+    finally:
+        engine_module.generator_heads_into = original
+    assert torch.equal(q, q_want) and torch.equal(g2, g_want)
+    assert all(torch.equal(a, b) for a, b in zip(bufs, want_bufs, strict=True))
+    assert not torch.equal(bufs[0][:, :, start:start + g_len], torch.zeros_like(bufs[0][:, :, start:start + g_len]))
+
+
+def test_problem_names_what_the_kernel_cannot_serve():
+    layer, _ = _layer("tiny-qwen")
+    attn = layer.self_attn
+    assert "CUDA" in head_epilogue_problem(attn, torch.device("cpu"), torch.bfloat16)
+    if torch.cuda.is_available():
+        assert "float32" in head_epilogue_problem(attn, torch.device("cuda"), torch.float32)
+
+
+def test_engine_head_epilogue_config(tmp_path, monkeypatch):
+    from wamrt import load_policy
+    from wamrt.engine import Engine, EngineConfig
+
+    monkeypatch.setenv("WAMRT_CACHE", str(tmp_path))
+    pol = load_policy("tiny-droid", device="cpu")
+    base = dict(attention="auto", compile=False, cuda_graph=False)
+    assert Engine.from_policy(pol, EngineConfig(head_epilogue="auto", **base)).head_epilogue == "inductor"
+    assert Engine.from_policy(pol, EngineConfig(**base)).metadata()["engine"]["head_epilogue"] == "inductor"
+    with pytest.raises(ValueError, match="head_epilogue='triton' cannot serve this model here: .*CUDA"):
+        Engine.from_policy(pol, EngineConfig(head_epilogue="triton", **base))
+    with pytest.raises(ValueError, match="head_epilogue must be one of"):
+        Engine.from_policy(pol, EngineConfig(head_epilogue="cuda", **base))
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units in the last place of bf16 (same-sign values; both sides finite)."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return (ia - ib).abs()
+
+
+# Edge (Nemotron norms, 16 / 8 heads) and Nano (32 / 8), CFG batch of 2 at tier 480; buffers at the query heads
+# (repeated K/V) and at the K/V heads, in the two layouts' offsets (prefix first: start = 160; Generator first: 0).
+@pytest.mark.parametrize("name", ["edge", "nano"])
+@pytest.mark.parametrize("grouped,start", [(False, 160), (True, 0)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_triton_heads_match_eager_and_replay(name, grouped, start):
+    layer, cfg = _layer(name, "cuda", torch.bfloat16)
+    attn = layer.self_attn
+    assert head_epilogue_problem(attn, torch.device("cuda"), torch.bfloat16) is None
+    bsz, g_len, d = 2, 3092, cfg.head_dim
+    heads = cfg.num_key_value_heads if grouped else cfg.num_attention_heads
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    proj = torch.randn(bsz, g_len, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d, device="cuda",
+                       dtype=torch.bfloat16, generator=gen) * 3
+    q, k, v = proj.split([cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d], -1)
+    rope = _rope(bsz, g_len, d, "cuda", torch.bfloat16)
+    length = 160 + g_len + 64
+    arena = torch.randn(2, bsz * heads * length * d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    want_bufs = [arena[i].view(bsz, heads, length, d).clone() for i in (0, 1)]
+    bufs = [arena[i].view(bsz, heads, length, d) for i in (0, 1)]  # arena views, as the engine's graphs use
+    q_want = generator_heads_into_reference(attn, q, k, v, rope, *want_bufs, start)
+    q_got = generator_heads_into(attn, q, k, v, rope, *bufs, start)
+    assert q_got.shape == q_want.shape and q_got.stride() == q_want.stride()
+    for what, got, want in (("q", q_got, q_want), ("k", bufs[0], want_bufs[0]), ("v", bufs[1], want_bufs[1])):
+        ulps = _ulps(got, want)
+        inexact = float((ulps > 0).float().mean())
+        print(f"\n{name} grouped={grouped} {what}: max {int(ulps.max())} ulp, inexact {inexact:.1e}")
+        assert int(ulps.max()) <= MAX_ULPS and inexact <= INEXACT_FRACTION, what
+    assert torch.equal(bufs[1], want_bufs[1])  # v is a copy
+
+    # in a CUDA graph, on new inputs: the same bits as a direct launch
+    static = proj.clone()
+    sq, sk, sv = static.split([q.shape[-1], k.shape[-1], v.shape[-1]], -1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        generator_heads_into(attn, sq, sk, sv, rope, *bufs, start)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_graph = generator_heads_into(attn, sq, sk, sv, rope, *bufs, start)
+    static.copy_(torch.randn(static.shape, device="cuda", dtype=torch.bfloat16, generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    replay = [q_graph.clone(), bufs[0].clone(), bufs[1].clone()]
+    again = generator_heads_into(attn, sq, sk, sv, rope, *bufs, start)
+    assert torch.equal(replay[0], again) and torch.equal(replay[1], bufs[0]) and torch.equal(replay[2], bufs[1])
+
+    # timed against Inductor's kernels for the same work (reported; the engine rows are the claim)
+    compiled = torch.compile(generator_heads_into_reference, dynamic=False)
+    timings = {}
+    for label, fn in (("inductor", compiled), ("triton", generator_heads_into)):
+        for _ in range(3):
+            fn(attn, q, k, v, rope, *bufs, start)
+        start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_evt.record()
+        for _ in range(50):
+            fn(attn, q, k, v, rope, *bufs, start)
+        end_evt.record()
+        torch.cuda.synchronize()
+        timings[label] = 1e3 * start_evt.elapsed_time(end_evt) / 50
+    moved = (proj.numel() + q.numel() + 2 * bsz * heads * g_len * d) * 2
+    print(f"{name} grouped={grouped}: inductor {timings['inductor']:.1f} us, triton {timings['triton']:.1f} us "
+          f"({moved / timings['triton'] / 1e6:.2f} TB/s)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_with_triton_heads_replays_its_compiled_self():
+    """The whole engine (tiny random Nano widths are too small to matter; use 2 full Nano layers): graph replay equal
+    to the compiled engine without graphs, and within bf16 noise of the inductor epilogue."""
+    from wamrt.engine import Engine, EngineConfig
+    from wamrt.pipeline.policy import random_policy
+    from wamrt.sample import sample_observation
+
+    pol = random_policy("nano", "cuda", torch.bfloat16, layers=2)
+    obs = sample_observation(0)
+    graph = Engine.from_policy(pol, EngineConfig(head_epilogue="triton"))
+    eager = Engine.from_policy(pol, EngineConfig(head_epilogue="triton", cuda_graph=False))
+    inductor = Engine.from_policy(pol, EngineConfig(cuda_graph=False))
+    assert graph.metadata()["engine"]["head_epilogue"] == "triton"
+    a, b = graph.infer(obs, seed=5).actions, eager.infer(obs, seed=5).actions
+    c = inductor.infer(obs, seed=5).actions
+    assert np.array_equal(a, b)
+    rel = float(np.linalg.norm(a - c) / np.linalg.norm(c))
+    print(f"\ntriton vs inductor head epilogue, 2 Nano layers: rel L2 {rel:.2e}")
+    assert rel < 2e-2
