@@ -66,7 +66,7 @@ from .fp8_fusion import (
 from .fuse import fuse_generator
 from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
 from .prefix_cache import PaddedPrefixes, ReasonerCache, pad_kv
-from .qkv_epilogue import HEAD_EPILOGUES, repeat_heads, generator_heads_into, head_epilogue_problem
+from .qkv_epilogue import HEAD_EPILOGUES, generator_heads_into, head_epilogue_problem, repeat_heads
 from .vae_encode import FirstFrameEncoder
 
 log = logging.getLogger(__name__)

@@ -72,10 +72,11 @@ if triton is not None:
         return r1, r2
 
     @triton.jit
-    def _qkv_heads_kernel(q_src, k_src, v_src, q_row_stride, k_row_stride, v_row_stride, rope_cos, rope_sin, rope_row_stride, wq_ptr, wk_ptr,
-                          q_out, k_buf, v_buf, buf_b_stride, buf_h_stride, buf_t_stride, rows_per_seq, start, eps,
-                          H: tl.constexpr, KH: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
-                          BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, NEMOTRON: tl.constexpr):
+    def _qkv_heads_kernel(q_src, k_src, v_src, q_row_stride, k_row_stride, v_row_stride, rope_cos, rope_sin,
+                          rope_row_stride, wq_ptr, wk_ptr, q_out, k_buf, v_buf, buf_b_stride, buf_h_stride,
+                          buf_t_stride, rows_per_seq, start, eps, H: tl.constexpr, KH: tl.constexpr,
+                          REP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
+                          NEMOTRON: tl.constexpr):
         DTYPE = q_out.dtype.element_ty  # the model dtype: where eager rounds, the kernel rounds to it
         row = tl.program_id(0)
         b = row // rows_per_seq
