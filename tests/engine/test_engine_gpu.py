@@ -54,18 +54,23 @@ def test_engine_vs_reference_fp32_truth_and_graph_bitwise(nano):
     runs["batched"] = Engine.from_policy(nano, EngineConfig(compile=False, cuda_graph=False))
     runs["batched-mask"] = Engine.from_policy(nano, EngineConfig(compile=False, cuda_graph=False,
                                                                  cfg_attention="mask"))
-    runs["compiled"] = Engine.from_policy(nano, EngineConfig(cuda_graph=False))
+    runs["compiled"] = Engine.from_policy(nano, EngineConfig(cuda_graph=False))  # Triton head epilogue ("auto")
     runs["graph"] = Engine.from_policy(nano, EngineConfig())
+    runs["compiled-inductor-heads"] = Engine.from_policy(nano, EngineConfig(cuda_graph=False,
+                                                                            head_epilogue="inductor"))
+    runs["graph-inductor-heads"] = Engine.from_policy(nano, EngineConfig(head_epilogue="inductor"))
+    assert runs["graph"].head_epilogue == "triton"
     if fa4_available():  # both CFG branches in one flash-attn-4 call (keys [Generator | prefix | zeros])
-        runs["graph-fa4-lengths"] = Engine.from_policy(nano, EngineConfig(attention="fa4", cfg_attention="lengths"))
-        # ... with the buffers at the 8 K/V heads, the kernel sharing them across the 32 query heads
-        runs["graph-fa4-gqa"] = Engine.from_policy(nano, EngineConfig(attention="fa4", cfg_attention="lengths",
-                                                                      gqa_buffers=True))
+        runs["graph-fa4-lengths"] = Engine.from_policy(nano, EngineConfig(attention="fa4", cfg_attention="lengths",
+                                                                          gqa_buffers=False))
+        # ... with the buffers at the 8 K/V heads, the kernel sharing them across the 32 query heads (the fa4 default)
+        runs["graph-fa4-gqa"] = Engine.from_policy(nano, EngineConfig(attention="fa4", cfg_attention="lengths"))
     out = {name: e.infer(obs, seed=5).actions for name, e in runs.items()}
     replay = runs["graph"].infer(obs, seed=5).actions
     for name in ("graph-fa4-lengths", "graph-fa4-gqa"):
         if name in runs:
             assert np.array_equal(runs[name].infer(obs, seed=5).actions, out[name]), name
+    assert np.array_equal(out["graph-inductor-heads"], out["compiled-inductor-heads"])
     report = {name: (rel_l2(a, ref.actions), rel_l2(a, truth.actions)) for name, a in out.items()}
     print(f"\nbf16 reference vs fp32: {ref_err:.3e}")
     for name, (vs_ref, vs_truth) in report.items():

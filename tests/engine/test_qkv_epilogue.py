@@ -4,6 +4,7 @@ stores at Edge and Nano shapes, in a CUDA graph, and timed against Inductor's ke
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import numpy as np
@@ -15,10 +16,9 @@ from wamrt.engine.qkv_epilogue import generator_heads_into, generator_heads_into
 from wamrt.model import Cosmos3Transformer, Rope
 from wamrt.model.config import CONFIGS
 
-# The kernel rounds where eager rounds; what may differ is the norm's fp32 sum order and rsqrt: one unit in the last
-# place of an element, on few elements.
-MAX_ULPS = 1
-INEXACT_FRACTION = 1e-3
+# The kernel computes in fp32 and rounds once per element (as Inductor does); eager bf16 rounds after every op. Against
+# the same function in fp32, the kernel may be no less accurate than eager (it is measured more accurate).
+NOT_WORSE_THAN_EAGER = 1.0
 
 
 def _layer(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -91,10 +91,8 @@ def test_engine_head_epilogue_config(tmp_path, monkeypatch):
         Engine.from_policy(pol, EngineConfig(head_epilogue="cuda", **base))
 
 
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Distance in units in the last place of bf16 (same-sign values; both sides finite)."""
-    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
-    return (ia - ib).abs()
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 # Edge (Nemotron norms, 16 / 8 heads) and Nano (32 / 8), CFG batch of 2 at tier 480; buffers at the query heads
@@ -104,7 +102,7 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.no_grad()
-def test_triton_heads_match_eager_and_replay(name, grouped, start):
+def test_triton_heads_match_the_fp32_function_and_replay(name, grouped, start):
     layer, cfg = _layer(name, "cuda", torch.bfloat16)
     attn = layer.self_attn
     assert head_epilogue_problem(attn, torch.device("cuda"), torch.bfloat16) is None
@@ -117,17 +115,27 @@ def test_triton_heads_match_eager_and_replay(name, grouped, start):
     rope = _rope(bsz, g_len, d, "cuda", torch.bfloat16)
     length = 160 + g_len + 64
     arena = torch.randn(2, bsz * heads * length * d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    want_bufs = [arena[i].view(bsz, heads, length, d).clone() for i in (0, 1)]
+    before = [arena[i].view(bsz, heads, length, d).clone() for i in (0, 1)]
+    want_bufs = [b.clone() for b in before]
     bufs = [arena[i].view(bsz, heads, length, d) for i in (0, 1)]  # arena views, as the engine's graphs use
-    q_want = generator_heads_into_reference(attn, q, k, v, rope, *want_bufs, start)
+    q_want = generator_heads_into_reference(attn, q, k, v, rope, *want_bufs, start)  # eager bf16
+    truth_bufs = [b.float() for b in before]
+    attn32 = copy.deepcopy(attn).float()
+    q_truth = generator_heads_into_reference(attn32, q.float(), k.float(), v.float(), Rope(*(t.float() for t in rope)),
+                                             *truth_bufs, start)
     q_got = generator_heads_into(attn, q, k, v, rope, *bufs, start)
     assert q_got.shape == q_want.shape and q_got.stride() == q_want.stride()
-    for what, got, want in (("q", q_got, q_want), ("k", bufs[0], want_bufs[0]), ("v", bufs[1], want_bufs[1])):
-        ulps = _ulps(got, want)
-        inexact = float((ulps > 0).float().mean())
-        print(f"\n{name} grouped={grouped} {what}: max {int(ulps.max())} ulp, inexact {inexact:.1e}")
-        assert int(ulps.max()) <= MAX_ULPS and inexact <= INEXACT_FRACTION, what
+    inside = slice(start, start + g_len)
+    keys = (bufs[0][:, :, inside], want_bufs[0][:, :, inside], truth_bufs[0][:, :, inside])
+    for what, got, want, truth in (("q", q_got, q_want, q_truth), ("k", *keys)):
+        ours, eager = _rel_l2(got, truth), _rel_l2(want, truth)
+        print(f"\n{name} grouped={grouped} {what}: rel L2 vs fp32 {ours:.3e} (eager bf16 {eager:.3e}), "
+              f"vs eager {_rel_l2(got, want):.3e}")
+        assert ours <= NOT_WORSE_THAN_EAGER * eager, what
     assert torch.equal(bufs[1], want_bufs[1])  # v is a copy
+    for i in (0, 1):  # nothing written outside the Generator's positions
+        assert torch.equal(bufs[i][:, :, :start], before[i][:, :, :start])
+        assert torch.equal(bufs[i][:, :, start + g_len:], before[i][:, :, start + g_len:])
 
     # in a CUDA graph, on new inputs: the same bits as a direct launch
     static = proj.clone()
@@ -161,15 +169,16 @@ def test_triton_heads_match_eager_and_replay(name, grouped, start):
         torch.cuda.synchronize()
         timings[label] = 1e3 * start_evt.elapsed_time(end_evt) / 50
     moved = (proj.numel() + q.numel() + 2 * bsz * heads * g_len * d) * 2
+    q_inductor = compiled(attn, q, k, v, rope, *[b.clone() for b in before], start)
     print(f"{name} grouped={grouped}: inductor {timings['inductor']:.1f} us, triton {timings['triton']:.1f} us "
-          f"({moved / timings['triton'] / 1e6:.2f} TB/s)")
+          f"({moved / timings['triton'] / 1e6:.2f} TB/s); q vs Inductor's: rel L2 {_rel_l2(q_got, q_inductor):.2e}")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_engine_with_triton_heads_replays_its_compiled_self():
-    """The whole engine (tiny random Nano widths are too small to matter; use 2 full Nano layers): graph replay equal
-    to the compiled engine without graphs, and within bf16 noise of the inductor epilogue."""
+    """An engine of two full-width Nano layers with the kernel: graph replay equal to the compiled engine without
+    graphs, and within bf16 noise of the inductor epilogue."""
     from wamrt.engine import Engine, EngineConfig
     from wamrt.pipeline.policy import random_policy
     from wamrt.sample import sample_observation

@@ -19,7 +19,7 @@ from ..engine import Engine
 from ..ops.attention import measure_backends
 from ..provenance import environment
 from ..sample import sample_observation
-from .rows import RowSpec, engine_config, measure_row, plot_waterfall, print_row, time_requests
+from .rows import RowSpec, engine_config, measure_row, plot_waterfall, print_row, release, time_requests
 from .stats import median_stages, summarize
 
 ROWS: dict[str, tuple[str, dict]] = {
@@ -55,16 +55,21 @@ ROWS: dict[str, tuple[str, dict]] = {
     "E5-quack-bucket": ("E5-quack with prompts padded to 64-token buckets (one attention call per layer)",
                         dict(epilogues="quack", prompt_bucket=64)),
     # ... and both CFG branches in one flash-attn-4 call per layer: keys laid out [Generator | prefix | zeros], each
-    # branch's key count read by the kernel (no per-branch calls, no output gather). Needs flash-attn-4. Since
-    # cfg_attention "auto" picks this on fa4, E5-quack equals it wherever the probe picks fa4; this row forces fa4.
+    # branch's key count read by the kernel (no per-branch calls, no output gather). Needs flash-attn-4. The rows
+    # below force fa4 and pin the two later defaults off or on, so each compares one change in one run; where the
+    # probe picks fa4, E5-quack equals E5-quack-heads-gqa.
     "E5-quack-lengths": ("E5-quack with both CFG branches in one flash-attn-4 call (per-branch key lengths)",
-                         dict(epilogues="quack", attention="fa4", cfg_attention="lengths")),
+                         dict(epilogues="quack", attention="fa4", cfg_attention="lengths", gqa_buffers=False,
+                              head_epilogue="inductor")),
     # ... and step K/V buffers at the model's K/V heads, flash-attn-4 sharing them across query heads (gqa_buffers).
     "E5-quack-gqa": ("E5-quack-lengths with K/V buffers at the K/V heads (GQA in the attention kernel)",
-                     dict(epilogues="quack", attention="fa4", cfg_attention="lengths", gqa_buffers=True)),
-    # ... and the Generator's per-head norms, RoPE and K/V stores in one Triton kernel (engine/qkv_epilogue.py).
+                     dict(epilogues="quack", attention="fa4", cfg_attention="lengths", gqa_buffers=True,
+                          head_epilogue="inductor")),
+    # ... or the Generator's per-head norms, RoPE and K/V stores in one Triton kernel (engine/qkv_epilogue.py) ...
     "E5-quack-heads": ("E5-quack-lengths with the q/k/v head epilogue in one Triton kernel",
-                       dict(epilogues="quack", attention="fa4", cfg_attention="lengths", head_epilogue="triton")),
+                       dict(epilogues="quack", attention="fa4", cfg_attention="lengths", gqa_buffers=False,
+                            head_epilogue="triton")),
+    # ... or both (the defaults on fa4).
     "E5-quack-heads-gqa": ("E5-quack-heads with K/V buffers at the K/V heads",
                            dict(epilogues="quack", attention="fa4", cfg_attention="lengths", head_epilogue="triton",
                                 gqa_buffers=True)),
@@ -145,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
             (out_dir / name).write_text(json.dumps(result, indent=2) + "\n")
             print_row(result)
             del engine
+            release(dev)
         if rows_out:
             try:
                 plot_waterfall(rows_out, out_dir / f"waterfall-{args.model}-s{steps}.png",

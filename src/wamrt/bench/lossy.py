@@ -23,7 +23,7 @@ from ..pipeline.policy import Policy
 from ..quant import RECIPES, failing, layer_sqnr, quantize_model, unexercised
 from ..quant.sqnr import SQNR_BAR_DB
 from ..sample import sample_observation
-from .rows import RowSpec, engine_config, measure_row, plot_waterfall, print_row
+from .rows import RowSpec, engine_config, measure_row, plot_waterfall, print_row, release
 
 # row -> (label, steps, recipe, CFG on the first step only, engine flags)
 LOSSY_ROWS: dict[str, tuple[str, int, str, bool, dict]] = {
@@ -33,12 +33,22 @@ LOSSY_ROWS: dict[str, tuple[str, int, str, bool, dict]] = {
     # E6 with Inductor's kernels for the fp8 input quantizations (the comparison row for engine/fp8_fusion.py).
     "E6-inductor": ("E6 with Inductor's kernels for the fp8 input quantizations", 4, "gen-fp8", False,
                     {"fp8_quantize": "inductor"}),
-    # E6 / E7 with step K/V buffers at the model's K/V heads (EngineConfig.gqa_buffers; for flash-attn-4).
-    "E6-gqa": ("E6 with K/V buffers at the K/V heads", 4, "gen-fp8", False, {"gqa_buffers": True}),
-    "E7-gqa": ("E7 with K/V buffers at the K/V heads", 2, "gen-fp8", False, {"gqa_buffers": True}),
-    # E6 / E7 with the q/k/v head epilogue in one Triton kernel (EngineConfig.head_epilogue), and with gqa_buffers.
-    "E6-heads": ("E6 with the q/k/v head epilogue in one kernel", 4, "gen-fp8", False, {"head_epilogue": "triton"}),
-    "E7-heads": ("E7 with the q/k/v head epilogue in one kernel", 2, "gen-fp8", False, {"head_epilogue": "triton"}),
+    # E6 / E7 as before the two defaults below (on fa4): K/V buffers with repeated heads, Inductor's head epilogue.
+    "E6-inductor-heads": ("E6 with repeated-head K/V buffers and Inductor's q/k/v head epilogue", 4, "gen-fp8", False,
+                          {"gqa_buffers": False, "head_epilogue": "inductor"}),
+    "E7-inductor-heads": ("E7 with repeated-head K/V buffers and Inductor's q/k/v head epilogue", 2, "gen-fp8", False,
+                          {"gqa_buffers": False, "head_epilogue": "inductor"}),
+    # ... with step K/V buffers at the model's K/V heads (EngineConfig.gqa_buffers; for flash-attn-4) ...
+    "E6-gqa": ("E6 with K/V buffers at the K/V heads", 4, "gen-fp8", False,
+               {"gqa_buffers": True, "head_epilogue": "inductor"}),
+    "E7-gqa": ("E7 with K/V buffers at the K/V heads", 2, "gen-fp8", False,
+               {"gqa_buffers": True, "head_epilogue": "inductor"}),
+    # ... or the q/k/v head epilogue in one Triton kernel (EngineConfig.head_epilogue) ...
+    "E6-heads": ("E6 with the q/k/v head epilogue in one kernel", 4, "gen-fp8", False,
+                 {"gqa_buffers": False, "head_epilogue": "triton"}),
+    "E7-heads": ("E7 with the q/k/v head epilogue in one kernel", 2, "gen-fp8", False,
+                 {"gqa_buffers": False, "head_epilogue": "triton"}),
+    # ... or both (what E6 / E7 run by default where the attention probe picks fa4).
     "E6-heads-gqa": ("E6-heads with K/V buffers at the K/V heads", 4, "gen-fp8", False,
                      {"head_epilogue": "triton", "gqa_buffers": True}),
     "E7-heads-gqa": ("E7-heads with K/V buffers at the K/V heads", 2, "gen-fp8", False,
@@ -159,6 +169,7 @@ def run_lossy_rows(policy: Policy, args: argparse.Namespace, env: dict, command:
                   f"(another seed: {quality['bf16_other_seed_rel_l2']:.4f})", flush=True)
         results.append(result)
         del engine
+        release(dev)
     exact = out_dir / f"{args.model}-s4-E5.json"
     chart = ([json.loads(exact.read_text())] if exact.exists() else []) + results
     try:

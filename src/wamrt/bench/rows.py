@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -94,6 +95,14 @@ def plot_waterfall(rows: list[dict], path: Path, title: str) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def release(device: torch.device) -> None:
+    """After a row's `del engine`: collect it (reference cycles keep its graphs and K/V arena alive otherwise, and
+    each row's peak memory would count every earlier row's engine) and return the cached blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def engine_config(device: torch.device, **flags) -> EngineConfig:
