@@ -187,11 +187,11 @@ def test_engine_with_triton_heads_replays_its_compiled_self():
     obs = sample_observation(0)
     graph = Engine.from_policy(pol, EngineConfig(head_epilogue="triton"))
     eager = Engine.from_policy(pol, EngineConfig(head_epilogue="triton", cuda_graph=False))
-    inductor = Engine.from_policy(pol, EngineConfig(cuda_graph=False))
+    inductor = Engine.from_policy(pol, EngineConfig(cuda_graph=False, head_epilogue="inductor"))
     assert graph.metadata()["engine"]["head_epilogue"] == "triton"
     a, b = graph.infer(obs, seed=5).actions, eager.infer(obs, seed=5).actions
     c = inductor.infer(obs, seed=5).actions
     assert np.array_equal(a, b)
     rel = float(np.linalg.norm(a - c) / np.linalg.norm(c))
     print(f"\ntriton vs inductor head epilogue, 2 Nano layers: rel L2 {rel:.2e}")
-    assert rel < 2e-2
+    assert 0 < rel < 2e-2  # different kernels (0 would mean the same path ran twice)
