@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     parallel_bench.add_arguments(par)
     par.set_defaults(func=parallel_bench.run)
+    chart = bench.add_parser("waterfall", help="one chart from committed latency result files (rows of several runs, "
+                             "each labelled with its commit)")
+    from ..bench import waterfall as waterfall_bench
+
+    waterfall_bench.add_arguments(chart)
+    chart.set_defaults(func=waterfall_bench.run)
     serve = sub.add_parser("serve", help="policy server: openpi websocket, /v1/policy/infer, /v1/videos")
     load = bench.add_parser("load", help="closed-loop websocket lanes against a loopback server")
     generate = sub.add_parser("generate", help="text / image / video -> an MP4 (with sound) or a PNG, one request",
