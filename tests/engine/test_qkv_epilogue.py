@@ -84,7 +84,9 @@ def test_engine_head_epilogue_config(tmp_path, monkeypatch):
     pol = load_policy("tiny-droid", device="cpu")
     base = dict(attention="auto", compile=False, cuda_graph=False)
     assert Engine.from_policy(pol, EngineConfig(head_epilogue="auto", **base)).head_epilogue == "inductor"
-    assert Engine.from_policy(pol, EngineConfig(**base)).metadata()["engine"]["head_epilogue"] == "inductor"
+    meta = Engine.from_policy(pol, EngineConfig(**base)).metadata()["engine"]
+    assert meta["head_epilogue"] == "inductor" and meta["gqa_buffers"] is False  # the defaults off CUDA / fa4
+    assert Engine.from_policy(pol, EngineConfig(gqa_buffers=True, **base)).metadata()["engine"]["gqa_buffers"]
     with pytest.raises(ValueError, match="head_epilogue='triton' cannot serve this model here: .*CUDA"):
         Engine.from_policy(pol, EngineConfig(head_epilogue="triton", **base))
     with pytest.raises(ValueError, match="head_epilogue must be one of"):

@@ -296,6 +296,7 @@ class Engine:
         self.cfg_attention = config.cfg_attention
         if self.cfg_attention == "auto":
             self.cfg_attention = "lengths" if config.attention == "fa4" else "split"
+        self.gqa_buffers = config.gqa_buffers if config.gqa_buffers is not None else config.attention == "fa4"
         self.bucket_attention = config.bucket_attention
         if config.prompt_bucket and config.bucket_attention == "lse" and self.device.type == "cuda":
             backend = config.attention if config.attention != "gqa" else "auto"
@@ -347,6 +348,7 @@ class Engine:
         engine["bucket_attention"] = self.bucket_attention  # the effective ones
         engine["cfg_attention"] = self.cfg_attention
         engine["head_epilogue"] = self.head_epilogue
+        engine["gqa_buffers"] = self.gqa_buffers
         engine["graphs"] = [k.describe() for k in self.graphs]  # the captured buckets, least recently used first
         return {**droid_metadata(self.name, self.contract, self.options), "quantization": self.quantization,
                 "gpu": device_name(self.device), "engine": engine}
@@ -607,8 +609,7 @@ class Engine:
         """Heads of a batch's step K/V buffers: the model's K/V heads with `gqa_buffers` (default: on fa4) in the
         Generator-first layout (the kernel shares them across query heads), else the query heads."""
         cfg = self.model.config
-        gqa = self.config.gqa_buffers if self.config.gqa_buffers is not None else self.config.attention == "fa4"
-        grouped = (gqa and self.cfg_attention == "lengths"
+        grouped = (self.gqa_buffers and self.cfg_attention == "lengths"
                    and all(s.kv.key_mask is None for s in seqs))
         return cfg.num_key_value_heads if grouped else cfg.num_attention_heads
 
