@@ -33,27 +33,20 @@ LOSSY_ROWS: dict[str, tuple[str, int, str, bool, dict]] = {
     # E6 with Inductor's kernels for the fp8 input quantizations (the comparison row for engine/fp8_fusion.py).
     "E6-inductor": ("E6 with Inductor's kernels for the fp8 input quantizations", 4, "gen-fp8", False,
                     {"fp8_quantize": "inductor"}),
-    # E6 / E7 as before the two defaults below (on fa4): K/V buffers with repeated heads, Inductor's head epilogue.
-    "E6-inductor-heads": ("E6 with repeated-head K/V buffers and Inductor's q/k/v head epilogue", 4, "gen-fp8", False,
-                          {"gqa_buffers": False, "head_epilogue": "inductor"}),
-    "E7-inductor-heads": ("E7 with repeated-head K/V buffers and Inductor's q/k/v head epilogue", 2, "gen-fp8", False,
-                          {"gqa_buffers": False, "head_epilogue": "inductor"}),
-    # ... with step K/V buffers at the model's K/V heads (EngineConfig.gqa_buffers; for flash-attn-4) ...
-    "E6-gqa": ("E6 with K/V buffers at the K/V heads", 4, "gen-fp8", False,
-               {"gqa_buffers": True, "head_epilogue": "inductor"}),
-    "E7-gqa": ("E7 with K/V buffers at the K/V heads", 2, "gen-fp8", False,
-               {"gqa_buffers": True, "head_epilogue": "inductor"}),
-    # ... or the q/k/v head epilogue in one Triton kernel (EngineConfig.head_epilogue) ...
-    "E6-heads": ("E6 with the q/k/v head epilogue in one kernel", 4, "gen-fp8", False,
-                 {"gqa_buffers": False, "head_epilogue": "triton"}),
-    "E7-heads": ("E7 with the q/k/v head epilogue in one kernel", 2, "gen-fp8", False,
-                 {"gqa_buffers": False, "head_epilogue": "triton"}),
-    # ... or both (what E6 / E7 run by default where the attention probe picks fa4).
-    "E6-heads-gqa": ("E6-heads with K/V buffers at the K/V heads", 4, "gen-fp8", False,
-                     {"head_epilogue": "triton", "gqa_buffers": True}),
-    "E7-heads-gqa": ("E7-heads with K/V buffers at the K/V heads", 2, "gen-fp8", False,
-                     {"head_epilogue": "triton", "gqa_buffers": True}),
 }
+# E6 / E7 with this two fa4 defaults pinned off or on, each compared in one run: step K/V buffers at the model's
+# K/V heads (EngineConfig.gqa_buffers) and the q/k/v head epilogue in one Triton kernel (EngineConfig.head_epilogue).
+# "-inductor-heads" is E6 / E7 before both; "-heads-gqa" is what E6 / E7 run by default where the probe picks fa4.
+_PINNED = (
+    ("inductor-heads", "repeated-head K/V buffers and Inductor's q/k/v head epilogue",
+     {"gqa_buffers": False, "head_epilogue": "inductor"}),
+    ("gqa", "K/V buffers at the K/V heads", {"gqa_buffers": True, "head_epilogue": "inductor"}),
+    ("heads", "the q/k/v head epilogue in one kernel", {"gqa_buffers": False, "head_epilogue": "triton"}),
+    ("heads-gqa", "K/V buffers at the K/V heads and the q/k/v head epilogue in one kernel",
+     {"gqa_buffers": True, "head_epilogue": "triton"}),
+)
+LOSSY_ROWS.update({f"{row}-{suffix}": (f"{row} with {what}", steps, "gen-fp8", False, flags)
+                   for suffix, what, flags in _PINNED for row, steps in (("E6", 4), ("E7", 2))})
 QUALITY_REQUESTS = 4  # observations (and seeds) every lossy configuration is compared on
 
 

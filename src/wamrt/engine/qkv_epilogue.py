@@ -53,6 +53,12 @@ if triton is not None:
         return x.to(DTYPE).to(tl.float32)
 
     @triton.jit
+    def _load_halves(ptrs, mask, D: tl.constexpr):
+        """The first and second halves of each head's row at `ptrs` (pointers to the first halves), as fp32."""
+        return (tl.load(ptrs, mask=mask, other=0.0).to(tl.float32),
+                tl.load(ptrs + D // 2, mask=mask, other=0.0).to(tl.float32))
+
+    @triton.jit
     def _norm_rope(x1, x2, w_ptr, cos1, cos2, sin1, sin2, eps, D: tl.constexpr, NEMOTRON: tl.constexpr,
                    DTYPE: tl.constexpr):
         """[heads, D/2] halves of fp32 rows -> the halves after the per-head RMSNorm and rotate-half RoPE (fp32)."""
@@ -85,9 +91,7 @@ if triton is not None:
 
         hq = tl.arange(0, BLOCK_H)[:, None]
         mq = hq < H
-        src = q_src + row.to(tl.int64) * q_row_stride + hq * D + half
-        x1 = tl.load(src, mask=mq, other=0.0).to(tl.float32)
-        x2 = tl.load(src + D // 2, mask=mq, other=0.0).to(tl.float32)
+        x1, x2 = _load_halves(q_src + row.to(tl.int64) * q_row_stride + hq * D + half, mq, D)
         y1, y2 = _norm_rope(x1, x2, wq_ptr, cos1, cos2, sin1, sin2, eps, D, NEMOTRON, DTYPE)
         dst = q_out + row.to(tl.int64) * (H * D) + hq * D + half
         tl.store(dst, y1, mask=mq)
@@ -95,9 +99,7 @@ if triton is not None:
 
         hk = tl.arange(0, BLOCK_KH)[:, None]
         mk = hk < KH
-        src = k_src + row.to(tl.int64) * k_row_stride + hk * D + half
-        x1 = tl.load(src, mask=mk, other=0.0).to(tl.float32)
-        x2 = tl.load(src + D // 2, mask=mk, other=0.0).to(tl.float32)
+        x1, x2 = _load_halves(k_src + row.to(tl.int64) * k_row_stride + hk * D + half, mk, D)
         y1, y2 = _norm_rope(x1, x2, wk_ptr, cos1, cos2, sin1, sin2, eps, D, NEMOTRON, DTYPE)
         src = v_src + row.to(tl.int64) * v_row_stride + hk * D + half
         v1 = tl.load(src, mask=mk, other=0.0)
