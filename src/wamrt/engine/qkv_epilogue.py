@@ -79,7 +79,7 @@ if triton is not None:
                           buf_t_stride, rows_per_seq, start, eps, H: tl.constexpr, KH: tl.constexpr,
                           REP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
                           NEMOTRON: tl.constexpr):
-        DTYPE = q_out.dtype.element_ty  # the model dtype: where eager rounds, the kernel rounds to it
+        DTYPE = q_out.dtype.element_ty  # the model dtype, for the norm's explicit cast
         row = tl.program_id(0)
         b = row // rows_per_seq
         t = row % rows_per_seq
