@@ -5,12 +5,12 @@ at Edge and Nano shapes, in a CUDA graph, and a whole compiled layer)."""
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from random_layers import one_layer_model
 
 from wamrt.engine.fp8_fusion import (
     fp8_act_quant,
@@ -21,8 +21,6 @@ from wamrt.engine.fp8_fusion import (
     fp8_generator_post_split,
     fp8_generator_qkv,
 )
-from wamrt.model import Cosmos3Transformer
-from wamrt.model.config import CONFIGS
 from wamrt.quant import quantize_model
 from wamrt.quant.fp8 import quantize_rowwise_fp8
 
@@ -40,12 +38,7 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 def _quantized_layer(gated: bool, device: str = "cpu", full_size: bool = False, dtype: torch.dtype = torch.float32):
     """(bf16/fp32 layer, its gen-fp8 copy, config): one layer of tiny-qwen / tiny-edge, or of Nano / Edge."""
     name = ("nano" if gated else "edge") if full_size else ("tiny-qwen" if gated else "tiny-edge")
-    cfg = replace(CONFIGS[name], num_hidden_layers=1, vocab_size=512)
-    torch.manual_seed(0)
-    model = Cosmos3Transformer(cfg).to(device, dtype)
-    with torch.no_grad():
-        for p in model.layers.parameters():  # random weights, non-trivial norm gains
-            p.normal_(0, p.shape[-1] ** -0.5) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    model, cfg = one_layer_model(name, device, dtype)
     plain = copy.deepcopy(model)
     quantize_model(model, "gen-fp8")
     return plain.layers[0], model.layers[0], cfg

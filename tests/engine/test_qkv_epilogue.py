@@ -5,16 +5,15 @@ stores at Edge and Nano shapes, in a CUDA graph, and timed against Inductor's ke
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
+from random_layers import one_layer_model
 
 from wamrt.engine.engine import _generator_projections, _generator_qkv, _pre_heads, _pre_into
 from wamrt.engine.qkv_epilogue import generator_heads_into, generator_heads_into_reference, head_epilogue_problem
-from wamrt.model import Cosmos3Transformer, Rope
-from wamrt.model.config import CONFIGS
+from wamrt.model import Rope
 
 # The kernel computes in fp32 and rounds once per element (as Inductor does); eager bf16 rounds after every op. Against
 # the same function in fp32, the kernel may be no less accurate than eager (it is measured more accurate).
@@ -22,12 +21,7 @@ NOT_WORSE_THAN_EAGER = 1.0
 
 
 def _layer(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    cfg = replace(CONFIGS[name], num_hidden_layers=1, vocab_size=512)
-    torch.manual_seed(0)
-    model = Cosmos3Transformer(cfg).to(device, dtype)
-    with torch.no_grad():
-        for p in model.layers.parameters():  # random weights, non-trivial norm gains
-            p.normal_(0, p.shape[-1] ** -0.5) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    model, cfg = one_layer_model(name, device, dtype)
     return model.layers[0], cfg
 
 
