@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (its own python3 with torch; diffusers carried as a wheel in .whl/).
 # Usage: WAMRT_GIT_SHA=<sha> bash scripts/gpu_run.sh PART[:SECONDS]...
-#   parts: smoke edge nano tests kernel-tests load quant-edge quant-nano (lossy rows LOSSY_ROWS, default E6,E7,E8, + quality, the
+#   parts: smoke edge nano tests load quant-edge quant-nano (lossy rows LOSSY_ROWS, default E6,E7,E8, + quality, the
 #          quantization GPU tests and the fused fp8 activation kernel's)
+#          kernel-tests (the Triton kernels' GPU tests: q/k/v head epilogue, fp8 fusion)
 #          world (issue 15: WorldEngine t2i / i2v vs diffusers; MODES, RUNS, PEER_RUNS, WORLD_MODEL, WORLD_ARGS)
 #          world-tests (the WorldEngine GPU test), fa4-tests (flash-attn-4 against SDPA, in a graph)
 #          peer-edge peer-nano (issue 14: ROWS at 4 and 2 steps with the diffusers peer in the same process)

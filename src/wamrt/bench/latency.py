@@ -19,8 +19,9 @@ from ..engine import Engine
 from ..ops.attention import measure_backends
 from ..provenance import environment
 from ..sample import sample_observation
-from .rows import RowSpec, engine_config, measure_row, plot_waterfall, print_row, release, time_requests
+from .rows import RowSpec, engine_config, measure_row, print_row, release, time_requests
 from .stats import median_stages, summarize
+from .waterfall import plot as plot_waterfall
 
 ROWS: dict[str, tuple[str, dict]] = {
     "E0": ("eager reference: diffusers call pattern (Reasoner in every forward, SDPA enable_gqa, 33-frame VAE)",

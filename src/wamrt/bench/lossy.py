@@ -23,7 +23,8 @@ from ..pipeline.policy import Policy
 from ..quant import RECIPES, failing, layer_sqnr, quantize_model, unexercised
 from ..quant.sqnr import SQNR_BAR_DB
 from ..sample import sample_observation
-from .rows import RowSpec, engine_config, measure_row, plot_waterfall, print_row, release
+from .rows import RowSpec, engine_config, measure_row, print_row, release
+from .waterfall import plot as plot_waterfall
 
 # row -> (label, steps, recipe, CFG on the first step only, engine flags)
 LOSSY_ROWS: dict[str, tuple[str, int, str, bool, dict]] = {

@@ -1,5 +1,6 @@
 """One timed waterfall row on a built engine, shared by the exact rows (`latency`) and the lossy ones
-(`lossy`): its engine config, timing, result record (performance.md's schema), console line and the PNG.
+(`lossy`): its engine config, timing, result record (performance.md's schema) and console line (the PNG:
+`waterfall.plot`).
 """
 
 from __future__ import annotations
@@ -66,35 +67,6 @@ def top_kernels(prof, n: int = 30) -> list[dict]:
         if t and evt.device_type.name == "CUDA":
             rows.append({"kernel": evt.key[:120], "ms": t / 1e3, "calls": evt.count})
     return sorted(rows, key=lambda r: -r["ms"])[:n]
-
-
-def plot_waterfall(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    names = [r["row"] for r in rows] + (["diffusers"] if rows and rows[0].get("peer") else [])
-    vals = [r["p50_ms"] for r in rows] + ([rows[0]["peer"]["p50_ms"]] if rows and rows[0].get("peer") else [])
-    errs = [[r["p50_ms"] - r["ci95_p50_ms"][0] for r in rows], [r["ci95_p50_ms"][1] - r["p50_ms"] for r in rows]]
-    if len(vals) > len(rows):
-        errs = [e + [0.0] for e in errs]
-    colors = ["#dd8452" if r.get("lossy") else "#4c72b0" for r in rows] + ["#c44e52"] * (len(vals) - len(rows))
-    names[: len(rows)] = [f"{r['row']}\n{r['steps']} st" + ("\nlossy" if r.get("lossy") else "") for r in rows]
-    ax.bar(names, vals, yerr=errs, color=colors, capsize=3)
-    for x, v in enumerate(vals):
-        ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
-    r0 = rows[0]
-    for key, style, label in (("floor_ms", ":", "compute floor"), ("practical_floor_ms", "--", "practical floor"),
-                              ("target_ms", "-", "target")):
-        if r0.get(key):
-            ax.axhline(r0[key], linestyle=style, color="k", linewidth=0.8, label=f"{label} {r0[key]:.0f} ms")
-    ax.set_ylabel("end-to-end p50 latency (ms)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def release(device: torch.device) -> None:

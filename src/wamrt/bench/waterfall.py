@@ -1,8 +1,9 @@
 """`wamrt bench waterfall`: one chart from committed `kind: latency` result files.
 
-`wamrt bench latency` draws the rows of its own run. The README's chart spans several runs (the E0..E5 waterfall of
-one commit, the kernels of later ones), so each bar here is labelled with its row and the commit and date it ran at,
-lossy rows are coloured apart, and the peer, floors and target come from the files themselves. Nothing is measured.
+`wamrt bench latency` draws the rows of its own run with `plot` too. The README's chart spans several runs (the
+E0..E5 waterfall of one commit, the kernels of later ones), so each bar is labelled with its row, steps and the commit
+it ran at, lossy rows are coloured apart, and the peer, floors and target come from the files themselves.
+Nothing is measured.
 """
 
 from __future__ import annotations
