@@ -69,6 +69,39 @@ def top_kernels(prof, n: int = 30) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms"])[:n]
 
 
+def kernel_intervals(prof) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every GPU activity (kernels, memsets, copies) in a torch.profiler run."""
+    out = []
+    for evt in prof.events():
+        if evt.device_type.name == "CUDA" and evt.time_range.end > evt.time_range.start:
+            out.append((float(evt.time_range.start), float(evt.time_range.end), evt.name))
+    return out
+
+
+def gpu_timeline(intervals: list[tuple[float, float, str]], n_gaps: int = 8) -> dict:
+    """Where a profiled request's GPU time went besides kernels: span (first activity's start to the last one's
+    end), busy (the union of the activities), idle = span - busy, and the `n_gaps` longest idle gaps with the
+    activities on either side. Idle time inside the engine's CUDA graph is launch latency between kernels; a long
+    gap between stages is host work the GPU waited on."""
+    if not intervals:
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gap_count": 0, "gaps": []}
+    ordered = sorted(intervals)
+    busy, gaps = 0.0, []
+    cur_start, cur_end, cur_name = ordered[0]
+    for start, end, name in ordered[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            gaps.append((start - cur_end, cur_name, name))
+            cur_start, cur_end, cur_name = start, end, name
+        elif end > cur_end:
+            cur_end, cur_name = end, name
+    busy += cur_end - cur_start
+    span = max(e for _, e, _ in ordered) - ordered[0][0]
+    gaps.sort(key=lambda g: -g[0])
+    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3, "gap_count": len(gaps),
+            "gaps": [{"ms": g / 1e3, "after": a[:80], "before": b[:80]} for g, a, b in gaps[:n_gaps]]}
+
+
 def release(device: torch.device) -> None:
     """After a row's `del engine`: collect it (reference cycles keep its graphs and K/V arena alive otherwise, and
     each row's peak memory would count every earlier row's engine) and return the cached blocks."""
@@ -156,7 +189,10 @@ def measure_row(engine: Engine, spec: RowSpec, args: argparse.Namespace, env: di
         prof.export_chrome_trace(str(trace))
         result["kernel_split_ms"] = kernel_split(prof)
         result["kernel_top_ms"] = top_kernels(prof)
-        print(f"kernel split (ms): {result['kernel_split_ms']} -> {trace}", flush=True)
+        result["gpu_timeline_ms"] = gpu_timeline(kernel_intervals(prof))
+        line = result["gpu_timeline_ms"]
+        print(f"kernel split (ms): {result['kernel_split_ms']}; GPU span {line['span_ms']:.1f}, busy "
+              f"{line['busy_ms']:.1f}, idle {line['idle_ms']:.1f} in {line['gap_count']} gaps -> {trace}", flush=True)
     return result
 
 
