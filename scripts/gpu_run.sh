@@ -41,6 +41,10 @@ for spec in "$@"; do
   res=/tmp/res-$part
   mkdir -p "$res"
   t0=$(date +%s)
+  # SM clock, power and clock-event reasons every 100 ms (summarised after the part: scripts/gpu_clocks.py)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active \
+    --format=csv,noheader,nounits -lms 100 > "$res/gpu-clocks.csv" 2>/dev/null &
+  sampler=$!
   case $part in
     smoke) wamrt bench latency --model edge --layers 2 --steps 2 --quick-warmup 1 --quick-runs 2 --warmup 1 --runs 2 \
              --peer diffusers --peer-warmup 1 --peer-runs 1 --out "$res" 2>&1 | tee "$res/log.txt" ;;
@@ -181,6 +185,8 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_qkv_epilogue.py \
              tests/engine/test_fp8_fusion.py 2>&1 | tee "$res/log.txt" ;;
   esac
+  kill "$sampler" 2>/dev/null
+  python3 scripts/gpu_clocks.py "$res/gpu-clocks.csv" | tee -a "$res/log.txt"
   echo "part $part took $(( $(date +%s) - t0 )) s"
   tar czf "$OUT/$part.tgz" -C "$res" .
 done
