@@ -26,6 +26,7 @@ from .flops import (
     request_flops,
 )
 from .stats import median_stages, summarize
+from .timeline import gpu_timeline, kernel_intervals
 
 
 def time_requests(fn, warmup: int, runs: int) -> tuple[list[float], list[dict]]:
@@ -67,39 +68,6 @@ def top_kernels(prof, n: int = 30) -> list[dict]:
         if t and evt.device_type.name == "CUDA":
             rows.append({"kernel": evt.key[:120], "ms": t / 1e3, "calls": evt.count})
     return sorted(rows, key=lambda r: -r["ms"])[:n]
-
-
-def kernel_intervals(prof) -> list[tuple[float, float, str]]:
-    """(start us, end us, name) of every GPU activity (kernels, memsets, copies) in a torch.profiler run."""
-    out = []
-    for evt in prof.events():
-        if evt.device_type.name == "CUDA" and evt.time_range.end > evt.time_range.start:
-            out.append((float(evt.time_range.start), float(evt.time_range.end), evt.name))
-    return out
-
-
-def gpu_timeline(intervals: list[tuple[float, float, str]], n_gaps: int = 8) -> dict:
-    """Where a profiled request's GPU time went besides kernels: span (first activity's start to the last one's
-    end), busy (the union of the activities), idle = span - busy, and the `n_gaps` longest idle gaps with the
-    activities on either side. Idle time inside the engine's CUDA graph is launch latency between kernels; a long
-    gap between stages is host work the GPU waited on."""
-    if not intervals:
-        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gap_count": 0, "gaps": []}
-    ordered = sorted(intervals)
-    busy, gaps = 0.0, []
-    cur_start, cur_end, cur_name = ordered[0]
-    for start, end, name in ordered[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            gaps.append((start - cur_end, cur_name, name))
-            cur_start, cur_end, cur_name = start, end, name
-        elif end > cur_end:
-            cur_end, cur_name = end, name
-    busy += cur_end - cur_start
-    span = max(e for _, e, _ in ordered) - ordered[0][0]
-    gaps.sort(key=lambda g: -g[0])
-    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3, "gap_count": len(gaps),
-            "gaps": [{"ms": g / 1e3, "after": a[:80], "before": b[:80]} for g, a, b in gaps[:n_gaps]]}
 
 
 def release(device: torch.device) -> None:

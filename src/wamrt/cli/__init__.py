@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     waterfall_bench.add_arguments(chart)
     chart.set_defaults(func=waterfall_bench.run)
+    timeline = bench.add_parser("timeline", help="a saved --trace request's GPU timeline: busy, idle, segments, gaps")
+    from ..bench import timeline as timeline_bench
+
+    timeline_bench.add_arguments(timeline)
+    timeline.set_defaults(func=timeline_bench.run)
     serve = sub.add_parser("serve", help="policy server: openpi websocket, /v1/policy/infer, /v1/videos")
     load = bench.add_parser("load", help="closed-loop websocket lanes against a loopback server")
     generate = sub.add_parser("generate", help="text / image / video -> an MP4 (with sound) or a PNG, one request",
