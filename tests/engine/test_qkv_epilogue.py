@@ -11,7 +11,7 @@ import pytest
 import torch
 from random_layers import one_layer_model
 
-from wamrt.engine.engine import _generator_projections, _generator_qkv, _pre_heads, _pre_into
+from wamrt.engine.layer_halves import generator_projections, generator_qkv, pre_heads, pre_into
 from wamrt.engine.qkv_epilogue import generator_heads_into, generator_heads_into_reference, head_epilogue_problem
 from wamrt.model import Rope
 
@@ -35,8 +35,8 @@ def _rope(bsz: int, g_len: int, d: int, device: str, dtype: torch.dtype, seed: i
 @pytest.mark.parametrize("name", ["tiny-qwen", "tiny-edge"])
 @pytest.mark.parametrize("grouped", [False, True])
 @torch.no_grad()
-def test_projections_then_reference_heads_equal_the_layers_pre_on_cpu(name, grouped):
-    """`_pre_heads(_generator_projections)` with the reference epilogue is the inductor path (`_pre_into`) bit for bit:
+def test_projections_then_reference_heads_equal_the_layers_pre_on_cpu(name, grouped, monkeypatch):
+    """`pre_heads(generator_projections)` with the reference epilogue is the inductor path (`pre_into`) bit for bit:
     the split of the layer's pre half the engine compiles around the kernel computes the same function."""
     layer, cfg = _layer(name)
     bsz, g_len, start = 2, 24, 5
@@ -46,17 +46,12 @@ def test_projections_then_reference_heads_equal_the_layers_pre_on_cpu(name, grou
     rope = _rope(bsz, g_len, cfg.head_dim, "cpu", torch.float32)
     bufs = [torch.randn(bsz, heads, start + g_len + 3, cfg.head_dim) for _ in range(2)]
     want_bufs = [b.clone() for b in bufs]
-    q_want, g_want = _pre_into(_generator_qkv)(layer, g, update, rope, *want_bufs, start)
+    q_want, g_want = pre_into(generator_qkv)(layer, g, update, rope, *want_bufs, start)
 
-    import wamrt.engine.engine as engine_module
+    import wamrt.engine.layer_halves as halves
 
-    pre = _pre_heads(_generator_projections)
-    original = engine_module.generator_heads_into
-    engine_module.generator_heads_into = generator_heads_into_reference
-    try:
-        q, g2 = pre(layer, g, update, rope, *bufs, start)
-    finally:
-        engine_module.generator_heads_into = original
+    monkeypatch.setattr(halves, "generator_heads_into", generator_heads_into_reference)
+    q, g2 = pre_heads(generator_projections)(layer, g, update, rope, *bufs, start)
     assert torch.equal(q, q_want) and torch.equal(g2, g_want)
     assert all(torch.equal(a, b) for a, b in zip(bufs, want_bufs, strict=True))
     assert not torch.equal(bufs[0][:, :, start:start + g_len], torch.zeros_like(bufs[0][:, :, start:start + g_len]))

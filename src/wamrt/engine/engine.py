@@ -15,7 +15,7 @@ import math
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Generator, Iterator, Mapping
+from collections.abc import Collection, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -55,9 +55,9 @@ from ..pipeline.policy import Policy, device_name, validate_options
 from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
 from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
-from .epilogues import EPILOGUES, prepare_epilogues, quack_available, quack_generator_post, unsupported_reason
+from .config import EngineConfig, check_config
+from .epilogues import prepare_epilogues, quack_available, quack_generator_post, unsupported_reason
 from .fp8_fusion import (
-    FP8_QUANTIZE,
     fp8_fusion_problem,
     fp8_generator_post_split,
     fp8_generator_projections,
@@ -65,86 +65,15 @@ from .fp8_fusion import (
 )
 from .fuse import fuse_generator
 from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
+from .layer_halves import generator_projections, generator_qkv, post_split, pre_heads, pre_into
 from .prefix_cache import PaddedPrefixes, ReasonerCache, pad_kv
-from .qkv_epilogue import HEAD_EPILOGUES, generator_heads_into, head_epilogue_problem, repeat_heads
+from .qkv_epilogue import head_epilogue_problem, repeat_heads
 from .vae_encode import FirstFrameEncoder
 
 log = logging.getLogger(__name__)
 
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-VAE_ENCODES = ("first-frame", "diffusers")
-BUCKET_ATTENTION = ("lse", "mask")
-CFG_ATTENTION = ("auto", "split", "mask", "lengths")
 ROPE_CACHE_SIZE = 64  # packing layouts (instruction length x geometry) whose Generator RoPE tables are kept
 HOST_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))  # canvas threads of a batch (the rest: server, GPU)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    # "gqa" = the reference's SDPA(enable_gqa) call; else an SDPA backend, or "fa4" (flash-attn-4, where installed)
-    attention: str = "cudnn"
-    reuse_reasoner: bool = True  # False: the Reasoner runs inside every forward (reference pattern)
-    vae_frames: int = 1  # pixel frames encoded; chunk + 1 = what diffusers encodes
-    # How a single frame is encoded: "first-frame" = 2D convolutions with the one kernel tap that meets data, fused
-    # norms (engine/vae_encode.py; same function as diffusers' up to rounding), "diffusers" = its video encode.
-    vae_encode: str = "first-frame"
-    batch_cfg: bool = True  # both CFG branches (and all requests) in one Generator pass
-    # How batched sequences with different prefix lengths attend: "split" = one unmasked call per
-    # sequence on its valid keys; "mask" = one masked call for the batch; "lengths" = keys laid out
-    # [Generator | prefix | zeros] and, on fa4, one call for the batch with each sequence's key count as data
-    # (flash-attn-4's seqused_k; other backends: per-sequence calls on that layout). "auto": "lengths" on fa4
-    # (H200, 4 steps: Edge 159.2 vs 163.9 ms, Nano 638.9 vs 647.7 ms with quack epilogues), else "split".
-    cfg_attention: str = "auto"
-    # > 0: every Reasoner prefix in a batch is left-padded up to a multiple of this many tokens and the
-    # padding keys are masked by a mask tensor, so one captured graph serves every prompt length in the
-    # bucket (a new instruction length otherwise costs a capture: 7-23 s at Nano). The price is a masked
-    # attention kernel over a few padded keys. 0: exact lengths, unmasked per-sequence attention.
-    prompt_bucket: int = 0
-    compile: bool = True  # fuse + regional torch.compile of the Generator layer halves
-    # torch.compile mode of those halves. "max-autotune-no-cudagraphs" lets Inductor time Triton GEMM
-    # templates against cuBLAS and fuse SiLU*up / ReLU^2 / residual adds into a winning template's
-    # epilogue (the "other kernels" share of the profile); minutes of autotuning at capture. Our own
-    # graph capture replaces Inductor's cudagraphs, hence the -no-cudagraphs modes only.
-    compile_mode: str = "default"
-    # The Generator layer's tail after attention: "inductor" = cuBLAS GEMMs with Inductor's kernels between them;
-    # "quack" = each GEMM in the form that measured faster per call site, on the H200 the MLP activation in the
-    # up-projection's epilogue (engine/epilogues.py; needs quack-kernels, which comes with flash-attn-4, and a
-    # Hopper / Blackwell GPU).
-    epilogues: str = "inductor"
-    # gen-fp8 models: "fused" = each fp8 GEMM's per-token input quantization inside the op before it (the norms, the
-    # MLP activation; Triton kernels, engine/fp8_fusion.py); "inductor" = Inductor's kernels. No effect on bf16 models.
-    fp8_quantize: str = "fused"
-    # In the [Generator | prefix | zeros] layout (cfg_attention "lengths"): the step K/V buffers keep the model's K/V
-    # heads and the attention kernel shares each across its query heads (flash-attn-4 does GQA itself), instead of
-    # buffers with the heads repeated: K/V stores and buffers 2x (Edge) / 4x (Nano) smaller. SDPA backends would
-    # repeat them per call (correct, slower). None (default): on where attention is fa4. H200, one run, quack
-    # epilogues, 4 steps: Edge 154.3 vs 158.1 ms, Nano 625.5 vs 635.5 ms.
-    gqa_buffers: bool | None = None
-    # The Generator's per-head q/k norms, RoPE and K/V buffer stores: "triton" = one kernel per layer
-    # (engine/qkv_epilogue.py), "inductor" = Inductor's kernels (four per layer at Edge), "auto" (default) = "triton"
-    # where it runs (CUDA, Triton installed, bf16 / fp16), else "inductor". H200, one run, quack epilogues and
-    # gqa_buffers, 4 steps: Edge 151.8 vs 154.3 ms, Nano 619.6 vs 625.5 ms; gen-fp8 Edge 116.0 vs 119.6 ms.
-    head_epilogue: str = "auto"
-    cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
-    kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
-    graph_cache_size: int = 16  # captured buckets kept (LRU) ...
-    graph_cache_bytes: int = 0  # ... and the device memory their captures added (0: no byte bound)
-    # With prompt_bucket: the widest prefix the deployment declares. Every batch's prefixes are padded to at
-    # least this many tokens, so warm-up captures the graphs every shorter instruction (and every mix) replays;
-    # a longer prompt widens its batch to its own bucket (a new graph). 0: the batch's own bucket.
-    prompt_width: int = 0
-    # How padded prefix keys are kept out of the Generator attention (prompt buckets): "lse" = one unmasked
-    # call over zero keys, then each output row rescaled by its log-sum-exp (a zero key adds exactly exp(0) = 1
-    # to the softmax denominator and nothing to the numerator); "mask" = a masked kernel (H200, 4 steps: Edge
-    # 227.8 vs 180.1 ms per request, Nano 788.7 vs 679.9 ms).
-    bucket_attention: str = "lse"
-    # Every request runs alone at its own shape: the VAE encode and the denoising loop at batch 1, its own
-    # exact graph (never a larger compatible one). A GPU kernel's result for one row can depend on the batch's
-    # shape and on the row's position in it (cuBLAS / cuDNN choose tiles and splits by shape); alone, a
-    # request's actions are a function of the request only, bit for bit, whatever the batcher grouped it with:
-    # what a paired gate needs (2026-12-01, H200: 16 lanes turned 19 of 200 self-vs-self episodes unpadded and
-    # 26 of 200 with every batch padded to 16 rows). Host work (validation, canvases) stays batched.
-    isolate_requests: bool = False
 
 
 @dataclass
@@ -161,56 +90,6 @@ class _KVBuffers:
     keys: list[torch.Tensor]  # per layer [S, H, start + G, d]
     values: list[torch.Tensor]
     start: int  # where the Generator part begins
-
-
-def _post(layer, g: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return layer.generator_post_split(g, o)
-
-
-def _generator_qkv(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The previous layer's last residual add (`generator_post_split`), then `generator_pre` -> (q, k, v, g).
-    Compiled, the add is part of the input norm's kernel: one pass over g fewer per layer (at Edge a 27 us add
-    kernel per layer and step)."""
-    if update is not None:
-        g = g + update
-    return (*layer.generator_pre(g, rope), g)
-
-
-def _generator_projections(layer, g: torch.Tensor, update: torch.Tensor | None
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_generator_qkv` up to the projections: (q [B, G, H*d], k, v [B, G, K*d], g), before the per-head norms and
-    RoPE (which `qkv_epilogue.generator_heads_into` then applies in one kernel with the K/V buffer stores)."""
-    if update is not None:
-        g = g + update
-    return (*layer.self_attn.generator_projections(layer.input_layernorm_moe_gen(g)), g)
-
-
-def _pre_into(qkv: Callable):
-    """The Generator layer's half before attention: `qkv` (`_generator_qkv` or its gen-fp8 form), writing K/V
-    (heads repeated for GQA) into the step buffers from `start` on -> (q, g). Compiled by Inductor as a whole."""
-
-    def pre_into(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope, kbuf: torch.Tensor,
-                 vbuf: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, g = qkv(layer, g, update, rope)
-        n = k.shape[2]
-        kbuf[:, :, start : start + n] = repeat_heads(k, kbuf.shape[1])
-        vbuf[:, :, start : start + n] = repeat_heads(v, vbuf.shape[1])
-        return q, g
-
-    return pre_into
-
-
-def _pre_heads(projections: Callable):
-    """`_pre_into` with the part after the projections (`projections`: `_generator_projections` or its gen-fp8
-    form, compiled) in the Triton head epilogue (head_epilogue="triton")."""
-
-    def pre_heads(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope, kbuf: torch.Tensor,
-                  vbuf: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, g = projections(layer, g, update)
-        return generator_heads_into(layer.self_attn, q, k, v, rope, kbuf, vbuf, start), g
-
-    return pre_heads
 
 
 class Engine:
@@ -234,33 +113,14 @@ class Engine:
         # Checked before anything touches the shared model (fusing swaps its layers' classes).
         if config.cuda_graph and self.device.type != "cuda":
             raise ValueError("cuda_graph needs a CUDA device")
-        if config.compile_mode not in COMPILE_MODES:
-            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {config.compile_mode!r}")
+        check_config(config)
         if config.attention == "fa4" and not fa4_available(self.device):
             raise ValueError("attention='fa4' needs flash-attn-4 installed and a Hopper or Blackwell GPU")
-        if config.epilogues not in EPILOGUES:
-            raise ValueError(f"epilogues must be one of {EPILOGUES}, got {config.epilogues!r}")
         if config.epilogues == "quack":
             if not quack_available(self.device):
                 raise ValueError("epilogues='quack' needs quack-kernels installed and a Hopper or Blackwell GPU")
             if (problem := unsupported_reason(model)) is not None:
                 raise ValueError(f"epilogues='quack' cannot serve this model: {problem}")
-        if config.fp8_quantize not in FP8_QUANTIZE:
-            raise ValueError(f"fp8_quantize must be one of {FP8_QUANTIZE}, got {config.fp8_quantize!r}")
-        if config.head_epilogue not in ("auto", *HEAD_EPILOGUES):
-            raise ValueError(f"head_epilogue must be one of {('auto', *HEAD_EPILOGUES)}, got {config.head_epilogue!r}")
-        if config.vae_encode not in VAE_ENCODES:
-            raise ValueError(f"vae_encode must be one of {VAE_ENCODES}, got {config.vae_encode!r}")
-        if config.cfg_attention not in CFG_ATTENTION:
-            raise ValueError(f"cfg_attention must be one of {CFG_ATTENTION}, got {config.cfg_attention!r}")
-        if config.bucket_attention not in BUCKET_ATTENTION:
-            raise ValueError(f"bucket_attention must be one of {BUCKET_ATTENTION}, got {config.bucket_attention!r}")
-        if config.prompt_width < 0 or (config.prompt_width and not config.prompt_bucket):
-            raise ValueError(f"prompt_width needs prompt_bucket > 0 and must be >= 0, got {config.prompt_width}")
-        if config.prompt_bucket < 0:
-            raise ValueError(f"prompt_bucket must be >= 0 tokens, got {config.prompt_bucket}")
-        if config.prompt_bucket and not (config.reuse_reasoner and config.batch_cfg):
-            raise ValueError("prompt_bucket needs reuse_reasoner=True and batch_cfg=True (the K/V-buffer loop)")
         self.kv_cache = ReasonerCache(model, config.kv_cache_size)
         self.padded_prefixes = PaddedPrefixes(config.kv_cache_size, self.device)  # prompt buckets
         self.graphs = GraphCache(config.graph_cache_size, config.graph_cache_bytes)
@@ -277,11 +137,11 @@ class Engine:
         self._plans: dict[tuple, Any] = {}
         self._ropes: OrderedDict[tuple, Rope] = OrderedDict()  # Generator RoPE per packing layout (LRU)
         self._backend = BackendAttention(generator=config.attention if config.attention != "gqa" else "auto")
-        post = _post
+        post = post_split
         if config.epilogues == "quack":
             prepare_epilogues(model)
             post = quack_generator_post(self.device, split=True)
-        qkv, projections = _generator_qkv, _generator_projections
+        qkv, projections = generator_qkv, generator_projections
         if config.fp8_quantize == "fused" and fp8_fusion_problem(model.layers[0]) is None:  # (quack refuses fp8)
             qkv, projections, post = fp8_generator_qkv, fp8_generator_projections, fp8_generator_post_split
         # what runs: "auto" resolved here (as cfg_attention below)
@@ -291,7 +151,7 @@ class Engine:
             self.head_epilogue = "inductor" if head_problem else "triton"
         elif self.head_epilogue == "triton" and head_problem:
             raise ValueError(f"head_epilogue='triton' cannot serve this model here: {head_problem}")
-        self._pre, self._post, self._rescale = _pre_into(qkv), post, rescale_zero_keys
+        self._pre, self._post, self._rescale = pre_into(qkv), post, rescale_zero_keys
         # what runs: "auto" resolved here, bucket_attention may fall back to "mask" (below)
         self.cfg_attention = config.cfg_attention
         if self.cfg_attention == "auto":
@@ -310,18 +170,18 @@ class Engine:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             torch._dynamo.config.inline_inbuilt_nn_modules = True  # parameters as inputs: one graph, all layers
             # Regional compilation: one compiled graph for the repeated layer code (parameters are
-            # graph inputs), re-used by every layer. generator_pre runs inside the compiled _pre_into.
+            # graph inputs), re-used by every layer. generator_pre runs inside the compiled pre_into.
             # Compiled wrappers live on the engine, not on the model's layers: engines (and the eager
             # reference Policy) share one model, and a compile=False engine must run uncompiled code.
             mode = None if config.compile_mode == "default" else config.compile_mode
             if self.head_epilogue == "triton":  # the kernel launches outside the compiled region
-                self._pre = _pre_heads(torch.compile(projections, dynamic=False, mode=mode))
+                self._pre = pre_heads(torch.compile(projections, dynamic=False, mode=mode))
             else:
                 self._pre = torch.compile(self._pre, dynamic=False, mode=mode)
             self._post = torch.compile(post, dynamic=False, mode=mode)
             self._rescale = torch.compile(rescale_zero_keys, dynamic=False, mode=mode)  # one fused kernel
         elif self.head_epilogue == "triton":
-            self._pre = _pre_heads(projections)
+            self._pre = pre_heads(projections)
 
     @classmethod
     def from_policy(cls, policy: Policy, config: EngineConfig = EngineConfig()) -> Engine:

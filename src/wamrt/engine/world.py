@@ -34,7 +34,8 @@ from ..pipeline.tokens import CaptionTokenizer, as_caption_tokenizer
 from ..pipeline.vae import FrameEncoder
 from ..pipeline.world import WorldResult, run_world
 from ..sampler import Anchor, DistilledPlan, cfg_combine, guidance_active, make_anchor
-from .engine import Engine, EngineConfig, _clone_seq, _Seq, run_to_end
+from .config import EngineConfig
+from .engine import Engine, _clone_seq, _Seq, run_to_end
 from .graph_cache import CapturedGraph, CaptureTimer, GraphKey
 from .vae_decode import implicit_pad_decoder
 

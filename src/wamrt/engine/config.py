@@ -1,0 +1,99 @@
+"""`EngineConfig`: the engine's switches, one per technique (the latency waterfall turns them on one by one), and
+the checks of their values that need no device (`check_config`; `Engine` checks what depends on the GPU and the
+model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .epilogues import EPILOGUES
+from .fp8_fusion import FP8_QUANTIZE
+from .qkv_epilogue import HEAD_EPILOGUES
+
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+VAE_ENCODES = ("first-frame", "diffusers")
+BUCKET_ATTENTION = ("lse", "mask")
+CFG_ATTENTION = ("auto", "split", "mask", "lengths")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # "gqa" = the reference's SDPA(enable_gqa) call; else an SDPA backend, or "fa4" (flash-attn-4, where installed)
+    attention: str = "cudnn"
+    reuse_reasoner: bool = True  # False: the Reasoner runs inside every forward (reference pattern)
+    vae_frames: int = 1  # pixel frames encoded; chunk + 1 = what diffusers encodes
+    # How a single frame is encoded: "first-frame" = 2D convolutions with the one kernel tap that meets data, fused
+    # norms (engine/vae_encode.py; same function as diffusers' up to rounding), "diffusers" = its video encode.
+    vae_encode: str = "first-frame"
+    batch_cfg: bool = True  # both CFG branches (and all requests) in one Generator pass
+    # How batched sequences with different prefix lengths attend: "split" = one unmasked call per
+    # sequence on its valid keys; "mask" = one masked call for the batch; "lengths" = keys laid out
+    # [Generator | prefix | zeros] and, on fa4, one call for the batch with each sequence's key count as data
+    # (flash-attn-4's seqused_k; other backends: per-sequence calls on that layout). "auto": "lengths" on fa4
+    # (H200, 4 steps: Edge 159.2 vs 163.9 ms, Nano 638.9 vs 647.7 ms with quack epilogues), else "split".
+    cfg_attention: str = "auto"
+    # > 0: every Reasoner prefix in a batch is left-padded up to a multiple of this many tokens and the
+    # padding keys are masked by a mask tensor, so one captured graph serves every prompt length in the
+    # bucket (a new instruction length otherwise costs a capture: 7-23 s at Nano). The price is a masked
+    # attention kernel over a few padded keys. 0: exact lengths, unmasked per-sequence attention.
+    prompt_bucket: int = 0
+    compile: bool = True  # fuse + regional torch.compile of the Generator layer halves
+    # torch.compile mode of those halves. "max-autotune-no-cudagraphs" lets Inductor time Triton GEMM
+    # templates against cuBLAS and fuse SiLU*up / ReLU^2 / residual adds into a winning template's
+    # epilogue (the "other kernels" share of the profile); minutes of autotuning at capture. Our own
+    # graph capture replaces Inductor's cudagraphs, hence the -no-cudagraphs modes only.
+    compile_mode: str = "default"
+    # The Generator layer's tail after attention: "inductor" = cuBLAS GEMMs with Inductor's kernels between them;
+    # "quack" = each GEMM in the form that measured faster per call site, on the H200 the MLP activation in the
+    # up-projection's epilogue (engine/epilogues.py; needs quack-kernels, which comes with flash-attn-4, and a
+    # Hopper / Blackwell GPU).
+    epilogues: str = "inductor"
+    # gen-fp8 models: "fused" = each fp8 GEMM's per-token input quantization inside the op before it (the norms, the
+    # MLP activation; Triton kernels, engine/fp8_fusion.py); "inductor" = Inductor's kernels. No effect on bf16 models.
+    fp8_quantize: str = "fused"
+    # In the [Generator | prefix | zeros] layout (cfg_attention "lengths"): the step K/V buffers keep the model's K/V
+    # heads and the attention kernel shares each across its query heads (flash-attn-4 does GQA itself), instead of
+    # buffers with the heads repeated: K/V stores and buffers 2x (Edge) / 4x (Nano) smaller. SDPA backends would
+    # repeat them per call (correct, slower). None (default): on where attention is fa4. H200, one run, quack
+    # epilogues, 4 steps: Edge 154.3 vs 158.1 ms, Nano 625.5 vs 635.5 ms.
+    gqa_buffers: bool | None = None
+    # The Generator's per-head q/k norms, RoPE and K/V buffer stores: "triton" = one kernel per layer
+    # (engine/qkv_epilogue.py), "inductor" = Inductor's kernels (four per layer at Edge), "auto" (default) = "triton"
+    # where it runs (CUDA, Triton installed, bf16 / fp16), else "inductor". H200, one run, quack epilogues and
+    # gqa_buffers, 4 steps: Edge 151.8 vs 154.3 ms, Nano 619.6 vs 625.5 ms; gen-fp8 Edge 116.0 vs 119.6 ms.
+    head_epilogue: str = "auto"
+    cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
+    kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
+    graph_cache_size: int = 16  # captured buckets kept (LRU) ...
+    graph_cache_bytes: int = 0  # ... and the device memory their captures added (0: no byte bound)
+    # With prompt_bucket: the widest prefix the deployment declares. Every batch's prefixes are padded to at
+    # least this many tokens, so warm-up captures the graphs every shorter instruction (and every mix) replays;
+    # a longer prompt widens its batch to its own bucket (a new graph). 0: the batch's own bucket.
+    prompt_width: int = 0
+    # How padded prefix keys are kept out of the Generator attention (prompt buckets): "lse" = one unmasked
+    # call over zero keys, then each output row rescaled by its log-sum-exp (a zero key adds exactly exp(0) = 1
+    # to the softmax denominator and nothing to the numerator); "mask" = a masked kernel (H200, 4 steps: Edge
+    # 227.8 vs 180.1 ms per request, Nano 788.7 vs 679.9 ms).
+    bucket_attention: str = "lse"
+    # Every request runs alone at its own shape: the VAE encode and the denoising loop at batch 1, its own
+    # exact graph (never a larger compatible one). A GPU kernel's result for one row can depend on the batch's
+    # shape and on the row's position in it (cuBLAS / cuDNN choose tiles and splits by shape); alone, a
+    # request's actions are a function of the request only, bit for bit, whatever the batcher grouped it with:
+    # what a paired gate needs (2026-12-01, H200: 16 lanes turned 19 of 200 self-vs-self episodes unpadded and
+    # 26 of 200 with every batch padded to 16 rows). Host work (validation, canvases) stays batched.
+    isolate_requests: bool = False
+
+
+def check_config(config: EngineConfig) -> None:
+    """A ValueError naming the field for a value no engine accepts."""
+    for field, allowed in (("compile_mode", COMPILE_MODES), ("epilogues", EPILOGUES), ("fp8_quantize", FP8_QUANTIZE),
+                           ("head_epilogue", ("auto", *HEAD_EPILOGUES)), ("vae_encode", VAE_ENCODES),
+                           ("cfg_attention", CFG_ATTENTION), ("bucket_attention", BUCKET_ATTENTION)):
+        if getattr(config, field) not in allowed:
+            raise ValueError(f"{field} must be one of {allowed}, got {getattr(config, field)!r}")
+    if config.prompt_width < 0 or (config.prompt_width and not config.prompt_bucket):
+        raise ValueError(f"prompt_width needs prompt_bucket > 0 and must be >= 0, got {config.prompt_width}")
+    if config.prompt_bucket < 0:
+        raise ValueError(f"prompt_bucket must be >= 0 tokens, got {config.prompt_bucket}")
+    if config.prompt_bucket and not (config.reuse_reasoner and config.batch_cfg):
+        raise ValueError("prompt_bucket needs reuse_reasoner=True and batch_cfg=True (the K/V-buffer loop)")
