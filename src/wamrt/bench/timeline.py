@@ -38,31 +38,30 @@ def gpu_timeline(intervals: list[Interval], n_gaps: int = 8, split_us: float = 1
     t0 = ordered[0][0]
     gaps: list[tuple[float, str, str]] = []
     segments: list[dict] = []
-    busy = seg_busy = 0.0
-    cur_start, cur_end, cur_name = ordered[0]
-    seg = {"start": cur_start, "first": cur_name, "activities": 1}
+    cur_start, cur_end, cur_name = ordered[0]  # the block of overlapping activities being merged
+    seg = {"start": cur_start, "first": cur_name, "activities": 0, "busy": 0.0}
 
-    def close_segment(end: float) -> None:
-        segments.append({"start_ms": (seg["start"] - t0) / 1e3, "span_ms": (end - seg["start"]) / 1e3,
-                         "busy_ms": seg_busy / 1e3, "idle_ms": (end - seg["start"] - seg_busy) / 1e3,
-                         "activities": seg["activities"], "first": seg["first"][:80]})
+    def close_segment() -> None:
+        span = cur_end - seg["start"]
+        segments.append({"start_ms": (seg["start"] - t0) / 1e3, "span_ms": span / 1e3, "busy_ms": seg["busy"] / 1e3,
+                         "idle_ms": (span - seg["busy"]) / 1e3, "activities": seg["activities"],
+                         "first": seg["first"][:80]})
 
-    for start, end, name in ordered[1:]:
+    for start, end, name in ordered:
         if start > cur_end:
-            busy += cur_end - cur_start
-            seg_busy += cur_end - cur_start
+            seg["busy"] += cur_end - cur_start
             gaps.append((start - cur_end, cur_name, name))
             if start - cur_end >= split_us:
-                close_segment(cur_end)
-                seg, seg_busy = {"start": start, "first": name, "activities": 0}, 0.0
+                close_segment()
+                seg = {"start": start, "first": name, "activities": 0, "busy": 0.0}
             cur_start, cur_end, cur_name = start, end, name
         elif end > cur_end:
             cur_end, cur_name = end, name
         seg["activities"] += 1
-    busy += cur_end - cur_start
-    seg_busy += cur_end - cur_start
-    close_segment(cur_end)
+    seg["busy"] += cur_end - cur_start
+    close_segment()
     span = cur_end - t0
+    busy = sum(s["busy_ms"] for s in segments) * 1e3
     gaps.sort(key=lambda g: -g[0])
     kept = sorted(sorted(segments, key=lambda s: -s["busy_ms"])[:n_segments], key=lambda s: s["start_ms"])
     return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3, "gap_count": len(gaps),

@@ -18,7 +18,7 @@ def post_split(layer, g: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def generator_qkv(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The previous layer's last residual add (`generator_post_split`), then `generator_pre` -> (q, k, v, g).
     Compiled, the add is part of the input norm's kernel: one pass over g fewer per layer (at Edge a 27 us add
     kernel per layer and step)."""
@@ -28,7 +28,7 @@ def generator_qkv(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Rop
 
 
 def generator_projections(layer, g: torch.Tensor, update: torch.Tensor | None
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`generator_qkv` up to the projections: (q [B, G, H*d], k, v [B, G, K*d], g), before the per-head norms and
     RoPE (which `qkv_epilogue.generator_heads_into` then applies in one kernel with the K/V buffer stores)."""
     if update is not None:
@@ -41,7 +41,7 @@ def pre_into(qkv: Callable):
     (heads repeated for GQA) into the step buffers from `start` on -> (q, g). Compiled by Inductor as a whole."""
 
     def run(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope, kbuf: torch.Tensor,
-                 vbuf: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+            vbuf: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, g = qkv(layer, g, update, rope)
         n = k.shape[2]
         kbuf[:, :, start : start + n] = repeat_heads(k, kbuf.shape[1])
@@ -56,7 +56,7 @@ def pre_heads(projections: Callable):
     form, compiled) in the Triton head epilogue (head_epilogue="triton")."""
 
     def run(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope, kbuf: torch.Tensor,
-                  vbuf: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+            vbuf: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, g = projections(layer, g, update)
         return generator_heads_into(layer.self_attn, q, k, v, rope, kbuf, vbuf, start), g
 
