@@ -1,0 +1,146 @@
+"""Issue 14 moonshot: 8-bit attention candidates at the Generator call's shapes, timed as the engine runs them (calls
+captured in a CUDA graph) beside flash-attn-4 bf16: the Triton int8-QK / e4m3-PV kernel (wamrt.ops.quantized_attention)
+in several tile configs and memory layouts, and cuDNN's fp8 SDPA where scripts/cudnn_fp8_probe.py can build it, with
+the SQNR of each against fp32 attention on the bf16 inputs.
+
+    python3 scripts/fp8_attention_probe.py --out DIR [--models edge,nano]
+
+Inputs: q and k rows RMS-normalised per head (the model's QK norm) times a norm weight `w` (1: logits ~ N(0, 1), a
+flat softmax; 2: logits ~ N(0, 16), a peaked one), v Gaussian with a few 10x channels; keys [Generator 3092 |
+prefix 125 or 30 | padding], the engine's batched-CFG rows (flash-attn-4's seqused_k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from wamrt.ops.attention import _graph_ms, fa4_attention, fa4_available  # noqa: E402
+from wamrt.ops.quantized_attention import (  # noqa: E402
+    FP8_MAX,
+    quantize_fp8,
+    quantize_rows_int8,
+    quantized_attention,
+    quantized_attention_reference,
+)
+
+SHAPES = {"edge": (16, 8), "nano": (32, 8)}  # query heads, K/V heads
+G, PREFIX, USED = 3092, 125, (3092 + 125, 3092 + 30)
+CONFIGS = [  # block_m, block_n, num_warps, num_stages
+    (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 4, 2), (64, 128, 4, 3),
+    (128, 64, 8, 4),
+]
+
+
+def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    return 10 * math.log10(ref.square().sum().item() / max((x.float() - ref).square().sum().item(), 1e-30))
+
+
+def inputs(heads: int, kv_heads: int, w: float, device: torch.device, seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    d, length = 128, G + PREFIX
+
+    def normed(*shape):
+        x = torch.randn(*shape, device=device, generator=gen)
+        return (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * w).to(torch.bfloat16)
+
+    q = normed(2, G, heads, d).transpose(1, 2)  # [B, H, G, d] view of [B, G, H, d], as the engine's q
+    k = normed(2, kv_heads, length, d)
+    v = torch.randn(2, kv_heads, length, d, device=device, generator=gen)
+    v[..., :4] *= 10
+    v = v.to(torch.bfloat16)
+    used = torch.tensor(USED, device=device, dtype=torch.int32)
+    for t in (k, v):  # keys past `used` hold finite junk, as the engine's padding may
+        t[1, :, USED[1]:] = 3.0
+    return q, k, v, used
+
+
+def reference(q, k, v, used):
+    """fp32 attention of the bf16 inputs, per sequence over its used keys."""
+    group = q.shape[1] // k.shape[1]
+    outs = []
+    for b in range(q.shape[0]):
+        n = int(used[b])
+        kb = k[b : b + 1, :, :n].float().repeat_interleave(group, dim=1)
+        vb = v[b : b + 1, :, :n].float().repeat_interleave(group, dim=1)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(q[b : b + 1].float(), kb, vb))
+    return torch.cat(outs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--models", default="edge,nano")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    for model in args.models.split(","):
+        heads, kv_heads = SHAPES[model]
+        flop = sum(4 * heads * G * n * 128 for n in USED)
+        for w in (1.0, 2.0):
+            q, k, v, used = inputs(heads, kv_heads, w, device)
+            ref = reference(q, k, v, used)
+            dv = float(v.abs().amax()) / FP8_MAX
+            q8, qs = quantize_rows_int8(q)  # [B, H, G, d] contiguous
+            q8v, qsv = quantize_rows_int8(q.transpose(1, 2))  # the engine's: a view of [B, G, H, d] memory
+            q8v, qsv = q8v.transpose(1, 2), qsv.transpose(1, 2)
+            k8, ks = quantize_rows_int8(k)
+            v8 = quantize_fp8(v, dv)
+            v8t = v8.transpose(-1, -2).contiguous().transpose(-1, -2)  # V^T memory
+            row = {"model": model, "w": w, "tflop_per_call": flop / 1e12}
+            if fa4_available(device):
+                fa4 = fa4_attention(q, k, v, seqused_k=used)
+                row["fa4_bf16"] = {"ms": _graph_ms(lambda: fa4_attention(q, k, v, seqused_k=used), args.iters),
+                                   "sqnr_db": sqnr_db(fa4, ref)}
+            qref = quantized_attention_reference(q8, qs, k8, ks, v8, dv, used)
+            row["quantized_reference_sqnr_db"] = sqnr_db(qref, ref)
+            row["triton_int8_fp8"] = []
+            for bm, bn, warps, stages in CONFIGS:
+                kw = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+                entry = {"config": [bm, bn, warps, stages]}
+                for name, args_ in (("v_t", (q8v, qsv, k8, ks, v8t)), ("v_rows", (q8v, qsv, k8, ks, v8)),
+                                    ("q_contiguous", (q8, qs, k8, ks, v8t))):
+                    try:
+                        got = quantized_attention(*args_, dv, used, **kw)
+                        entry[name] = {"ms": _graph_ms(lambda: quantized_attention(*args_, dv, used, **kw), args.iters),
+                                       "sqnr_db": sqnr_db(got, ref), "vs_reference_db": sqnr_db(got, qref)}
+                    except Exception as e:  # a config the compiler refuses (shared memory, registers)
+                        entry[name] = {"error": repr(e)[:300]}
+                row["triton_int8_fp8"].append(entry)
+                print(model, w, entry, flush=True)
+            try:
+                from cudnn_fp8_probe import cudnn_fp8_rows  # optional, beside this script
+                row["cudnn_fp8"] = cudnn_fp8_rows(q, k, v, used, ref, dv, args.iters, sqnr_db)
+            except ImportError as e:
+                row["cudnn_fp8"] = {"error": repr(e)[:300]}
+            except Exception as e:
+                row["cudnn_fp8"] = {"error": repr(e)[:600]}
+            for key in ("fa4_bf16", "cudnn_fp8", "quantized_reference_sqnr_db"):
+                print(model, w, key, row.get(key), flush=True)
+            rows.append(row)
+    sha = os.environ.get("WAMRT_GIT_SHA") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                              capture_output=True, text=True).stdout.strip()
+    result = {"kind": "attention-probe", "command": " ".join(sys.argv), "git_sha": sha,
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "python": platform.python_version(),
+              "triton": __import__("triton").__version__, "shapes": {"G": G, "prefix": PREFIX, "used": USED},
+              "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "fp8-attention-probe.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Non-causal attention on 8-bit tensor cores for Hopper: QK^T in int8 with one scale per token and head, PV in
+e4m3 (fp8); a Triton kernel, its plain-PyTorch reference and the quantizers that feed it.
+
+Why: in gen-fp8 at 2 steps (Edge E7) bf16 flash-attn-4 was 13.8 of 51.3 ms of the denoise graph (H200, 0bc1011),
+~660 TFLOP/s, about what bf16 attention reaches at 3k tokens; int8 and e4m3 tensor cores have twice the bf16 peak.
+flash-attn-4 4.0.0b36 takes fp8 on SM100 only (its interface asserts it) and FlashInfer's fp8 prefill needs a JIT
+toolchain at serve time, so this is hand-written: one program per (BLOCK_M queries, query head), the key loop in
+the FlashAttention-2 order with fp32 softmax and accumulation.
+
+Why int8 for QK and e4m3 for PV (CPU simulation at the Generator's statistics, scripts/fp8_attention_probe.py on
+the GPU): e4m3 q and k (3 mantissa bits) put the attention output at 22 dB SQNR when the softmax is peaked (QK-norm
+weight 2), under the 25 dB bar; q and k are RMS-normalised per head, so their rows have a small dynamic range and
+int8 with a per-row scale (7 bits at the row's max) gives 34-41 dB for QK alone -- SageAttention's observation.
+P (in [0, 1]) and v keep e4m3: int8 would need a scale over the whole key sequence for v.
+
+Numerics (the reference computes exactly this, up to accumulation order):
+* q [B, H, Sq, d] and k [B, KH, L, d] int8 with fp32 scales [B, H, Sq] / [B, KH, L]: x ~= x_i8 * scale (per row
+  absmax / 127, `quantize_rows_int8`); logits = (q_i8 . k_i8) * q_scale * k_scale / sqrt(d), exact in int32.
+* v e4m3 with one fp32 descale per tensor (v ~= v_fp8 * descale). e4m3 is floating point, so the scale only has to
+  keep |v| under 448 and well above 2^-6: `v_scale_bound` takes it from the v projection's weights.
+* P is scaled by 2^8 before its e4m3 cast, so probabilities down to ~1e-5 stay normal numbers (e4m3's subnormals
+  start at 2^-6); the row sum l uses the same scaled P, so the factor cancels in O = acc / l.
+* keys past `used[b]` are masked (the engine's [Generator | prefix | padding] rows, flash-attn-4's seqused_k).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # the kernel runs on CUDA only; CPU-only installs (CI) may have no Triton
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+P_SCALE_LOG2 = 8  # P * 2^8 in [0, 256] before its e4m3 cast: see the module docstring
+LOG2E = 1.4426950408889634
+_SCALE_FLOOR = 1e-12
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] -> (int8 [..., d], fp32 scale [...]) with x ~= x_i8 * scale, scale = row absmax / 127."""
+    scale = x.float().abs().amax(dim=-1).clamp(min=_SCALE_FLOOR) / INT8_MAX
+    return (x.float() / scale[..., None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def quantize_fp8(x: torch.Tensor, descale: float) -> torch.Tensor:
+    """x / descale in e4m3, saturating at +-448 (a bound that holds never saturates)."""
+    return (x.float() / descale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def v_scale_bound(norm_weight: torch.Tensor, v_weight: torch.Tensor, v_bias: torch.Tensor | None = None,
+                  margin: float = 1.125) -> float:
+    """Descale for v = W_v RMSNorm(x) (+ b) that no input can overflow: |v_j| <= ||RMSNorm(x)|| * ||W_v[j]|| + |b_j|
+    and ||RMSNorm(x)|| <= sqrt(D) * max|w|. `margin` covers an fp8 projection's rounding (e4m3: 2^-4 per operand)."""
+    norm_bound = math.sqrt(v_weight.shape[1]) * float(norm_weight.detach().abs().max())
+    rows = norm_bound * v_weight.detach().float().norm(dim=1)
+    if v_bias is not None:
+        rows = rows + v_bias.detach().float().abs()
+    return max(float(rows.max()) * margin, _SCALE_FLOOR) / FP8_MAX
+
+
+def quantized_attention_reference(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+                                  v: torch.Tensor, v_descale: float, used: torch.Tensor, *,
+                                  scale: float | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The kernel's function in PyTorch (module docstring): q [B, H, Sq, d] int8, k [B, KH, L, d] int8, v [B, KH, L,
+    d] e4m3 (any strides), used [B] -> O [B, H, Sq, d]."""
+    group = q.shape[1] // k.shape[1]
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    dots = q.double() @ k.double().repeat_interleave(group, dim=1).transpose(-1, -2)  # exact, as int32 is
+    logits = dots.float() * (q_scale[..., :, None] * k_scale.repeat_interleave(group, dim=1)[..., None, :] * scale)
+    keys = torch.arange(k.shape[2], device=q.device)
+    logits = logits.masked_fill(keys >= used.to(q.device)[:, None, None, None], float("-inf"))
+    p = torch.exp(logits - logits.amax(dim=-1, keepdim=True)) * 2.0**P_SCALE_LOG2
+    vf = v.float().repeat_interleave(group, dim=1) * v_descale
+    return ((p.to(FP8).float() @ vf) / p.sum(dim=-1, keepdim=True)).to(out_dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _key_tile(q, qs, k_base, ks_base, v_base, start, used, m_i, l_i, acc, sk_s, sks_s, sv_s, sv_d,
+                  D: tl.constexpr, BLOCK_N: tl.constexpr, P_LOG2: tl.constexpr, MASKED: tl.constexpr):
+        """One BLOCK_N tile of keys into the running (max, sum, accumulator); MASKED for the tile that holds
+        `used`, whose keys past it do not count."""
+        cols = start + tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, D)
+        if MASKED:
+            valid = cols < used
+            kt = tl.load(k_base + cols[None, :].to(tl.int64) * sk_s + dims[:, None], mask=valid[None, :], other=0)
+            ks = tl.load(ks_base + cols * sks_s, mask=valid, other=0.0)
+            v = tl.load(v_base + cols[:, None].to(tl.int64) * sv_s + dims[None, :] * sv_d, mask=valid[:, None],
+                        other=0.0)
+        else:
+            kt = tl.load(k_base + cols[None, :].to(tl.int64) * sk_s + dims[:, None])
+            ks = tl.load(ks_base + cols * sks_s)
+            v = tl.load(v_base + cols[:, None].to(tl.int64) * sv_s + dims[None, :] * sv_d)
+        s = tl.dot(q, kt).to(tl.float32) * qs[:, None] * ks[None, :]
+        if MASKED:
+            s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None] + P_LOG2)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _quantized_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, o_ptr, used_ptr, logit_scale, v_descale,
+                                    sq_b, sq_h, sq_s, sqs_b, sqs_h, sqs_s, sk_b, sk_h, sk_s, sks_b, sks_h, sks_s,
+                                    sv_b, sv_h, sv_s, sv_d, so_b, so_h, so_s, seq_q,
+                                    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, P_LOG2: tl.constexpr):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        kh = h // GROUP
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, D)
+        in_q = rows < seq_q
+        q = tl.load(q_ptr + b.to(tl.int64) * sq_b + h * sq_h + rows[:, None].to(tl.int64) * sq_s + dims[None, :],
+                    mask=in_q[:, None], other=0)
+        # log2(e) / sqrt(d) folded into the query scales: the softmax runs on exp2
+        qs = tl.load(qs_ptr + b.to(tl.int64) * sqs_b + h * sqs_h + rows * sqs_s, mask=in_q, other=0.0) * logit_scale
+        used = tl.load(used_ptr + b)
+        k_base = k_ptr + b.to(tl.int64) * sk_b + kh * sk_h
+        ks_base = ks_ptr + b.to(tl.int64) * sks_b + kh * sks_h
+        v_base = v_ptr + b.to(tl.int64) * sv_b + kh * sv_h
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        whole = (used // BLOCK_N) * BLOCK_N
+        for start in range(0, whole, BLOCK_N):
+            m_i, l_i, acc = _key_tile(q, qs, k_base, ks_base, v_base, start, used, m_i, l_i, acc, sk_s, sks_s, sv_s,
+                                      sv_d, D, BLOCK_N, P_LOG2, False)
+        if whole < used:
+            m_i, l_i, acc = _key_tile(q, qs, k_base, ks_base, v_base, whole, used, m_i, l_i, acc, sk_s, sks_s, sv_s,
+                                      sv_d, D, BLOCK_N, P_LOG2, True)
+        out = acc * (v_descale / l_i)[:, None]
+        tl.store(o_ptr + b.to(tl.int64) * so_b + h * so_h + rows[:, None].to(tl.int64) * so_s + dims[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=in_q[:, None])
+
+
+def quantized_attention_problem(device: torch.device, head_dim: int) -> str | None:
+    """Why `quantized_attention` cannot run here, or None."""
+    if device.type != "cuda":
+        return "the quantized attention kernel needs a CUDA device"
+    if triton is None:
+        return "Triton is not installed"
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return "e4m3 tensor cores need compute capability 8.9 or newer"
+    if head_dim not in (64, 128):
+        return f"head_dim {head_dim} is not 64 or 128"
+    return None
+
+
+def quantized_attention(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+                        v: torch.Tensor, v_descale: float, used: torch.Tensor, *, scale: float | None = None,
+                        out: torch.Tensor | None = None, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
+                        num_stages: int = 2) -> torch.Tensor:
+    """q [B, H, Sq, d] int8 and q_scale [B, H, Sq] fp32 (views of [B, Sq, H, ...] memory are fine), k [B, KH, L, d] int8
+    and k_scale [B, KH, L], v [B, KH, L, d] e4m3 in any strides (a V^T memory, [B, KH, d, L], keeps Hopper's fp8
+    MMA operand K-major), used [B] int32 keys per sequence -> O [B, H, Sq, d] bf16 (`out`, or a new tensor in
+    [B, Sq, H, d] memory: the order the output projection reads)."""
+    b, h, sq, d = q.shape
+    if q.dtype != torch.int8 or k.dtype != torch.int8 or v.dtype != FP8:
+        raise TypeError(f"q and k must be int8 and v {FP8}, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if h % k.shape[1] or k.shape[-1] != d or v.shape != k.shape:
+        raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("q and k need a contiguous last dimension")
+    if q_scale.shape != q.shape[:3] or k_scale.shape != k.shape[:3]:
+        raise ValueError(f"scales {tuple(q_scale.shape)}, {tuple(k_scale.shape)} do not match q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)} without their last dimension")
+    if out is None:
+        out = torch.empty(b, sq, h, d, device=q.device, dtype=torch.bfloat16).transpose(1, 2)
+    scale = scale if scale is not None else d**-0.5
+    grid = (triton.cdiv(sq, block_m), b * h)
+    _quantized_attention_kernel[grid](
+        q, q_scale, k, k_scale, v, out, used, scale * LOG2E, v_descale,
+        q.stride(0), q.stride(1), q.stride(2), *q_scale.stride(), k.stride(0), k.stride(1), k.stride(2),
+        *k_scale.stride(),
+        v.stride(0), v.stride(1), v.stride(2), v.stride(3), out.stride(0), out.stride(1), out.stride(2), sq,
+        H=h, GROUP=h // k.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, P_LOG2=P_SCALE_LOG2,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
