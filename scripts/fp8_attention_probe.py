@@ -27,8 +27,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from wamrt.ops.attention import _graph_ms, fa4_attention, fa4_available  # noqa: E402
 from wamrt.ops.quantized_attention import (  # noqa: E402
     FP8_MAX,
+    QuantizedKeyLengthAttention,
     quantize_fp8,
+    quantize_fp8_tensor_cuda,
     quantize_rows_int8,
+    quantize_rows_int8_cuda,
     quantized_attention,
     quantized_attention_reference,
 )
@@ -120,6 +123,18 @@ def main() -> None:
                         entry[name] = {"error": repr(e)[:300]}
                 row["triton_int8_fp8"].append(entry)
                 print(model, w, entry, flush=True)
+            op = QuantizedKeyLengthAttention(USED, device)
+            try:
+                got = op(q, k, v, causal=False)
+                row["op_with_quantizers"] = {"ms": _graph_ms(lambda: op(q, k, v, causal=False), args.iters),
+                                             "sqnr_db": sqnr_db(got, ref)}
+                row["quantizers_ms"] = {
+                    "q_rows_int8": _graph_ms(lambda: quantize_rows_int8_cuda(q), args.iters),
+                    "k_rows_int8": _graph_ms(lambda: quantize_rows_int8_cuda(k), args.iters),
+                    "v_fp8": _graph_ms(lambda: quantize_fp8_tensor_cuda(v), args.iters)}
+            except Exception as e:
+                row["op_with_quantizers"] = {"error": repr(e)[:600]}
+            print(model, w, "op", row["op_with_quantizers"], row.get("quantizers_ms"), flush=True)
             try:
                 from cudnn_fp8_probe import cudnn_fp8_rows  # optional, beside this script
                 row["cudnn_fp8"] = cudnn_fp8_rows(q, k, v, used, ref, dv, args.iters, sqnr_db)

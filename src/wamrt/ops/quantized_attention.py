@@ -26,6 +26,7 @@ Numerics (the reference computes exactly this, up to accumulation order):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -46,7 +47,8 @@ _SCALE_FLOOR = 1e-12
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., d] -> (int8 [..., d], fp32 scale [...]) with x ~= x_i8 * scale, scale = row absmax / 127."""
     scale = x.float().abs().amax(dim=-1).clamp(min=_SCALE_FLOOR) / INT8_MAX
-    return (x.float() / scale[..., None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+    y = x.float() / scale[..., None]
+    return (y.sign() * (y.abs() + 0.5).floor()).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale  # halves away from 0
 
 
 def quantize_fp8(x: torch.Tensor, descale: float) -> torch.Tensor:
@@ -111,7 +113,7 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _quantized_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, o_ptr, used_ptr, logit_scale, v_descale,
+    def _quantized_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, o_ptr, used_ptr, logit_scale, vd_ptr,
                                     sq_b, sq_h, sq_s, sqs_b, sqs_h, sqs_s, sk_b, sk_h, sk_s, sks_b, sks_h, sks_s,
                                     sv_b, sv_h, sv_s, sv_d, so_b, so_h, so_s, seq_q,
                                     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -142,9 +144,33 @@ if triton is not None:
         if whole < used:
             m_i, l_i, acc = _key_tile(q, qs, k_base, ks_base, v_base, whole, used, m_i, l_i, acc, sk_s, sks_s, sv_s,
                                       sv_d, D, BLOCK_N, P_LOG2, True)
-        out = acc * (v_descale / l_i)[:, None]
+        out = acc * (tl.load(vd_ptr) / l_i)[:, None]
         tl.store(o_ptr + b.to(tl.int64) * so_b + h * so_h + rows[:, None].to(tl.int64) * so_s + dims[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=in_q[:, None])
+
+    @triton.jit
+    def _rows_int8_kernel(x_ptr, q_ptr, s_ptr, rows, D: tl.constexpr, BLOCK_R: tl.constexpr):
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        dims = tl.arange(0, D)
+        at = r[:, None].to(tl.int64) * D + dims[None, :]
+        x = tl.load(x_ptr + at, mask=r[:, None] < rows, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 127.0
+        xq = x / scale[:, None]
+        # halves away from zero, as quantize_rows_int8
+        xq = tl.where(xq >= 0, tl.floor(xq + 0.5), tl.ceil(xq - 0.5))
+        tl.store(q_ptr + at, tl.clamp(xq, -127.0, 127.0).to(tl.int8), mask=r[:, None] < rows)
+        tl.store(s_ptr + r, scale, mask=r < rows)
+
+    @triton.jit
+    def _fp8_tensor_kernel(x_ptr, out_ptr, amax_ptr, vd_ptr, n, BLOCK: tl.constexpr):
+        """x / descale in e4m3 with descale = amax / 448 read from the device (no host sync); program 0 also
+        stores the descale for the attention kernel."""
+        descale = tl.maximum(tl.load(amax_ptr).to(tl.float32), 1e-12) / 448.0
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i, mask=i < n, other=0.0).to(tl.float32)
+        tl.store(out_ptr + i, tl.clamp(x / descale, -448.0, 448.0).to(out_ptr.dtype.element_ty), mask=i < n)
+        if tl.program_id(0) == 0:
+            tl.store(vd_ptr, descale)
 
 
 def quantized_attention_problem(device: torch.device, head_dim: int) -> str | None:
@@ -161,13 +187,15 @@ def quantized_attention_problem(device: torch.device, head_dim: int) -> str | No
 
 
 def quantized_attention(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
-                        v: torch.Tensor, v_descale: float, used: torch.Tensor, *, scale: float | None = None,
+                        v: torch.Tensor, v_descale: float | torch.Tensor, used: torch.Tensor, *,
+                        scale: float | None = None,
                         out: torch.Tensor | None = None, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
                         num_stages: int = 2) -> torch.Tensor:
     """q [B, H, Sq, d] int8 and q_scale [B, H, Sq] fp32 (views of [B, Sq, H, ...] memory are fine), k [B, KH, L, d] int8
     and k_scale [B, KH, L], v [B, KH, L, d] e4m3 in any strides (a V^T memory, [B, KH, d, L], keeps Hopper's fp8
-    MMA operand K-major), used [B] int32 keys per sequence -> O [B, H, Sq, d] bf16 (`out`, or a new tensor in
-    [B, Sq, H, d] memory: the order the output projection reads)."""
+    MMA operand K-major), v_descale a float or a one-element fp32 device tensor, used [B] int32 keys per sequence
+    -> O [B, H, Sq, d] bf16 (`out`, or a new tensor in [B, Sq, H, d] memory: the order the output projection
+    reads)."""
     b, h, sq, d = q.shape
     if q.dtype != torch.int8 or k.dtype != torch.int8 or v.dtype != FP8:
         raise TypeError(f"q and k must be int8 and v {FP8}, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -181,6 +209,8 @@ def quantized_attention(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor,
     if out is None:
         out = torch.empty(b, sq, h, d, device=q.device, dtype=torch.bfloat16).transpose(1, 2)
     scale = scale if scale is not None else d**-0.5
+    if not torch.is_tensor(v_descale):
+        v_descale = torch.full((1,), float(v_descale), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(sq, block_m), b * h)
     _quantized_attention_kernel[grid](
         q, q_scale, k, k_scale, v, out, used, scale * LOG2E, v_descale,
@@ -191,3 +221,85 @@ def quantized_attention(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def quantize_rows_int8_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_int8` as one Triton kernel for a tensor whose memory is whole rows of its last dimension
+    (x.is_contiguous(), or a permutation of the leading dimensions of contiguous memory, such as the engine's q
+    [B, H, G, d] view of [B, G, H, d]): outputs in x's memory order and strides."""
+    d = x.shape[-1]
+    perm = sorted(range(x.dim() - 1), key=lambda i: -x.stride(i))  # leading dims in memory order
+    base = x.permute(*perm, x.dim() - 1)
+    if not base.is_contiguous():
+        raise ValueError(f"x (shape {tuple(x.shape)}, strides {x.stride()}) is not whole rows of contiguous memory")
+    q, s = torch.empty_like(base, dtype=torch.int8), torch.empty(base.shape[:-1], device=x.device,
+                                                                 dtype=torch.float32)
+    rows = base.numel() // d
+    _rows_int8_kernel[(triton.cdiv(rows, 16),)](base, q, s, rows, D=d, BLOCK_R=16, num_warps=4)
+    inv = [perm.index(i) for i in range(x.dim() - 1)]
+    return q.permute(*inv, x.dim() - 1), s.permute(*inv)
+
+
+def quantize_fp8_tensor_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (contiguous) -> (e4m3 of x / descale, descale [1] fp32) with descale = max|x| / 448, found and applied
+    on the device (no host sync, so it runs inside graph capture)."""
+    amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1)
+    out, descale = torch.empty_like(x, dtype=FP8), torch.empty(1, device=x.device, dtype=torch.float32)
+    n = x.numel()
+    _fp8_tensor_kernel[(triton.cdiv(n, 4096),)](x, out, amax, descale, n, BLOCK=4096, num_warps=8)
+    return out, descale
+
+
+class QuantizedKeyLengthAttention:
+    """`ops.attention.KeyLengthAttention` (keys [Generator | prefix | padding], sequence b attends to its first
+    lengths[b]) on the int8-QK / e4m3-PV kernel: each call quantizes q and k per row and v per tensor, then one
+    kernel launch serves the batch. Causal (Reasoner) calls stay on `reasoner`.
+
+    Off CUDA it runs `quantized_attention_reference` (CPU tests of the engine path). While `recording` holds a list,
+    each Generator call also computes fp32 attention on the same bf16 inputs and appends its SQNR in dB (the
+    quality record of a lossy row)."""
+
+    recording: list[float] | None = None
+
+    def __init__(self, lengths: Sequence[int], device: torch.device, reasoner: str = "auto") -> None:
+        self.lengths = list(lengths)
+        self.reasoner = reasoner
+        self.used = torch.stack([torch.full((), n, dtype=torch.int32, device=device) for n in self.lengths])
+
+    def __call__(self, q, k, v, *, causal: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        from .attention import sdpa
+
+        if causal:
+            return sdpa(q, k, v, causal=True, backend=self.reasoner)
+        if q.is_cuda:
+            q8, qs = quantize_rows_int8_cuda(q)
+            k8, ks = quantize_rows_int8_cuda(k)
+            v8, vd = quantize_fp8_tensor_cuda(v.contiguous())
+            out = quantized_attention(q8, qs, k8, ks, v8, vd, self.used)
+        else:
+            q8, qs = quantize_rows_int8(q)
+            k8, ks = quantize_rows_int8(k)
+            vd = max(float(v.abs().max()), _SCALE_FLOOR) / FP8_MAX
+            out = quantized_attention_reference(q8, qs, k8, ks, quantize_fp8(v, vd), vd, self.used, out_dtype=q.dtype)
+        if QuantizedKeyLengthAttention.recording is not None:
+            exact = exact_key_length_attention(q, k, v, self.lengths)
+            QuantizedKeyLengthAttention.recording.append(sqnr_db(out, exact))
+        return out
+
+
+def exact_key_length_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int]
+                               ) -> torch.Tensor:
+    """fp32 attention of sequence b over its first lengths[b] keys (K/V heads shared across query-head groups)."""
+    group = q.shape[1] // k.shape[1]
+    outs = []
+    for b, n in enumerate(lengths):
+        kb, vb = (t[b : b + 1, :, :n].float().repeat_interleave(group, dim=1) for t in (k, v))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(q[b : b + 1].float(), kb, vb))
+    return torch.cat(outs)
+
+
+def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """10 log10(|ref|^2 / |x - ref|^2)."""
+    ref = ref.float()
+    err = (x.float() - ref).square().sum().item()
+    return 10 * math.log10(ref.square().sum().item() / max(err, 1e-30))
