@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--models", default="edge,nano")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--triton-configs", type=int, default=len(CONFIGS), help="how many of CONFIGS to time (0: none)")
     args = ap.parse_args()
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -110,7 +111,7 @@ def main() -> None:
             qref = quantized_attention_reference(q8, qs, k8, ks, v8, dv, used)
             row["quantized_reference_sqnr_db"] = sqnr_db(qref, ref)
             row["triton_int8_fp8"] = []
-            for bm, bn, warps, stages in CONFIGS:
+            for bm, bn, warps, stages in CONFIGS[: args.triton_configs]:
                 kw = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
                 entry = {"config": [bm, bn, warps, stages]}
                 for name, args_ in (("v_t", (q8v, qsv, k8, ks, v8t)), ("v_rows", (q8v, qsv, k8, ks, v8)),
