@@ -24,8 +24,9 @@ cd "$(dirname "$0")/.."
 # .whl (everything, 32 MB) or .whl-bench (diffusers, importlib_metadata and the server wheels, 7 MB: what the
 # benches need, small enough to travel beside a flash-attn-4 part within a call's 64 MiB). Carry one of the two.
 # .whl-av: PyAV (36 MB), which the server's MP4 replies need (the world-serve part); the image has none.
+# .whl-extra: anything else one part needs (the attention probe: nvidia-cudnn-frontend, 12 MB).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/wamrt-py/site-packages \
-  $(ls .whl/*.whl .whl-bench/*.whl .whl-av/*.whl 2>/dev/null) || exit 1
+  $(ls .whl/*.whl .whl-bench/*.whl .whl-av/*.whl .whl-extra/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/wamrt-py/site-packages:$PWD/src PYTHONUNBUFFERED=1
 # flash-attn-4 carried in parts (scripts/fa4_install.sh), in this call or staged by an earlier one on this machine
 if compgen -G ".fa4*" >/dev/null || [ -d /tmp/wamrt-fa4 ]; then
