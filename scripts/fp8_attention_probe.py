@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from wamrt.ops.attention import _graph_ms, fa4_attention, fa4_available  # noqa: E402
+from wamrt.ops.attention import _graph_ms, fa4_attention, fa4_available, sdpa  # noqa: E402
 from wamrt.ops.quantized_attention import (  # noqa: E402
     FP8_MAX,
     QuantizedKeyLengthAttention,
@@ -108,6 +108,9 @@ def main() -> None:
                 fa4 = fa4_attention(q, k, v, seqused_k=used)
                 row["fa4_bf16"] = {"ms": _graph_ms(lambda: fa4_attention(q, k, v, seqused_k=used), args.iters),
                                    "sqnr_db": sqnr_db(fa4, ref)}
+            ke, ve = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+            row["cudnn_bf16_unmasked"] = {"ms": _graph_ms(lambda: sdpa(q, ke, ve, causal=False, backend="cudnn"),
+                                                          args.iters)}
             qref = quantized_attention_reference(q8, qs, k8, ks, v8, dv, used)
             row["quantized_reference_sqnr_db"] = sqnr_db(qref, ref)
             row["triton_int8_fp8"] = []
@@ -143,7 +146,7 @@ def main() -> None:
                 row["cudnn_fp8"] = {"error": repr(e)[:300]}
             except Exception as e:
                 row["cudnn_fp8"] = {"error": repr(e)[:600]}
-            for key in ("fa4_bf16", "cudnn_fp8", "quantized_reference_sqnr_db"):
+            for key in ("fa4_bf16", "cudnn_bf16_unmasked", "cudnn_fp8", "quantized_reference_sqnr_db"):
                 print(model, w, key, row.get(key), flush=True)
             rows.append(row)
     sha = os.environ.get("WAMRT_GIT_SHA") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
