@@ -70,12 +70,13 @@ for spec in "$@"; do
     load) # Issue 13: lanes cycle through twelve instructions of 118-152 tokens (`--prompts mixed`, variable-length
           # tokenizer of random:nano); every prefix is padded to the declared width 192 (3 x 64-token buckets),
           # so warm-up's captures (batch 8..1 at width 192) serve every mix: graph_captures_after_warmup must be 0.
+          # SERVE_ARGS: more server flags (e.g. --attention fa4 --epilogues quack); LOAD_LANES: the rows (default 1 4 8)
           python3 -m wamrt.cli serve --model random:nano --max-batch 8 --max-wait-ms 10 --max-queue 64 \
-             --prompt-bucket 64 --prompt-width 192 --warmup 1 --port 8765 > "$res/server.txt" 2>&1 &
+             --prompt-bucket 64 --prompt-width 192 --warmup 1 --port 8765 ${SERVE_ARGS:-} > "$res/server.txt" 2>&1 &
           srv=$!
           for _ in $(seq 1 150); do curl -sf http://127.0.0.1:8765/readyz >/dev/null && break; sleep 2; done
           echo "server ready after $(( $(date +%s) - t0 )) s" | tee "$res/log.txt"
-          for lanes in 1 4 8; do
+          for lanes in ${LOAD_LANES:-1 4 8}; do
             base=(); [ "$lanes" != 1 ] && base=(--baseline "$res/nano-load-1.json")
             # ~100 requests at ~1.45 req/s is ~70 s. Cap each row (measured time; its lanes' warm-up and the 60 s of
             # slack come on top) by what is left of the part's limit.
@@ -189,7 +190,7 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              | tee "$res/log.txt" ;;
     kernel-tests) # the Triton kernels against their references (head epilogue, fp8 fusion), in graphs, timed
           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_qkv_epilogue.py \
-             tests/engine/test_fp8_fusion.py 2>&1 | tee "$res/log.txt" ;;
+             tests/engine/test_fp8_fusion.py tests/ops/test_quantized_attention.py 2>&1 | tee "$res/log.txt" ;;
   esac
   kill "$sampler" 2>/dev/null
   python3 scripts/gpu_clocks.py "$res/gpu-clocks.csv" | tee -a "$res/log.txt"

@@ -42,6 +42,7 @@ INT8_MAX = 127.0
 P_SCALE_LOG2 = 8  # P * 2^8 in [0, 256] before its e4m3 cast: see the module docstring
 LOG2E = 1.4426950408889634
 _SCALE_FLOOR = 1e-12
+V_BOUND_MARGIN = 1.125  # an fp8 projection's rounding of its input and weights (e4m3: 2^-4 each)
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,9 +58,9 @@ def quantize_fp8(x: torch.Tensor, descale: float) -> torch.Tensor:
 
 
 def v_scale_bound(norm_weight: torch.Tensor, v_weight: torch.Tensor, v_bias: torch.Tensor | None = None,
-                  margin: float = 1.125) -> float:
+                  margin: float = V_BOUND_MARGIN) -> float:
     """Descale for v = W_v RMSNorm(x) (+ b) that no input can overflow: |v_j| <= ||RMSNorm(x)|| * ||W_v[j]|| + |b_j|
-    and ||RMSNorm(x)|| <= sqrt(D) * max|w|. `margin` covers an fp8 projection's rounding (e4m3: 2^-4 per operand)."""
+    and ||RMSNorm(x)|| <= sqrt(D) * max|w|, times `margin`."""
     norm_bound = math.sqrt(v_weight.shape[1]) * float(norm_weight.detach().abs().max())
     rows = norm_bound * v_weight.detach().float().norm(dim=1)
     if v_bias is not None:
