@@ -1,15 +1,20 @@
 """Non-causal attention on 8-bit tensor cores for Hopper: QK^T in int8 with one scale per token and head, PV in
 e4m3 (fp8); a Triton kernel, its plain-PyTorch reference and the quantizers that feed it.
 
-Why: in gen-fp8 at 2 steps (Edge E7) bf16 flash-attn-4 was 13.8 of 51.3 ms of the denoise graph (H200, 0bc1011),
-~660 TFLOP/s, about what bf16 attention reaches at 3k tokens; int8 and e4m3 tensor cores have twice the bf16 peak.
-flash-attn-4 4.0.0b36 takes fp8 on SM100 only (its interface asserts it) and FlashInfer's fp8 prefill needs a JIT
-toolchain at serve time, so this is hand-written: one program per (BLOCK_M queries, query head), the key loop in
-the FlashAttention-2 order with fp32 softmax and accumulation.
+Why it exists: in gen-fp8 at 2 steps (Edge E7) bf16 flash-attn-4 was 13.8 of 51.3 ms of the denoise graph (H200,
+0bc1011), ~670 TFLOP/s; int8 and e4m3 tensor cores have twice the bf16 peak. flash-attn-4 4.0.0b36 takes fp8 on SM100
+only (its interface asserts it) and cuDNN's fp8 SDPA takes e4m3 q and k, which miss the SQNR bar (below), so this is
+hand-written: one program per (BLOCK_M queries, query head), the key loop in the FlashAttention-2 order with fp32
+softmax and accumulation.
 
-Why int8 for QK and e4m3 for PV (CPU simulation at the Generator's statistics, scripts/fp8_attention_probe.py on
-the GPU): e4m3 q and k (3 mantissa bits) put the attention output at 22 dB SQNR when the softmax is peaked (QK-norm
-weight 2), under the 25 dB bar; q and k are RMS-normalised per head, so their rows have a small dynamic range and
+Measured (H200, bench/results/latency/2026-12-03-c9f9f2c-attention-probe/): 28.5-29 dB, but 0.64 ms per Edge call at
+its best tile against bf16 flash-attn-4's 0.24 ms (~250 TFLOP/s: no TMA, no warp specialisation). So the engine does
+not use it; it stays, with its tests, as the numerically sound 8-bit scheme a faster kernel (TMA loads, producer /
+consumer warpgroups) would have to match.
+
+Why int8 for QK and e4m3 for PV (simulated on the CPU, then measured on the GPU by the probe): e4m3 q and k (3
+mantissa bits) put the attention output at 22 dB SQNR when the softmax is peaked (QK-norm weight 2), under the 25 dB
+bar (cuDNN's e4m3 SDPA measured 24.7 dB flat, 20.0 dB peaked); q and k are RMS-normalised per head, so their rows have a small dynamic range and
 int8 with a per-row scale (7 bits at the row's max) gives 34-41 dB for QK alone -- SageAttention's observation.
 P (in [0, 1]) and v keep e4m3: int8 would need a scale over the whole key sequence for v.
 
@@ -17,7 +22,8 @@ Numerics (the reference computes exactly this, up to accumulation order):
 * q [B, H, Sq, d] and k [B, KH, L, d] int8 with fp32 scales [B, H, Sq] / [B, KH, L]: x ~= x_i8 * scale (per row
   absmax / 127, `quantize_rows_int8`); logits = (q_i8 . k_i8) * q_scale * k_scale / sqrt(d), exact in int32.
 * v e4m3 with one fp32 descale per tensor (v ~= v_fp8 * descale). e4m3 is floating point, so the scale only has to
-  keep |v| under 448 and well above 2^-6: `v_scale_bound` takes it from the v projection's weights.
+  keep |v| under 448 and well above 2^-6. `QuantizedKeyLengthAttention` finds max|v| on the device each call;
+  `v_scale_bound` is a static one from the v projection's weights, for a producer that writes e4m3 v itself.
 * P is scaled by 2^8 before its e4m3 cast, so probabilities down to ~1e-5 stay normal numbers (e4m3's subnormals
   start at 2^-6); the row sum l uses the same scaled P, so the factor cancels in O = acc / l.
 * keys past `used[b]` are masked (the engine's [Generator | prefix | padding] rows, flash-attn-4's seqused_k).
