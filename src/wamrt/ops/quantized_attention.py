@@ -14,8 +14,9 @@ consumer warpgroups) would have to match.
 
 Why int8 for QK and e4m3 for PV (simulated on the CPU, then measured on the GPU by the probe): e4m3 q and k (3
 mantissa bits) put the attention output at 22 dB SQNR when the softmax is peaked (QK-norm weight 2), under the 25 dB
-bar (cuDNN's e4m3 SDPA measured 24.7 dB flat, 20.0 dB peaked); q and k are RMS-normalised per head, so their rows have a small dynamic range and
-int8 with a per-row scale (7 bits at the row's max) gives 34-41 dB for QK alone -- SageAttention's observation.
+bar (cuDNN's e4m3 SDPA measured 24.7 dB flat, 20.0 dB peaked); q and k are RMS-normalised per head, so their rows
+have a small dynamic range and int8 with a per-row scale (7 bits at the row's max) gives 34-41 dB for QK alone --
+SageAttention's observation.
 P (in [0, 1]) and v keep e4m3: int8 would need a scale over the whole key sequence for v.
 
 Numerics (the reference computes exactly this, up to accumulation order):
