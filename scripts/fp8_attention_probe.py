@@ -38,6 +38,11 @@ from wamrt.ops.quantized_attention import (  # noqa: E402
 
 SHAPES = {"edge": (16, 8), "nano": (32, 8)}  # query heads, K/V heads
 G, PREFIX, USED = 3092, 125, (3092 + 125, 3092 + 30)
+# flash-attn-4's SM90 forward: (tile_m, tile_n, PV MMA from registers, intra-warpgroup overlap, pack_gqa); the first
+# is what 4.0.0b36 picks for head_dim 128 (interface._tile_size_fwd_sm90), the others FA3's C++ choices and neighbours.
+FA4_SWEEP = [(128, 128, True, True, True), (128, 176, True, True, True), (128, 192, True, True, True),
+             (128, 160, True, True, True), (128, 176, False, True, True), (192, 128, False, True, True),
+             (128, 128, True, True, False)]
 CONFIGS = [  # block_m, block_n, num_warps, num_stages
     (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 4, 2), (64, 128, 4, 3),
     (128, 64, 8, 4),
@@ -80,11 +85,35 @@ def reference(q, k, v, used):
     return torch.cat(outs)
 
 
+def fa4_sweep(q, k, v, used, ref, iters, configs) -> list[dict]:
+    """flash-attn-4's forward at other SM90 tile configurations than its default (private `_flash_attn_fwd`, the
+    only entry that takes them)."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out = []
+    for tm, tn, rs, overlap, pack in configs:
+        kw = dict(seqused_k=used, tile_mn=(tm, tn), mma_pv_is_rs=rs, intra_wg_overlap=overlap, pack_gqa=pack)
+        entry = {"tile_mn": [tm, tn], "mma_pv_is_rs": rs, "intra_wg_overlap": overlap, "pack_gqa": pack}
+        try:
+            t0 = time.perf_counter()
+            got = _flash_attn_fwd(qt, kt, vt, **kw)[0].transpose(1, 2)
+            entry["first_call_s"] = time.perf_counter() - t0  # the CuTe DSL compile
+            entry["sqnr_db"] = sqnr_db(got, ref)
+            entry["ms"] = _graph_ms(lambda kw=kw: _flash_attn_fwd(qt, kt, vt, **kw), iters)
+        except Exception as e:  # a tile the kernel refuses
+            entry["error"] = repr(e)[:300]
+        print("fa4 sweep", entry, flush=True)
+        out.append(entry)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--models", default="edge,nano")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--fa4-sweep", type=int, default=0, help="how many of FA4_SWEEP to time (0: none)")
     ap.add_argument("--triton-configs", type=int, default=len(CONFIGS), help="how many of CONFIGS to time (0: none)")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -108,6 +137,8 @@ def main() -> None:
                 fa4 = fa4_attention(q, k, v, seqused_k=used)
                 row["fa4_bf16"] = {"ms": _graph_ms(lambda: fa4_attention(q, k, v, seqused_k=used), args.iters),
                                    "sqnr_db": sqnr_db(fa4, ref)}
+            if fa4_available(device) and args.fa4_sweep and w == 1.0:
+                row["fa4_sweep"] = fa4_sweep(q, k, v, used, ref, args.iters, FA4_SWEEP[: args.fa4_sweep])
             ke, ve = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
             row["cudnn_bf16_unmasked"] = {"ms": _graph_ms(lambda: sdpa(q, ke, ve, causal=False, backend="cudnn"),
                                                           args.iters)}

@@ -186,7 +186,7 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              | tee "$res/log.txt" ;;
     attn-probe) # Issue 14 moonshot: 8-bit attention kernels against flash-attn-4 bf16 at the Generator call's shapes
           timeout "$limit" python3 scripts/fp8_attention_probe.py --out "$res" --models "${MODELS:-edge,nano}" \
-             --triton-configs "${TRITON_CONFIGS:-7}" 2>&1 \
+             --triton-configs "${TRITON_CONFIGS:-7}" --fa4-sweep "${FA4_SWEEP:-0}" 2>&1 \
              | tee "$res/log.txt" ;;
     kernel-tests) # the Triton kernels against their references (head epilogue, fp8 fusion), in graphs, timed
           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_qkv_epilogue.py \
