@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Collection, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -68,6 +68,7 @@ from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
 from .layer_halves import generator_projections, generator_qkv, post_split, pre_heads, pre_into
 from .prefix_cache import PaddedPrefixes, ReasonerCache, pad_kv
 from .qkv_epilogue import head_epilogue_problem, repeat_heads
+from .stage_clock import StageClock
 from .vae_encode import FirstFrameEncoder
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class Engine:
         self._noise = GaussianPrefetcher()
         self._noise_shape: tuple[int, ...] | None = None
         self._host_pool: ThreadPoolExecutor | None = None  # batch preprocessing (see _host_inputs)
+        self._vae_stream: torch.cuda.Stream | None = None  # the VAE encode's side stream (see infer_batch)
         self._plans: dict[tuple, Any] = {}
         self._ropes: OrderedDict[tuple, Rope] = OrderedDict()  # Generator RoPE per packing layout (LRU)
         self._backend = BackendAttention(generator=config.attention if config.attention != "gqa" else "auto")
@@ -241,19 +243,22 @@ class Engine:
             for i, h in enumerate(hosts):
                 if isinstance(h, Exception):
                     results[i] = h
-            # One VAE call for the batch (each request is charged the call), or one per request when isolated.
-            for group in ([[i] for i in ok] if self.config.isolate_requests else [ok] if ok else []):
-                t0 = time.perf_counter()
-                latents = encode_canvases(self._canvas_encoder, [hosts[i].padded for i in group], self.device,
-                                          self.config.vae_frames)
-                self._sync()
-                encode_ms = 1e3 * (time.perf_counter() - t0)
+            # One VAE call for the batch (each request is charged the call), or one per request when isolated. On
+            # CUDA it runs on a side stream and nothing waits for it on the host: the requests' host work below
+            # (tokens, noise, positions; stage_clock.py) runs while the GPU encodes.
+            clock, encode_stream, group_of = StageClock(self.device), self._encode_stream(), {}
+            for g, group in enumerate([[i] for i in ok] if self.config.isolate_requests else [ok] if ok else []):
+                clock.start(f"vae_encode{g}", encode_stream)
+                with torch.cuda.stream(encode_stream) if encode_stream is not None else nullcontext():
+                    latents = encode_canvases(self._canvas_encoder, [hosts[i].padded for i in group], self.device,
+                                              self.config.vae_frames)
+                clock.stop(f"vae_encode{g}", encode_stream)
                 for i, latent0 in zip(group, latents, strict=True):
-                    host = hosts[i]
-                    host.timings_ms["vae_encode"] = encode_ms
-                    prep = finish_droid(host, latent0, model=self.model, encoder=self.encoder,
+                    prep = finish_droid(hosts[i], latent0, model=self.model, encoder=self.encoder,
                                         tokenizer=self.tokenizer, contract=self.contract, seed=seeds[i],
-                                        device=self.device, noise=self._noise)
+                                        device=self.device, noise=self._noise,
+                                        latent_ready=self._after_encode(encode_stream, latent0))
+                    group_of[i] = g  # its time is known once the device is synchronized (after the denoise)
                     prepared.append((i, prep))
                     self._noise_shape = tuple(prep.inputs.vision.shape)
             # Longest prefixes first: a graph's key (the prefix lengths in batch order) then depends on which
@@ -262,6 +267,9 @@ class Engine:
             batches = [[ip] for ip in prepared] if self.config.isolate_requests else [prepared] if prepared else []
             for batch in batches:
                 finals, timings = self._denoise([p for _, p in batch], opts)
+                encode_ms = clock.ms()  # complete: _denoise synchronized the device
+                for i, prep in batch:
+                    prep.timings_ms["vae_encode"] = encode_ms[f"vae_encode{group_of[i]}"]
                 t0 = time.perf_counter()
                 for (i, prep), (xv, xa) in zip(batch, finals, strict=True):
                     actions = droid_actions(DenoiseResult(xv, xa), self.contract, prep.state)
@@ -296,6 +304,28 @@ class Engine:
         return list(self._host_pool.map(one, observations))
 
     # ---------------------------------------------------------------------------------------------
+    def _encode_stream(self) -> torch.cuda.Stream | None:
+        """The side stream the VAE encode runs on (CUDA), made to start after the current stream's queued work."""
+        if self.device.type != "cuda":
+            return None
+        if self._vae_stream is None:
+            self._vae_stream = torch.cuda.Stream(self.device)
+        self._vae_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return self._vae_stream
+
+    def _after_encode(self, encode_stream: torch.cuda.Stream | None, latent: torch.Tensor):
+        """finish_droid's latent_ready: the current stream waits (on the GPU) for the encode; the latent, allocated on
+        the encode stream, stays reserved until the current stream's queued work has read it."""
+        if encode_stream is None:
+            return None
+
+        def ready() -> None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(encode_stream)
+            latent.record_stream(current)
+
+        return ready
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -316,14 +346,13 @@ class Engine:
             timings["denoise"] = 1e3 * (time.perf_counter() - t0)
             return finals, timings
 
-        self._sync()
-        t0 = time.perf_counter()
+        clock = StageClock(self.device)  # no host sync between the stages: stage_clock.py
+        clock.start("reasoner_prefill")
         exact = self._sequences(inputs, any(cfg_steps))
         conds, unconds = self._pad_prefixes(*exact) if self.config.prompt_bucket else exact
-        self._sync()
-        timings["reasoner_prefill"] = 1e3 * (time.perf_counter() - t0)
+        clock.stop("reasoner_prefill")
 
-        t0 = time.perf_counter()
+        clock.start("denoise")
         x_v = torch.cat([inp.vision for inp in inputs])
         x_a = torch.cat([inp.action for inp in inputs])
         static = dict(
@@ -338,9 +367,10 @@ class Engine:
                                    exact=exact)
         else:
             out = self._loop(x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim)
+        clock.stop("denoise")
         self._prefetch_noise()
         self._sync()
-        timings["denoise"] = 1e3 * (time.perf_counter() - t0)
+        timings.update(clock.ms())
         finals = [(out[0][r : r + 1], out[1][r : r + 1]) for r in range(len(inputs))]
         return finals, timings
 
@@ -356,7 +386,7 @@ class Engine:
         return conds, unconds
 
     def _branch(self, request: int, branch) -> _Seq:
-        kv = self.kv_cache.get(branch.input_ids, branch.positions)
+        kv = self.kv_cache.get(branch.input_ids, branch.positions, branch.token_key)
         return _Seq(request, kv, self._generator_rope(branch))
 
     def _generator_rope(self, branch) -> Rope:

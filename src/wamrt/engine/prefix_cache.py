@@ -19,8 +19,9 @@ class ReasonerCache:
         self.entries: OrderedDict[tuple[int, ...], ReasonerKV] = OrderedDict()
         self.hits = self.misses = 0
 
-    def get(self, ids: torch.Tensor, positions: torch.Tensor) -> ReasonerKV:
-        key = tuple(ids[0].tolist())
+    def get(self, ids: torch.Tensor, positions: torch.Tensor, key: tuple[int, ...] | None = None) -> ReasonerKV:
+        """The entry of ids [1, U]; `key`: the same ids as a host tuple, if the caller has them (no read-back)."""
+        key = tuple(ids[0].tolist()) if key is None else key
         kv = self.entries.get(key)
         if kv is not None:
             self.entries.move_to_end(key)

@@ -52,6 +52,9 @@ class Branch:
     # What the positions are a function of (text length, geometry, ...), when the packer knows it: equal layouts,
     # equal positions, so a consumer may cache what it derives from them (the engine's RoPE tables). Read-only.
     layout: tuple | None = None
+    # The token ids as a host tuple, when the packer has them: what a cache keys on without reading input_ids back
+    # from the device (a read-back waits for every kernel queued before it, the VAE encode's included).
+    token_key: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -9,7 +9,7 @@ CFG -> [32, 8] float32 joint-position chunk (gripper flipped in and out). See
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
@@ -142,8 +142,12 @@ def finish_droid(
     seed: int,
     device: torch.device,
     noise: GaussianPrefetcher | None = None,
+    latent_ready: Callable[[], None] | None = None,
 ) -> PreparedDroid:
-    """Prompt, tokens, noise and positions of one request around its frame-0 latent."""
+    """Prompt, tokens, noise and positions of one request around its frame-0 latent. `latent_ready`, if given, is
+    called just before latent0 is first read on the current stream (after every host-to-device copy here): an
+    engine that encodes on a side stream makes the current stream wait for it there, so the copies above -- from
+    pageable memory, which waits for the stream's queued work -- do not wait for the encode."""
     timings = dict(host.timings_ms)
     canvas_h, canvas_w, _, _ = host.padded.image_size
     lat_h, lat_w = latent0.shape[-2:]
@@ -164,7 +168,6 @@ def finish_droid(
     model_state = contract.normalization.state_in(state) if contract.normalization is not None else state
     act = initial_action(model_state, seed, rows=rows, max_action_dim=model.config.action_dim or 0, stream=stream)
     vision = torch.from_numpy(stream).to(device, copy=True)  # copy: frame 0 is overwritten below
-    vision[:, :, :1] = latent0
     action = torch.from_numpy(act.init).to(device)[None]  # [1, 33, 64]
 
     inputs = DenoiseInputs(
@@ -174,6 +177,9 @@ def finish_droid(
         action=action, action_noisy=droid_action_noisy(contract, device),
         domain_ids=_domain_ids(contract.domain_id, device), raw_action_dim=contract.raw_action_dim,
     )
+    if latent_ready is not None:
+        latent_ready()
+    vision[:, :, :1] = latent0
     timings["pack"] = 1e3 * (time.perf_counter() - t0)
     return PreparedDroid(inputs, prompt, seed, host.canvas, host.padded.image_size, timings, state)
 
@@ -210,7 +216,7 @@ def droid_branch(cfg: Cosmos3Config, ids: tuple[int, ...], latent_thw: tuple[int
     every branch of the same layout (cached; never write into it)."""
     layout = ("droid", len(ids), tuple(latent_thw), contract.chunk + contract.history, float(contract.fps))
     positions = _droid_positions(cfg, layout, str(torch.device(device)))
-    return Branch(torch.tensor([ids], dtype=torch.long, device=device), positions, layout)
+    return Branch(torch.tensor([ids], dtype=torch.long, device=device), positions, layout, tuple(ids))
 
 
 # Requests of one robot share their geometry and usually their instruction length: the positions (a few hundred
