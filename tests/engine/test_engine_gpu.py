@@ -59,6 +59,7 @@ def test_engine_vs_reference_fp32_truth_and_graph_bitwise(nano):
     runs["compiled-inductor-heads"] = Engine.from_policy(nano, EngineConfig(cuda_graph=False,
                                                                             head_epilogue="inductor"))
     runs["graph-inductor-heads"] = Engine.from_policy(nano, EngineConfig(head_epilogue="inductor"))
+    runs["graph-sync"] = Engine.from_policy(nano, EngineConfig(overlap_encode=False))  # the host waits for the VAE
     assert runs["graph"].head_epilogue == "triton"
     if fa4_available():  # both CFG branches in one flash-attn-4 call (keys [Generator | prefix | zeros])
         runs["graph-fa4-lengths"] = Engine.from_policy(nano, EngineConfig(attention="fa4", cfg_attention="lengths",
@@ -79,6 +80,7 @@ def test_engine_vs_reference_fp32_truth_and_graph_bitwise(nano):
     for name, (_, vs_truth) in report.items():
         assert vs_truth <= NOT_WORSE_THAN_BF16 * ref_err, (name, vs_truth, ref_err)
     assert np.array_equal(replay, out["graph"]), "graph replay is deterministic"
+    assert np.array_equal(out["graph-sync"], out["graph"]), "the VAE on its side stream computes the same bits"
     assert np.array_equal(out["graph"], out["compiled"]), "graph replay == eager compiled engine"
 
 
@@ -174,3 +176,26 @@ def test_isolated_requests_replay_bit_for_bit_at_any_position_and_company(nano):
             for batch, seeds, at in (([a], [5], 0), ([b, a], [6, 5], 1), ([c, b, a], [7, 6, 5], 2))]
     print(f"\nbatched, not isolated: the same request bit-identical at positions 1 and 2 of batches 2 and 3: "
           f"{[np.array_equal(rows[0], r) for r in rows[1:]]}")
+
+
+def test_overlapped_encode_reads_each_requests_own_latent(nano):
+    """The VAE encode runs on a side stream with no host sync (EngineConfig.overlap_encode): back-to-back requests
+    with different observations, singly and as a batch of two, give the bits of the engine whose host waits for each
+    encode -- a latent read before its encode finished, or a freed one reused, would not."""
+    from wamrt.engine import Engine, EngineConfig
+    from wamrt.sample import sample_observation
+
+    obs = [sample_observation(i) for i in (3, 4, 5)]
+    sync = Engine.from_policy(nano, EngineConfig(overlap_encode=False))
+    want = [sync.infer(o, seed=11 + i).actions for i, o in enumerate(obs)]
+    want_pair = [c.actions for c in sync.infer_batch(obs[:2], seeds=[20, 21])]
+    del sync
+    engine = Engine.from_policy(nano, EngineConfig())
+    for _ in range(2):
+        got = [engine.infer(o, seed=11 + i) for i, o in enumerate(obs)]
+        for g, w in zip(got, want, strict=True):
+            assert np.array_equal(g.actions, w)
+            assert g.timings_ms["vae_encode"] > 0 and g.timings_ms["denoise"] > g.timings_ms["vae_encode"]
+        pair = engine.infer_batch(obs[:2], seeds=[20, 21])
+        for g, w in zip(pair, want_pair, strict=True):
+            assert np.array_equal(g.actions, w)

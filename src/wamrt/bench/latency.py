@@ -74,6 +74,11 @@ ROWS: dict[str, tuple[str, dict]] = {
     "E5-quack-heads-gqa": ("E5-quack-heads with K/V buffers at the K/V heads",
                            dict(epilogues="quack", attention="fa4", cfg_attention="lengths", head_epilogue="triton",
                                 gqa_buffers=True)),
+    # The defaults on fa4 with the host waiting after the VAE encode and around the Reasoner prefill, as before
+    # EngineConfig.overlap_encode (the comparison row for it).
+    "E5-quack-heads-gqa-sync": ("E5-quack-heads-gqa with the host waiting for the VAE encode",
+                                dict(epilogues="quack", attention="fa4", cfg_attention="lengths",
+                                     head_epilogue="triton", gqa_buffers=True, overlap_encode=False)),
     # E5 with diffusers' own encode of the conditioning frame (the comparison row for the 2D first-frame encode).
     "E5-vae-diffusers": ("E5 with diffusers' VAE encode of frame 0", dict(vae_encode="diffusers")),
 }
@@ -81,7 +86,7 @@ ROWS: dict[str, tuple[str, dict]] = {
 # Opt-in rows: E5-autotune spends minutes autotuning at Nano, which the default waterfall run cannot afford.
 DEFAULT_ROWS = [r for r in ROWS if r not in ("E5-bucket", "E5-bucket-mask", "E5-autotune", "E5-cudnn", "E5-quack",
                                              "E5-quack-bucket", "E5-quack-lengths", "E5-quack-gqa",
-                                             "E5-quack-heads", "E5-quack-heads-gqa",
+                                             "E5-quack-heads", "E5-quack-heads-gqa", "E5-quack-heads-gqa-sync",
                                              "E5-vae-diffusers")]
 
 

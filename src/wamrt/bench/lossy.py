@@ -48,6 +48,9 @@ _PINNED = (
 )
 LOSSY_ROWS.update({f"{row}-{suffix}": (f"{row} with {what}", steps, "gen-fp8", False, flags)
                    for suffix, what, flags in _PINNED for row, steps in (("E6", 4), ("E7", 2))})
+# E6 / E7 with the host waiting for the VAE encode (EngineConfig.overlap_encode off: the comparison rows for it).
+LOSSY_ROWS.update({f"{row}-sync": (f"{row} with the host waiting for the VAE encode", steps, "gen-fp8", False,
+                                   {"overlap_encode": False}) for row, steps in (("E6", 4), ("E7", 2))})
 QUALITY_REQUESTS = 4  # observations (and seeds) every lossy configuration is compared on
 
 

@@ -63,6 +63,11 @@ class EngineConfig:
     # gqa_buffers, 4 steps: Edge 151.8 vs 154.3 ms, Nano 619.6 vs 625.5 ms; gen-fp8 Edge 116.0 vs 119.6 ms.
     head_epilogue: str = "auto"
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
+    # The VAE encode on a side stream and no host sync until the denoise is done (stage times from CUDA events,
+    # engine/stage_clock.py): the requests' host work after the encode (tokens, noise, positions, the graph's
+    # inputs) runs while the GPU encodes. False: the host waits after the encode and around the Reasoner prefill
+    # (each stage's wall time exact; the comparison rows "-sync").
+    overlap_encode: bool = True
     kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
     graph_cache_size: int = 16  # captured buckets kept (LRU) ...
     graph_cache_bytes: int = 0  # ... and the device memory their captures added (0: no byte bound)

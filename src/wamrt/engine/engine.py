@@ -206,7 +206,7 @@ class Engine:
     def metadata(self) -> dict[str, Any]:
         engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "compile_mode",
                                                        "cuda_graph", "prompt_bucket", "prompt_width",
-                                                       "isolate_requests")}
+                                                       "isolate_requests", "overlap_encode")}
         engine["bucket_attention"] = self.bucket_attention  # the effective ones
         engine["cfg_attention"] = self.cfg_attention
         engine["head_epilogue"] = self.head_epilogue
@@ -253,6 +253,8 @@ class Engine:
                     latents = encode_canvases(self._canvas_encoder, [hosts[i].padded for i in group], self.device,
                                               self.config.vae_frames)
                 clock.stop(f"vae_encode{g}", encode_stream)
+                if not self.config.overlap_encode:
+                    self._sync()
                 for i, latent0 in zip(group, latents, strict=True):
                     prep = finish_droid(hosts[i], latent0, model=self.model, encoder=self.encoder,
                                         tokenizer=self.tokenizer, contract=self.contract, seed=seeds[i],
@@ -306,7 +308,7 @@ class Engine:
     # ---------------------------------------------------------------------------------------------
     def _encode_stream(self) -> torch.cuda.Stream | None:
         """The side stream the VAE encode runs on (CUDA), made to start after the current stream's queued work."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or not self.config.overlap_encode:
             return None
         if self._vae_stream is None:
             self._vae_stream = torch.cuda.Stream(self.device)
@@ -347,10 +349,14 @@ class Engine:
             return finals, timings
 
         clock = StageClock(self.device)  # no host sync between the stages: stage_clock.py
+        if not self.config.overlap_encode:
+            self._sync()
         clock.start("reasoner_prefill")
         exact = self._sequences(inputs, any(cfg_steps))
         conds, unconds = self._pad_prefixes(*exact) if self.config.prompt_bucket else exact
         clock.stop("reasoner_prefill")
+        if not self.config.overlap_encode:
+            self._sync()
 
         clock.start("denoise")
         x_v = torch.cat([inp.vision for inp in inputs])
