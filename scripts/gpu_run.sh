@@ -53,10 +53,12 @@ for spec in "$@"; do
     edge|nano) wamrt bench latency --model "$part" --steps 4 2 --peer diffusers --trace --out "$res" 2>&1 \
              | tee "$res/log.txt" ;;
     quant-edge|quant-nano)
+          # QUALITY=0: no quality record (SQNR table, chunk distances); QUANT_TESTS=0: no GPU tests after the rows
+          quality=--quality; [ "${QUALITY:-1}" = 0 ] && quality=
           wamrt bench latency --model "${part#quant-}" --rows E5 --steps 4 --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" \
-             --lossy-rows "${LOSSY_ROWS:-E6,E7,E8}" --quality --trace ${TRACE_ROWS:+--trace-rows "$TRACE_ROWS"} \
+             --lossy-rows "${LOSSY_ROWS:-E6,E7,E8}" $quality --trace ${TRACE_ROWS:+--trace-rows "$TRACE_ROWS"} \
              --out "$res" 2>&1 | tee "$res/log.txt"
-          timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/quant tests/engine/test_fp8_fusion.py 2>&1 \
+          [ "${QUANT_TESTS:-1}" = 0 ] || timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/quant tests/engine/test_fp8_fusion.py 2>&1 \
              | tail -30 | tee -a "$res/log.txt" ;;
     rows-edge|rows-nano)
           wamrt bench latency --model "${part#rows-}" --rows "${ROWS:-E5,E5-bucket,E5-bucket-mask}" \
