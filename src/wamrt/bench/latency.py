@@ -74,10 +74,6 @@ ROWS: dict[str, tuple[str, dict]] = {
     "E5-quack-heads-gqa": ("E5-quack-heads with K/V buffers at the K/V heads",
                            dict(epilogues="quack", attention="fa4", cfg_attention="lengths", head_epilogue="triton",
                                 gqa_buffers=True)),
-    # The defaults on fa4 with flash-attn-4's key tile 160 instead of its 128 (EngineConfig.fa4_tile_n).
-    "E5-quack-heads-gqa-tile160": ("E5-quack-heads-gqa with flash-attn-4's SM90 key tile 160",
-                                   dict(epilogues="quack", attention="fa4", cfg_attention="lengths",
-                                        head_epilogue="triton", gqa_buffers=True, fa4_tile_n=160)),
     # The defaults on fa4 with the host waiting after the VAE encode and around the Reasoner prefill, as before
     # EngineConfig.overlap_encode (the comparison row for it).
     "E5-quack-heads-gqa-sync": ("E5-quack-heads-gqa with the host waiting for the VAE encode",
@@ -91,7 +87,6 @@ ROWS: dict[str, tuple[str, dict]] = {
 DEFAULT_ROWS = [r for r in ROWS if r not in ("E5-bucket", "E5-bucket-mask", "E5-autotune", "E5-cudnn", "E5-quack",
                                              "E5-quack-bucket", "E5-quack-lengths", "E5-quack-gqa",
                                              "E5-quack-heads", "E5-quack-heads-gqa", "E5-quack-heads-gqa-sync",
-                                             "E5-quack-heads-gqa-tile160",
                                              "E5-vae-diffusers")]
 
 

@@ -57,10 +57,6 @@ class EngineConfig:
     # repeat them per call (correct, slower). None (default): on where attention is fa4. H200, one run, quack
     # epilogues, 4 steps: Edge 154.3 vs 158.1 ms, Nano 625.5 vs 635.5 ms.
     gqa_buffers: bool | None = None
-    # flash-attn-4's key tile on SM90 in the one-call CFG layout (cfg_attention "lengths"); 0: its own (128 at
-    # head_dim 128). H200, one Generator call in a graph (bench/results/latency/2026-12-03-5c577fc-fa4-tiles/): Nano
-    # (4 query heads per K/V head) 0.514 -> 0.478 ms at 160, Edge (2) unchanged (0.243 / 0.243).
-    fa4_tile_n: int = 0
     # The Generator's per-head q/k norms, RoPE and K/V buffer stores: "triton" = one kernel per layer
     # (engine/qkv_epilogue.py), "inductor" = Inductor's kernels (four per layer at Edge), "auto" (default) = "triton"
     # where it runs (CUDA, Triton installed, bf16 / fp16), else "inductor". H200, one run, quack epilogues and
@@ -102,8 +98,6 @@ def check_config(config: EngineConfig) -> None:
             raise ValueError(f"{field} must be one of {allowed}, got {getattr(config, field)!r}")
     if config.prompt_width < 0 or (config.prompt_width and not config.prompt_bucket):
         raise ValueError(f"prompt_width needs prompt_bucket > 0 and must be >= 0, got {config.prompt_width}")
-    if config.fa4_tile_n and (config.fa4_tile_n < 0 or config.fa4_tile_n % 16):
-        raise ValueError(f"fa4_tile_n must be 0 or a positive multiple of 16, got {config.fa4_tile_n}")
     if config.prompt_bucket < 0:
         raise ValueError(f"prompt_bucket must be >= 0 tokens, got {config.prompt_bucket}")
     if config.prompt_bucket and not (config.reuse_reasoner and config.batch_cfg):

@@ -206,7 +206,7 @@ class Engine:
     def metadata(self) -> dict[str, Any]:
         engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "compile_mode",
                                                        "cuda_graph", "prompt_bucket", "prompt_width",
-                                                       "isolate_requests", "overlap_encode", "fa4_tile_n")}
+                                                       "isolate_requests", "overlap_encode")}
         engine["bucket_attention"] = self.bucket_attention  # the effective ones
         engine["cfg_attention"] = self.cfg_attention
         engine["head_epilogue"] = self.head_epilogue
@@ -493,8 +493,7 @@ class Engine:
             else:
                 attn = KeyMaskAttention(valid, backend=self.config.attention)
         elif generator_first:
-            attn = KeyLengthAttention([g_len + umax - p for p in pads], self.device, backend=self.config.attention,
-                                      fa4_tile_n=self.config.fa4_tile_n)
+            attn = KeyLengthAttention([g_len + umax - p for p in pads], self.device, backend=self.config.attention)
             return _KVBuffers(kb, vb, 0), rope, attn
         elif self.cfg_attention == "mask" and any(pads):
             attn = MaskedBatchAttention(pads, umax + g_len, self.device, backend=self.config.attention)

@@ -43,22 +43,17 @@ def fa4_available(device: torch.device | None = None) -> bool:
 
 
 def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False,
-                  seqused_k: torch.Tensor | None = None, tile_n: int = 0):
+                  seqused_k: torch.Tensor | None = None):
     """Unmasked, non-causal FlashAttention-4 on [B, H, S, d] tensors (K/V may have fewer heads: GQA in the kernel).
     The kernel's [B, S, H, d] layout is a transposed view of ours, so nothing is copied either way; the output
     is a [B, H, Sq, d] view of [B, Sq, H, d] memory, the order the output projection reads. With return_lse also
     the log-sum-exp [B, H, Sq] fp32, natural log, as sdpa_with_lse returns it. seqused_k [B] int32: sequence b
     attends to its first seqused_k[b] keys only (the kernel's own lengths, read on the device); the keys after
-    them must be finite (a tile that straddles the end is loaded whole, and masked scores times NaN are NaN).
-    tile_n > 0: the SM90 kernel's key tile instead of its own choice (128 at head_dim 128; EngineConfig.fa4_tile_n)."""
+    them must be finite (a tile that straddles the end is loaded whole, and masked scores times NaN are NaN)."""
     from flash_attn.cute.interface import flash_attn_func, flash_attn_varlen_func  # optional: flash-attn-4
 
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if tile_n:  # key tile width on SM90 (tile_m 128): only the private entry takes it (flash-attn-4 4.0.0b36)
-        from flash_attn.cute.interface import _flash_attn_fwd
-
-        out, lse = _flash_attn_fwd(qt, kt, vt, seqused_k=seqused_k, tile_mn=(128, tile_n), return_lse=return_lse)[:2]
-    elif seqused_k is None:
+    if seqused_k is None:
         out, lse = flash_attn_func(qt, kt, vt, causal=False, return_lse=return_lse)
     else:
         out, lse = flash_attn_varlen_func(qt, kt, vt, seqused_k=seqused_k, causal=False, return_lse=return_lse)
@@ -140,9 +135,9 @@ class KeyLengthAttention:
     (the engine writes zeros there)."""
 
     def __init__(self, lengths: Sequence[int], device: torch.device, backend: str = "fa4",
-                 reasoner: str = "auto", fa4_tile_n: int = 0) -> None:
+                 reasoner: str = "auto") -> None:
         self.lengths = list(lengths)
-        self.backend, self.reasoner, self.fa4_tile_n = backend, reasoner, fa4_tile_n
+        self.backend, self.reasoner = backend, reasoner
         # Device fills from Python ints (no host-to-device copy), so it can be made inside graph capture.
         self.used = (torch.stack([torch.full((), n, dtype=torch.int32, device=device) for n in self.lengths])
                      if backend == "fa4" else None)
@@ -153,7 +148,7 @@ class KeyLengthAttention:
         if all(n == k.shape[2] for n in self.lengths):
             return sdpa(q, k, v, causal=False, backend=self.backend)
         if self.used is not None:
-            return fa4_attention(q, k, v, seqused_k=self.used, tile_n=self.fa4_tile_n)
+            return fa4_attention(q, k, v, seqused_k=self.used)
         # [B, Sq, H, d] memory order, as PrefixOffsetAttention's gather.
         outs = [sdpa(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], causal=False,
                      backend=self.backend).transpose(1, 2) for b, n in enumerate(self.lengths)]
