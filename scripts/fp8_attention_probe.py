@@ -1,7 +1,8 @@
 """Issue 14 moonshot: 8-bit attention candidates at the Generator call's shapes, timed as the engine runs them (calls
 captured in a CUDA graph) beside flash-attn-4 bf16: the Triton int8-QK / e4m3-PV kernel (wamrt.ops.quantized_attention)
-in several tile configs and memory layouts, and cuDNN's fp8 SDPA where scripts/cudnn_fp8_probe.py can build it, with
-the SQNR of each against fp32 attention on the bf16 inputs.
+in several tile configs and memory layouts, its TMA variant (scripts/tma_attention_variant.py, --tma-configs),
+flash-attn-4 at other SM90 tiles (--fa4-sweep), and cuDNN's fp8 SDPA where scripts/cudnn_fp8_probe.py can build it,
+with the SQNR of each against fp32 attention on the bf16 inputs.
 
     python3 scripts/fp8_attention_probe.py --out DIR [--models edge,nano]
 
@@ -43,6 +44,9 @@ G, PREFIX, USED = 3092, 125, (3092 + 125, 3092 + 30)
 FA4_SWEEP = [(128, 128, True, True, True), (128, 176, True, True, True), (128, 192, True, True, True),
              (128, 160, True, True, True), (128, 176, False, True, True), (192, 128, False, True, True),
              (128, 128, True, True, False)]
+TMA_CONFIGS = [  # block_m, block_n, num_warps, num_stages (scripts/tma_attention_variant.py)
+    (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 4, 3),
+]
 CONFIGS = [  # block_m, block_n, num_warps, num_stages
     (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 4, 2), (64, 128, 4, 3),
     (128, 64, 8, 4),
@@ -85,6 +89,30 @@ def reference(q, k, v, used):
     return torch.cat(outs)
 
 
+def tma_rows(q8, qs, k8, ks, v8, dv, used, ref, qref, iters, configs) -> list[dict]:
+    """The experimental TMA variant (scripts/tma_attention_variant.py) per tile config."""
+    out = []
+    try:
+        from tma_attention_variant import tma_attention, vt_padded  # beside this script
+
+        vt16 = vt_padded(v8)
+    except Exception as e:  # an older Triton without host tensor descriptors
+        return [{"error": repr(e)[:300]}]
+    vd = torch.full((1,), dv, device=q8.device, dtype=torch.float32)
+    for bm, bn, warps, stages in configs:
+        kw = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+        entry = {"config": [bm, bn, warps, stages]}
+        try:
+            got = tma_attention(q8, qs, k8, ks, vt16, vd, used, **kw)
+            entry.update(ms=_graph_ms(lambda kw=kw: tma_attention(q8, qs, k8, ks, vt16, vd, used, **kw), iters),
+                         sqnr_db=sqnr_db(got, ref), vs_reference_db=sqnr_db(got, qref))
+        except Exception as e:  # a config the compiler refuses
+            entry["error"] = repr(e)[:300]
+        print("tma", entry, flush=True)
+        out.append(entry)
+    return out
+
+
 def fa4_sweep(q, k, v, used, ref, iters, configs) -> list[dict]:
     """flash-attn-4's forward at other SM90 tile configurations than its default (private `_flash_attn_fwd`, the
     only entry that takes them)."""
@@ -114,6 +142,7 @@ def main() -> None:
     ap.add_argument("--models", default="edge,nano")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--fa4-sweep", type=int, default=0, help="how many of FA4_SWEEP to time (0: none)")
+    ap.add_argument("--tma-configs", type=int, default=0, help="how many of TMA_CONFIGS to time (0: none)")
     ap.add_argument("--triton-configs", type=int, default=len(CONFIGS), help="how many of CONFIGS to time (0: none)")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -158,6 +187,9 @@ def main() -> None:
                         entry[name] = {"error": repr(e)[:300]}
                 row["triton_int8_fp8"].append(entry)
                 print(model, w, entry, flush=True)
+            if args.tma_configs:
+                row["tma_int8_fp8"] = tma_rows(q8v, qsv, k8, ks, v8, dv, used, ref, qref, args.iters,
+                                               TMA_CONFIGS[: args.tma_configs])
             op = QuantizedKeyLengthAttention(USED, device)
             try:
                 got = op(q, k, v, causal=False)

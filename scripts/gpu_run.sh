@@ -4,7 +4,8 @@
 #   parts: smoke edge nano tests load quant-edge quant-nano (lossy rows LOSSY_ROWS, default E6,E7,E8, + quality, the
 #          quantization GPU tests and the fused fp8 activation kernel's)
 #          kernel-tests (the Triton kernels' GPU tests: q/k/v head epilogue, fp8 fusion)
-#          attn-probe (8-bit attention kernels vs flash-attn-4 bf16: time and SQNR; MODELS, default edge,nano)
+#          attn-probe (8-bit attention kernels vs flash-attn-4 bf16: time and SQNR; MODELS, default edge,nano;
+#          TRITON_CONFIGS, FA4_SWEEP, TMA_CONFIGS: how many configs of each family to time)
 #          world (issue 15: WorldEngine t2i / i2v vs diffusers; MODES, RUNS, PEER_RUNS, WORLD_MODEL, WORLD_ARGS)
 #          world-tests (the WorldEngine GPU test), fa4-tests (flash-attn-4 against SDPA, in a graph)
 #          peer-edge peer-nano (issue 14: ROWS at 4 and 2 steps with the diffusers peer in the same process)
@@ -25,8 +26,11 @@ cd "$(dirname "$0")/.."
 # benches need, small enough to travel beside a flash-attn-4 part within a call's 64 MiB). Carry one of the two.
 # .whl-av: PyAV (36 MB), which the server's MP4 replies need (the world-serve part); the image has none.
 # .whl-extra: anything else one part needs (the attention probe: nvidia-cudnn-frontend, 12 MB).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/wamrt-py/site-packages \
-  $(ls .whl/*.whl .whl-bench/*.whl .whl-av/*.whl .whl-extra/*.whl 2>/dev/null) || exit 1
+wheels=$(ls .whl/*.whl .whl-bench/*.whl .whl-av/*.whl .whl-extra/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then  # none carried: a part that needs no extra package (kernel tests, the attention probe)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/wamrt-py/site-packages $wheels || exit 1
+fi
 export PYTHONPATH=/tmp/wamrt-py/site-packages:$PWD/src PYTHONUNBUFFERED=1
 # flash-attn-4 carried in parts (scripts/fa4_install.sh), in this call or staged by an earlier one on this machine
 if compgen -G ".fa4*" >/dev/null || [ -d /tmp/wamrt-fa4 ]; then
@@ -188,8 +192,8 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              | tee "$res/log.txt" ;;
     attn-probe) # Issue 14 moonshot: 8-bit attention kernels against flash-attn-4 bf16 at the Generator call's shapes
           timeout "$limit" python3 scripts/fp8_attention_probe.py --out "$res" --models "${MODELS:-edge,nano}" \
-             --triton-configs "${TRITON_CONFIGS:-7}" --fa4-sweep "${FA4_SWEEP:-0}" 2>&1 \
-             | tee "$res/log.txt" ;;
+             --triton-configs "${TRITON_CONFIGS:-7}" --fa4-sweep "${FA4_SWEEP:-0}" --tma-configs "${TMA_CONFIGS:-0}" \
+             2>&1 | tee "$res/log.txt" ;;
     kernel-tests) # the Triton kernels against their references (head epilogue, fp8 fusion), in graphs, timed
           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_qkv_epilogue.py \
              tests/engine/test_fp8_fusion.py tests/ops/test_quantized_attention.py 2>&1 | tee "$res/log.txt" ;;
