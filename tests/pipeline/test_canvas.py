@@ -17,6 +17,7 @@ from wamrt.pipeline.canvas import (
     compose_droid_canvas,
     diffusers_preprocess_image,
     pad_to_bucket,
+    reflect_pad,
     resize_bilinear_trunc,
     vae_input,
 )
@@ -213,3 +214,15 @@ def test_diffusers_and_framework_disagree_on_droid_content() -> None:
 def test_diffusers_preprocess_rejects_bad_images(value) -> None:
     with pytest.raises(RequestError):
         diffusers_preprocess_image(value, 480)
+
+
+@pytest.mark.parametrize("shape,bottom,right", [((540, 640, 3), 4, 96), ((5, 7, 3), 4, 6), ((3, 3, 3), 0, 2),
+                                                ((4, 9, 3), 3, 0), ((1, 5, 3), 0, 3), ((6, 5), 2, 3),
+                                                ((6, 5, 4), 1, 2)])
+def test_reflect_pad_equals_numpy_reflect(shape, bottom, right):
+    rng = np.random.default_rng(sum(shape) + bottom + right)
+    for x in (rng.integers(0, 256, shape, dtype=np.uint8), rng.standard_normal(shape).astype(np.float32)):
+        want = np.pad(x, ((0, bottom), (0, right)) + ((0, 0),) * (x.ndim - 2), mode="reflect")
+        assert np.array_equal(reflect_pad(x, bottom, right), want)
+    with pytest.raises(ValueError, match="smaller than the image"):
+        reflect_pad(x, shape[0], 0)
