@@ -17,6 +17,7 @@ def _bshd_strides(s: int, h: int, d: int) -> list[int]:
 
 
 def cudnn_fp8_rows(q, k, v, used, ref, dv, iters, sqnr_db) -> dict:
+    """sqnr_db(reference, test) as wamrt.quant.sqnr has it."""
     import cudnn
 
     dev = q.device
@@ -94,7 +95,7 @@ def cudnn_fp8_rows(q, k, v, used, ref, dv, iters, sqnr_db) -> dict:
                 e.record()
                 e.synchronize()
                 times.append(s.elapsed_time(e) / iters)
-            out[f"stats_{stats}"] = {"ms": sorted(times)[3], "sqnr_db": sqnr_db(got, ref)}
+            out[f"stats_{stats}"] = {"ms": sorted(times)[3], "sqnr_db": sqnr_db(ref, got)}
             break
         except Exception as e:  # what the backend declines, with its reason
             out[f"stats_{stats}"] = {"error": repr(e)[:600]}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import subprocess
@@ -29,13 +28,15 @@ from wamrt.ops.attention import _graph_ms, fa4_attention, fa4_available, sdpa  #
 from wamrt.ops.quantized_attention import (  # noqa: E402
     FP8_MAX,
     QuantizedKeyLengthAttention,
+    exact_key_length_attention,
     quantize_fp8,
     quantize_fp8_tensor_cuda,
-    quantize_rows_int8,
-    quantize_rows_int8_cuda,
+    quantize_rowwise_int8_cuda,
     quantized_attention,
     quantized_attention_reference,
 )
+from wamrt.quant.int8 import quantize_rowwise_int8  # noqa: E402
+from wamrt.quant.sqnr import sqnr_db  # noqa: E402
 
 SHAPES = {"edge": (16, 8), "nano": (32, 8)}  # query heads, K/V heads
 G, PREFIX, USED = 3092, 125, (3092 + 125, 3092 + 30)
@@ -51,11 +52,6 @@ CONFIGS = [  # block_m, block_n, num_warps, num_stages
     (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 4, 2), (64, 128, 4, 3),
     (128, 64, 8, 4),
 ]
-
-
-def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.float()
-    return 10 * math.log10(ref.square().sum().item() / max((x.float() - ref).square().sum().item(), 1e-30))
 
 
 def inputs(heads: int, kv_heads: int, w: float, device: torch.device, seed: int = 0):
@@ -77,18 +73,6 @@ def inputs(heads: int, kv_heads: int, w: float, device: torch.device, seed: int 
     return q, k, v, used
 
 
-def reference(q, k, v, used):
-    """fp32 attention of the bf16 inputs, per sequence over its used keys."""
-    group = q.shape[1] // k.shape[1]
-    outs = []
-    for b in range(q.shape[0]):
-        n = int(used[b])
-        kb = k[b : b + 1, :, :n].float().repeat_interleave(group, dim=1)
-        vb = v[b : b + 1, :, :n].float().repeat_interleave(group, dim=1)
-        outs.append(torch.nn.functional.scaled_dot_product_attention(q[b : b + 1].float(), kb, vb))
-    return torch.cat(outs)
-
-
 def tma_rows(q8, qs, k8, ks, v8, dv, used, ref, qref, iters, configs) -> list[dict]:
     """The experimental TMA variant (scripts/tma_attention_variant.py) per tile config."""
     out = []
@@ -105,7 +89,7 @@ def tma_rows(q8, qs, k8, ks, v8, dv, used, ref, qref, iters, configs) -> list[di
         try:
             got = tma_attention(q8, qs, k8, ks, vt16, vd, used, **kw)
             entry.update(ms=_graph_ms(lambda kw=kw: tma_attention(q8, qs, k8, ks, vt16, vd, used, **kw), iters),
-                         sqnr_db=sqnr_db(got, ref), vs_reference_db=sqnr_db(got, qref))
+                         sqnr_db=sqnr_db(ref, got), vs_reference_db=sqnr_db(qref, got))
         except Exception as e:  # a config the compiler refuses
             entry["error"] = repr(e)[:300]
         print("tma", entry, flush=True)
@@ -127,7 +111,7 @@ def fa4_sweep(q, k, v, used, ref, iters, configs) -> list[dict]:
             t0 = time.perf_counter()
             got = _flash_attn_fwd(qt, kt, vt, **kw)[0].transpose(1, 2)
             entry["first_call_s"] = time.perf_counter() - t0  # the CuTe DSL compile
-            entry["sqnr_db"] = sqnr_db(got, ref)
+            entry["sqnr_db"] = sqnr_db(ref, got)
             entry["ms"] = _graph_ms(lambda kw=kw: _flash_attn_fwd(qt, kt, vt, **kw), iters)
         except Exception as e:  # a tile the kernel refuses
             entry["error"] = repr(e)[:300]
@@ -153,26 +137,26 @@ def main() -> None:
         flop = sum(4 * heads * G * n * 128 for n in USED)
         for w in (1.0, 2.0):
             q, k, v, used = inputs(heads, kv_heads, w, device)
-            ref = reference(q, k, v, used)
+            ref = exact_key_length_attention(q, k, v, USED)
             dv = float(v.abs().amax()) / FP8_MAX
-            q8, qs = quantize_rows_int8(q)  # [B, H, G, d] contiguous
-            q8v, qsv = quantize_rows_int8(q.transpose(1, 2))  # the engine's: a view of [B, G, H, d] memory
+            q8, qs = quantize_rowwise_int8(q)  # [B, H, G, d] contiguous
+            q8v, qsv = quantize_rowwise_int8(q.transpose(1, 2))  # the engine's: a view of [B, G, H, d] memory
             q8v, qsv = q8v.transpose(1, 2), qsv.transpose(1, 2)
-            k8, ks = quantize_rows_int8(k)
+            k8, ks = quantize_rowwise_int8(k)
             v8 = quantize_fp8(v, dv)
             v8t = v8.transpose(-1, -2).contiguous().transpose(-1, -2)  # V^T memory
             row = {"model": model, "w": w, "tflop_per_call": flop / 1e12}
             if fa4_available(device):
                 fa4 = fa4_attention(q, k, v, seqused_k=used)
                 row["fa4_bf16"] = {"ms": _graph_ms(lambda: fa4_attention(q, k, v, seqused_k=used), args.iters),
-                                   "sqnr_db": sqnr_db(fa4, ref)}
+                                   "sqnr_db": sqnr_db(ref, fa4)}
             if fa4_available(device) and args.fa4_sweep and w == 1.0:
                 row["fa4_sweep"] = fa4_sweep(q, k, v, used, ref, args.iters, FA4_SWEEP[: args.fa4_sweep])
             ke, ve = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
             row["cudnn_bf16_unmasked"] = {"ms": _graph_ms(lambda: sdpa(q, ke, ve, causal=False, backend="cudnn"),
                                                           args.iters)}
             qref = quantized_attention_reference(q8, qs, k8, ks, v8, dv, used)
-            row["quantized_reference_sqnr_db"] = sqnr_db(qref, ref)
+            row["quantized_reference_sqnr_db"] = sqnr_db(ref, qref)
             row["triton_int8_fp8"] = []
             for bm, bn, warps, stages in CONFIGS[: args.triton_configs]:
                 kw = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
@@ -182,7 +166,7 @@ def main() -> None:
                     try:
                         got = quantized_attention(*args_, dv, used, **kw)
                         entry[name] = {"ms": _graph_ms(lambda: quantized_attention(*args_, dv, used, **kw), args.iters),
-                                       "sqnr_db": sqnr_db(got, ref), "vs_reference_db": sqnr_db(got, qref)}
+                                       "sqnr_db": sqnr_db(ref, got), "vs_reference_db": sqnr_db(qref, got)}
                     except Exception as e:  # a config the compiler refuses (shared memory, registers)
                         entry[name] = {"error": repr(e)[:300]}
                 row["triton_int8_fp8"].append(entry)
@@ -194,10 +178,10 @@ def main() -> None:
             try:
                 got = op(q, k, v, causal=False)
                 row["op_with_quantizers"] = {"ms": _graph_ms(lambda: op(q, k, v, causal=False), args.iters),
-                                             "sqnr_db": sqnr_db(got, ref)}
+                                             "sqnr_db": sqnr_db(ref, got)}
                 row["quantizers_ms"] = {
-                    "q_rows_int8": _graph_ms(lambda: quantize_rows_int8_cuda(q), args.iters),
-                    "k_rows_int8": _graph_ms(lambda: quantize_rows_int8_cuda(k), args.iters),
+                    "q_rows_int8": _graph_ms(lambda: quantize_rowwise_int8_cuda(q), args.iters),
+                    "k_rows_int8": _graph_ms(lambda: quantize_rowwise_int8_cuda(k), args.iters),
                     "v_fp8": _graph_ms(lambda: quantize_fp8_tensor_cuda(v), args.iters)}
             except Exception as e:
                 row["op_with_quantizers"] = {"error": repr(e)[:600]}

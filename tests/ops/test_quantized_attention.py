@@ -16,13 +16,12 @@ from wamrt.ops.quantized_attention import (
     QuantizedKeyLengthAttention,
     exact_key_length_attention,
     quantize_fp8,
-    quantize_rows_int8,
     quantized_attention_reference,
-    sqnr_db,
     v_scale_bound,
 )
+from wamrt.quant.int8 import quantize_rowwise_int8
+from wamrt.quant.sqnr import SQNR_BAR_DB, sqnr_db
 
-SQNR_BAR_DB = 25.0  # issue 14's per-layer bar for lossy kernels
 KERNEL_VS_REFERENCE_DB = 30.0  # same function, other accumulation order and fp32 division rounding
 INT8_STEP_RTOL = 0.5 / 127 + 1e-6  # rounding to the nearest of 255 levels over [-absmax, absmax]
 
@@ -45,12 +44,12 @@ def _inputs(heads=4, kv_heads=2, g=200, prefix=24, w=1.0, seed=0, device="cpu"):
 
 def test_int8_rows_round_within_half_a_step_and_keep_the_row_max():
     x = torch.randn(3, 5, 128) * torch.logspace(-3, 3, 5)[None, :, None]
-    q, scale = quantize_rows_int8(x)
+    q, scale = quantize_rowwise_int8(x)
     assert q.dtype == torch.int8 and scale.shape == (3, 5)
     assert torch.equal(q.abs().amax(dim=-1), torch.full((3, 5), 127, dtype=torch.int8))
     err = (q.float() * scale[..., None] - x).abs().amax(dim=-1)
     assert torch.all(err <= INT8_STEP_RTOL * x.abs().amax(dim=-1))
-    zero_q, zero_scale = quantize_rows_int8(torch.zeros(2, 128))
+    zero_q, zero_scale = quantize_rowwise_int8(torch.zeros(2, 128))
     assert torch.equal(zero_q, torch.zeros_like(zero_q)) and torch.all(zero_scale > 0)
 
 
@@ -74,24 +73,24 @@ def test_reference_clears_the_sqnr_bar_where_fp8_qk_does_not(w):
     q, k, v, lengths = _inputs(w=w)
     used = torch.tensor(lengths)
     exact = exact_key_length_attention(q, k, v, lengths)
-    q8, qs = quantize_rows_int8(q)
-    k8, ks = quantize_rows_int8(k)
+    q8, qs = quantize_rowwise_int8(q)
+    k8, ks = quantize_rowwise_int8(k)
     vd = float(v.abs().max()) / FP8_MAX
     ours = quantized_attention_reference(q8, qs, k8, ks, quantize_fp8(v, vd), vd, used)
-    assert sqnr_db(ours, exact) >= SQNR_BAR_DB + 2
+    assert sqnr_db(exact, ours) >= SQNR_BAR_DB + 2
     # e4m3 q and k (what cuDNN's and FlashAttention-3's fp8 forward take): under the bar once the softmax is peaked
     qd, kd = (float(t.abs().max()) / FP8_MAX for t in (q, k))
     fp8_qk = exact_key_length_attention(quantize_fp8(q, qd).float() * qd, quantize_fp8(k, kd).float() * kd,
                                         v.float(), lengths)
     if w == 2.0:
-        assert sqnr_db(fp8_qk, exact) < SQNR_BAR_DB
+        assert sqnr_db(exact, fp8_qk) < SQNR_BAR_DB
 
 
 def test_padding_keys_do_not_count():
     q, k, v, lengths = _inputs()
     used = torch.tensor(lengths)
-    q8, qs = quantize_rows_int8(q)
-    k8, ks = quantize_rows_int8(k)
+    q8, qs = quantize_rowwise_int8(q)
+    k8, ks = quantize_rowwise_int8(k)
     v8 = quantize_fp8(v, 0.05)
     out = quantized_attention_reference(q8, qs, k8, ks, v8, 0.05, used)
     k8[1, :, lengths[1]:] = 127  # junk that would dominate the softmax if it were attended to
@@ -110,7 +109,7 @@ def test_op_on_cpu_runs_the_reference_and_records_sqnr():
         QuantizedKeyLengthAttention.recording = None
     assert out.shape == q.shape and out.dtype == q.dtype
     assert len(recorded) == 1 and recorded[0] >= SQNR_BAR_DB
-    assert math.isclose(recorded[0], sqnr_db(out, exact_key_length_attention(q, k, v, lengths)), rel_tol=1e-9)
+    assert math.isclose(recorded[0], sqnr_db(exact_key_length_attention(q, k, v, lengths), out), rel_tol=1e-9)
     op(q, k, v, causal=False)  # recording off: nothing kept
     assert QuantizedKeyLengthAttention.recording is None
 
@@ -121,22 +120,22 @@ def test_op_on_cpu_runs_the_reference_and_records_sqnr():
 def test_triton_kernel_and_quantizers_match_the_reference(heads, kv_heads):
     from wamrt.ops.quantized_attention import (
         quantize_fp8_tensor_cuda,
-        quantize_rows_int8_cuda,
+        quantize_rowwise_int8_cuda,
         quantized_attention,
     )
 
     q, k, v, lengths = _inputs(heads, kv_heads, g=3092, prefix=125, w=2.0, device="cuda")
     used = torch.tensor(lengths, device="cuda", dtype=torch.int32)
-    q8, qs = quantize_rows_int8_cuda(q)
-    want_q8, want_qs = quantize_rows_int8(q)
+    q8, qs = quantize_rowwise_int8_cuda(q)
+    want_q8, want_qs = quantize_rowwise_int8(q)
     assert q8.shape == q.shape and q8.stride() == q.stride()  # the view's layout kept
     assert (q8.int() - want_q8.int()).abs().max() <= 1 and torch.allclose(qs, want_qs, rtol=1e-6)
-    k8, ks = quantize_rows_int8_cuda(k)
+    k8, ks = quantize_rowwise_int8_cuda(k)
     v8, vd = quantize_fp8_tensor_cuda(v)
     assert math.isclose(float(vd), float(v.abs().max()) / FP8_MAX, rel_tol=1e-6)
     want = quantized_attention_reference(q8, qs, k8, ks, v8, float(vd), used)
     for v_in in (v8, v8.transpose(-1, -2).contiguous().transpose(-1, -2)):  # row and V^T memory
         got = quantized_attention(q8, qs, k8, ks, v_in, vd, used)
-        assert sqnr_db(got, want) >= KERNEL_VS_REFERENCE_DB
+        assert sqnr_db(want, got) >= KERNEL_VS_REFERENCE_DB
     exact = exact_key_length_attention(q, k, v, lengths)
-    assert sqnr_db(got, exact) >= SQNR_BAR_DB
+    assert sqnr_db(exact, got) >= SQNR_BAR_DB

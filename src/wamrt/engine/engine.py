@@ -267,9 +267,10 @@ class Engine:
             # requests share the batch, not on the order they arrived in. Results go back by index.
             prepared.sort(key=lambda ip: _prefix_lengths(ip[1].inputs), reverse=True)
             batches = [[ip] for ip in prepared] if self.config.isolate_requests else [prepared] if prepared else []
+            encode_ms: dict[str, float] = {}
             for batch in batches:
                 finals, timings = self._denoise([p for _, p in batch], opts)
-                encode_ms = clock.ms()  # complete: _denoise synchronized the device
+                encode_ms = encode_ms or clock.ms()  # every encode's events are done: _denoise synchronized
                 for i, prep in batch:
                     prep.timings_ms["vae_encode"] = encode_ms[f"vae_encode{group_of[i]}"]
                 t0 = time.perf_counter()

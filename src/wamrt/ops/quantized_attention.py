@@ -21,7 +21,8 @@ P (in [0, 1]) and v keep e4m3: int8 would need a scale over the whole key sequen
 
 Numerics (the reference computes exactly this, up to accumulation order):
 * q [B, H, Sq, d] and k [B, KH, L, d] int8 with fp32 scales [B, H, Sq] / [B, KH, L]: x ~= x_i8 * scale (per row
-  absmax / 127, `quantize_rows_int8`); logits = (q_i8 . k_i8) * q_scale * k_scale / sqrt(d), exact in int32.
+  absmax / 127, `quant.int8.quantize_rowwise_int8`); logits = (q_i8 . k_i8) * q_scale * k_scale / sqrt(d), exact in
+  int32.
 * v e4m3 with one fp32 descale per tensor (v ~= v_fp8 * descale). e4m3 is floating point, so the scale only has to
   keep |v| under 448 and well above 2^-6. `QuantizedKeyLengthAttention` finds max|v| on the device each call;
   `v_scale_bound` is a static one from the v projection's weights, for a producer that writes e4m3 v itself.
@@ -37,26 +38,21 @@ from collections.abc import Sequence
 
 import torch
 
+from ..quant.fp8 import _AMAX_FLOOR, FP8, FP8_MAX
+from ..quant.int8 import quantize_rowwise_int8
+from ..quant.sqnr import sqnr_db
+from .attention import sdpa
+
 try:  # the kernel runs on CUDA only; CPU-only installs (CI) may have no Triton
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 INT8_MAX = 127.0
 P_SCALE_LOG2 = 8  # P * 2^8 in [0, 256] before its e4m3 cast: see the module docstring
 LOG2E = 1.4426950408889634
-_SCALE_FLOOR = 1e-12
 V_BOUND_MARGIN = 1.125  # an fp8 projection's rounding of its input and weights (e4m3: 2^-4 each)
-
-
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., d] -> (int8 [..., d], fp32 scale [...]) with x ~= x_i8 * scale, scale = row absmax / 127."""
-    scale = x.float().abs().amax(dim=-1).clamp(min=_SCALE_FLOOR) / INT8_MAX
-    y = x.float() / scale[..., None]
-    return (y.sign() * (y.abs() + 0.5).floor()).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale  # halves away from 0
 
 
 def quantize_fp8(x: torch.Tensor, descale: float) -> torch.Tensor:
@@ -72,7 +68,7 @@ def v_scale_bound(norm_weight: torch.Tensor, v_weight: torch.Tensor, v_bias: tor
     rows = norm_bound * v_weight.detach().float().norm(dim=1)
     if v_bias is not None:
         rows = rows + v_bias.detach().float().abs()
-    return max(float(rows.max()) * margin, _SCALE_FLOOR) / FP8_MAX
+    return max(float(rows.max()) * margin, _AMAX_FLOOR) / FP8_MAX
 
 
 def quantized_attention_reference(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
@@ -164,7 +160,7 @@ if triton is not None:
         x = tl.load(x_ptr + at, mask=r[:, None] < rows, other=0.0).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 127.0
         xq = x / scale[:, None]
-        # halves away from zero, as quantize_rows_int8
+        # exact halves away from zero (quantize_rowwise_int8 rounds them to even: one code apart, on ties only)
         xq = tl.where(xq >= 0, tl.floor(xq + 0.5), tl.ceil(xq - 0.5))
         tl.store(q_ptr + at, tl.clamp(xq, -127.0, 127.0).to(tl.int8), mask=r[:, None] < rows)
         tl.store(s_ptr + r, scale, mask=r < rows)
@@ -231,8 +227,8 @@ def quantized_attention(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor,
     return out
 
 
-def quantize_rows_int8_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows_int8` as one Triton kernel for a tensor whose memory is whole rows of its last dimension
+def quantize_rowwise_int8_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rowwise_int8` as one Triton kernel for a tensor whose memory is whole rows of its last dimension
     (x.is_contiguous(), or a permutation of the leading dimensions of contiguous memory, such as the engine's q
     [B, H, G, d] view of [B, G, H, d]): outputs in x's memory order and strides."""
     d = x.shape[-1]
@@ -275,23 +271,21 @@ class QuantizedKeyLengthAttention:
         self.used = torch.stack([torch.full((), n, dtype=torch.int32, device=device) for n in self.lengths])
 
     def __call__(self, q, k, v, *, causal: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        from .attention import sdpa
-
         if causal:
             return sdpa(q, k, v, causal=True, backend=self.reasoner)
         if q.is_cuda:
-            q8, qs = quantize_rows_int8_cuda(q)
-            k8, ks = quantize_rows_int8_cuda(k)
+            q8, qs = quantize_rowwise_int8_cuda(q)
+            k8, ks = quantize_rowwise_int8_cuda(k)
             v8, vd = quantize_fp8_tensor_cuda(v.contiguous())
             out = quantized_attention(q8, qs, k8, ks, v8, vd, self.used)
         else:
-            q8, qs = quantize_rows_int8(q)
-            k8, ks = quantize_rows_int8(k)
-            vd = max(float(v.abs().max()), _SCALE_FLOOR) / FP8_MAX
+            q8, qs = quantize_rowwise_int8(q)
+            k8, ks = quantize_rowwise_int8(k)
+            vd = max(float(v.abs().max()), _AMAX_FLOOR) / FP8_MAX
             out = quantized_attention_reference(q8, qs, k8, ks, quantize_fp8(v, vd), vd, self.used, out_dtype=q.dtype)
         if QuantizedKeyLengthAttention.recording is not None:
             exact = exact_key_length_attention(q, k, v, self.lengths)
-            QuantizedKeyLengthAttention.recording.append(sqnr_db(out, exact))
+            QuantizedKeyLengthAttention.recording.append(sqnr_db(exact, out))
         return out
 
 
@@ -305,9 +299,3 @@ def exact_key_length_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         outs.append(torch.nn.functional.scaled_dot_product_attention(q[b : b + 1].float(), kb, vb))
     return torch.cat(outs)
 
-
-def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """10 log10(|ref|^2 / |x - ref|^2)."""
-    ref = ref.float()
-    err = (x.float() - ref).square().sum().item()
-    return 10 * math.log10(ref.square().sum().item() / max(err, 1e-30))

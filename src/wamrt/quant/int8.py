@@ -15,10 +15,10 @@ _AMAX_FLOOR = 1e-12
 
 
 def quantize_rowwise_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (int8 [N, K], fp32 scale [N]); symmetric, round to nearest."""
+    """w [..., K] -> (int8 [..., K], fp32 scale [...]); symmetric per row of K, round to nearest (ties to even)."""
     wf = w.float()
     scale = wf.abs().amax(dim=-1).clamp(min=_AMAX_FLOOR) / INT8_MAX
-    q = torch.round(wf / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    q = torch.round(wf / scale[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
 
