@@ -1,7 +1,8 @@
 """Issue 14 moonshot: 8-bit attention candidates at the Generator call's shapes, timed as the engine runs them (calls
 captured in a CUDA graph) beside flash-attn-4 bf16: the Triton int8-QK / e4m3-PV kernel (wamrt.ops.quantized_attention)
 in several tile configs and memory layouts, its TMA variant (scripts/tma_attention_variant.py, --tma-configs),
-flash-attn-4 at other SM90 tiles (--fa4-sweep), and cuDNN's fp8 SDPA where scripts/cudnn_fp8_probe.py can build it,
+flash-attn-4 at other SM90 tiles (--fa4-sweep), cuDNN's fp8 SDPA where scripts/cudnn_fp8_probe.py can build it, and
+FlashAttention-3's bf16 and e4m3 forwards where fa3-fwd is installed (scripts/fa3_probe.py),
 with the SQNR of each against fp32 attention on the bf16 inputs.
 
     python3 scripts/fp8_attention_probe.py --out DIR [--models edge,nano]
@@ -193,6 +194,12 @@ def main() -> None:
                 row["cudnn_fp8"] = {"error": repr(e)[:300]}
             except Exception as e:
                 row["cudnn_fp8"] = {"error": repr(e)[:600]}
+            try:
+                from fa3_probe import fa3_rows  # beside this script; needs fa3-fwd (gpu_run.sh: .whl-fa3)
+
+                row["fa3"] = fa3_rows(q, k, v, used, ref, args.iters, sqnr_db, _graph_ms)
+            except ImportError as e:
+                row["fa3"] = {"error": repr(e)[:300]}
             for key in ("fa4_bf16", "cudnn_bf16_unmasked", "cudnn_fp8", "quantized_reference_sqnr_db"):
                 print(model, w, key, row.get(key), flush=True)
             rows.append(row)

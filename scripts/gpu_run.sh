@@ -26,7 +26,8 @@ cd "$(dirname "$0")/.."
 # benches need, small enough to travel beside a flash-attn-4 part within a call's 64 MiB). Carry one of the two.
 # .whl-av: PyAV (36 MB), which the server's MP4 replies need (the world-serve part); the image has none.
 # .whl-extra: anything else one part needs (the attention probe: nvidia-cudnn-frontend, 12 MB).
-wheels=$(ls .whl/*.whl .whl-bench/*.whl .whl-av/*.whl .whl-extra/*.whl 2>/dev/null)
+# .whl-fa3: fa3-fwd 0.0.3 (FlashAttention-3's forward, 28 MB): the "fa3" attention backend and the probe's fa3 rows.
+wheels=$(ls .whl/*.whl .whl-bench/*.whl .whl-av/*.whl .whl-extra/*.whl .whl-fa3/*.whl 2>/dev/null)
 if [ -n "$wheels" ]; then  # none carried: a part that needs no extra package (kernel tests, the attention probe)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/wamrt-py/site-packages $wheels || exit 1
