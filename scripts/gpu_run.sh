@@ -3,6 +3,7 @@
 # Usage: WAMRT_GIT_SHA=<sha> bash scripts/gpu_run.sh PART[:SECONDS]...
 #   parts: smoke edge nano tests load quant-edge quant-nano (lossy rows LOSSY_ROWS, default E6,E7,E8, + quality, the
 #          quantization GPU tests and the fused fp8 activation kernel's)
+#          vae-bench (the frame-0 VAE encode's kernel options, before / today: scripts/vae_encode_bench.py)
 #          host-timeline (a warm request's host work against its GPU graphs: scripts/host_timeline.py)
 #          kernel-tests (the Triton kernels' GPU tests: q/k/v head epilogue, fp8 fusion)
 #          attn-probe (8-bit attention kernels vs flash-attn-4 bf16: time and SQNR; MODELS, default edge,nano;
@@ -201,6 +202,10 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
           attn=${ATTENTION:-$(python3 -c 'import flash_attn.cute.interface' 2>/dev/null && echo fa4 || echo cudnn)}
           timeout "$limit" python3 scripts/host_timeline.py --model "${MODEL:-edge}" --recipe "${RECIPE:-gen-fp8}" \
              --steps "${STEPS:-2}" --attention "$attn" --flags "${FLAGS:-{\}}" --out "$res" 2>&1 | tee "$res/log.txt" ;;
+    vae-bench) # Issue 14 moonshot: the frame-0 VAE encode's kernel options and a request's encode call, before / today
+          timeout "$limit" python3 scripts/vae_encode_bench.py --out "$res" 2>&1 | tee "$res/log.txt"
+          timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_vae_encode.py 2>&1 \
+             | tail -5 | tee -a "$res/log.txt" ;;
     kernel-tests) # the Triton kernels against their references (head epilogue, fp8 fusion), in graphs, timed
           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_qkv_epilogue.py \
              tests/engine/test_fp8_fusion.py tests/ops/test_quantized_attention.py 2>&1 | tee "$res/log.txt" ;;

@@ -56,6 +56,17 @@ def test_guidance_interval_and_kv_cache(policy):
     assert engine.kv_cache.misses == 2 and engine.kv_cache.hits == 2
 
 
+def test_canvas_padded_on_the_device_or_the_host_gives_the_same_bits(policy):
+    obs = [sample_observation(0), sample_observation(1)]
+    got = {}
+    for on_device in (True, False):
+        engine = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False,
+                                                         canvas_on_device=on_device))
+        got[on_device] = [c.actions for c in engine.infer_batch(obs, seeds=[5, 6], steps=1)]
+    for a, b in zip(got[True], got[False], strict=True):
+        assert np.array_equal(a, b)
+
+
 def test_bad_request_in_a_batch_does_not_sink_the_others(policy):
     engine = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
     bad = sample_observation(0)

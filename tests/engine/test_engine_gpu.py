@@ -60,6 +60,8 @@ def test_engine_vs_reference_fp32_truth_and_graph_bitwise(nano):
                                                                             head_epilogue="inductor"))
     runs["graph-inductor-heads"] = Engine.from_policy(nano, EngineConfig(head_epilogue="inductor"))
     runs["graph-sync"] = Engine.from_policy(nano, EngineConfig(overlap_encode=False))  # the host waits for the VAE
+    # the host pads the canvas and the VAE graph starts from [-1, 1] pixels (pageable upload)
+    runs["graph-host-canvas"] = Engine.from_policy(nano, EngineConfig(canvas_on_device=False))
     assert runs["graph"].head_epilogue == "triton"
     if fa4_available():  # both CFG branches in one flash-attn-4 call (keys [Generator | prefix | zeros])
         runs["graph-fa4-lengths"] = Engine.from_policy(nano, EngineConfig(attention="fa4", cfg_attention="lengths",
@@ -81,6 +83,7 @@ def test_engine_vs_reference_fp32_truth_and_graph_bitwise(nano):
         assert vs_truth <= NOT_WORSE_THAN_BF16 * ref_err, (name, vs_truth, ref_err)
     assert np.array_equal(replay, out["graph"]), "graph replay is deterministic"
     assert np.array_equal(out["graph-sync"], out["graph"]), "the VAE on its side stream computes the same bits"
+    assert np.array_equal(out["graph-host-canvas"], out["graph"]), "the pad in the VAE graph computes the same bits"
     assert np.array_equal(out["graph"], out["compiled"]), "graph replay == eager compiled engine"
 
 

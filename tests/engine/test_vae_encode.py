@@ -126,3 +126,65 @@ def test_captured_encode_replays_the_eager_walk_exactly() -> None:
         pixels = _pixels(b, 1, 480, 640, seed=seed).to(dev)
         assert torch.equal(graphed.encode(pixels), eager.encode(pixels)), (b, seed)
     assert graphed.capture and len(graphed._graphs) == 1
+
+
+def test_canvas_content_equals_the_padded_canvas(assets) -> None:
+    """encode_content_uint8 pads on the device what pad_to_bucket pads on the host: every pad mode gives the latent
+    of the host-padded pixels (diffusers' encoder and the first-frame walk alike)."""
+    from wamrt.pipeline.canvas import PaddedCanvas
+    from wamrt.pipeline.geometry import CanvasGeometry
+
+    gen = torch.Generator().manual_seed(21)
+    ours = FirstFrameEncoder(assets.encoder)
+    geometries = {
+        "reflect": CanvasGeometry(36, 70, 48, 80, 36, 70),
+        "edge": CanvasGeometry(20, 70, 48, 80, 20, 70),  # pad (28) >= content height: numpy's edge mode
+        "none": CanvasGeometry(48, 80, 48, 80, 48, 80),
+    }
+    for mode, geo in geometries.items():
+        assert geo.pad_mode == mode
+        content = torch.randint(0, 256, (2, geo.content_h, geo.content_w, 3), dtype=torch.uint8, generator=gen)
+        padded = torch.stack([torch.from_numpy(PaddedCanvas(c.numpy(), geo).pixels.copy()) for c in content])
+        assert padded.shape[1:3] == (geo.canvas_h, geo.canvas_w)
+        want = assets.encoder.encode_uint8(padded)
+        _assert_close(assets.encoder.encode_content_uint8(content, geo), want, f"diffusers, {mode} pad")
+        _assert_close(ours.encode_content_uint8(content, geo), want, f"first-frame walk, {mode} pad")
+    with pytest.raises(RequestError, match="does not match its geometry"):
+        assets.encoder.encode_content_uint8(content[:, :10], geometries["none"])
+
+
+def test_stem_channels_padded_for_tensor_cores(assets) -> None:
+    """The patchified stem (12 channels) runs on zero-padded taps; off (channel_multiple=1) it does not, and the
+    mid block's attention as two GEMMs equals the module's SDPA: all four settings give diffusers' latent."""
+    conv_in = assets.vae.encoder.conv_in
+    pixels = _pixels(1, 1, seed=23)
+    want = assets.encoder.encode(pixels)
+    for multiple in (1, 8):
+        for gemm in (False, True):
+            ours = FirstFrameEncoder(assets.encoder, channel_multiple=multiple, gemm_attention=gemm)
+            _assert_close(ours.encode(pixels), want, f"channel_multiple={multiple}, gemm_attention={gemm}")
+            assert ours._tap(conv_in).shape[1] == (16 if multiple == 8 else conv_in.weight.shape[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_canvas_content_replays_the_eager_walk_exactly() -> None:
+    """The graph that starts from uint8 canvas content (conversion, reflect pad and patchify captured with the walk)
+    gives the eager walk's bits on the host-padded canvas."""
+    from wamrt.pipeline.canvas import PaddedCanvas
+    from wamrt.pipeline.geometry import canvas_geometry
+    from wamrt.pipeline.random_weights import random_vae
+    from wamrt.pipeline.vae import FrameEncoder
+
+    dev = torch.device("cuda")
+    frames = FrameEncoder(random_vae(dev, torch.bfloat16))
+    eager, graphed = FirstFrameEncoder(frames), FirstFrameEncoder(frames, capture=True)
+    geo = canvas_geometry(540, 640, "480", "framework")
+    assert geo.pad_mode == "reflect"
+    for seed in (31, 32):
+        content = torch.randint(0, 256, (1, 540, 640, 3), dtype=torch.uint8,
+                                generator=torch.Generator().manual_seed(seed))
+        padded = torch.from_numpy(PaddedCanvas(content[0].numpy(), geo).pixels.copy())[None]
+        got = graphed.encode_content_uint8(content.pin_memory().to(dev, non_blocking=True), geo)
+        assert torch.equal(got, eager.encode_uint8(padded.to(dev))), seed
+    assert len(graphed._graphs) == 1

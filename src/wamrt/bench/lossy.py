@@ -51,6 +51,10 @@ LOSSY_ROWS.update({f"{row}-{suffix}": (f"{row} with {what}", steps, "gen-fp8", F
 # E6 / E7 with the host waiting for the VAE encode (EngineConfig.overlap_encode off: the comparison rows for it).
 LOSSY_ROWS.update({f"{row}-sync": (f"{row} with the host waiting for the VAE encode", steps, "gen-fp8", False,
                                    {"overlap_encode": False}) for row, steps in (("E6", 4), ("E7", 2))})
+# E6 / E7 with the host padding the canvas and a pageable upload (EngineConfig.canvas_on_device off: the comparison
+# rows for it).
+LOSSY_ROWS.update({f"{row}-host-canvas": (f"{row} with the canvas padded on the host", steps, "gen-fp8", False,
+                                          {"canvas_on_device": False}) for row, steps in (("E6", 4), ("E7", 2))})
 QUALITY_REQUESTS = 4  # observations (and seeds) every lossy configuration is compared on
 
 

@@ -68,6 +68,10 @@ class EngineConfig:
     # inputs) runs while the GPU encodes. False: the host waits after the encode and around the Reasoner prefill
     # (each stage's wall time exact; the comparison rows "-sync").
     overlap_encode: bool = True
+    # The canvas's bucket pad, its conversion to [-1, 1] and the patchify inside the VAE encode's CUDA graph, the
+    # unpadded uint8 content uploaded from pinned memory (`encode_canvases`); False: the host pads and the upload is
+    # pageable, as before (the comparison rows "-host-canvas").
+    canvas_on_device: bool = True
     kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
     graph_cache_size: int = 16  # captured buckets kept (LRU) ...
     graph_cache_bytes: int = 0  # ... and the device memory their captures added (0: no byte bound)

@@ -251,7 +251,7 @@ class Engine:
                 clock.start(f"vae_encode{g}", encode_stream)
                 with torch.cuda.stream(encode_stream) if encode_stream is not None else nullcontext():
                     latents = encode_canvases(self._canvas_encoder, [hosts[i].padded for i in group], self.device,
-                                              self.config.vae_frames)
+                                              self.config.vae_frames, pad_on_device=self.config.canvas_on_device)
                 clock.stop(f"vae_encode{g}", encode_stream)
                 if not self.config.overlap_encode:
                     self._sync()

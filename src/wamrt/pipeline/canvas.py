@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -36,8 +37,16 @@ DROID_CANVAS_HW = (540, 640)
 
 @dataclass(frozen=True)
 class PaddedCanvas:
-    pixels: np.ndarray  # [canvas_h, canvas_w, 3] uint8, content at top-left
+    """A canvas on its bucket: `content` is what the pad starts from, `pixels` the padded canvas, made on first use
+    (the engine pads on the GPU instead, inside its VAE encode graph: `FrameEncoder.encode_content_uint8`)."""
+
+    content: np.ndarray  # [content_h, content_w, 3] uint8 (resized if the bucket needed it)
     geometry: CanvasGeometry
+
+    @cached_property
+    def pixels(self) -> np.ndarray:
+        """[canvas_h, canvas_w, 3] uint8, content at top-left."""
+        return pad_canvas(self.content, self.geometry)
 
     @property
     def image_size(self) -> tuple[int, int, int, int]:
@@ -129,12 +138,26 @@ def pad_to_bucket(canvas: np.ndarray, tier: str | int = "480") -> PaddedCanvas:
     geo = canvas_geometry(canvas.shape[0], canvas.shape[1], tier, "framework")
     if geo.needs_resize:
         canvas = _resize_bicubic_aa_uint8(canvas, (geo.content_h, geo.content_w))
+    return PaddedCanvas(np.ascontiguousarray(canvas), geo)
+
+
+def pad_canvas(content: np.ndarray, geo: CanvasGeometry) -> np.ndarray:
+    """The bucket's bottom / right pad of a [content_h, content_w, 3] canvas (`geo.pad_mode`)."""
     mode = geo.pad_mode
     if mode == "reflect":
-        canvas = reflect_pad(canvas, geo.pad_bottom, geo.pad_right)
-    elif mode != "none":
-        canvas = np.pad(canvas, ((0, geo.pad_bottom), (0, geo.pad_right), (0, 0)), mode=mode)
-    return PaddedCanvas(np.ascontiguousarray(canvas), geo)
+        return reflect_pad(content, geo.pad_bottom, geo.pad_right)
+    if mode != "none":
+        return np.pad(content, ((0, geo.pad_bottom), (0, geo.pad_right), (0, 0)), mode=mode)
+    return content
+
+
+def pad_unit_pixels(x: torch.Tensor, geo: CanvasGeometry) -> torch.Tensor:
+    """`pad_canvas` on [B, 3, content_h, content_w] float pixels (any device): the same values, since a pad only
+    moves pixels (torch's reflect pad, like numpy's, does not repeat the edge; numpy's "edge" is "replicate")."""
+    mode = geo.pad_mode
+    if mode == "none":
+        return x
+    return F.pad(x, (0, geo.pad_right, 0, geo.pad_bottom), mode="reflect" if mode == "reflect" else "replicate")
 
 
 def reflect_pad(image: np.ndarray, bottom: int, right: int) -> np.ndarray:

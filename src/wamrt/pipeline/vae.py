@@ -14,7 +14,9 @@ import torch
 from diffusers import AutoencoderKLWan
 from safetensors.torch import load_file
 
+from .canvas import pad_unit_pixels
 from .errors import RequestError
+from .geometry import CanvasGeometry
 
 # Per-channel statistics of Wan2.2 (TI2V-5B) latents: data constants of the released VAE, which the
 # checkpoints were trained with (also in its diffusers config.json).
@@ -86,7 +88,20 @@ class FrameEncoder:
 
     def encode_uint8(self, frames: torch.Tensor) -> torch.Tensor:
         """frames uint8 [B, H, W, 3] -> latent of each as a single frame, [B, C, 1, H/16, W/16]."""
-        if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
-            raise RequestError(f"expected uint8 [B, H, W, 3] frames, got {frames.dtype} {tuple(frames.shape)}")
-        x = frames.permute(0, 3, 1, 2).float() / 127.5 - 1.0  # [B, 3, H, W]
-        return self.encode(x[:, :, None])
+        return self.encode(unit_pixels(frames)[:, :, None])
+
+    def encode_content_uint8(self, content: torch.Tensor, geometry: CanvasGeometry) -> torch.Tensor:
+        """content uint8 [B, content_h, content_w, 3] (canvases before their bucket pad, `PaddedCanvas.content`) ->
+        the latent of each padded canvas as a single frame: `encode_uint8` of the padded pixels, the pad done on
+        the content's device."""
+        if content.shape[1:3] != (geometry.content_h, geometry.content_w):
+            raise RequestError(f"content {tuple(content.shape)} does not match its geometry "
+                               f"{geometry.content_h}x{geometry.content_w}")
+        return self.encode(pad_unit_pixels(unit_pixels(content), geometry)[:, :, None])
+
+
+def unit_pixels(frames: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, H, W, 3] -> float32 [B, 3, H, W] in [-1, 1] (x / 127.5 - 1, as the framework does)."""
+    if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+        raise RequestError(f"expected uint8 [B, H, W, 3] frames, got {frames.dtype} {tuple(frames.shape)}")
+    return frames.permute(0, 3, 1, 2).float() / 127.5 - 1.0
