@@ -56,7 +56,7 @@ class FirstFrameEncoder(FrameEncoder):
     """A `FrameEncoder` whose `encode` of a single frame runs the 2D walk; anything else is diffusers' encode."""
 
     def __init__(self, frames: FrameEncoder, *, capture: bool = False, max_graphs: int = 8,
-                 channel_multiple: int = 8, gemm_attention: bool = True) -> None:
+                 channel_multiple: int = 8, gemm_attention: bool = True, cudnn_benchmark: bool = False) -> None:
         super().__init__(frames.vae)
         self.capture, self.max_graphs = capture, max_graphs
         # A convolution whose input channels are not a multiple of this gets zero channels (and zero weights) up to
@@ -64,6 +64,10 @@ class FirstFrameEncoder(FrameEncoder):
         # of the ~3.9 ms encode). 0 or 1: off.
         self.channel_multiple = channel_multiple
         self.gemm_attention = gemm_attention  # False: the mid block's attention module itself (SDPA); see _attention
+        # cuDNN times its algorithms per convolution shape on the first encode (warm-up, before capture) instead of
+        # taking its heuristic's pick. Off by default: the pick can then differ from one process to the next, and
+        # with it the latent's rounding (scripts/vae_encode_bench.py measures what it would buy).
+        self.cudnn_benchmark = cudnn_benchmark
         # (what, shapes, ...) -> (graph, static input, static output); LRU. One memory pool for all: replays are
         # serialised by _graph_lock and every output is copied out before the next replay.
         self._graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = OrderedDict()
@@ -124,7 +128,14 @@ class FirstFrameEncoder(FrameEncoder):
         """One frame [B, 3, H, W] in [-1, 1], the VAE's dtype -> the normalised latent, fp32 [B, z, 1, h, w]."""
         if self._patch is not None:
             x = patchify(x[:, :, None], patch_size=self._patch)[:, :, 0]
-        mu = self._latent_mean(x.contiguous(memory_format=torch.channels_last))
+        x = x.contiguous(memory_format=torch.channels_last)
+        if self.cudnn_benchmark:
+            b = torch.backends.cudnn
+            with b.flags(enabled=b.enabled, benchmark=True, benchmark_limit=b.benchmark_limit,
+                         deterministic=b.deterministic, allow_tf32=b.allow_tf32):
+                mu = self._latent_mean(x)
+        else:
+            mu = self._latent_mean(x)
         return ((mu.unsqueeze(2) - self.mean) * self.inv_std).float()
 
     def _latent_mean(self, x: torch.Tensor) -> torch.Tensor:
