@@ -131,7 +131,7 @@ class FirstFrameEncoder(FrameEncoder):
         x = x.contiguous(memory_format=torch.channels_last)
         if self.cudnn_benchmark:
             b = torch.backends.cudnn
-            with b.flags(enabled=b.enabled, benchmark=True, benchmark_limit=b.benchmark_limit,
+            with b.flags(enabled=b.enabled, benchmark=True, benchmark_limit=b.benchmark_limit or 10,
                          deterministic=b.deterministic, allow_tf32=b.allow_tf32):
                 mu = self._latent_mean(x)
         else:
