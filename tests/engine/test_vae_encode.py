@@ -67,16 +67,22 @@ def test_several_frames_go_to_diffusers(assets) -> None:
 
 
 def test_tap_cache_follows_new_weights(assets) -> None:
+    """Derived tensors (taps, folded biases) follow a reloaded parameter: the stem's weight, and the biases a residual
+    block folds into its add (its second convolution's and its shortcut convolution's)."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualBlock
+
     ours = FirstFrameEncoder(assets.encoder)
     pixels = _pixels(1, 1, seed=5)
     ours.encode(pixels)
-    conv = assets.vae.encoder.conv_in
-    saved = conv.weight
-    try:
-        conv.weight = nn.Parameter(saved.detach() * 2, requires_grad=False)  # weights reloaded
-        _assert_close(ours.encode(pixels), assets.encoder.encode(pixels), "after a weight swap")
-    finally:
-        conv.weight = saved
+    block = next(m for m in assets.vae.encoder.modules()
+                 if isinstance(m, WanResidualBlock) and not isinstance(m.conv_shortcut, nn.Identity))
+    for module, name in ((assets.vae.encoder.conv_in, "weight"), (block.conv2, "bias"), (block.conv_shortcut, "bias")):
+        saved = getattr(module, name)
+        try:
+            setattr(module, name, nn.Parameter(saved.detach() * 2 + 0.1, requires_grad=False))  # weights reloaded
+            _assert_close(ours.encode(pixels), assets.encoder.encode(pixels), f"after a swap of {name}")
+        finally:
+            setattr(module, name, saved)
 
 
 def test_unknown_module_falls_back_to_diffusers(assets, caplog) -> None:
@@ -154,16 +160,20 @@ def test_canvas_content_equals_the_padded_canvas(assets) -> None:
 
 
 def test_stem_channels_padded_for_tensor_cores(assets) -> None:
-    """The patchified stem (12 channels) runs on zero-padded taps; off (channel_multiple=1) it does not, and the
-    mid block's attention as two GEMMs equals the module's SDPA: all four settings give diffusers' latent."""
+    """The patchified stem (12 channels) runs on zero-padded taps; off (channel_multiple=1) it does not; the mid
+    block's attention as two GEMMs equals the module's SDPA, and the residual blocks' biases folded into the norm and
+    the add equal the separate bias passes: every setting gives diffusers' latent."""
     conv_in = assets.vae.encoder.conv_in
     pixels = _pixels(1, 1, seed=23)
     want = assets.encoder.encode(pixels)
     for multiple in (1, 8):
         for gemm in (False, True):
-            ours = FirstFrameEncoder(assets.encoder, channel_multiple=multiple, gemm_attention=gemm)
-            _assert_close(ours.encode(pixels), want, f"channel_multiple={multiple}, gemm_attention={gemm}")
-            assert ours._tap(conv_in).shape[1] == (16 if multiple == 8 else conv_in.weight.shape[1])
+            for fold in (False, True):
+                ours = FirstFrameEncoder(assets.encoder, channel_multiple=multiple, gemm_attention=gemm,
+                                         fold_biases=fold)
+                _assert_close(ours.encode(pixels), want,
+                              f"channel_multiple={multiple}, gemm_attention={gemm}, fold_biases={fold}")
+                assert ours._tap(conv_in).shape[1] == (16 if multiple == 8 else conv_in.weight.shape[1])
 
 
 @pytest.mark.gpu

@@ -64,10 +64,11 @@ class _ImplicitPadCausalConv3d(WanCausalConv3d):
 # Fused RMS norm (+ SiLU)
 
 
-def _rms_norm_silu_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | float, silu: bool) -> torch.Tensor:
+def _rms_norm_silu_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | float, silu: bool,
+                         shift: torch.Tensor | None = None) -> torch.Tensor:
     # Elementwise ops and a keepdim reduction only: the output keeps x's memory format (channels-last activations
     # from the channels-last convolutions stay channels-last, with no layout conversion before the next conv).
-    xf = x.float()
+    xf = x.float() if shift is None else x.float() + shift
     y = xf / torch.linalg.vector_norm(xf, dim=1, keepdim=True).clamp_min(RMS_NORM_EPS) * weight + bias
     if silu:
         y = F.silu(y)
@@ -75,7 +76,8 @@ def _rms_norm_silu_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def _on_dense_rows(
-    fn: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | float, silu: bool
+    fn: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | float, silu: bool,
+    shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`fn(x, weight, bias, silu)` computed on x's memory seen as a contiguous [outer, C, inner] view (no copy), the
     result viewed back in x's shape and memory format. The compiled kernel then sees at most a handful of kinds of
@@ -85,13 +87,15 @@ def _on_dense_rows(
     order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # outermost dim first; stable for size-1 ties
     dense = x.permute(order)
     if not dense.is_contiguous():
-        return fn(x, weight, bias, silu)
+        return fn(x, weight, bias, silu, shift)
     at = order.index(1)
     channels = x.shape[1]
     rows = dense.view(math.prod(dense.shape[:at]), channels, math.prod(dense.shape[at + 1 :]))
     if isinstance(bias, torch.Tensor):
         bias = bias.reshape(channels, 1)
-    y = fn(rows, weight.reshape(channels, 1), bias, silu)
+    if shift is not None:
+        shift = shift.reshape(channels, 1)
+    y = fn(rows, weight.reshape(channels, 1), bias, silu, shift)
     return y.view(dense.shape).permute(sorted(range(x.dim()), key=order.__getitem__))
 
 
@@ -104,19 +108,21 @@ COMPILED_DEVICE_TYPES = ("cuda",)  # elsewhere eager (CPU CI compares with diffu
 _RECOMPILE_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 
 
-def rms_norm_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | float, silu: bool) -> torch.Tensor:
+def rms_norm_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | float, silu: bool,
+                  shift: torch.Tensor | None = None) -> torch.Tensor:
     """`x / max(||x||_2 over dim 1, 1e-12) * weight + bias`, then SiLU if `silu`, computed in fp32 and rounded to
-    x's dtype once; `weight` is diffusers' `scale * gamma` in fp32, shaped like gamma ([C, 1, ...]). On CUDA one
+    x's dtype once; `weight` is diffusers' `scale * gamma` in fp32, shaped like gamma ([C, 1, ...]). `shift` (fp32,
+    shaped like weight) is added to x first: the bias of the convolution before, which then costs no pass. On CUDA one
     compiled kernel: one read and one write of x where diffusers' norm and SiLU make about eight passes.
     `dynamic=True` and the [outer, C, inner] view (`_on_dense_rows`) let the decoder's many shapes share a few
     graphs; `silu` is a Python bool, so it specialises them."""
     global _compiled_rms_norm_silu, _compile_failed, _recompile_limit_warned
     if x.device.type not in COMPILED_DEVICE_TYPES or _compile_failed:
-        return _rms_norm_silu_eager(x, weight, bias, silu)
+        return _rms_norm_silu_eager(x, weight, bias, silu, shift)
     if _compiled_rms_norm_silu is None:
         _compiled_rms_norm_silu = torch.compile(_rms_norm_silu_eager, dynamic=True, fullgraph=True)
     try:
-        return _on_dense_rows(_compiled_rms_norm_silu, x, weight, bias, silu)
+        return _on_dense_rows(_compiled_rms_norm_silu, x, weight, bias, silu, shift)
     except _RECOMPILE_LIMIT_HIT as e:  # e.g. decodes in several dtypes: the kinds compiled so far stay compiled
         if not _recompile_limit_warned:
             _recompile_limit_warned = True
@@ -128,11 +134,11 @@ def rms_norm_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | fl
                 x.stride(),
                 e,
             )
-        return _rms_norm_silu_eager(x, weight, bias, silu)
+        return _rms_norm_silu_eager(x, weight, bias, silu, shift)
     except torch._dynamo.exc.TorchDynamoException as e:  # a compile failure (Inductor's errors included), not OOM
         _compile_failed = True
         log.warning("torch.compile of the VAE's fused RMS norm failed; running it eagerly from now on: %s", e)
-        return _rms_norm_silu_eager(x, weight, bias, silu)
+        return _rms_norm_silu_eager(x, weight, bias, silu, shift)
 
 
 class _FusedRMSNorm(WanRMS_norm):

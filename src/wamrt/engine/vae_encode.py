@@ -7,8 +7,9 @@ time taps multiply zeros, and before every convolution the residual blocks copy 
 kernel_t - 1, so only the last time tap meets data) is exactly a 2D convolution with that tap; the temporal
 downsampler's time convolution never runs on a first chunk. This module walks diffusers' encoder modules and runs
 that 2D computation with their weights (read only: the shared VAE is never modified, so a generation thread may use
-the same encoder meanwhile), with the norm and the SiLU after it fused (`vae_decode.rms_norm_silu`) and weights and
-activations channels-last for cuDNN.
+the same encoder meanwhile), with the norm and the SiLU after it fused (`vae_decode.rms_norm_silu`), a residual
+block's convolution biases folded into its second norm and its residual add (PyTorch adds a bias to a cuDNN
+convolution's output in a pass of its own), and weights and activations channels-last for cuDNN.
 
 With `capture=True` (CUDA) each input shape's walk is captured once into a CUDA graph and replayed: the walk is
 ~150 small kernels, and launching them one by one kept the GPU waiting on the host (H200, Edge E5: 9.3 ms for
@@ -56,7 +57,8 @@ class FirstFrameEncoder(FrameEncoder):
     """A `FrameEncoder` whose `encode` of a single frame runs the 2D walk; anything else is diffusers' encode."""
 
     def __init__(self, frames: FrameEncoder, *, capture: bool = False, max_graphs: int = 8,
-                 channel_multiple: int = 8, gemm_attention: bool = True, cudnn_benchmark: bool = False) -> None:
+                 channel_multiple: int = 8, gemm_attention: bool = True, cudnn_benchmark: bool = False,
+                 fold_biases: bool = True) -> None:
         super().__init__(frames.vae)
         self.capture, self.max_graphs = capture, max_graphs
         # A convolution whose input channels are not a multiple of this gets zero channels (and zero weights) up to
@@ -68,6 +70,9 @@ class FirstFrameEncoder(FrameEncoder):
         # taking its heuristic's pick. Off by default: the pick can then differ from one process to the next, and
         # with it the latent's rounding (scripts/vae_encode_bench.py measures what it would buy).
         self.cudnn_benchmark = cudnn_benchmark
+        # A residual block's convolution biases folded into the ops after them (norm2, the residual add) instead of
+        # PyTorch's separate bias pass after each cuDNN convolution.
+        self.fold_biases = fold_biases
         # (what, shapes, ...) -> (graph, static input, static output); LRU. One memory pool for all: replays are
         # serialised by _graph_lock and every output is copied out before the next replay.
         self._graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = OrderedDict()
@@ -223,13 +228,27 @@ class FirstFrameEncoder(FrameEncoder):
     def _residual(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if type(m) is not WanResidualBlock:
             raise UnsupportedEncoder(f"no first-frame rule for {type(m).__name__} in a residual position")
-        shortcut = x if isinstance(m.conv_shortcut, nn.Identity) else self._conv(m.conv_shortcut, x)
         silu = _is_silu(m.nonlinearity)
-        x = self._conv(m.conv1, self._norm(m.norm1, x, silu=silu))
-        x = self._conv(m.conv2, m.dropout(self._norm(m.norm2, x, silu=silu)))
-        return x + shortcut
+        if not self.fold_biases:
+            shortcut = x if isinstance(m.conv_shortcut, nn.Identity) else self._conv(m.conv_shortcut, x)
+            x = self._conv(m.conv1, self._norm(m.norm1, x, silu=silu))
+            x = self._conv(m.conv2, m.dropout(self._norm(m.norm2, x, silu=silu)))
+            return x + shortcut
+        # conv1's bias goes into norm2, conv2's (and a shortcut convolution's) into the residual add
+        shortcut = x if isinstance(m.conv_shortcut, nn.Identity) else self._conv(m.conv_shortcut, x, bias=False)
+        x = self._conv(m.conv1, self._norm(m.norm1, x, silu=silu), bias=False)
+        x = self._conv(m.conv2, m.dropout(self._norm(m.norm2, x, silu=silu, shift=self._bias(m.conv1))), bias=False)
+        convs = (m.conv2,) if isinstance(m.conv_shortcut, nn.Identity) else (m.conv2, m.conv_shortcut)
+        shift = self._cached(m, "residual shift", tuple(c.bias for c in convs), lambda _: _sum_biases(*convs))
+        return residual_add(x, shortcut, shift)
 
-    def _norm(self, m: nn.Module, x: torch.Tensor, *, silu: bool) -> torch.Tensor:
+    def _bias(self, m: nn.Module) -> torch.Tensor | None:
+        """A convolution's bias as an fp32 [C, 1, 1] shift, or None."""
+        if m.bias is None:
+            return None
+        return self._cached(m, "shift", m.bias, lambda b: b.detach().float().reshape(-1, 1, 1))
+
+    def _norm(self, m: nn.Module, x: torch.Tensor, *, silu: bool, shift: torch.Tensor | None = None) -> torch.Tensor:
         if type(m) is not WanRMS_norm or not m.channel_first:
             raise UnsupportedEncoder(f"no first-frame rule for norm {type(m).__name__}")
         c = m.gamma.shape[0]
@@ -237,9 +256,11 @@ class FirstFrameEncoder(FrameEncoder):
         bias = m.bias
         if isinstance(bias, torch.Tensor):
             bias = self._cached(m, "bias", bias, lambda b: b.detach().float().reshape(c, 1, 1))
-        return rms_norm_silu(x, weight, bias, silu)
+        return rms_norm_silu(x, weight, bias, silu, shift)
 
-    def _conv(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _conv(self, m: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+        """m's last time tap as a 2D convolution; bias=False leaves m's bias to the caller (folded into the next op:
+        PyTorch adds a convolution's bias to its cuDNN output in a pass of its own)."""
         if type(m) is not WanCausalConv3d:
             raise UnsupportedEncoder(f"no first-frame rule for convolution {type(m).__name__}")
         w_pad, w_pad_r, h_pad, h_pad_b, front, back = m._padding
@@ -249,7 +270,7 @@ class FirstFrameEncoder(FrameEncoder):
         tap = self._tap(m)
         if tap.shape[1] != x.shape[1]:  # zero channels added (channel_multiple)
             x = F.pad(x, (0, 0, 0, 0, 0, tap.shape[1] - x.shape[1])).contiguous(memory_format=torch.channels_last)
-        return F.conv2d(x, tap, m.bias, m.stride[1:], (h_pad, w_pad), m.dilation[1:], m.groups)
+        return F.conv2d(x, tap, m.bias if bias else None, m.stride[1:], (h_pad, w_pad), m.dilation[1:], m.groups)
 
     def _tap(self, m: WanCausalConv3d) -> torch.Tensor:
         """The last time tap of m's kernel, channels-last, its input channels zero-padded to `channel_multiple`."""
@@ -265,13 +286,53 @@ class FirstFrameEncoder(FrameEncoder):
         return self._cached(m, "weight", m.weight,
                             lambda w: w.detach().contiguous(memory_format=torch.channels_last))
 
-    def _cached(self, m: nn.Module, what: str, source: torch.Tensor, make) -> torch.Tensor:
-        """`make(source)`, made once per parameter tensor (again when the module's parameter is replaced)."""
+    def _cached(self, m: nn.Module, what: str, source, make) -> torch.Tensor:
+        """`make(source)`, made once per parameter tensor or tuple of them (again when one is replaced)."""
         with self._lock:
             entry = self._derived.get((id(m), what))
-            if entry is None or entry[0] is not source:
+            if entry is None or not _same(entry[0], source):
                 entry = self._derived[(id(m), what)] = (source, make(source))
             return entry[1]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+    return a is b
+
+
+def _sum_biases(*convs: nn.Module) -> torch.Tensor:
+    """The fp32 [C, 1, 1] sum of the convolutions' biases (zeros where none has one)."""
+    total = torch.zeros(convs[0].out_channels, device=convs[0].weight.device)
+    for c in convs:
+        if c.bias is not None:
+            total = total + c.bias.detach().float()
+    return total.reshape(-1, 1, 1)
+
+
+def _residual_add_eager(x: torch.Tensor, shortcut: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    return (x.float() + shift + shortcut.float()).to(x.dtype)
+
+
+_compiled_residual_add = None
+_residual_add_failed = False
+
+
+def residual_add(x: torch.Tensor, shortcut: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """x + shift (per channel, fp32 [C, 1, 1]) + shortcut, computed in fp32 and rounded to x's dtype once: a residual
+    block's output with its last convolution's bias folded in. On CUDA one compiled kernel (the bias add was a pass
+    of its own after every convolution: ~30 of the encode's kernels); elsewhere, or if the compile fails, eager."""
+    global _compiled_residual_add, _residual_add_failed
+    if not x.is_cuda or _residual_add_failed:
+        return _residual_add_eager(x, shortcut, shift)
+    if _compiled_residual_add is None:
+        _compiled_residual_add = torch.compile(_residual_add_eager, dynamic=True, fullgraph=True)
+    try:
+        return _compiled_residual_add(x, shortcut, shift)
+    except torch._dynamo.exc.TorchDynamoException as e:  # a compile failure (Inductor's errors included)
+        _residual_add_failed = True
+        log.warning("torch.compile of the VAE encode's residual add failed; running it eagerly from now on: %s", e)
+        return _residual_add_eager(x, shortcut, shift)
 
 
 def _is_silu(m: nn.Module) -> bool:
