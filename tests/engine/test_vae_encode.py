@@ -71,7 +71,7 @@ def test_tap_cache_follows_new_weights(assets) -> None:
     block folds into its add (its second convolution's and its shortcut convolution's)."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualBlock
 
-    ours = FirstFrameEncoder(assets.encoder)
+    ours = FirstFrameEncoder(assets.encoder, fold_biases=True)
     pixels = _pixels(1, 1, seed=5)
     ours.encode(pixels)
     block = next(m for m in assets.vae.encoder.modules()
