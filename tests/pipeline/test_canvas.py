@@ -149,6 +149,10 @@ def test_missing_views_raise_request_error() -> None:
     with pytest.raises(RequestError) as info:
         compose_droid_canvas(bad_exterior)
     assert info.value.field == EXTERIOR_KEYS[0]
+    odd_wrist = {WRIST_KEY: np.zeros((4, 5, 3), np.uint8), **{k: np.zeros((2, 2, 3), np.uint8) for k in EXTERIOR_KEYS}}
+    with pytest.raises(RequestError) as info:  # numpy's concatenate raised a bare ValueError here
+        compose_droid_canvas(odd_wrist)
+    assert info.value.field == WRIST_KEY and "even" in str(info.value)
 
 
 # ---- diffusers generic-mode preprocessing vs diffusers itself ---------------------------------------

@@ -115,6 +115,9 @@ def compose_droid_canvas(obs: Mapping[str, Any], size: tuple[int, int] = DROID_C
         half = (wrist.shape[0] // 2, wrist.shape[1] // 2)
         if min(half) < 1:
             raise RequestError(f"too small to halve: {wrist.shape[:2]}", field=WRIST_KEY)
+        if wrist.shape[1] % 2:  # the two half-width exteriors below it would be one column narrower
+            raise RequestError(f"width must be even to sit above the two exteriors, got {wrist.shape[1]}",
+                               field=WRIST_KEY)
         # The resize runs even when an exterior already has the half size (it is then an exact copy).
         bottom = [resize_bilinear_trunc(as_rgb_uint8(obs[k], k), half) for k in EXTERIOR_KEYS]
         canvas = np.concatenate([wrist, np.concatenate(bottom, axis=1)], axis=0)  # [h + h//2, w, 3]
