@@ -1,8 +1,8 @@
-"""FlashAttention-3's forward (`fa3-fwd`, a forward-only build of flash-attention's hopper/ kernels on the libtorch stable
-ABI) at the Generator call's shape, for scripts/fp8_attention_probe.py: bf16 as the engine would call it (one call for
-both CFG rows, GQA in the kernel, each row's key count as seqused_k) at a few scheduling options, and its e4m3 forward
-with one descale per (row, K/V head) for q, k and v. Timed in a CUDA graph; SQNR against fp32 attention on the bf16
-inputs."""
+"""FlashAttention-3's forward (`fa3-fwd`, a forward-only build of flash-attention's hopper/ kernels on the libtorch
+stable ABI) at the Generator call's shape, for scripts/fp8_attention_probe.py: bf16 as the engine would call it (one
+call for both CFG rows, GQA in the kernel, each row's key count as seqused_k) at a few scheduling options, and its e4m3
+forward with one descale per (row, K/V head) for q, k and v. Timed in a CUDA graph; SQNR against fp32 attention on
+the bf16 inputs."""
 
 from __future__ import annotations
 

@@ -155,7 +155,7 @@ def test_canvas_content_equals_the_padded_canvas(assets) -> None:
         want = assets.encoder.encode_uint8(padded)
         _assert_close(assets.encoder.encode_content_uint8(content, geo), want, f"diffusers, {mode} pad")
         _assert_close(ours.encode_content_uint8(content, geo), want, f"first-frame walk, {mode} pad")
-    with pytest.raises(RequestError, match="does not match its geometry"):
+    with pytest.raises(RequestError, match="canvas content for its geometry"):
         assets.encoder.encode_content_uint8(content[:, :10], geometries["none"])
 
 

@@ -44,7 +44,7 @@ from torch import nn
 from ..pipeline.canvas import pad_unit_pixels
 from ..pipeline.errors import RequestError
 from ..pipeline.geometry import CanvasGeometry
-from ..pipeline.vae import FrameEncoder, unit_pixels
+from ..pipeline.vae import FrameEncoder, check_content, unit_pixels
 from .vae_decode import rms_norm_silu
 
 log = logging.getLogger(__name__)
@@ -110,10 +110,7 @@ class FirstFrameEncoder(FrameEncoder):
         and the host pads nothing)."""
         if not (self.capture and content.is_cuda) or self._unsupported:
             return super().encode_content_uint8(content, geometry)
-        if content.dtype != torch.uint8 or content.ndim != 4 or content.shape[1:] != (
-                geometry.content_h, geometry.content_w, 3):
-            raise RequestError(f"expected uint8 [B, {geometry.content_h}, {geometry.content_w}, 3] canvas content, "
-                               f"got {content.dtype} {tuple(content.shape)}")
+        check_content(content, geometry)
         self._check_size(geometry.canvas_h, geometry.canvas_w)
         key = ("content", tuple(content.shape), geometry, content.device)
         try:

@@ -94,10 +94,16 @@ class FrameEncoder:
         """content uint8 [B, content_h, content_w, 3] (canvases before their bucket pad, `PaddedCanvas.content`) ->
         the latent of each padded canvas as a single frame: `encode_uint8` of the padded pixels, the pad done on
         the content's device."""
-        if content.shape[1:3] != (geometry.content_h, geometry.content_w):
-            raise RequestError(f"content {tuple(content.shape)} does not match its geometry "
-                               f"{geometry.content_h}x{geometry.content_w}")
+        check_content(content, geometry)
         return self.encode(pad_unit_pixels(unit_pixels(content), geometry)[:, :, None])
+
+
+def check_content(content: torch.Tensor, geometry: CanvasGeometry) -> None:
+    """A RequestError unless content is uint8 [B, content_h, content_w, 3] for this geometry."""
+    if content.dtype != torch.uint8 or content.ndim != 4 or content.shape[1:] != (
+            geometry.content_h, geometry.content_w, 3):
+        raise RequestError(f"expected uint8 [B, {geometry.content_h}, {geometry.content_w}, 3] canvas content for "
+                           f"its geometry, got {content.dtype} {tuple(content.shape)}")
 
 
 def unit_pixels(frames: torch.Tensor) -> torch.Tensor:
