@@ -7,6 +7,7 @@
 #          host-timeline (a warm request's host work against its GPU graphs: scripts/host_timeline.py)
 #          mlp-probe (the gen-fp8 MLP with the down GEMM's input quantized in the up GEMM's epilogue:
 #          scripts/fp8_mlp_epilogue_probe.py)
+#          gemm-probe (each Generator fp8 GEMM shape, cuBLAS against Triton: scripts/fp8_gemm_probe.py)
 #          kernel-tests (the Triton kernels' GPU tests: q/k/v head epilogue, fp8 fusion)
 #          attn-probe (8-bit attention kernels vs flash-attn-4 bf16: time and SQNR; MODELS, default edge,nano;
 #          TRITON_CONFIGS, FA4_SWEEP, TMA_CONFIGS: how many configs of each family to time)
@@ -210,6 +211,8 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              | tail -5 | tee -a "$res/log.txt" ;;
     mlp-probe) # Issue 14 moonshot: the down GEMM's input quantization in the up GEMM's epilogue (1x128 scales)
           timeout "$limit" python3 scripts/fp8_mlp_epilogue_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
+    gemm-probe) # Issue 14 moonshot: every Generator fp8 GEMM shape on cuBLAS against a Triton TMA kernel
+          timeout "$limit" python3 scripts/fp8_gemm_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
     kernel-tests) # the Triton kernels against their references (head epilogue, fp8 fusion), in graphs, timed
           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_qkv_epilogue.py \
              tests/engine/test_fp8_fusion.py tests/ops/test_quantized_attention.py 2>&1 | tee "$res/log.txt" ;;

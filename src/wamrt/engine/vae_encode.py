@@ -8,9 +8,8 @@ kernel_t - 1, so only the last time tap meets data) is exactly a 2D convolution 
 downsampler's time convolution never runs on a first chunk. This module walks diffusers' encoder modules and runs
 that 2D computation with their weights (read only: the shared VAE is never modified, so a generation thread may use
 the same encoder meanwhile), with the norm and the SiLU after it fused (`vae_decode.rms_norm_silu`) and weights and
-activations channels-last for cuDNN; optionally (`fold_biases`, not yet timed on a GPU) a residual block's
-convolution biases folded into its second norm and its residual add (PyTorch adds a bias to a cuDNN convolution's
-output in a pass of its own).
+activations channels-last for cuDNN, and a residual block's convolution biases folded into its second norm and its
+residual add (`fold_biases`: PyTorch adds a bias to a cuDNN convolution's output in a pass of its own).
 
 With `capture=True` (CUDA) each input shape's walk is captured once into a CUDA graph and replayed: the walk is
 ~150 small kernels, and launching them one by one kept the GPU waiting on the host (H200, Edge E5: 9.3 ms for
@@ -59,7 +58,7 @@ class FirstFrameEncoder(FrameEncoder):
 
     def __init__(self, frames: FrameEncoder, *, capture: bool = False, max_graphs: int = 8,
                  channel_multiple: int = 8, gemm_attention: bool = True, cudnn_benchmark: bool = False,
-                 fold_biases: bool = False) -> None:
+                 fold_biases: bool = True) -> None:
         super().__init__(frames.vae)
         self.capture, self.max_graphs = capture, max_graphs
         # A convolution whose input channels are not a multiple of this gets zero channels (and zero weights) up to
@@ -72,8 +71,8 @@ class FirstFrameEncoder(FrameEncoder):
         # with it the latent's rounding (scripts/vae_encode_bench.py measures what it would buy).
         self.cudnn_benchmark = cudnn_benchmark
         # A residual block's convolution biases folded into the ops after them (norm2, the residual add) instead of
-        # PyTorch's separate bias pass after each cuDNN convolution. Off by default until timed on a GPU (written
-        # after the 6c036aa lease; `scripts/vae_encode_bench.py` compares both): CPU-tested only.
+        # PyTorch's separate bias pass after each cuDNN convolution: H200, the captured encode 3.304 -> 3.096 ms
+        # (bench/results/latency/2026-12-03-57588cc-vae-fold-biases/).
         self.fold_biases = fold_biases
         # (what, shapes, ...) -> (graph, static input, static output); LRU. One memory pool for all: replays are
         # serialised by _graph_lock and every output is copied out before the next replay.
