@@ -215,7 +215,8 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
           timeout "$limit" python3 scripts/fp8_gemm_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
     kernel-tests) # the Triton kernels against their references (head epilogue, fp8 fusion), in graphs, timed
           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_qkv_epilogue.py \
-             tests/engine/test_fp8_fusion.py tests/ops/test_quantized_attention.py 2>&1 | tee "$res/log.txt" ;;
+             tests/engine/test_fp8_fusion.py tests/ops/test_quantized_attention.py tests/ops/test_fp8_gemm.py 2>&1 \
+             | tee "$res/log.txt" ;;
   esac
   kill "$sampler" 2>/dev/null
   python3 scripts/gpu_clocks.py "$res/gpu-clocks.csv" | tee -a "$res/log.txt"

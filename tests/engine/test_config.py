@@ -30,3 +30,9 @@ def test_prompt_bucket_rules(changes, message):
     with pytest.raises(ValueError, match=message):
         check_config(replace(EngineConfig(), **changes))
     check_config(replace(EngineConfig(), prompt_bucket=64, prompt_width=192))
+
+
+def test_fp8_triton_gemms_names_the_field():
+    check_config(replace(EngineConfig(), fp8_triton_gemms=("qkv", "out", "up", "down")))
+    with pytest.raises(ValueError, match=r"^fp8_triton_gemms entries must be among .*got 'gate'"):
+        check_config(replace(EngineConfig(), fp8_triton_gemms=("up", "gate")))

@@ -5,6 +5,7 @@ at Edge and Nano shapes, in a CUDA graph, and a whole compiled layer)."""
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from random_layers import one_layer_model
 
 from wamrt.engine.fp8_fusion import (
+    GEMM_SITES,
     fp8_act_quant,
     fp8_act_quant_reference,
     fp8_add_rms_norm_quant,
@@ -134,6 +136,12 @@ def test_engine_takes_the_fused_tail_for_fp8_models_only(tmp_path, monkeypatch):
     assert 0 < float(np.linalg.norm(c - a) / np.linalg.norm(a)) < 0.1
     with pytest.raises(ValueError, match="fp8_quantize must be one of"):
         Engine.from_policy(pol, EngineConfig(fp8_quantize="triton", **base))
+    # the Triton GEMM sites (off CUDA they run the reference, like cuBLAS's path there): same actions, reported
+    sites = Engine.from_policy(pol, EngineConfig(fp8_triton_gemms=("up", "qkv"), **base))
+    assert sites._post.func is fp8_generator_post_split and sites._post.keywords["triton_sites"] == {"up", "qkv"}
+    assert sites.metadata()["engine"]["fp8_triton_gemms"] == ["qkv", "up"]
+    assert np.array_equal(sites.infer(obs, seed=3, steps=2).actions, a)
+    assert fused.metadata()["engine"]["fp8_triton_gemms"] == []
 
 
 # Edge down-projection and output projection inputs, Nano's, a ragged small batch
@@ -206,10 +214,11 @@ def test_triton_norm_quant_matches_reference_and_replays(m, n, with_update):
     assert torch.equal(out[0], again[0]) and torch.equal(out[2], again[2])
 
 
+@pytest.mark.parametrize("sites", [(), GEMM_SITES])  # cuBLAS GEMMs; every GEMM on the Triton kernel
 @pytest.mark.parametrize("gated", [False, True])  # an Edge layer, a Nano layer
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fused_layer_on_cuda_compiled_against_the_layers_modules(gated):
+def test_fused_layer_on_cuda_compiled_against_the_layers_modules(gated, sites):
     from wamrt.quant.fp8 import scaled_mm_supported
 
     if not scaled_mm_supported(torch.device("cuda")):
@@ -227,12 +236,15 @@ def test_fused_layer_on_cuda_compiled_against_the_layers_modules(gated):
     update = torch.randn(g.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
     with torch.inference_mode():
         want = sum(layer.generator_post_split(g, o))
-        got = sum(torch.compile(fp8_generator_post_split, dynamic=False)(layer, g, o))
+        if sites and torch.cuda.get_device_capability() < (9, 0):
+            pytest.skip("the Triton GEMM needs Hopper")
+        kw = dict(triton_sites=frozenset(sites))
+        got = sum(torch.compile(partial(fp8_generator_post_split, **kw), dynamic=False)(layer, g, o))
         exact = sum(plain.generator_post_split(g, o))
         want_qkv = layer.generator_pre(g + update, rope)
-        got_qkv = torch.compile(fp8_generator_qkv, dynamic=False)(layer, g, update, rope)[:3]
+        got_qkv = torch.compile(partial(fp8_generator_qkv, **kw), dynamic=False)(layer, g, update, rope)[:3]
         exact_qkv = plain.generator_pre(g + update, rope)
-    print(f"\nfused tail vs modules {_rel_l2(got, want):.3e}; vs bf16 layer: fused {_rel_l2(got, exact):.3e}, "
+    print(f"\n{sites}: fused tail vs modules {_rel_l2(got, want):.3e}; vs bf16 layer: fused {_rel_l2(got, exact):.3e}, "
           f"modules {_rel_l2(want, exact):.3e}")
     assert _rel_l2(got, want) <= TAIL_REL_L2
     assert _rel_l2(got, exact) <= 1.05 * _rel_l2(want, exact) + 1e-4

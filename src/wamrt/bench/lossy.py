@@ -55,6 +55,13 @@ LOSSY_ROWS.update({f"{row}-sync": (f"{row} with the host waiting for the VAE enc
 # rows for it).
 LOSSY_ROWS.update({f"{row}-host-canvas": (f"{row} with the canvas padded on the host", steps, "gen-fp8", False,
                                           {"canvas_on_device": False}) for row, steps in (("E6", 4), ("E7", 2))})
+# E6 / E7 with some or all of the fused layer's fp8 GEMMs on our Triton TMA kernel (EngineConfig.fp8_triton_gemms;
+# ops/fp8_gemm.py) instead of cuBLAS.
+_TRITON_GEMMS = (("triton-gemms", "every fp8 GEMM on the Triton kernel", ("qkv", "out", "up", "down")),
+                 ("triton-mlp", "the MLP's fp8 GEMMs on the Triton kernel", ("up", "down")),
+                 ("triton-up", "the up-projection on the Triton kernel", ("up",)))
+LOSSY_ROWS.update({f"{row}-{suffix}": (f"{row} with {what}", steps, "gen-fp8", False, {"fp8_triton_gemms": sites})
+                   for suffix, what, sites in _TRITON_GEMMS for row, steps in (("E6", 4), ("E7", 2))})
 QUALITY_REQUESTS = 4  # observations (and seeds) every lossy configuration is compared on
 
 

@@ -19,6 +19,7 @@ from collections.abc import Collection, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,7 @@ from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
 from .config import EngineConfig, check_config
 from .epilogues import prepare_epilogues, quack_available, quack_generator_post, unsupported_reason
 from .fp8_fusion import (
+    GEMM_SITES,
     fp8_fusion_problem,
     fp8_generator_post_split,
     fp8_generator_projections,
@@ -144,8 +146,12 @@ class Engine:
             prepare_epilogues(model)
             post = quack_generator_post(self.device, split=True)
         qkv, projections = generator_qkv, generator_projections
+        self.fp8_triton_gemms: tuple[str, ...] = ()  # what runs (none unless the fused gen-fp8 layer does)
         if config.fp8_quantize == "fused" and fp8_fusion_problem(model.layers[0]) is None:  # (quack refuses fp8)
             qkv, projections, post = fp8_generator_qkv, fp8_generator_projections, fp8_generator_post_split
+            if sites := frozenset(config.fp8_triton_gemms):
+                self.fp8_triton_gemms = tuple(s for s in GEMM_SITES if s in sites)
+                qkv, projections, post = (partial(f, triton_sites=sites) for f in (qkv, projections, post))
         # what runs: "auto" resolved here (as cfg_attention below)
         self.head_epilogue = config.head_epilogue
         head_problem = head_epilogue_problem(model.layers[0].self_attn, self.device, model.dtype)
@@ -211,6 +217,7 @@ class Engine:
         engine["cfg_attention"] = self.cfg_attention
         engine["head_epilogue"] = self.head_epilogue
         engine["gqa_buffers"] = self.gqa_buffers
+        engine["fp8_triton_gemms"] = list(self.fp8_triton_gemms)
         engine["graphs"] = [k.describe() for k in self.graphs]  # the captured buckets, least recently used first
         return {**droid_metadata(self.name, self.contract, self.options), "quantization": self.quantization,
                 "gpu": device_name(self.device), "engine": engine}

@@ -1,8 +1,9 @@
 """FP8 e4m3 W8A8 linear: per-output-channel weight scales, dynamic per-token activation scales.
 
-Two execution paths compute the same function:
+Three execution paths compute the same function:
 * `scaled_mm`: `torch._scaled_mm` with rowwise scales (cuBLASLt fp8 GEMM, fp32 accumulate,
   scales applied in the epilogue, bf16 out). Needs K and N multiples of 16.
+* `triton`: `ops.fp8_gemm`, a Triton TMA kernel of the same contract (Hopper; elsewhere the reference).
 * `reference`: dequantize both operands to fp32 and matmul. Plain PyTorch, used on CPU and as the
   oracle the kernel path is tested against.
 """
@@ -12,11 +13,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.fp8_gemm import fp8_gemm
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # Floor on the absmax so an all-zero row (padding tokens, dead channels) gets a finite scale.
 _AMAX_FLOOR = 1e-12
-KERNELS = ("auto", "scaled_mm", "reference")
+KERNELS = ("auto", "scaled_mm", "triton", "reference")
 
 
 def quantize_rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,9 +118,17 @@ class Fp8Linear(nn.Module):
         xq, x_scale = quantize_rowwise_fp8(x.reshape(-1, self.in_features))
         return self.matmul_quantized(xq, x_scale, x.dtype).reshape(*lead, self.out_features)
 
-    def matmul_quantized(self, xq: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """The GEMM on an input already quantized (`quantize_rowwise_fp8` form): xq [M, K] e4m3, x_scale [M, 1]."""
-        fn = fp8_linear_scaled_mm if self._use_scaled_mm(xq) else fp8_linear_reference
+    def matmul_quantized(self, xq: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype,
+                         kernel: str | None = None) -> torch.Tensor:
+        """The GEMM on an input already quantized (`quantize_rowwise_fp8` form): xq [M, K] e4m3, x_scale [M, 1].
+        `kernel` overrides the module's own for this call (an engine's choice, leaving the shared module as is)."""
+        if (kernel or self.kernel) == "triton" and xq.is_cuda:
+            out = fp8_gemm(xq, x_scale, self.weight, self.weight_scale)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+            return out.to(out_dtype)
+        use_scaled_mm = resolve_kernel(kernel or self.kernel, xq.device) == "scaled_mm"
+        fn = fp8_linear_scaled_mm if use_scaled_mm else fp8_linear_reference
         return fn(xq, x_scale, self.weight, self.weight_scale, self.bias, out_dtype)
 
     def extra_repr(self) -> str:
