@@ -142,6 +142,8 @@ def test_engine_takes_the_fused_tail_for_fp8_models_only(tmp_path, monkeypatch):
     assert sites.metadata()["engine"]["fp8_triton_gemms"] == ["qkv", "up"]
     assert np.array_equal(sites.infer(obs, seed=3, steps=2).actions, a)
     assert fused.metadata()["engine"]["fp8_triton_gemms"] == []
+    with pytest.raises(ValueError, match="fp8_triton_gemms 'qkv_heads' cannot serve this model here: head_epilogue"):
+        Engine.from_policy(pol, EngineConfig(fp8_triton_gemms=("qkv_heads",), **base))
 
 
 # Edge down-projection and output projection inputs, Nano's, a ragged small batch

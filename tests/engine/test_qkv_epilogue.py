@@ -186,3 +186,79 @@ def test_engine_with_triton_heads_replays_its_compiled_self():
     rel = float(np.linalg.norm(a - c) / np.linalg.norm(c))
     print(f"\ntriton vs inductor head epilogue, 2 Nano layers: rel L2 {rel:.2e}")
     assert 0 < rel < 2e-2  # different kernels (0 would mean the same path ran twice)
+
+
+# gen-fp8: the q/k/v GEMM with the head epilogue inside (`fp8_qkv_heads_into`) against the same GEMM's output through
+# the separate epilogue kernel. Only the GEMM's fp32 summation order differs (which flips a bf16 rounding here and
+# there), so the outputs agree far closer than the e4m3 noise (~3e-2).
+QKV_HEADS_REL_L2 = 5e-3
+
+
+@pytest.mark.parametrize("name", ["edge", "nano"])
+@pytest.mark.parametrize("grouped,start", [(False, 160), (True, 0)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a Hopper GPU")
+@torch.no_grad()
+def test_fp8_qkv_gemm_with_heads_matches_gemm_then_heads_and_replays(name, grouped, start):
+    from wamrt.engine.fuse import fuse_generator
+    from wamrt.engine.qkv_epilogue import fp8_qkv_heads_into, fp8_qkv_heads_problem
+    from wamrt.ops.fp8_gemm import fp8_gemm
+    from wamrt.quant import quantize_model
+    from wamrt.quant.fp8 import quantize_rowwise_fp8
+
+    model, cfg = one_layer_model(name, "cuda", torch.bfloat16)
+    fuse_generator(model)
+    quantize_model(model, "gen-fp8")
+    attn = model.layers[0].self_attn
+    assert fp8_qkv_heads_problem(attn, torch.device("cuda"), torch.bfloat16) is None
+    bsz, g_len, d = 2, 3092, cfg.head_dim
+    heads = cfg.num_key_value_heads if grouped else cfg.num_attention_heads
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(bsz * g_len, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+    xq, xs = quantize_rowwise_fp8(x)
+    rope = _rope(bsz, g_len, d, "cuda", torch.bfloat16)
+    length = 160 + g_len + 64
+    before = [torch.randn(bsz, heads, length, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in (0, 1)]
+    want_bufs = [b.clone() for b in before]
+    proj = fp8_gemm(xq, xs, attn.add_qkv_proj.weight, attn.add_qkv_proj.weight_scale).view(bsz, g_len, -1)
+    q, k, v = proj.split(attn.qkv_sizes, dim=-1)
+    q_want = generator_heads_into(attn, q, k, v, rope, *want_bufs, start)
+    bufs = [b.clone() for b in before]
+    q_got = fp8_qkv_heads_into(attn, xq, xs, (bsz, g_len), rope, *bufs, start)
+    assert q_got.shape == q_want.shape and q_got.stride() == q_want.stride()
+    inside = slice(start, start + g_len)
+    for what, got, want in (("q", q_got, q_want), ("k", bufs[0][:, :, inside], want_bufs[0][:, :, inside]),
+                            ("v", bufs[1][:, :, inside], want_bufs[1][:, :, inside])):
+        rel = _rel_l2(got, want)
+        print(f"\n{name} grouped={grouped} {what}: rel L2 vs GEMM then heads {rel:.2e}")
+        assert rel <= QKV_HEADS_REL_L2, what
+    for i in (0, 1):  # nothing written outside the Generator's positions
+        assert torch.equal(bufs[i][:, :, :start], before[i][:, :, :start])
+        assert torch.equal(bufs[i][:, :, start + g_len:], before[i][:, :, start + g_len:])
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_graph = fp8_qkv_heads_into(attn, xq, xs, (bsz, g_len), rope, *bufs, start)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(q_graph, q_got)  # replay: the eager call's bits
+
+    timings = {}
+    for label, fn in (("gemm+heads", lambda: generator_heads_into(attn, *fp8_gemm(
+            xq, xs, attn.add_qkv_proj.weight, attn.add_qkv_proj.weight_scale).view(bsz, g_len, -1).split(
+            attn.qkv_sizes, dim=-1), rope, *bufs, start)),
+                      ("cublas+heads", lambda: generator_heads_into(attn, *attn.add_qkv_proj.matmul_quantized(
+                          xq, xs, torch.bfloat16).view(bsz, g_len, -1).split(attn.qkv_sizes, dim=-1), rope, *bufs,
+                          start)),
+                      ("fused", lambda: fp8_qkv_heads_into(attn, xq, xs, (bsz, g_len), rope, *bufs, start))):
+        for _ in range(3):
+            fn()
+        start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_evt.record()
+        for _ in range(50):
+            fn()
+        end_evt.record()
+        torch.cuda.synchronize()
+        timings[label] = 1e3 * start_evt.elapsed_time(end_evt) / 50
+    print(f"{name} grouped={grouped}: " + ", ".join(f"{k} {v:.1f} us" for k, v in timings.items()))

@@ -59,7 +59,9 @@ LOSSY_ROWS.update({f"{row}-host-canvas": (f"{row} with the canvas padded on the 
 # ops/fp8_gemm.py) instead of cuBLAS.
 _TRITON_GEMMS = (("triton-gemms", "every fp8 GEMM on the Triton kernel", ("qkv", "out", "up", "down")),
                  ("triton-mlp", "the MLP's fp8 GEMMs on the Triton kernel", ("up", "down")),
-                 ("triton-up", "the up-projection on the Triton kernel", ("up",)))
+                 ("triton-up", "the up-projection on the Triton kernel", ("up",)),
+                 ("triton-qkv-heads", "the q/k/v GEMM with the head epilogue inside, the MLP's GEMMs on Triton",
+                  ("qkv_heads", "up", "down")))
 LOSSY_ROWS.update({f"{row}-{suffix}": (f"{row} with {what}", steps, "gen-fp8", False, {"fp8_triton_gemms": sites})
                    for suffix, what, sites in _TRITON_GEMMS for row, steps in (("E6", 4), ("E7", 2))})
 QUALITY_REQUESTS = 4  # observations (and seeds) every lossy configuration is compared on

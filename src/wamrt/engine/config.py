@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .epilogues import EPILOGUES
-from .fp8_fusion import FP8_QUANTIZE, GEMM_SITES
+from .fp8_fusion import FP8_QUANTIZE, TRITON_SITES
 from .qkv_epilogue import HEAD_EPILOGUES
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
@@ -52,7 +52,8 @@ class EngineConfig:
     # MLP activation; Triton kernels, engine/fp8_fusion.py); "inductor" = Inductor's kernels. No effect on bf16 models.
     fp8_quantize: str = "fused"
     # gen-fp8 models with fp8_quantize "fused": the GEMM call sites (of `fp8_fusion.GEMM_SITES`: qkv, out, up, down)
-    # that run on our Triton TMA kernel (`ops.fp8_gemm`) instead of cuBLAS's rowwise-scaled GEMM.
+    # that run on our Triton TMA kernel (`ops.fp8_gemm`) instead of cuBLAS's rowwise-scaled GEMM; "qkv_heads": the
+    # q/k/v GEMM with the head epilogue in it (`qkv_epilogue.fp8_qkv_heads_into`; needs head_epilogue "triton").
     fp8_triton_gemms: tuple[str, ...] = ()
     # In the [Generator | prefix | zeros] layout (cfg_attention "lengths"): the step K/V buffers keep the model's K/V
     # heads and the attention kernel shares each across its query heads (flash-attn-4 does GQA itself), instead of
@@ -104,8 +105,8 @@ def check_config(config: EngineConfig) -> None:
         if getattr(config, field) not in allowed:
             raise ValueError(f"{field} must be one of {allowed}, got {getattr(config, field)!r}")
     for site in config.fp8_triton_gemms:
-        if site not in GEMM_SITES:
-            raise ValueError(f"fp8_triton_gemms entries must be among {GEMM_SITES}, got {site!r}")
+        if site not in TRITON_SITES:
+            raise ValueError(f"fp8_triton_gemms entries must be among {TRITON_SITES}, got {site!r}")
     if config.prompt_width < 0 or (config.prompt_width and not config.prompt_bucket):
         raise ValueError(f"prompt_width needs prompt_bucket > 0 and must be >= 0, got {config.prompt_width}")
     if config.prompt_bucket < 0:

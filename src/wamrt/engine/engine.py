@@ -59,17 +59,18 @@ from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
 from .config import EngineConfig, check_config
 from .epilogues import prepare_epilogues, quack_available, quack_generator_post, unsupported_reason
 from .fp8_fusion import (
-    GEMM_SITES,
+    TRITON_SITES,
     fp8_fusion_problem,
+    fp8_generator_norm_quant,
     fp8_generator_post_split,
     fp8_generator_projections,
     fp8_generator_qkv,
 )
 from .fuse import fuse_generator
 from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
-from .layer_halves import generator_projections, generator_qkv, post_split, pre_heads, pre_into
+from .layer_halves import generator_projections, generator_qkv, post_split, pre_fp8_heads, pre_heads, pre_into
 from .prefix_cache import PaddedPrefixes, ReasonerCache, pad_kv
-from .qkv_epilogue import head_epilogue_problem, repeat_heads
+from .qkv_epilogue import fp8_qkv_heads_problem, head_epilogue_problem, repeat_heads
 from .stage_clock import StageClock
 from .vae_encode import FirstFrameEncoder
 
@@ -150,7 +151,7 @@ class Engine:
         if config.fp8_quantize == "fused" and fp8_fusion_problem(model.layers[0]) is None:  # (quack refuses fp8)
             qkv, projections, post = fp8_generator_qkv, fp8_generator_projections, fp8_generator_post_split
             if sites := frozenset(config.fp8_triton_gemms):
-                self.fp8_triton_gemms = tuple(s for s in GEMM_SITES if s in sites)
+                self.fp8_triton_gemms = tuple(s for s in TRITON_SITES if s in sites)
                 qkv, projections, post = (partial(f, triton_sites=sites) for f in (qkv, projections, post))
         # what runs: "auto" resolved here (as cfg_attention below)
         self.head_epilogue = config.head_epilogue
@@ -160,6 +161,11 @@ class Engine:
         elif self.head_epilogue == "triton" and head_problem:
             raise ValueError(f"head_epilogue='triton' cannot serve this model here: {head_problem}")
         self._pre, self._post, self._rescale = pre_into(qkv), post, rescale_zero_keys
+        if "qkv_heads" in self.fp8_triton_gemms:
+            problem = "head_epilogue is not 'triton'" if self.head_epilogue != "triton" else \
+                fp8_qkv_heads_problem(model.layers[0].self_attn, self.device, model.dtype)
+            if problem:
+                raise ValueError(f"fp8_triton_gemms 'qkv_heads' cannot serve this model here: {problem}")
         # what runs: "auto" resolved here, bucket_attention may fall back to "mask" (below)
         self.cfg_attention = config.cfg_attention
         if self.cfg_attention == "auto":
@@ -182,12 +188,16 @@ class Engine:
             # Compiled wrappers live on the engine, not on the model's layers: engines (and the eager
             # reference Policy) share one model, and a compile=False engine must run uncompiled code.
             mode = None if config.compile_mode == "default" else config.compile_mode
-            if self.head_epilogue == "triton":  # the kernel launches outside the compiled region
+            if "qkv_heads" in self.fp8_triton_gemms:  # two custom ops, nothing for Inductor between them
+                self._pre = pre_fp8_heads(fp8_generator_norm_quant)
+            elif self.head_epilogue == "triton":  # the kernel launches outside the compiled region
                 self._pre = pre_heads(torch.compile(projections, dynamic=False, mode=mode))
             else:
                 self._pre = torch.compile(self._pre, dynamic=False, mode=mode)
             self._post = torch.compile(post, dynamic=False, mode=mode)
             self._rescale = torch.compile(rescale_zero_keys, dynamic=False, mode=mode)  # one fused kernel
+        elif "qkv_heads" in self.fp8_triton_gemms:
+            self._pre = pre_fp8_heads(fp8_generator_norm_quant)
         elif self.head_epilogue == "triton":
             self._pre = pre_heads(projections)
 

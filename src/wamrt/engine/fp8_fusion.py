@@ -42,6 +42,8 @@ FP8_QUANTIZE = ("fused", "inductor")
 # The fused layer's four GEMM call sites; an engine runs the ones it names on `ops.fp8_gemm` (Triton), the rest on
 # cuBLAS (`torch._scaled_mm`).
 GEMM_SITES = ("qkv", "out", "up", "down")
+# "qkv_heads": the q/k/v GEMM with the per-head norms, RoPE and K/V stores inside (`qkv_epilogue.fp8_qkv_heads_into`).
+TRITON_SITES = (*GEMM_SITES, "qkv_heads")
 
 
 ACTIVATIONS = ("swiglu", "relu_sq", "none")
@@ -223,6 +225,15 @@ def fp8_generator_projections(layer: MoTLayer, g: torch.Tensor, update: torch.Te
     qkv = attn.add_qkv_proj.matmul_quantized(xq, scale, g.dtype, _kernel("qkv", triton_sites))
     qkv = qkv.view(*g.shape[:-1], -1)
     return (*qkv.split(attn.qkv_sizes, dim=-1), g2.view(g.shape))
+
+
+def fp8_generator_norm_quant(layer: MoTLayer, g: torch.Tensor, update: torch.Tensor | None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The previous layer's residual add and the input norm, quantized for the q/k/v GEMM -> (e4m3 rows [B*G, h],
+    their scales [B*G, 1], g after the add)."""
+    norm = layer.input_layernorm_moe_gen
+    g2, xq, scale = fp8_add_rms_norm_quant(_rows(g), None if update is None else _rows(update), norm.weight, norm.eps)
+    return xq, scale, g2.view(g.shape)
 
 
 def fp8_generator_qkv(layer: MoTLayer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope,

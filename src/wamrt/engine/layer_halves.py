@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from ..model import Rope
-from .qkv_epilogue import generator_heads_into, repeat_heads
+from .qkv_epilogue import fp8_qkv_heads_into, generator_heads_into, repeat_heads
 
 
 def post_split(layer, g: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -59,5 +59,17 @@ def pre_heads(projections: Callable):
             vbuf: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, g = projections(layer, g, update)
         return generator_heads_into(layer.self_attn, q, k, v, rope, kbuf, vbuf, start), g
+
+    return run
+
+
+def pre_fp8_heads(norm_quant: Callable):
+    """`pre_heads` for a gen-fp8 layer whose q/k/v GEMM carries the head epilogue (fp8_triton_gemms "qkv_heads"):
+    `norm_quant` (`fp8_generator_norm_quant`) quantizes the normed rows, one kernel does the rest."""
+
+    def run(layer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope, kbuf: torch.Tensor,
+            vbuf: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        xq, scale, g = norm_quant(layer, g, update)
+        return fp8_qkv_heads_into(layer.self_attn, xq, scale, g.shape[:2], rope, kbuf, vbuf, start), g
 
     return run

@@ -19,10 +19,15 @@ import torch
 from ..model.layer import MoTAttention
 from ..model.norms import RMSNorm
 from ..model.rope import Rope
+from ..ops.fp8_gemm import TileConfig, fp8_gemm_problem
+from ..quant.fp8 import Fp8Linear
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs (CI) have none and never run the kernel
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from ..ops.fp8_gemm import _tile_origin
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -158,5 +163,116 @@ def generator_heads_into(attn: MoTAttention, q: torch.Tensor, k: torch.Tensor, v
         kbuf.stride(0), kbuf.stride(1), kbuf.stride(2), g_len, start, norm_q.eps,
         H=heads, KH=kv_heads, REP=kbuf.shape[1] // kv_heads, D=d, BLOCK_H=triton.next_power_of_2(heads),
         BLOCK_KH=triton.next_power_of_2(kv_heads), NEMOTRON=norm_q.nemotron, num_warps=8 if heads * d >= 4096 else 4,
+    )
+    return out.view(bsz, g_len, heads, d).transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# gen-fp8: the q/k/v GEMM with this epilogue in it. The projection's output tile (128 x 256: two heads, all of q, k or
+# v) is still in registers when the per-head norm and RoPE need it, so the [tokens, (H + 2K) * d] bf16 projection is
+# never written and read back (Edge E7: the separate epilogue kernel was 1.49 ms of the 53 ms denoise graph).
+
+QKV_TILES = TileConfig(block_m=128, block_n=256, block_k=128, group_m=8, warps=8, stages=3)
+
+if triton is not None:
+
+    @triton.jit
+    def _store_kv_heads(buf, y, at, c, buf_h_stride, in_m, REP: tl.constexpr, D: tl.constexpr):
+        """y [rows, c] (c: columns within k or v, whole heads) into buf at row offsets `at`, each K/V head repeated
+        REP times (its query-head group, repeat_interleave)."""
+        at = at + (c % D)[None, :]
+        head = (c // D)[None, :]
+        for j in tl.static_range(REP):
+            tl.store(buf + at + (head * REP + j) * buf_h_stride, y, mask=in_m[:, None])
+
+    @triton.jit
+    def _fp8_qkv_heads_kernel(desc_x, xs_ptr, desc_w, ws_ptr, rope_cos, rope_sin, wq_ptr, wk_ptr, q_out, k_buf,
+                              v_buf, buf_b_stride, buf_h_stride, buf_t_stride, M, K, rows_per_seq, start, eps,
+                              H: tl.constexpr, KH: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              GROUP_M: tl.constexpr, NEMOTRON: tl.constexpr):
+        DTYPE = q_out.dtype.element_ty
+        HT: tl.constexpr = BLOCK_N // D  # heads per tile
+        HALF: tl.constexpr = D // 2
+        N: tl.constexpr = (H + 2 * KH) * D
+        m0, n0 = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in tl.range(0, K, BLOCK_K):
+            acc = tl.dot(desc_x.load([m0, k]), desc_w.load([n0, k]).T, acc)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        in_m = rows < M
+        cols = n0 + tl.arange(0, BLOCK_N)
+        xs = tl.load(xs_ptr + rows, mask=in_m, other=0.0)
+        ws = tl.load(ws_ptr + cols)
+        y = _round(acc * xs[:, None] * ws[None, :], DTYPE)  # the projection's bf16 output, as the unfused GEMM's
+        b = rows // rows_per_seq
+        t = rows % rows_per_seq
+        if n0 < (H + KH) * D:  # q or k heads: norm and RoPE on each head's halves
+            x1, x2 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M * HT, 2, HALF]), (0, 2, 1)))
+            half = tl.arange(0, HALF)[None, :]
+            rope_at = rows[:, None].to(tl.int64) * D + half
+            cos1 = tl.load(rope_cos + rope_at, mask=in_m[:, None], other=0.0).to(tl.float32)
+            cos2 = tl.load(rope_cos + rope_at + HALF, mask=in_m[:, None], other=0.0).to(tl.float32)
+            sin1 = tl.load(rope_sin + rope_at, mask=in_m[:, None], other=0.0).to(tl.float32)
+            sin2 = tl.load(rope_sin + rope_at + HALF, mask=in_m[:, None], other=0.0).to(tl.float32)
+            per_head = [BLOCK_M, HT, HALF]
+            cos1 = tl.reshape(tl.broadcast_to(cos1[:, None, :], per_head), [BLOCK_M * HT, HALF])
+            cos2 = tl.reshape(tl.broadcast_to(cos2[:, None, :], per_head), [BLOCK_M * HT, HALF])
+            sin1 = tl.reshape(tl.broadcast_to(sin1[:, None, :], per_head), [BLOCK_M * HT, HALF])
+            sin2 = tl.reshape(tl.broadcast_to(sin2[:, None, :], per_head), [BLOCK_M * HT, HALF])
+            if n0 < H * D:
+                y1, y2 = _norm_rope(x1, x2, wq_ptr, cos1, cos2, sin1, sin2, eps, D, NEMOTRON, DTYPE)
+            else:
+                y1, y2 = _norm_rope(x1, x2, wk_ptr, cos1, cos2, sin1, sin2, eps, D, NEMOTRON, DTYPE)
+            y = tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), [BLOCK_M, BLOCK_N])
+        if n0 < H * D:
+            tl.store(q_out + rows[:, None].to(tl.int64) * (H * D) + cols[None, :], y.to(DTYPE), mask=in_m[:, None])
+        else:
+            at = b.to(tl.int64)[:, None] * buf_b_stride + (start + t).to(tl.int64)[:, None] * buf_t_stride
+            if n0 < (H + KH) * D:
+                _store_kv_heads(k_buf, y.to(DTYPE), at, cols - H * D, buf_h_stride, in_m, REP, D)
+            else:
+                _store_kv_heads(v_buf, y.to(DTYPE), at, cols - (H + KH) * D, buf_h_stride, in_m, REP, D)
+
+
+def fp8_qkv_heads_problem(attn: MoTAttention, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why `fp8_qkv_heads_into` cannot serve this attention module here, or None."""
+    if (problem := head_epilogue_problem(attn, device, dtype)) is not None:
+        return problem
+    if dtype != torch.bfloat16:
+        return f"the fp8 GEMM writes bf16, the model is {dtype}"
+    lin = attn.add_qkv_proj
+    if not isinstance(lin, Fp8Linear) or lin.bias is not None:
+        return "the q/k/v projection is not one bias-free Fp8Linear"
+    d, tile = attn.head_dim, QKV_TILES.block_n
+    if tile % d or (attn.num_heads * d) % tile or (attn.num_kv_heads * d) % tile:
+        return f"q ({attn.num_heads} heads) and k / v ({attn.num_kv_heads} heads) of {d} do not fill {tile}-wide tiles"
+    return fp8_gemm_problem(1, lin.out_features, lin.in_features, device)
+
+
+def fp8_qkv_heads_into(attn: MoTAttention, xq: torch.Tensor, x_scale: torch.Tensor, shape: tuple[int, int],
+                       rope: Rope, kbuf: torch.Tensor, vbuf: torch.Tensor, start: int) -> torch.Tensor:
+    """The q/k/v projection of the e4m3 rows xq [B*G, hidden] (scales x_scale [B*G, 1]), then `generator_heads_into`'s
+    epilogue, in one kernel (`fp8_qkv_heads_problem` is None) -> q [B, H, G, d]; shape = (B, G)."""
+    bsz, g_len = shape
+    heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    if kbuf.stride() != vbuf.stride() or kbuf.stride(-1) != 1 or kbuf.shape[1] % kv_heads:
+        raise ValueError(f"K/V buffers {tuple(kbuf.shape)} need equal strides, a contiguous last dimension and a "
+                         f"multiple of {kv_heads} heads")
+    if kbuf.shape[2] < start + g_len:
+        raise ValueError(f"K/V buffers of {kbuf.shape[2]} positions cannot hold {g_len} from {start} on")
+    lin, tiles = attn.add_qkv_proj, QKV_TILES
+    m, k = xq.shape
+    desc_x = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [tiles.block_m, tiles.block_k])
+    desc_w = TensorDescriptor(lin.weight, [lin.out_features, k], [k, 1], [tiles.block_n, tiles.block_k])
+    cos, sin = (t.expand(bsz, -1, -1).contiguous() for t in rope)
+    out = torch.empty(bsz, g_len, heads * d, device=xq.device, dtype=torch.bfloat16)
+    norm_q, norm_k = attn.norm_added_q, attn.norm_added_k
+    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(lin.out_features, tiles.block_n),)
+    _fp8_qkv_heads_kernel[grid](
+        desc_x, x_scale.reshape(-1), desc_w, lin.weight_scale, cos, sin, norm_q.weight, norm_k.weight, out, kbuf,
+        vbuf, kbuf.stride(0), kbuf.stride(1), kbuf.stride(2), m, k, g_len, start, norm_q.eps, H=heads, KH=kv_heads,
+        REP=kbuf.shape[1] // kv_heads, D=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m, NEMOTRON=norm_q.nemotron, num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out.view(bsz, g_len, heads, d).transpose(1, 2)
