@@ -64,6 +64,9 @@ _TRITON_GEMMS = (("triton-gemms", "every fp8 GEMM on the Triton kernel", ("qkv",
                   ("qkv_heads", "up", "down")))
 LOSSY_ROWS.update({f"{row}-{suffix}": (f"{row} with {what}", steps, "gen-fp8", False, {"fp8_triton_gemms": sites})
                    for suffix, what, sites in _TRITON_GEMMS for row, steps in (("E6", 4), ("E7", 2))})
+# E6 / E7 with cuBLAS's fp8 fast accumulation (EngineConfig.fp8_fast_accum): the Triton rows' accumulation on cuBLAS.
+LOSSY_ROWS.update({f"{row}-fast-accum": (f"{row} with cuBLAS's fp8 fast accumulation", steps, "gen-fp8", False,
+                                         {"fp8_fast_accum": True}) for row, steps in (("E6", 4), ("E7", 2))})
 QUALITY_REQUESTS = 4  # observations (and seeds) every lossy configuration is compared on
 
 

@@ -55,6 +55,9 @@ class EngineConfig:
     # that run on our Triton TMA kernel (`ops.fp8_gemm`) instead of cuBLAS's rowwise-scaled GEMM; "qkv_heads": the
     # q/k/v GEMM with the head epilogue in it (`qkv_epilogue.fp8_qkv_heads_into`; needs head_epilogue "triton").
     fp8_triton_gemms: tuple[str, ...] = ()
+    # gen-fp8, fused: the cuBLAS GEMMs with fast accumulation (`use_fast_accum`: the fp8 tensor cores' partial sums
+    # not promoted to fp32 every 128 elements of K; what the Triton kernel does too). Lossy; off by default.
+    fp8_fast_accum: bool = False
     # In the [Generator | prefix | zeros] layout (cfg_attention "lengths"): the step K/V buffers keep the model's K/V
     # heads and the attention kernel shares each across its query heads (flash-attn-4 does GQA itself), instead of
     # buffers with the heads repeated: K/V stores and buffers 2x (Edge) / 4x (Nano) smaller. SDPA backends would

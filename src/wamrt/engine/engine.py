@@ -148,9 +148,12 @@ class Engine:
             post = quack_generator_post(self.device, split=True)
         qkv, projections = generator_qkv, generator_projections
         self.fp8_triton_gemms: tuple[str, ...] = ()  # what runs (none unless the fused gen-fp8 layer does)
+        self.fp8_fast_accum = False
         if config.fp8_quantize == "fused" and fp8_fusion_problem(model.layers[0]) is None:  # (quack refuses fp8)
             qkv, projections, post = fp8_generator_qkv, fp8_generator_projections, fp8_generator_post_split
-            if sites := frozenset(config.fp8_triton_gemms):
+            self.fp8_fast_accum = config.fp8_fast_accum
+            sites = frozenset(config.fp8_triton_gemms) | ({"fast_accum"} if config.fp8_fast_accum else set())
+            if sites:
                 self.fp8_triton_gemms = tuple(s for s in TRITON_SITES if s in sites)
                 qkv, projections, post = (partial(f, triton_sites=sites) for f in (qkv, projections, post))
         # what runs: "auto" resolved here (as cfg_attention below)
@@ -228,6 +231,7 @@ class Engine:
         engine["head_epilogue"] = self.head_epilogue
         engine["gqa_buffers"] = self.gqa_buffers
         engine["fp8_triton_gemms"] = list(self.fp8_triton_gemms)
+        engine["fp8_fast_accum"] = self.fp8_fast_accum
         engine["graphs"] = [k.describe() for k in self.graphs]  # the captured buckets, least recently used first
         return {**droid_metadata(self.name, self.contract, self.options), "quantization": self.quantization,
                 "gpu": device_name(self.device), "engine": engine}

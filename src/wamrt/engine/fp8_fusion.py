@@ -211,7 +211,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel(site: str, triton_sites: frozenset[str]) -> str | None:
-    return "triton" if site in triton_sites else None
+    """The `Fp8Linear` kernel for this call site: "triton", cuBLAS with fast accumulation ("fast_accum" among the
+    sites: `EngineConfig.fp8_fast_accum`), or the module's own."""
+    if site in triton_sites:
+        return "triton"
+    return "scaled_mm_fast" if "fast_accum" in triton_sites else None
 
 
 def fp8_generator_projections(layer: MoTLayer, g: torch.Tensor, update: torch.Tensor | None,

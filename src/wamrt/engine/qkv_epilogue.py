@@ -215,11 +215,10 @@ if triton is not None:
             cos2 = tl.load(rope_cos + rope_at + HALF, mask=in_m[:, None], other=0.0).to(tl.float32)
             sin1 = tl.load(rope_sin + rope_at, mask=in_m[:, None], other=0.0).to(tl.float32)
             sin2 = tl.load(rope_sin + rope_at + HALF, mask=in_m[:, None], other=0.0).to(tl.float32)
-            per_head = [BLOCK_M, HT, HALF]
-            cos1 = tl.reshape(tl.broadcast_to(cos1[:, None, :], per_head), [BLOCK_M * HT, HALF])
-            cos2 = tl.reshape(tl.broadcast_to(cos2[:, None, :], per_head), [BLOCK_M * HT, HALF])
-            sin1 = tl.reshape(tl.broadcast_to(sin1[:, None, :], per_head), [BLOCK_M * HT, HALF])
-            sin2 = tl.reshape(tl.broadcast_to(sin2[:, None, :], per_head), [BLOCK_M * HT, HALF])
+            cos1 = tl.reshape(tl.broadcast_to(cos1[:, None, :], [BLOCK_M, HT, HALF]), [BLOCK_M * HT, HALF])
+            cos2 = tl.reshape(tl.broadcast_to(cos2[:, None, :], [BLOCK_M, HT, HALF]), [BLOCK_M * HT, HALF])
+            sin1 = tl.reshape(tl.broadcast_to(sin1[:, None, :], [BLOCK_M, HT, HALF]), [BLOCK_M * HT, HALF])
+            sin2 = tl.reshape(tl.broadcast_to(sin2[:, None, :], [BLOCK_M, HT, HALF]), [BLOCK_M * HT, HALF])
             if n0 < H * D:
                 y1, y2 = _norm_rope(x1, x2, wq_ptr, cos1, cos2, sin1, sin2, eps, D, NEMOTRON, DTYPE)
             else:
