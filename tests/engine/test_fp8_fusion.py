@@ -216,7 +216,8 @@ def test_triton_norm_quant_matches_reference_and_replays(m, n, with_update):
     assert torch.equal(out[0], again[0]) and torch.equal(out[2], again[2])
 
 
-@pytest.mark.parametrize("sites", [(), GEMM_SITES])  # cuBLAS GEMMs; every GEMM on the Triton kernel
+# cuBLAS GEMMs; every GEMM on the Triton kernel; cuBLAS with fast accumulation and the down-projection on Triton
+@pytest.mark.parametrize("sites", [(), GEMM_SITES, ("fast_accum", "down")])
 @pytest.mark.parametrize("gated", [False, True])  # an Edge layer, a Nano layer
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
