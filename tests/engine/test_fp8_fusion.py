@@ -126,7 +126,12 @@ def test_engine_takes_the_fused_tail_for_fp8_models_only(tmp_path, monkeypatch):
     quantize_model(pol.model, "gen-fp8")
     fused = Engine.from_policy(pol, EngineConfig(**base))
     unfused = Engine.from_policy(pol, EngineConfig(fp8_quantize="inductor", **base))
-    assert fused._post is fp8_generator_post_split and unfused._post is not fp8_generator_post_split
+    # fast accumulation by default: every cuBLAS site asks for it (off CUDA it runs the reference, like cuBLAS's path)
+    assert fused._post.func is fp8_generator_post_split and fused._post.keywords["triton_sites"] == {"fast_accum"}
+    assert fused.metadata()["engine"]["fp8_fast_accum"] is True
+    assert unfused._post is not fp8_generator_post_split and unfused.metadata()["engine"]["fp8_fast_accum"] is False
+    precise = Engine.from_policy(pol, EngineConfig(fp8_fast_accum=False, **base))
+    assert precise._post is fp8_generator_post_split
     obs = sample_observation(0)
     a, b = fused.infer(obs, seed=3, steps=2).actions, unfused.infer(obs, seed=3, steps=2).actions
     assert np.array_equal(a, b)  # fp32 model: both paths round nothing before e4m3, and quantize alike
@@ -138,7 +143,8 @@ def test_engine_takes_the_fused_tail_for_fp8_models_only(tmp_path, monkeypatch):
         Engine.from_policy(pol, EngineConfig(fp8_quantize="triton", **base))
     # the Triton GEMM sites (off CUDA they run the reference, like cuBLAS's path there): same actions, reported
     sites = Engine.from_policy(pol, EngineConfig(fp8_triton_gemms=("up", "qkv"), **base))
-    assert sites._post.func is fp8_generator_post_split and sites._post.keywords["triton_sites"] == {"up", "qkv"}
+    assert sites._post.func is fp8_generator_post_split
+    assert sites._post.keywords["triton_sites"] == {"up", "qkv", "fast_accum"}
     assert sites.metadata()["engine"]["fp8_triton_gemms"] == ["qkv", "up"]
     assert np.array_equal(sites.infer(obs, seed=3, steps=2).actions, a)
     assert fused.metadata()["engine"]["fp8_triton_gemms"] == []

@@ -62,11 +62,15 @@ _TRITON_GEMMS = (("triton-gemms", "every fp8 GEMM on the Triton kernel", ("qkv",
                  ("triton-up", "the up-projection on the Triton kernel", ("up",)),
                  ("triton-qkv-heads", "the q/k/v GEMM with the head epilogue inside, the MLP's GEMMs on Triton",
                   ("qkv_heads", "up", "down")))
-LOSSY_ROWS.update({f"{row}-{suffix}": (f"{row} with {what}", steps, "gen-fp8", False, {"fp8_triton_gemms": sites})
+LOSSY_ROWS.update({f"{row}-{suffix}": (f"{row} with {what}", steps, "gen-fp8", False,
+                                        {"fp8_triton_gemms": sites, "fp8_fast_accum": False})
                    for suffix, what, sites in _TRITON_GEMMS for row, steps in (("E6", 4), ("E7", 2))})
-# E6 / E7 with cuBLAS's fp8 fast accumulation (EngineConfig.fp8_fast_accum): the Triton rows' accumulation on cuBLAS.
+# E6 / E7 with cuBLAS's fp8 fast accumulation (EngineConfig.fp8_fast_accum, the default since its 1ba1cea timing) on or
+# off: the Triton rows' accumulation on cuBLAS, and the comparison rows for it.
 LOSSY_ROWS.update({f"{row}-fast-accum": (f"{row} with cuBLAS's fp8 fast accumulation", steps, "gen-fp8", False,
                                          {"fp8_fast_accum": True}) for row, steps in (("E6", 4), ("E7", 2))})
+LOSSY_ROWS.update({f"{row}-precise-accum": (f"{row} with cuBLAS's fp8 accumulation promoted to fp32", steps, "gen-fp8",
+                                            False, {"fp8_fast_accum": False}) for row, steps in (("E6", 4), ("E7", 2))})
 # ... and with the down-projection on the Triton kernel (faster than either cuBLAS mode at K = 9,216 / 12,288).
 LOSSY_ROWS.update({f"{row}-fast-triton-down": (f"{row} with cuBLAS's fp8 fast accumulation and the down-projection "
                                                "on the Triton kernel", steps, "gen-fp8", False,
