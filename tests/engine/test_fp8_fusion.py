@@ -261,3 +261,30 @@ def test_fused_layer_on_cuda_compiled_against_the_layers_modules(gated, sites):
         print(f"{name}: fused vs modules {_rel_l2(a, b):.3e}; vs bf16: fused {_rel_l2(a, c):.3e}, modules "
               f"{_rel_l2(b, c):.3e}")
         assert _rel_l2(a, b) <= TAIL_REL_L2 and _rel_l2(a, c) <= 1.05 * _rel_l2(b, c) + 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gen_fp8_engine_replays_its_compiled_self_with_fast_accumulation():
+    """A gen-fp8 engine of two full-width Edge layers with the default fast accumulation: graph replay equal to the
+    compiled engine without graphs; the precise engine differs from it by less than the e4m3 noise."""
+    from wamrt.engine import Engine, EngineConfig
+    from wamrt.pipeline.policy import random_policy
+    from wamrt.quant.fp8 import scaled_mm_supported
+    from wamrt.sample import sample_observation
+
+    if not scaled_mm_supported(torch.device("cuda")):
+        pytest.skip("fp8 GEMM needs sm 8.9+")
+    pol = random_policy("edge", "cuda", torch.bfloat16, layers=2)
+    quantize_model(pol.model, "gen-fp8")
+    obs = sample_observation(0)
+    graph = Engine.from_policy(pol, EngineConfig())
+    eager = Engine.from_policy(pol, EngineConfig(cuda_graph=False))
+    precise = Engine.from_policy(pol, EngineConfig(cuda_graph=False, fp8_fast_accum=False))
+    assert graph.metadata()["engine"]["fp8_fast_accum"] is True
+    a, b = graph.infer(obs, seed=5, steps=2).actions, eager.infer(obs, seed=5, steps=2).actions
+    c = precise.infer(obs, seed=5, steps=2).actions
+    assert np.array_equal(a, b)
+    rel = float(np.linalg.norm(a - c) / np.linalg.norm(c))
+    print(f"\nfast vs precise fp8 accumulation, 2 Edge layers, 2 steps: rel L2 {rel:.2e}")
+    assert 0 < rel < FP8_NOISE_MAX  # different accumulation (0 would mean the same path ran twice)
