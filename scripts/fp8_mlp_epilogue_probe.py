@@ -23,6 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from wamrt.engine.fp8_fusion import fp8_act_quant  # noqa: E402
 from wamrt.ops.attention import _graph_ms  # noqa: E402
+from wamrt.ops.fp8_gemm import _tile_origin  # noqa: E402
 from wamrt.quant.fp8 import FP8, quantize_rowwise_fp8  # noqa: E402
 from wamrt.quant.sqnr import sqnr_db  # noqa: E402
 
@@ -32,15 +33,7 @@ def _up_kernel(desc_a, sa_ptr, desc_b, sw_ptr, out_ptr, so_ptr, M, N, K, EPI: tl
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """acc = A @ B^T (e4m3, fp32 accumulate), rowwise scales. EPI 0: bf16 out. EPI 1: relu(y)^2 quantized to e4m3
     with one scale per row and 128 columns: so_ptr [M, N/128], stored column-major when SCALE_COLS."""
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * grid_n)
-    first_m = group * GROUP_M
-    size_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * grid_n)) % size_m
-    pid_n = (pid % (GROUP_M * grid_n)) // size_m
-    m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
+    m0, n0 = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in tl.range(0, K, BLOCK_K):
         a = desc_a.load([m0, k])
@@ -76,15 +69,7 @@ def _up_kernel(desc_a, sa_ptr, desc_b, sw_ptr, out_ptr, so_ptr, M, N, K, EPI: tl
 def _down_blockwise_kernel(desc_a, sa_ptr, desc_b, sw_ptr, out_ptr, M, N, K, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """out = sum over 128-wide K blocks of (A_blk @ B_blk^T) * sa[m, blk], times sw[n]; bf16 out."""
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * grid_n)
-    first_m = group * GROUP_M
-    size_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * grid_n)) % size_m
-    pid_n = (pid % (GROUP_M * grid_n)) // size_m
-    m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
+    m0, n0 = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = m0 + tl.arange(0, BLOCK_M)
     in_m = rows < M
     kb = K // 128
