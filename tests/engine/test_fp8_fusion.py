@@ -128,7 +128,7 @@ def test_engine_takes_the_fused_tail_for_fp8_models_only(tmp_path, monkeypatch):
     fused = Engine.from_policy(pol, EngineConfig(**base))
     unfused = Engine.from_policy(pol, EngineConfig(fp8_quantize="inductor", **base))
     # fast accumulation by default: every cuBLAS site asks for it (off CUDA it runs the reference, like cuBLAS's path)
-    assert fused._post.func is fp8_generator_post_split and fused._post.keywords["triton_sites"] == {"fast_accum"}
+    assert fused._post.func is fp8_generator_post_split and fused._post.keywords["gemm_choices"] == {"fast_accum"}
     assert fused.metadata()["engine"]["fp8_fast_accum"] is True
     assert unfused._post is not fp8_generator_post_split and unfused.metadata()["engine"]["fp8_fast_accum"] is False
     precise = Engine.from_policy(pol, EngineConfig(fp8_fast_accum=False, **base))
@@ -145,7 +145,7 @@ def test_engine_takes_the_fused_tail_for_fp8_models_only(tmp_path, monkeypatch):
     # the Triton GEMM sites (off CUDA they run the reference, like cuBLAS's path there): same actions, reported
     sites = Engine.from_policy(pol, EngineConfig(fp8_triton_gemms=("up", "qkv"), **base))
     assert sites._post.func is fp8_generator_post_split
-    assert sites._post.keywords["triton_sites"] == {"up", "qkv", "fast_accum"}
+    assert sites._post.keywords["gemm_choices"] == {"up", "qkv", "fast_accum"}
     assert sites.metadata()["engine"]["fp8_triton_gemms"] == ["qkv", "up"]
     assert np.array_equal(sites.infer(obs, seed=3, steps=2).actions, a)
     assert fused.metadata()["engine"]["fp8_triton_gemms"] == []
@@ -248,7 +248,7 @@ def test_fused_layer_on_cuda_compiled_against_the_layers_modules(gated, sites):
         want = sum(layer.generator_post_split(g, o))
         if sites and torch.cuda.get_device_capability() < (9, 0):
             pytest.skip("the Triton GEMM needs Hopper")
-        kw = dict(triton_sites=frozenset(sites))
+        kw = dict(gemm_choices=frozenset(sites))
         got = sum(torch.compile(partial(fp8_generator_post_split, **kw), dynamic=False)(layer, g, o))
         exact = sum(plain.generator_post_split(g, o))
         want_qkv = layer.generator_pre(g + update, rope)

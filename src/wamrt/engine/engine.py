@@ -155,7 +155,7 @@ class Engine:
             sites = frozenset(config.fp8_triton_gemms) | ({"fast_accum"} if config.fp8_fast_accum else set())
             if sites:
                 self.fp8_triton_gemms = tuple(s for s in TRITON_SITES if s in sites)
-                qkv, projections, post = (partial(f, triton_sites=sites) for f in (qkv, projections, post))
+                qkv, projections, post = (partial(f, gemm_choices=sites) for f in (qkv, projections, post))
         # what runs: "auto" resolved here (as cfg_attention below)
         self.head_epilogue = config.head_epilogue
         head_problem = head_epilogue_problem(model.layers[0].self_attn, self.device, model.dtype)

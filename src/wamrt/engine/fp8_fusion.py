@@ -210,23 +210,24 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _kernel(site: str, triton_sites: frozenset[str]) -> str | None:
-    """The `Fp8Linear` kernel for this call site: "triton", cuBLAS with fast accumulation ("fast_accum" among the
-    sites: `EngineConfig.fp8_fast_accum`), or the module's own."""
-    if site in triton_sites:
+def _kernel(site: str, gemm_choices: frozenset[str]) -> str | None:
+    """The `Fp8Linear` kernel for this call site. `gemm_choices` (an engine's): the `GEMM_SITES` that run on the Triton
+    GEMM, plus "fast_accum" for cuBLAS's fast accumulation at the others (`EngineConfig.fp8_fast_accum`); neither:
+    the module's own kernel."""
+    if site in gemm_choices:
         return "triton"
-    return "scaled_mm_fast" if "fast_accum" in triton_sites else None
+    return "scaled_mm_fast" if "fast_accum" in gemm_choices else None
 
 
 def fp8_generator_projections(layer: MoTLayer, g: torch.Tensor, update: torch.Tensor | None,
-                              triton_sites: frozenset[str] = frozenset()
+                              gemm_choices: frozenset[str] = frozenset()
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The previous layer's residual add, the input norm and the q/k/v projections -> (q [B, G, H*d], k, v, g) for a
     gen-fp8 layer (`fp8_fusion_problem(layer)` is None): the add, the norm and the q/k/v GEMM's input quantization
-    in `fp8_add_rms_norm_quant`. `triton_sites`: the `GEMM_SITES` to run on the Triton GEMM."""
+    in `fp8_add_rms_norm_quant`. `gemm_choices`: the GEMM kernels, as `_kernel` reads them."""
     norm, attn = layer.input_layernorm_moe_gen, layer.self_attn
     g2, xq, scale = fp8_add_rms_norm_quant(_rows(g), None if update is None else _rows(update), norm.weight, norm.eps)
-    qkv = attn.add_qkv_proj.matmul_quantized(xq, scale, g.dtype, _kernel("qkv", triton_sites))
+    qkv = attn.add_qkv_proj.matmul_quantized(xq, scale, g.dtype, _kernel("qkv", gemm_choices))
     qkv = qkv.view(*g.shape[:-1], -1)
     return (*qkv.split(attn.qkv_sizes, dim=-1), g2.view(g.shape))
 
@@ -241,26 +242,26 @@ def fp8_generator_norm_quant(layer: MoTLayer, g: torch.Tensor, update: torch.Ten
 
 
 def fp8_generator_qkv(layer: MoTLayer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope,
-                      triton_sites: frozenset[str] = frozenset()
+                      gemm_choices: frozenset[str] = frozenset()
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`fp8_generator_projections`, then the per-head norms and RoPE: `layer.generator_pre` after the residual add
     -> (q, k, v, g)."""
-    q, k, v, g2 = fp8_generator_projections(layer, g, update, triton_sites)
+    q, k, v, g2 = fp8_generator_projections(layer, g, update, gemm_choices)
     return (*layer.self_attn.generator_heads(q, k, v, rope), g2)
 
 
 def fp8_generator_post_split(layer: MoTLayer, g: torch.Tensor, o: torch.Tensor,
-                             triton_sites: frozenset[str] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
+                             gemm_choices: frozenset[str] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
     """`layer.generator_post_split(g, o)` for a gen-fp8 layer (`fp8_fusion_problem(layer)` is None): the residual
     add, the norm and the up-projection's input quantization in `fp8_add_rms_norm_quant`, the MLP activation and
     the down-projection's input quantization in `fp8_act_quant`, and the attention output's quantization for the
-    output projection in `fp8_act_quant` without activation. `triton_sites` as `fp8_generator_projections`'s."""
+    output projection in `fp8_act_quant` without activation. `gemm_choices` as `fp8_generator_projections`'s."""
     mlp, norm = layer.mlp_moe_gen, layer.post_attention_layernorm_moe_gen
     oq, o_scale = fp8_act_quant(_rows(o.transpose(1, 2).flatten(2)), "none")
-    attn_out = layer.self_attn.to_add_out.matmul_quantized(oq, o_scale, g.dtype, _kernel("out", triton_sites))
+    attn_out = layer.self_attn.to_add_out.matmul_quantized(oq, o_scale, g.dtype, _kernel("out", gemm_choices))
     g2, hq, h_scale = fp8_add_rms_norm_quant(_rows(g), attn_out, norm.weight, norm.eps)
     up = mlp.gate_up_proj if mlp.gated else mlp.up_proj
-    y = up.matmul_quantized(hq, h_scale, g.dtype, _kernel("up", triton_sites))
+    y = up.matmul_quantized(hq, h_scale, g.dtype, _kernel("up", gemm_choices))
     xq, scale = fp8_act_quant(y, "swiglu" if mlp.gated else "relu_sq")
-    update = mlp.down_proj.matmul_quantized(xq, scale, g.dtype, _kernel("down", triton_sites))
+    update = mlp.down_proj.matmul_quantized(xq, scale, g.dtype, _kernel("down", gemm_choices))
     return g2.view(g.shape), update.view(g.shape)

@@ -171,6 +171,9 @@ def generator_heads_into(attn: MoTAttention, q: torch.Tensor, k: torch.Tensor, v
 # gen-fp8: the q/k/v GEMM with this epilogue in it. The projection's output tile (128 x 256: two heads, all of q, k or
 # v) is still in registers when the per-head norm and RoPE need it, so the [tokens, (H + 2K) * d] bf16 projection is
 # never written and read back (Edge E7: the separate epilogue kernel was 1.49 ms of the 53 ms denoise graph).
+# Measured (H200, bench/results/latency/2026-12-03-977c274-triton-gemm/): 113-116 us per Edge call against 132-165 us
+# for precise cuBLAS + the epilogue kernel, E7 58.0 vs 58.5 ms; but cuBLAS's fast-accumulation q/k/v GEMM alone is
+# 72 us, so with that default this stays opt-in (`EngineConfig.fp8_triton_gemms=("qkv_heads", ...)`).
 
 QKV_TILES = TileConfig(block_m=128, block_n=256, block_k=128, group_m=8, warps=8, stages=3)
 

@@ -1,14 +1,17 @@
 """The e4m3 GEMM with per-token and per-channel scales (`quant.fp8.Fp8Linear`'s function) as a Triton TMA kernel.
 
-Why it exists beside cuBLAS (`torch._scaled_mm`, rowwise): at the Generator's shapes (a tier-480 request's 6,184
-token rows) cuBLAS's Hopper kernel for this scaling (`nvjet ... 128x128x128 ... ovscale`) was slower than this one at
-128x256 tiles: Edge's up-projection 0.211 vs 0.197 ms (H200, bench/results/latency/2026-12-03-57588cc-mlp-epilogue-
-probe/); `scripts/fp8_gemm_probe.py` times every Generator shape. And a kernel of our own is where epilogues can go.
+Why it exists beside cuBLAS (`torch._scaled_mm`, rowwise): a GEMM of our own is where epilogues can go (the q/k/v
+head epilogue, `engine.qkv_epilogue.fp8_qkv_heads_into`), and at 128x256 tiles it measured level with cuBLAS or
+faster at some Generator shapes (H200, `scripts/fp8_gemm_probe.py`, bench/results/latency/2026-12-03-977c274-
+triton-gemm/: Edge down-projection 0.157 vs 0.172 ms, Nano's 0.461 vs 0.480 ms with cuBLAS's fast accumulation; at
+Edge's up-projection cuBLAS won). In the engine's E7 row it bought nothing end to end, so it is opt-in
+(`EngineConfig.fp8_triton_gemms`).
 
-Numerics: fp32 accumulation of the e4m3 products, then acc * x_scale[m] * w_scale[n] in fp32, rounded once to bf16 --
-`fp8_linear_reference`'s function; the sum order differs from cuBLAS's, so results agree to bf16 rounding, not bits.
+Numerics: Triton's fp8 dot on Hopper leaves the partial sums in the tensor cores' reduced-precision accumulator across
+K (cuBLAS's `use_fast_accum` does the same; its default promotes them to fp32 every 128 elements); then
+acc * x_scale[m] * w_scale[n] in fp32, rounded once to bf16. Measured against the fp32 function: 1.9e-3 (K 2,048)
+to 2.8e-3 (K 9,216) relative L2, as cuBLAS's fast mode, against 1.7e-3 for its precise mode (GPU test).
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,12 +1,14 @@
 """FP8 e4m3 W8A8 linear: per-output-channel weight scales, dynamic per-token activation scales.
 
-Three execution paths compute the same function:
+Four execution paths compute the same function:
 * `scaled_mm`: `torch._scaled_mm` with rowwise scales (cuBLASLt fp8 GEMM, fp32 accumulate,
   scales applied in the epilogue, bf16 out). Needs K and N multiples of 16.
-* `triton`: `ops.fp8_gemm`, a Triton TMA kernel of the same contract (Hopper; elsewhere the reference).
-  Like `scaled_mm_fast` (cuBLASLt with `use_fast_accum`), it leaves the fp8 tensor cores' partial sums in their
-  reduced-precision accumulator across K instead of promoting them to fp32 every 128 elements: lossy, by a measured
-  amount far below the e4m3 noise, and only where an engine asks for it.
+* `scaled_mm_fast`: the same with `use_fast_accum`: the fp8 tensor cores' partial sums stay in their
+  reduced-precision accumulator across K instead of being promoted to fp32 every 128 elements. Lossy, by a
+  measured amount far below the e4m3 noise (docs/engine.md); what the engine's fused gen-fp8 layer runs by default.
+* `triton`: `ops.fp8_gemm`, a Triton TMA kernel of the same contract that accumulates as `scaled_mm_fast` does
+  (Hopper).
+`scaled_mm_fast` and `triton` are GPU kernels; off CUDA they run the reference.
 * `reference`: dequantize both operands to fp32 and matmul. Plain PyTorch, used on CPU and as the
   oracle the kernel path is tested against.
 """
@@ -126,7 +128,6 @@ class Fp8Linear(nn.Module):
                          kernel: str | None = None) -> torch.Tensor:
         """The GEMM on an input already quantized (`quantize_rowwise_fp8` form): xq [M, K] e4m3, x_scale [M, 1].
         `kernel` overrides the module's own for this call (an engine's choice, leaving the shared module as is)."""
-        # "triton" and "scaled_mm_fast" are GPU kernels; elsewhere they run the reference
         if (kernel or self.kernel) == "triton" and xq.is_cuda:
             out = fp8_gemm(xq, x_scale, self.weight, self.weight_scale)
             if self.bias is not None:
