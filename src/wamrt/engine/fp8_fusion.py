@@ -219,19 +219,6 @@ def _kernel(site: str, gemm_choices: frozenset[str]) -> str | None:
     return "scaled_mm_fast" if "fast_accum" in gemm_choices else None
 
 
-def fp8_generator_projections(layer: MoTLayer, g: torch.Tensor, update: torch.Tensor | None,
-                              gemm_choices: frozenset[str] = frozenset()
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The previous layer's residual add, the input norm and the q/k/v projections -> (q [B, G, H*d], k, v, g) for a
-    gen-fp8 layer (`fp8_fusion_problem(layer)` is None): the add, the norm and the q/k/v GEMM's input quantization
-    in `fp8_add_rms_norm_quant`. `gemm_choices`: the GEMM kernels, as `_kernel` reads them."""
-    norm, attn = layer.input_layernorm_moe_gen, layer.self_attn
-    g2, xq, scale = fp8_add_rms_norm_quant(_rows(g), None if update is None else _rows(update), norm.weight, norm.eps)
-    qkv = attn.add_qkv_proj.matmul_quantized(xq, scale, g.dtype, _kernel("qkv", gemm_choices))
-    qkv = qkv.view(*g.shape[:-1], -1)
-    return (*qkv.split(attn.qkv_sizes, dim=-1), g2.view(g.shape))
-
-
 def fp8_generator_norm_quant(layer: MoTLayer, g: torch.Tensor, update: torch.Tensor | None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The previous layer's residual add and the input norm, quantized for the q/k/v GEMM -> (e4m3 rows [B*G, h],
@@ -239,6 +226,18 @@ def fp8_generator_norm_quant(layer: MoTLayer, g: torch.Tensor, update: torch.Ten
     norm = layer.input_layernorm_moe_gen
     g2, xq, scale = fp8_add_rms_norm_quant(_rows(g), None if update is None else _rows(update), norm.weight, norm.eps)
     return xq, scale, g2.view(g.shape)
+
+
+def fp8_generator_projections(layer: MoTLayer, g: torch.Tensor, update: torch.Tensor | None,
+                              gemm_choices: frozenset[str] = frozenset()
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The previous layer's residual add, the input norm and the q/k/v projections -> (q [B, G, H*d], k, v, g) for a
+    gen-fp8 layer (`fp8_fusion_problem(layer)` is None): the add, the norm and the q/k/v GEMM's input quantization
+    in `fp8_add_rms_norm_quant`. `gemm_choices`: the GEMM kernels, as `_kernel` reads them."""
+    attn = layer.self_attn
+    xq, scale, g2 = fp8_generator_norm_quant(layer, g, update)
+    qkv = attn.add_qkv_proj.matmul_quantized(xq, scale, g.dtype, _kernel("qkv", gemm_choices))
+    return (*qkv.view(*g.shape[:-1], -1).split(attn.qkv_sizes, dim=-1), g2)
 
 
 def fp8_generator_qkv(layer: MoTLayer, g: torch.Tensor, update: torch.Tensor | None, rope: Rope,

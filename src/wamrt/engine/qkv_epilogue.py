@@ -143,6 +143,15 @@ def head_epilogue_problem(attn: MoTAttention, device: torch.device, dtype: torch
     return None
 
 
+def _check_buffers(kbuf: torch.Tensor, vbuf: torch.Tensor, kv_heads: int, start: int, g_len: int) -> None:
+    """A ValueError unless kbuf / vbuf [B, KB, L, d] can take g_len positions from `start` on, as the kernels store."""
+    if kbuf.stride() != vbuf.stride() or kbuf.stride(-1) != 1 or kbuf.shape[1] % kv_heads:
+        raise ValueError(f"K/V buffers {tuple(kbuf.shape)} need equal strides, a contiguous last dimension and a "
+                         f"multiple of {kv_heads} heads")
+    if kbuf.shape[2] < start + g_len:
+        raise ValueError(f"K/V buffers of {kbuf.shape[2]} positions cannot hold {g_len} from {start} on")
+
+
 def generator_heads_into(attn: MoTAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope,
                          kbuf: torch.Tensor, vbuf: torch.Tensor, start: int) -> torch.Tensor:
     """`generator_heads_into_reference` as one kernel launch (`head_epilogue_problem` is None). q, k, v may be
@@ -150,11 +159,7 @@ def generator_heads_into(attn: MoTAttention, q: torch.Tensor, k: torch.Tensor, v
     bsz, g_len = q.shape[:2]
     heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q, k, v = (t if t.stride(-1) == 1 and t.stride(0) == g_len * t.stride(1) else t.contiguous() for t in (q, k, v))
-    if kbuf.stride() != vbuf.stride() or kbuf.stride(-1) != 1 or kbuf.shape[1] % kv_heads:
-        raise ValueError(f"K/V buffers {tuple(kbuf.shape)} need equal strides, a contiguous last dimension and a "
-                         f"multiple of {kv_heads} heads")
-    if kbuf.shape[2] < start + g_len:
-        raise ValueError(f"K/V buffers of {kbuf.shape[2]} positions cannot hold {g_len} from {start} on")
+    _check_buffers(kbuf, vbuf, kv_heads, start, g_len)
     cos, sin = (t.expand(bsz, -1, -1).contiguous() for t in rope)  # no copy when already [B, G, d] contiguous
     out = torch.empty(bsz, g_len, heads * d, device=q.device, dtype=q.dtype)
     norm_q, norm_k = attn.norm_added_q, attn.norm_added_k
@@ -258,11 +263,7 @@ def fp8_qkv_heads_into(attn: MoTAttention, xq: torch.Tensor, x_scale: torch.Tens
     epilogue, in one kernel (`fp8_qkv_heads_problem` is None) -> q [B, H, G, d]; shape = (B, G)."""
     bsz, g_len = shape
     heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    if kbuf.stride() != vbuf.stride() or kbuf.stride(-1) != 1 or kbuf.shape[1] % kv_heads:
-        raise ValueError(f"K/V buffers {tuple(kbuf.shape)} need equal strides, a contiguous last dimension and a "
-                         f"multiple of {kv_heads} heads")
-    if kbuf.shape[2] < start + g_len:
-        raise ValueError(f"K/V buffers of {kbuf.shape[2]} positions cannot hold {g_len} from {start} on")
+    _check_buffers(kbuf, vbuf, kv_heads, start, g_len)
     lin, tiles = attn.add_qkv_proj, QKV_TILES
     m, k = xq.shape
     desc_x = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [tiles.block_m, tiles.block_k])

@@ -128,13 +128,13 @@ class Fp8Linear(nn.Module):
                          kernel: str | None = None) -> torch.Tensor:
         """The GEMM on an input already quantized (`quantize_rowwise_fp8` form): xq [M, K] e4m3, x_scale [M, 1].
         `kernel` overrides the module's own for this call (an engine's choice, leaving the shared module as is)."""
-        if (kernel or self.kernel) == "triton" and xq.is_cuda:
-            out = fp8_gemm(xq, x_scale, self.weight, self.weight_scale)
-            if self.bias is not None:
-                out = out + self.bias.to(out.dtype)
-            return out.to(out_dtype)
         resolved = resolve_kernel(kernel or self.kernel, xq.device)
-        if resolved == "scaled_mm" or (resolved == "scaled_mm_fast" and xq.is_cuda):
+        if resolved in ("triton", "scaled_mm_fast") and not xq.is_cuda:
+            resolved = "reference"
+        if resolved == "triton":
+            out = fp8_gemm(xq, x_scale, self.weight, self.weight_scale)
+            return (out if self.bias is None else out + self.bias.to(out.dtype)).to(out_dtype)
+        if resolved in ("scaled_mm", "scaled_mm_fast"):
             return fp8_linear_scaled_mm(xq, x_scale, self.weight, self.weight_scale, self.bias, out_dtype,
                                         fast_accum=resolved == "scaled_mm_fast")
         return fp8_linear_reference(xq, x_scale, self.weight, self.weight_scale, self.bias, out_dtype)
