@@ -8,6 +8,7 @@
 #          mlp-probe (the gen-fp8 MLP with the down GEMM's input quantized in the up GEMM's epilogue:
 #          scripts/fp8_mlp_epilogue_probe.py)
 #          gemm-probe (each Generator fp8 GEMM shape, cuBLAS against Triton: scripts/fp8_gemm_probe.py)
+#          act-probe (the per-row activation quantizers' variants against a cast's memory floor: scripts/act_quant_probe.py)
 #          fp8-engine-tests (a gen-fp8 engine's graph replay against its compiled self; the VAE encode's GPU tests)
 #          kernel-tests (the Triton kernels' GPU tests: q/k/v head epilogue, fp8 fusion)
 #          attn-probe (8-bit attention kernels vs flash-attn-4 bf16: time and SQNR; MODELS, default edge,nano;
@@ -214,6 +215,8 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
           timeout "$limit" python3 scripts/fp8_mlp_epilogue_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
     gemm-probe) # Issue 14 moonshot: every Generator fp8 GEMM shape on cuBLAS against a Triton TMA kernel
           timeout "$limit" python3 scripts/fp8_gemm_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
+    act-probe) # Issue 14 moonshot: the per-row activation quantizers, every variant against the same bytes' cast
+          timeout "$limit" python3 scripts/act_quant_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
     fp8-engine-tests) # a gen-fp8 engine's graph replay at the default fast accumulation; the VAE encode's GPU tests
           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_vae_encode.py \
              tests/engine/test_fp8_fusion.py::test_gen_fp8_engine_replays_its_compiled_self_with_fast_accumulation \
