@@ -91,10 +91,11 @@ def main() -> None:
             print(f"{name:14s} {label:40s} {ms * 1e3:8.1f} us  {moved / ms / 1e9:5.2f} TB/s  same bits {ok}",
                   flush=True)
 
-        for cfg in kernel.configs:
-            b, w = cfg.kwargs["BLOCK"], cfg.num_warps
-            check(f"rowwise BLOCK={b} warps={w}",
-                  lambda b=b, w=w: kernel.fn[(m,)](y, q, s, y.stride(0), N=n, ACT=code, BLOCK=b, num_warps=w))
+        for cfg in kernel.configs:  # (at e625df4 the kernel ran one program per row only: the rowwise rows of that run)
+            b, w, p = cfg.kwargs["BLOCK"], cfg.num_warps, cfg.kwargs["PER_SM"]
+            check(f"{f'looping {p}/SM' if p else 'rowwise'} BLOCK={b} warps={w}",
+                  lambda b=b, w=w, p=p: kernel.fn[(min(m, p * sms) if p else m,)](
+                      y, q, s, m, y.stride(0), N=n, ACT=code, BLOCK=b, PER_SM=p, num_warps=w))
         block = triton.next_power_of_2(n)
         for per_sm in (2, 4, 8):
             for stages in (1, 2, 3):

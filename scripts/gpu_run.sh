@@ -8,6 +8,10 @@
 #          mlp-probe (the gen-fp8 MLP with the down GEMM's input quantized in the up GEMM's epilogue:
 #          scripts/fp8_mlp_epilogue_probe.py)
 #          gemm-probe (each Generator fp8 GEMM shape, cuBLAS against Triton: scripts/fp8_gemm_probe.py)
+#          ab-edge ab-nano (this tree against an older one carried in .ab-before/ -- `git archive <sha> src` unpacked, less src/wamrt/assets,
+#          there, its sha in .ab-before/SHA -- in one process order per round, ROUNDS rounds alternating which side
+#          goes first: `wamrt bench latency` with ROWS (E5) at 4 steps and LOSSY_ROWS (E7,E6); TRACE=1 traces this
+#          tree's E7 in the last round)
 #          act-probe (the per-row activation quantizers' variants against a cast's memory floor: scripts/act_quant_probe.py)
 #          fp8-engine-tests (a gen-fp8 engine's graph replay against its compiled self; the VAE encode's GPU tests)
 #          kernel-tests (the Triton kernels' GPU tests: q/k/v head epilogue, fp8 fusion)
@@ -215,6 +219,21 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
           timeout "$limit" python3 scripts/fp8_mlp_epilogue_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
     gemm-probe) # Issue 14 moonshot: every Generator fp8 GEMM shape on cuBLAS against a Triton TMA kernel
           timeout "$limit" python3 scripts/fp8_gemm_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
+    ab-edge|ab-nano) # Issue 14: before / after in one lease (see the usage above)
+          before=$(cat .ab-before/SHA)  # carried without its assets (the embedded default model): this tree's
+          [ -e .ab-before/src/wamrt/assets ] || ln -s "$PWD/src/wamrt/assets" .ab-before/src/wamrt/assets
+          for round in $(seq "${ROUNDS:-2}"); do
+            sides="before after"; [ $((round % 2)) = 0 ] && sides="after before"
+            for side in $sides; do
+              src=$PWD/src; sha=$WAMRT_GIT_SHA; [ "$side" = before ] && src=$PWD/.ab-before/src && sha=$before
+              each=$(( limit / (2 * ${ROUNDS:-2}) )); trace=; [ "${TRACE:-1}" = 1 ] && [ "$side" = after ] && [ "$round" = "${ROUNDS:-2}" ] && trace="--trace --trace-rows E7"
+              echo "== round $round, $side ($sha)"
+              PYTHONPATH=${PYTHONPATH/$PWD\/src/$src} WAMRT_GIT_SHA=$sha timeout "$each" python3 -m wamrt.cli bench latency \
+                 --model "${part#ab-}" --rows "${ROWS:-E5}" --steps 4 --lossy-rows "${LOSSY_ROWS:-E7,E6}" $trace \
+                 --warmup "${WARMUP:-5}" --runs "${RUNS:-30}" --out "$res/round$round-$side" 2>&1 | grep -v 'UserWarning\|exe_args' \
+                 | tee -a "$res/log.txt"
+            done
+          done ;;
     act-probe) # Issue 14 moonshot: the per-row activation quantizers, every variant against the same bytes' cast
           timeout "$limit" python3 scripts/act_quant_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
     fp8-engine-tests) # a gen-fp8 engine's graph replay at the default fast accumulation; the VAE encode's GPU tests

@@ -69,7 +69,7 @@ from .fp8_fusion import (
 from .fuse import fuse_generator
 from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
 from .layer_halves import generator_projections, generator_qkv, post_split, pre_fp8_heads, pre_heads, pre_into
-from .prefix_cache import PaddedPrefixes, ReasonerCache, pad_kv
+from .prefix_cache import PaddedPrefixes, ReasonerCache, StackedKV, copy_lists, kv_storage
 from .qkv_epilogue import fp8_qkv_heads_problem, head_epilogue_problem, repeat_heads
 from .stage_clock import StageClock
 from .vae_encode import FirstFrameEncoder
@@ -164,6 +164,11 @@ class Engine:
         elif self.head_epilogue == "triton" and head_problem:
             raise ValueError(f"head_epilogue='triton' cannot serve this model here: {head_problem}")
         self._pre, self._post, self._rescale = pre_into(qkv), post, rescale_zero_keys
+
+        def finish(g: torch.Tensor, update: torch.Tensor | None, tok: GeneratorTokens) -> GeneratorOutput:
+            return finish_generator(model, g, update, tok)
+
+        self._embed, self._finish = model.embed_generator, finish
         if "qkv_heads" in self.fp8_triton_gemms:
             problem = "head_epilogue is not 'triton'" if self.head_epilogue != "triton" else \
                 fp8_qkv_heads_problem(model.layers[0].self_attn, self.device, model.dtype)
@@ -198,6 +203,10 @@ class Engine:
             else:
                 self._pre = torch.compile(self._pre, dynamic=False, mode=mode)
             self._post = torch.compile(post, dynamic=False, mode=mode)
+            # The step's edges: eager, the fp32 final norm alone was ~10 kernels and ~0.2 ms per Edge step, and the
+            # input embedding ~0.1 ms (bench/results/latency/2026-12-03-1ba1cea-fast-accum/, run2's trace).
+            self._embed = torch.compile(self._embed, dynamic=False, mode=mode)
+            self._finish = torch.compile(self._finish, dynamic=False, mode=mode)
             self._rescale = torch.compile(rescale_zero_keys, dynamic=False, mode=mode)  # one fused kernel
         elif "qkv_heads" in self.fp8_triton_gemms:
             self._pre = pre_fp8_heads(fp8_generator_norm_quant)
@@ -490,21 +499,25 @@ class Engine:
         masks = [s.kv.key_mask for s in seqs]
         bucketed = any(m is not None for m in masks)
         generator_first = self.cfg_attention == "lengths" and not bucketed
-        keys, values, pads = pad_kv([s.kv for s in seqs], front=not generator_first)
-        umax = keys[0].shape[2]
-        prefix = slice(g_len, g_len + umax) if generator_first else slice(0, umax)
+        lengths = [s.kv.length for s in seqs]
+        umax = max(lengths)
+        pads = [umax - n for n in lengths]
         shape = (len(seqs), self._buffer_heads(seqs), umax + g_len, cfg.head_dim)
         region = self._arena_region(math.prod(shape))
-        kb, vb = [], []
-        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-            if region is None:
-                kbuf, vbuf = k.new_empty(shape), v.new_empty(shape)
-            else:
-                kbuf, vbuf = (self._kv_arena[layer, i, region].view(shape) for i in (0, 1))
-            kbuf[:, :, prefix] = repeat_heads(k, shape[1])
-            vbuf[:, :, prefix] = repeat_heads(v, shape[1])
-            kb.append(kbuf)
-            vb.append(vbuf)
+        layers = len(seqs[0].kv.keys)
+        both = (seqs[0].kv.keys[0].new_empty(layers, 2, *shape) if region is None  # [L, 2 (k, v), S, H, T, d]
+                else self._kv_arena[:, :, region].view(layers, 2, *shape))
+        # Every layer's prefix in one copy per sequence (its heads repeated for GQA by broadcasting), the padding in
+        # one fill: [prefix left-padded | Generator], or [Generator | prefix | zeros] generator-first.
+        for row, (seq, pad) in enumerate(zip(seqs, pads, strict=True)):
+            src = kv_storage(seq.kv)[:, :, 0]  # [L, 2, K, U, d]
+            at = g_len if generator_first else pad
+            dst = both[:, :, row, :, at : at + seq.kv.length]
+            dst.unflatten(2, (src.shape[2], shape[1] // src.shape[2])).copy_(src.unsqueeze(3))
+            if pad:
+                zeros = slice(g_len + seq.kv.length, g_len + umax) if generator_first else slice(0, pad)
+                both[:, :, row, :, zeros].zero_()
+        kb, vb = list(both[:, 0].unbind(0)), list(both[:, 1].unbind(0))
         rope = Rope(torch.cat([s.rope.cos for s in seqs]), torch.cat([s.rope.sin for s in seqs]))
         if bucketed:  # prompt buckets: equal padded widths, validity as data
             assert all(m is not None for m in masks) and not any(pads)
@@ -552,16 +565,13 @@ class Engine:
         """One Generator pass that pauses (yields) after each layer index in `pause_after` and returns the
         output: a world request captures each of its long steps as several graphs this way, so that a server can
         hand the device to a policy request within a step (`WorldEngine(step_segments=...)`)."""
-        model = self.model
-        g, update = model.embed_generator(tok), None
-        for index, (layer, kbuf, vbuf) in enumerate(zip(model.layers, bufs.keys, bufs.values, strict=True)):
+        g, update = self._embed(tok), None
+        for index, (layer, kbuf, vbuf) in enumerate(zip(self.model.layers, bufs.keys, bufs.values, strict=True)):
             q, g = self._pre(layer, g, update, rope, kbuf, vbuf, bufs.start)
             g, update = self._post(layer, g, attn(q, kbuf, vbuf, causal=False))
             if index in pause_after:
                 yield
-        if update is not None:
-            g = g + update
-        return model.decode_generator(model.norm_moe_gen(g), tok)
+        return self._finish(g, update, tok)
 
     def _generator_step(self, tok: GeneratorTokens, bufs: _KVBuffers, rope: Rope, attn) -> GeneratorOutput:
         return run_to_end(self._generator_pieces(tok, bufs, rope, attn))
@@ -655,9 +665,8 @@ class Engine:
         ins["x_v"].copy_(x_v)
         ins["x_a"].copy_(x_a)
         for dst, src in zip(ins["seqs"], conds + unconds, strict=True):
-            masks = ([dst.kv.key_mask], [src.kv.key_mask]) if dst.kv.key_mask is not None else ([], [])
-            torch._foreach_copy_(dst.kv.keys + dst.kv.values + [dst.rope.cos, dst.rope.sin] + masks[0],
-                                 src.kv.keys + src.kv.values + [src.rope.cos, src.rope.sin] + masks[1])
+            out, into = copy_lists(dst.kv, src.kv)
+            torch._foreach_copy_(out + [dst.rope.cos, dst.rope.sin], into + [src.rope.cos, src.rope.sin])
         entry.graph.replay()
         assert entry.outputs is not None
         return entry.outputs[0][:n].clone(), entry.outputs[1][:n].clone()
@@ -759,11 +768,18 @@ class Engine:
         return x_v, x_a
 
 
+def finish_generator(model: Cosmos3Transformer, g: torch.Tensor, update: torch.Tensor | None,
+                     tok: GeneratorTokens) -> GeneratorOutput:
+    """The last layer's residual add (its MLP output `update`, if not added yet), the final norm and the output
+    projections -> velocities."""
+    if update is not None:
+        g = g + update
+    return model.decode_generator(model.norm_moe_gen(g), tok)
+
+
 def _clone_seq(s: _Seq) -> _Seq:
-    """A sequence's own copy: the static input buffers a captured graph reads."""
-    mask = s.kv.key_mask.clone() if s.kv.key_mask is not None else None
-    kv = ReasonerKV([k.clone() for k in s.kv.keys], [v.clone() for v in s.kv.values], key_mask=mask)
-    return _Seq(s.request, kv, Rope(s.rope.cos.clone(), s.rope.sin.clone()))
+    """A sequence's own copy, its K/V in one storage: the static input buffers a captured graph reads."""
+    return _Seq(s.request, StackedKV.of(s.kv).clone(), Rope(s.rope.cos.clone(), s.rope.sin.clone()))
 
 
 def _prefix_lengths(inp: DenoiseInputs) -> tuple[int, int]:

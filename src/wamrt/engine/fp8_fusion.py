@@ -24,6 +24,8 @@ The `*_reference` functions are the same computations in plain PyTorch, what run
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -79,37 +81,42 @@ if triton is not None:
         return a
 
     # Autotuned per (width, activation) on the first call (the engine's warm-up, outside graph capture), over
-    # one-pass (the row in registers) and two-pass (column chunks, the second pass mostly from L2) variants. Every
-    # variant computes the same bits: a maximum does not depend on the order it is taken in.
-    @triton.autotune(configs=[triton.Config({"BLOCK": b}, num_warps=w) for b, w in
-                              ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (16384, 16), (16384, 32))],
+    # one-pass (the row in registers) and two-pass (column chunks, the second pass mostly from L2) variants, with
+    # one program per row (PER_SM 0) or a few per SM looping over rows (PER_SM of them per SM): the looping ones won
+    # at the MLP's widths, one per row at the attention output's (`scripts/act_quant_probe.py`, H200, 6,184 rows:
+    # Edge ReLU^2 53.2 -> 45.5 us, Nano SwiGLU 115.0 -> 96.2 us; bench/results/latency/2026-12-03-e625df4-act-quant-
+    # probe/). Every variant computes the same bits: a maximum does not depend on the order it is taken in.
+    @triton.autotune(configs=[triton.Config({"BLOCK": b, "PER_SM": p}, num_warps=w) for b, w, p in
+                              ((1024, 4, 0), (2048, 4, 0), (2048, 8, 0), (4096, 8, 0), (16384, 16, 0), (16384, 32, 0),
+                               (4096, 8, 8), (16384, 8, 4), (16384, 8, 8), (16384, 8, 16))],
                      key=["N", "ACT"])
     @triton.jit
-    def _act_quant_kernel(y_ptr, q_ptr, scale_ptr, y_row_stride, N: tl.constexpr, ACT: tl.constexpr,
-                          BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        src = y_ptr + row * y_row_stride
-        dst = q_ptr + row * N
-        if BLOCK >= N:
-            cols = tl.arange(0, BLOCK)
-            mask = cols < N
-            a = _activation(src, cols, mask, N, ACT)
-            scale = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-12) / 448.0
-            q = tl.minimum(tl.maximum(a / scale, -448.0), 448.0)
-            tl.store(dst + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-            tl.store(scale_ptr + row, scale)
-        else:
-            peak = tl.zeros([BLOCK], dtype=tl.float32)
-            for start in range(0, N, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                peak = tl.maximum(peak, tl.abs(_activation(src, cols, cols < N, N, ACT)))
-            scale = tl.maximum(tl.max(peak, axis=0), 1e-12) / 448.0
-            for start in range(0, N, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
+    def _act_quant_kernel(y_ptr, q_ptr, scale_ptr, M, y_row_stride, N: tl.constexpr, ACT: tl.constexpr,
+                          BLOCK: tl.constexpr, PER_SM: tl.constexpr):
+        # num_stages=1: prefetching the next row (2, 3 stages) measured slower in every looping variant
+        for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=1):
+            src = y_ptr + row.to(tl.int64) * y_row_stride
+            dst = q_ptr + row.to(tl.int64) * N
+            if BLOCK >= N:
+                cols = tl.arange(0, BLOCK)
                 mask = cols < N
-                q = tl.minimum(tl.maximum(_activation(src, cols, mask, N, ACT) / scale, -448.0), 448.0)
+                a = _activation(src, cols, mask, N, ACT)
+                scale = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-12) / 448.0
+                q = tl.minimum(tl.maximum(a / scale, -448.0), 448.0)
                 tl.store(dst + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-            tl.store(scale_ptr + row, scale)
+                tl.store(scale_ptr + row, scale)
+            else:
+                peak = tl.zeros([BLOCK], dtype=tl.float32)
+                for start in range(0, N, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    peak = tl.maximum(peak, tl.abs(_activation(src, cols, cols < N, N, ACT)))
+                scale = tl.maximum(tl.max(peak, axis=0), 1e-12) / 448.0
+                for start in range(0, N, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    mask = cols < N
+                    q = tl.minimum(tl.maximum(_activation(src, cols, mask, N, ACT) / scale, -448.0), 448.0)
+                    tl.store(dst + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+                tl.store(scale_ptr + row, scale)
 
     @triton.jit
     def _add_norm_quant_kernel(x_ptr, u_ptr, w_ptr, s_ptr, q_ptr, scale_ptr, n, eps, HAS_UPDATE: tl.constexpr,
@@ -142,8 +149,15 @@ def fp8_act_quant(y: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch
     n = width // 2 if activation == "swiglu" else width
     q = torch.empty(m, n, dtype=FP8, device=y.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=y.device)
-    _act_quant_kernel[(m,)](y, q, scale, y.stride(0), N=n, ACT=ACTIVATIONS.index(activation))
+    sms = _multiprocessors(y.device)
+    _act_quant_kernel[lambda meta: (min(m, meta["PER_SM"] * sms) if meta["PER_SM"] else m,)](
+        y, q, scale, m, y.stride(0), N=n, ACT=ACTIVATIONS.index(activation))
     return q, scale
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @fp8_act_quant.register_fake

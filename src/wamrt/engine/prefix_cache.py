@@ -4,10 +4,57 @@ changes), padded once per prompt bucket, stacked per batch."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
 from ..model import Cosmos3Transformer, ReasonerKV
+
+
+@dataclass
+class StackedKV(ReasonerKV):
+    """A ReasonerKV whose per-layer keys and values are views of one tensor, `storage` [L, 2 (k, v), B, K, U, d].
+    A captured graph's prefix then travels in one copy: host -> its static input and, inside the graph, static input
+    -> its K/V buffers (`Engine._kv_buffers`). Per-layer copies were ~330 kernels and ~1 ms at the start of every Edge
+    E7 replay (bench/results/latency/2026-12-03-1ba1cea-fast-accum/, run2's trace)."""
+
+    storage: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, kv: ReasonerKV) -> StackedKV:
+        """`kv` in one storage (a copy, unless it is stacked already)."""
+        if isinstance(kv, StackedKV):
+            return kv
+        return cls.over(kv_storage(kv), kv.key_mask)
+
+    @classmethod
+    def over(cls, storage: torch.Tensor, key_mask: torch.Tensor | None = None) -> StackedKV:
+        return cls(list(storage[:, 0].unbind(0)), list(storage[:, 1].unbind(0)), key_mask, storage)
+
+    def clone(self) -> StackedKV:
+        assert self.storage is not None
+        return StackedKV.over(self.storage.clone(), None if self.key_mask is None else self.key_mask.clone())
+
+
+def kv_storage(kv: ReasonerKV) -> torch.Tensor:
+    """[L, 2, B, K, U, d]: `kv`'s storage if it is a StackedKV, else its layers stacked (a copy)."""
+    if isinstance(kv, StackedKV) and kv.storage is not None:
+        return kv.storage
+    return torch.stack([torch.stack(kv.keys), torch.stack(kv.values)], dim=1)
+
+
+def copy_lists(dst: ReasonerKV, src: ReasonerKV) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors that copy `src`'s K/V (and key mask) into `dst`'s, for `torch._foreach_copy_`: one storage each
+    when both are stacked alike, else every layer's keys and values."""
+    if (isinstance(dst, StackedKV) and isinstance(src, StackedKV) and dst.storage is not None
+            and src.storage is not None and dst.storage.shape == src.storage.shape):
+        out, into = [dst.storage], [src.storage]
+    else:
+        out, into = dst.keys + dst.values, src.keys + src.values
+    if dst.key_mask is not None:
+        assert src.key_mask is not None
+        out, into = out + [dst.key_mask], into + [src.key_mask]
+    return out, into
 
 
 class ReasonerCache:
@@ -29,7 +76,7 @@ class ReasonerCache:
             return kv
         self.misses += 1
         rope_und, _ = self.model.rope(positions).split(ids.shape[1])
-        kv = self.model.prefill_reasoner(ids, rope_und)
+        kv = StackedKV.of(self.model.prefill_reasoner(ids, rope_und))
         self.entries[key] = kv
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
@@ -54,27 +101,9 @@ class PaddedPrefixes:
         pad = width - kv.length
         if pad < 0:
             raise ValueError(f"cannot pad a {kv.length}-token prefix to {width}")
-        padded = ReasonerKV([torch.nn.functional.pad(k, (0, 0, pad, 0)) for k in kv.keys],
-                            [torch.nn.functional.pad(v, (0, 0, pad, 0)) for v in kv.values],
-                            key_mask=(torch.arange(width, device=self.device) >= pad)[None])
+        padded = StackedKV.over(torch.nn.functional.pad(kv_storage(kv), (0, 0, pad, 0)),
+                                key_mask=(torch.arange(width, device=self.device) >= pad)[None])
         self.entries[key] = (kv, padded)
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
         return padded
-
-
-def pad_kv(kvs: list[ReasonerKV], *, front: bool = True
-           ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
-    """Stack per-sequence K/V [1, K, U_s, d] into [S, K, Umax, d], zero padding at the front (or at the back), and
-    each sequence's padding length."""
-    longest = max(kv.length for kv in kvs)
-    pads = [longest - kv.length for kv in kvs]
-
-    def padded(t: torch.Tensor, n: int) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, 0, n, 0) if front else (0, 0, 0, n))
-
-    keys, values = [], []
-    for layer in range(len(kvs[0].keys)):
-        keys.append(torch.cat([padded(kv.keys[layer], n) for kv, n in zip(kvs, pads, strict=True)]))
-        values.append(torch.cat([padded(kv.values[layer], n) for kv, n in zip(kvs, pads, strict=True)]))
-    return keys, values, pads

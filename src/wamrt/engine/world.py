@@ -37,6 +37,7 @@ from ..sampler import Anchor, DistilledPlan, cfg_combine, guidance_active, make_
 from .config import EngineConfig
 from .engine import Engine, _clone_seq, _Seq, run_to_end
 from .graph_cache import CapturedGraph, CaptureTimer, GraphKey
+from .prefix_cache import copy_lists
 from .vae_decode import implicit_pad_decoder
 
 # World prompts differ per request (prompt, negative prompt, duration/resolution sentences): without buckets
@@ -259,9 +260,9 @@ class WorldEngine(Engine):
             dst_tensors.append(ins["x_s"])
             src_tensors.append(x_s)
         for dst, src in zip(ins["seqs"], conds + unconds, strict=True):
-            masks = ([dst.kv.key_mask], [src.kv.key_mask]) if dst.kv.key_mask is not None else ([], [])
-            dst_tensors += dst.kv.keys + dst.kv.values + [dst.rope.cos, dst.rope.sin] + masks[0]
-            src_tensors += src.kv.keys + src.kv.values + [src.rope.cos, src.rope.sin] + masks[1]
+            out, into = copy_lists(dst.kv, src.kv)
+            dst_tensors += out + [dst.rope.cos, dst.rope.sin]
+            src_tensors += into + [src.rope.cos, src.rope.sin]
         torch._foreach_copy_(dst_tensors, src_tensors)
         steps = len(entry.graph)
         for i, segments in enumerate(entry.graph):
