@@ -70,7 +70,7 @@ from .fuse import fuse_generator
 from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
 from .layer_halves import generator_projections, generator_qkv, post_split, pre_fp8_heads, pre_heads, pre_into
 from .prefix_cache import PaddedPrefixes, ReasonerCache, StackedKV, copy_lists, kv_storage
-from .qkv_epilogue import fp8_qkv_heads_problem, head_epilogue_problem, repeat_heads
+from .qkv_epilogue import fp8_qkv_heads_problem, head_epilogue_problem
 from .stage_clock import StageClock
 from .vae_encode import FirstFrameEncoder
 
