@@ -1,5 +1,5 @@
 """Reasoner K/V kept per prompt: computed once (the Reasoner is causal text, so an instruction's K/V never
-changes), padded once per prompt bucket, stacked per batch."""
+changes), padded once per prompt bucket, each entry's layers in one storage (`StackedKV`)."""
 
 from __future__ import annotations
 
