@@ -251,7 +251,7 @@ def _graph_engine(policy, **kw) -> Engine:
 @pytest.mark.parametrize("layout", [dict(cfg_attention="split"), dict(cfg_attention="lengths"),
                                     dict(cfg_attention="lengths", gqa_buffers=True)])
 def test_graph_path_static_inputs_arena_and_buckets_on_cpu(policy, layout):
-    """The capture/replay bookkeeping (static inputs, K/V arena sized by _arena_elements, one entry per
+    """The capture/replay bookkeeping (static inputs, K/V arena sized by KVBufferArena.elements, one entry per
     bucket) without a GPU: batch sizes 2 and 1 and both step kinds, interleaved, equal the eager engine; in both
     K/V layouts (prefix first, Generator first)."""
     eager = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
@@ -276,7 +276,7 @@ def test_gqa_buffers_hold_the_kv_heads_only(policy):
     for gqa in (False, True):
         engine = _graph_engine(policy, cfg_attention="lengths", gqa_buffers=gqa)
         engine.infer_batch(obs, seeds=[3, 4], steps=1)
-        arenas[gqa] = engine._kv_arena.shape[-1]
+        arenas[gqa] = engine.kv_arena.arena.shape[-1]
     assert cfg.num_key_value_heads < cfg.num_attention_heads
     assert arenas[True] * cfg.num_attention_heads == arenas[False] * cfg.num_key_value_heads
 

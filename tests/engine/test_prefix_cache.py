@@ -1,20 +1,16 @@
-"""Reasoner K/V in one storage (`StackedKV`) and the engine's per-batch K/V buffers built from it."""
+"""Reasoner K/V in one storage (`StackedKV`): the prefix cache's entries, padded prefixes, graph-input copies."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from wamrt.engine import Engine, EngineConfig
-from wamrt.engine.engine import _Seq
 from wamrt.engine.prefix_cache import PaddedPrefixes, StackedKV, copy_lists, kv_storage
-from wamrt.engine.qkv_epilogue import repeat_heads
-from wamrt.model import ReasonerKV, Rope
+from wamrt.model import ReasonerKV
 
 LAYERS, KV_HEADS, DIM = 3, 2, 4
 
 
-def _kv(length: int, seed: int, mask: bool = False) -> ReasonerKV:
+def make_kv(length: int, seed: int, mask: bool = False) -> ReasonerKV:
     g = torch.Generator().manual_seed(seed)
     keys = [torch.randn(1, KV_HEADS, length, DIM, generator=g) for _ in range(LAYERS)]
     values = [torch.randn(1, KV_HEADS, length, DIM, generator=g) for _ in range(LAYERS)]
@@ -22,7 +18,7 @@ def _kv(length: int, seed: int, mask: bool = False) -> ReasonerKV:
 
 
 def test_stacked_kv_holds_the_same_layers_as_views_of_one_storage():
-    kv = _kv(5, 0)
+    kv = make_kv(5, 0)
     stacked = StackedKV.of(kv)
     assert stacked.storage is not None and stacked.storage.shape == (LAYERS, 2, 1, KV_HEADS, 5, DIM)
     for mine, theirs in zip(stacked.keys + stacked.values, kv.keys + kv.values, strict=True):
@@ -36,50 +32,20 @@ def test_stacked_kv_holds_the_same_layers_as_views_of_one_storage():
 
 
 def test_copy_lists_moves_one_storage_when_both_sides_are_stacked_alike():
-    a, b = StackedKV.of(_kv(5, 0, mask=True)), StackedKV.of(_kv(5, 1, mask=True))
+    a, b = StackedKV.of(make_kv(5, 0, mask=True)), StackedKV.of(make_kv(5, 1, mask=True))
     out, into = copy_lists(a, b)
     assert [t.shape for t in out] == [a.storage.shape, (1, 5)] and len(into) == 2
     torch._foreach_copy_(out, into)
     assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values, strict=True))
-    out, into = copy_lists(StackedKV.of(_kv(5, 2)), _kv(5, 3))  # a source not stacked: every layer, no masks
+    out, into = copy_lists(StackedKV.of(make_kv(5, 2)), make_kv(5, 3))  # a source not stacked: every layer, no masks
     assert len(out) == len(into) == 2 * LAYERS
 
 
 def test_padded_prefixes_are_stacked_and_left_padded_with_zeros():
-    kv = StackedKV.of(_kv(3, 0))
+    kv = StackedKV.of(make_kv(3, 0))
     padded = PaddedPrefixes(4, torch.device("cpu")).get(kv, 5)
     assert isinstance(padded, StackedKV) and padded.length == 5
     assert torch.equal(padded.key_mask, torch.tensor([[False, False, True, True, True]]))
     for layer in range(LAYERS):
         assert torch.equal(padded.keys[layer][:, :, :2], torch.zeros(1, KV_HEADS, 2, DIM))
         assert torch.equal(padded.values[layer][:, :, 2:], kv.values[layer])
-
-
-@pytest.mark.parametrize("generator_first", [False, True])
-@pytest.mark.parametrize("heads", [KV_HEADS, 2 * KV_HEADS])
-def test_kv_buffers_hold_each_prefix_padded_and_head_repeated(generator_first, heads):
-    """`Engine._kv_buffers` (one copy per sequence into [L, 2, S, H, T, d]) against the per-layer construction it
-    replaced: zeros where a shorter prefix ends (front, or after it generator-first), heads repeated for GQA."""
-    g_len = 6
-    seqs = [_Seq(0, StackedKV.of(_kv(5, 0)), Rope(torch.ones(1, g_len, DIM), torch.zeros(1, g_len, DIM))),
-            _Seq(0, _kv(2, 1), Rope(torch.ones(1, g_len, DIM), torch.zeros(1, g_len, DIM)))]  # unstacked works too
-    engine = Engine.__new__(Engine)  # only what _kv_buffers reads
-    engine.model = type("M", (), {"config": type("C", (), {"head_dim": DIM})()})()
-    engine.cfg_attention, engine._arena_cursor = ("lengths" if generator_first else "split"), None
-    engine._buffer_heads = lambda seqs: heads
-    engine.device, engine.config = torch.device("cpu"), EngineConfig(compile=False, cuda_graph=False)
-    bufs, _, _ = engine._kv_buffers(seqs)
-    umax = 5
-    for layer in range(LAYERS):
-        for got, which in ((bufs.keys[layer], "keys"), (bufs.values[layer], "values")):
-            assert got.shape == (2, heads, umax + g_len, DIM)
-            for row, seq in enumerate(seqs):
-                n = seq.kv.length
-                want = repeat_heads(getattr(seq.kv, which)[layer], heads)[0]
-                if generator_first:
-                    assert torch.equal(got[row, :, g_len : g_len + n], want)
-                    assert not got[row, :, g_len + n : g_len + umax].any()
-                else:
-                    assert torch.equal(got[row, :, umax - n : umax], want)
-                    assert not got[row, :, : umax - n].any()
-    assert bufs.start == (0 if generator_first else umax)

@@ -11,28 +11,22 @@ code with more of them on. Every configuration computes the same function as the
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..model import Cosmos3Transformer, GeneratorOutput, GeneratorTokens, ReasonerKV, Rope
+from ..model import Cosmos3Transformer, GeneratorOutput, GeneratorTokens, Rope
 from ..ops.attention import (
     BackendAttention,
-    KeyLengthAttention,
-    KeyMaskAttention,
-    MaskedBatchAttention,
-    PrefixOffsetAttention,
-    ZeroKeyAttention,
     diffusers_gqa_attention,
     fa4_available,
     rescale_zero_keys,
@@ -68,8 +62,9 @@ from .fp8_fusion import (
 )
 from .fuse import fuse_generator
 from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
+from .kv_buffers import BatchBranch, KVBufferArena, KVBuffers
 from .layer_halves import generator_projections, generator_qkv, post_split, pre_fp8_heads, pre_heads, pre_into
-from .prefix_cache import PaddedPrefixes, ReasonerCache, StackedKV, copy_lists, kv_storage
+from .prefix_cache import PaddedPrefixes, ReasonerCache, StackedKV, copy_lists
 from .qkv_epilogue import fp8_qkv_heads_problem, head_epilogue_problem
 from .stage_clock import StageClock
 from .vae_encode import FirstFrameEncoder
@@ -78,22 +73,6 @@ log = logging.getLogger(__name__)
 
 ROPE_CACHE_SIZE = 64  # packing layouts (instruction length x geometry) whose Generator RoPE tables are kept
 HOST_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))  # canvas threads of a batch (the rest: server, GPU)
-
-
-@dataclass
-class _Seq:
-    """One CFG branch of one request inside a batch."""
-
-    request: int
-    kv: ReasonerKV  # [1, K, U, d] per layer
-    rope: Rope  # Generator part, [1, G, d]
-
-
-@dataclass
-class _KVBuffers:
-    keys: list[torch.Tensor]  # per layer [S, H, start + G, d]
-    values: list[torch.Tensor]
-    start: int  # where the Generator part begins
 
 
 class Engine:
@@ -130,8 +109,6 @@ class Engine:
         self.graphs = GraphCache(config.graph_cache_size, config.graph_cache_bytes)
         self._graph_pool = None  # shared by every captured graph (see _capture)
         # K/V buffers of captured graphs live here, outside the graph pool (see _capture).
-        self._kv_arena: torch.Tensor | None = None  # [layers, 2 (k, v), elements]
-        self._arena_cursor: int | None = None  # set while a graph is being warmed up / captured
         self._kinds_needed: set[bool] | None = None
         self._seeds = np.random.default_rng(0)
         self._upcoming_seed = int(self._seeds.integers(0, 2**31))
@@ -212,6 +189,10 @@ class Engine:
             self._pre = pre_fp8_heads(fp8_generator_norm_quant)
         elif self.head_epilogue == "triton":
             self._pre = pre_heads(projections)
+
+        self.kv_arena = KVBufferArena(model.config, self.device, layout=self.cfg_attention, grouped=self.gqa_buffers,
+                                      backend=config.attention, bucket_attention=self.bucket_attention,
+                                      rescale=self._rescale)
 
     @classmethod
     def from_policy(cls, policy: Policy, config: EngineConfig = EngineConfig()) -> Engine:
@@ -411,20 +392,21 @@ class Engine:
         finals = [(out[0][r : r + 1], out[1][r : r + 1]) for r in range(len(inputs))]
         return finals, timings
 
-    def _sequences(self, inputs: list[DenoiseInputs], need_uncond: bool) -> tuple[list[_Seq], list[_Seq]]:
+    def _sequences(self, inputs: list[DenoiseInputs], need_uncond: bool
+                   ) -> tuple[list[BatchBranch], list[BatchBranch]]:
         """The CFG branches this engine runs: Reasoner K/V (cached per prompt) + Generator rope per request.
         (A subclass may run only some of them, e.g. one branch per GPU: wamrt.parallel.cfg.)"""
         conds = [self._branch(r, inp.cond) for r, inp in enumerate(inputs)]
-        unconds: list[_Seq] = []
+        unconds: list[BatchBranch] = []
         if need_uncond:
             for r, inp in enumerate(inputs):
                 assert inp.uncond is not None
                 unconds.append(self._branch(r, inp.uncond))
         return conds, unconds
 
-    def _branch(self, request: int, branch) -> _Seq:
+    def _branch(self, request: int, branch) -> BatchBranch:
         kv = self.kv_cache.get(branch.input_ids, branch.positions, branch.token_key)
-        return _Seq(request, kv, self._generator_rope(branch))
+        return BatchBranch(request, kv, self._generator_rope(branch))
 
     def _generator_rope(self, branch) -> Rope:
         """The Generator part of a branch's RoPE table, cached per packing layout (equal layouts have equal
@@ -440,7 +422,7 @@ class Engine:
         self._ropes.move_to_end(key)
         return rope
 
-    def _bucket_lengths(self, conds: list[_Seq], unconds: list[_Seq]) -> tuple[int, ...]:
+    def _bucket_lengths(self, conds: list[BatchBranch], unconds: list[BatchBranch]) -> tuple[int, ...]:
         """Prefix lengths that (with the shapes) identify a captured graph (padded ones with prompt buckets)."""
         return tuple(s.kv.length for s in conds + unconds)
 
@@ -448,13 +430,13 @@ class Engine:
         b = self.config.prompt_bucket
         return -(-tokens // b) * b if b else tokens
 
-    def _pad_prefixes(self, conds: list[_Seq], unconds: list[_Seq], width: int | None = None
-                      ) -> tuple[list[_Seq], list[_Seq]]:
+    def _pad_prefixes(self, conds: list[BatchBranch], unconds: list[BatchBranch], width: int | None = None
+                      ) -> tuple[list[BatchBranch], list[BatchBranch]]:
         """Every sequence's Reasoner K/V left-padded with zeros to one width (default: the batch's bucket), with
         a key mask marking its real tokens (see PaddedPrefixes)."""
         seqs = conds + unconds
         width = width or max(self._padded_length(max(s.kv.length for s in seqs)), self.config.prompt_width)
-        out = [_Seq(s.request, self.padded_prefixes.get(s.kv, width), s.rope) for s in seqs]
+        out = [BatchBranch(s.request, self.padded_prefixes.get(s.kv, width), s.rope) for s in seqs]
         return out[: len(conds)], out[len(conds):]
 
     def _plan(self, opts: SamplingOptions):
@@ -469,12 +451,11 @@ class Engine:
         return plan
 
     # The loop over steps, shared by the eager engine and graph capture --------------------------
-    def _step_batches(self, conds: list[_Seq], unconds: list[_Seq], n: int) -> dict[bool, list]:
+    def _step_batches(self, conds: list[BatchBranch], unconds: list[BatchBranch], n: int) -> dict[bool, list]:
         """Per step kind (with / without CFG): the groups one Generator pass serves, each as (rows of the
         request batch, Reasoner K/V or K/V buffers, rope, attention op). Built once per request batch."""
         kinds: dict[bool, list] = {}
-        if self._arena_cursor is not None:
-            self._arena_cursor = 0
+        self.kv_arena.rewind()
         for cfg_on in (False, True):
             seqs = conds + (unconds if cfg_on else [])
             if cfg_on and not unconds:
@@ -482,85 +463,20 @@ class Engine:
             if not cfg_on and unconds and self._kinds_needed == {True}:
                 continue  # CFG at every step: a cond-only pass never runs, so no buffers for it
             if self.config.batch_cfg:
-                kinds[cfg_on] = [([s.request for s in seqs], *self._kv_buffers(seqs))]
+                kinds[cfg_on] = [([s.request for s in seqs], *self.kv_arena.buffers(seqs))]
             else:
                 attn = self._backend if self.config.attention != "gqa" else diffusers_gqa_attention
                 kinds[cfg_on] = [([s.request], s.kv, s.rope, attn) for s in seqs]
         return kinds
 
-    def _kv_buffers(self, seqs: list[_Seq]) -> tuple[_KVBuffers, Rope, Any]:
-        """Per layer, one [S, H, Umax + G, d] key and value buffer per batch: the Reasoner prefixes (padded, K/V
-        heads already repeated for GQA) are written once here; each step writes the Generator K/V beside them from
-        inside the compiled projection, so no per-step cat or expand. Layouts: [prefix left-padded | Generator]
-        (per-sequence calls on a suffix, masks, prompt buckets), or with cfg_attention="lengths" [Generator |
-        prefix | zeros], each sequence's keys a prefix of its row (one call on fa4: KeyLengthAttention)."""
-        cfg = self.model.config
-        g_len = seqs[0].rope.cos.shape[1]
-        masks = [s.kv.key_mask for s in seqs]
-        bucketed = any(m is not None for m in masks)
-        generator_first = self.cfg_attention == "lengths" and not bucketed
-        lengths = [s.kv.length for s in seqs]
-        umax = max(lengths)
-        pads = [umax - n for n in lengths]
-        shape = (len(seqs), self._buffer_heads(seqs), umax + g_len, cfg.head_dim)
-        region = self._arena_region(math.prod(shape))
-        layers = len(seqs[0].kv.keys)
-        both = (seqs[0].kv.keys[0].new_empty(layers, 2, *shape) if region is None  # [L, 2 (k, v), S, H, T, d]
-                else self._kv_arena[:, :, region].view(layers, 2, *shape))
-        # Every layer's prefix in one copy per sequence (its heads repeated for GQA by broadcasting), the padding in
-        # one fill: [prefix left-padded | Generator], or [Generator | prefix | zeros] generator-first.
-        for row, (seq, pad) in enumerate(zip(seqs, pads, strict=True)):
-            src = kv_storage(seq.kv)[:, :, 0]  # [L, 2, K, U, d]
-            at = g_len if generator_first else pad
-            dst = both[:, :, row, :, at : at + seq.kv.length]
-            dst.unflatten(2, (src.shape[2], shape[1] // src.shape[2])).copy_(src.unsqueeze(3))
-            if pad:
-                zeros = slice(g_len + seq.kv.length, g_len + umax) if generator_first else slice(0, pad)
-                both[:, :, row, :, zeros].zero_()
-        kb, vb = list(both[:, 0].unbind(0)), list(both[:, 1].unbind(0))
-        rope = Rope(torch.cat([s.rope.cos for s in seqs]), torch.cat([s.rope.sin for s in seqs]))
-        if bucketed:  # prompt buckets: equal padded widths, validity as data
-            assert all(m is not None for m in masks) and not any(pads)
-            valid = torch.cat(masks)  # type: ignore[arg-type]
-            valid = torch.cat([valid, valid.new_ones(len(seqs), g_len)], dim=1)
-            if self.bucket_attention == "lse":
-                attn = ZeroKeyAttention(valid, backend=self.config.attention, rescale=self._rescale)
-            else:
-                attn = KeyMaskAttention(valid, backend=self.config.attention)
-        elif generator_first:
-            attn = KeyLengthAttention([g_len + umax - p for p in pads], self.device, backend=self.config.attention)
-            return _KVBuffers(kb, vb, 0), rope, attn
-        elif self.cfg_attention == "mask" and any(pads):
-            attn = MaskedBatchAttention(pads, umax + g_len, self.device, backend=self.config.attention)
-        else:
-            attn = PrefixOffsetAttention(pads, backend=self.config.attention)
-        return _KVBuffers(kb, vb, umax), rope, attn
+    def _loop_batches(self, conds: list[BatchBranch], unconds: list[BatchBranch], cfg_steps: list[bool]
+                      ) -> list[list[BatchBranch]]:
+        """The branch batches one loop builds K/V buffers for (see _step_batches)."""
+        if unconds and all(cfg_steps):
+            return [conds + unconds]
+        return [conds] + ([conds + unconds] if unconds else [])
 
-    def _buffer_heads(self, seqs: list[_Seq]) -> int:
-        """Heads of a batch's step K/V buffers: the model's K/V heads with `gqa_buffers` (default: on fa4) in the
-        Generator-first layout (the kernel shares them across query heads), else the query heads."""
-        cfg = self.model.config
-        grouped = (self.gqa_buffers and self.cfg_attention == "lengths"
-                   and all(s.kv.key_mask is None for s in seqs))
-        return cfg.num_key_value_heads if grouped else cfg.num_attention_heads
-
-    def _arena_region(self, n: int) -> slice | None:
-        """The next n elements of the K/V arena while a graph is warmed up or captured, else None."""
-        if self._arena_cursor is None:
-            return None
-        start, self._arena_cursor = self._arena_cursor, self._arena_cursor + n
-        assert self._kv_arena is not None and self._arena_cursor <= self._kv_arena.shape[-1], "arena too small"
-        return slice(start, self._arena_cursor)
-
-    def _arena_elements(self, conds: list[_Seq], unconds: list[_Seq], cfg_steps: list[bool]) -> int:
-        """Upper bound of the K/V elements one loop takes per layer and per k or v (see _step_batches)."""
-        cfg = self.model.config
-        g_len = conds[0].rope.cos.shape[1]
-        kinds = [conds + unconds] if unconds and all(cfg_steps) else [conds] + ([conds + unconds] if unconds else [])
-        return sum(len(seqs) * self._buffer_heads(seqs) * (max(s.kv.length for s in seqs) + g_len) * cfg.head_dim
-                   for seqs in kinds)
-
-    def _generator_pieces(self, tok: GeneratorTokens, bufs: _KVBuffers, rope: Rope, attn,
+    def _generator_pieces(self, tok: GeneratorTokens, bufs: KVBuffers, rope: Rope, attn,
                           pause_after: Collection[int] = ()) -> Generator[None, None, GeneratorOutput]:
         """One Generator pass that pauses (yields) after each layer index in `pause_after` and returns the
         output: a world request captures each of its long steps as several graphs this way, so that a server can
@@ -573,7 +489,7 @@ class Engine:
                 yield
         return self._finish(g, update, tok)
 
-    def _generator_step(self, tok: GeneratorTokens, bufs: _KVBuffers, rope: Rope, attn) -> GeneratorOutput:
+    def _generator_step(self, tok: GeneratorTokens, bufs: KVBuffers, rope: Rope, attn) -> GeneratorOutput:
         return run_to_end(self._generator_pieces(tok, bufs, rope, attn))
 
     def _velocities(self, groups: list, tok: GeneratorTokens, raw_dim: int | None) -> GeneratorOutput:
@@ -587,7 +503,7 @@ class Engine:
         outs = []
         for rows, kv, rope, attn in groups:
             sel = _select(tok, rows)
-            if isinstance(kv, _KVBuffers):
+            if isinstance(kv, KVBuffers):
                 outs.append((yield from self._generator_pieces(sel, kv, rope, attn, pause_after)))
             else:
                 self.model.attention = attn
@@ -671,7 +587,7 @@ class Engine:
         assert entry.outputs is not None
         return entry.outputs[0][:n].clone(), entry.outputs[1][:n].clone()
 
-    def _fit_rows(self, key: GraphKey, x_v, x_a, conds: list[_Seq], unconds: list[_Seq]):
+    def _fit_rows(self, key: GraphKey, x_v, x_a, conds: list[BatchBranch], unconds: list[BatchBranch]):
         """A batch grown to `key`'s rows (copies of its last request; their results are dropped) with its exact
         prefixes padded to `key`'s width. Only what a replay copies in: the captured static inputs (noisy masks,
         domain ids) are the contract's, the same for every row."""
@@ -680,8 +596,8 @@ class Engine:
         def grow(t: torch.Tensor) -> torch.Tensor:
             return torch.cat([t, t[-1:].expand(m - n, *t.shape[1:])]) if m > n else t
 
-        def grow_seqs(seqs: list[_Seq]) -> list[_Seq]:
-            return seqs + [_Seq(r, seqs[-1].kv, seqs[-1].rope) for r in range(n, m)] if seqs else seqs
+        def grow_seqs(seqs: list[BatchBranch]) -> list[BatchBranch]:
+            return seqs + [BatchBranch(r, seqs[-1].kv, seqs[-1].rope) for r in range(n, m)] if seqs else seqs
 
         conds, unconds = self._pad_prefixes(grow_seqs(conds), grow_seqs(unconds), width=key.width)
         return grow(x_v), grow(x_a), conds, unconds
@@ -707,25 +623,13 @@ class Engine:
         # replay writes every buffer it reads (prefixes and Generator K/V included) before reading it,
         # and its outputs are cloned before any other graph replays. A bigger bucket gets a bigger arena;
         # graphs captured on the old one keep it alive, so warm the largest batch first.
-        arena = self._arena_for(conds, unconds, cfg_steps)
-        self._arena_cursor = 0
-        try:
+        arena = self.kv_arena.reserve(self._loop_batches(conds, unconds, cfg_steps))
+        with self.kv_arena.allocating():
             entry.outputs = self._record(entry, run)
-        finally:
-            self._arena_cursor = None
         # The graph reads tensors made before capture (the sampler plan's divisors, the K/V arena): they
         # must live as long as the graph, or replays read freed memory.
         entry.keepalive = (plan, run, arena)
         return entry
-
-    def _arena_for(self, conds: list[_Seq], unconds: list[_Seq], cfg_steps: list[bool]) -> torch.Tensor:
-        """The K/V arena, grown (replaced) when this loop needs more than it holds."""
-        need = self._arena_elements(conds, unconds, cfg_steps)
-        if self._kv_arena is None or self._kv_arena.shape[-1] < need:
-            self._kv_arena = None
-            self._kv_arena = torch.empty(self.model.config.num_hidden_layers, 2, need, device=self.device,
-                                         dtype=conds[0].kv.keys[0].dtype)
-        return self._kv_arena
 
     def _record(self, entry: CapturedGraph, run) -> tuple[torch.Tensor, torch.Tensor]:
         """Warm `run` up on a side stream, then capture it into `entry.graph` in the pool every graph shares.
@@ -777,9 +681,9 @@ def finish_generator(model: Cosmos3Transformer, g: torch.Tensor, update: torch.T
     return model.decode_generator(model.norm_moe_gen(g), tok)
 
 
-def _clone_seq(s: _Seq) -> _Seq:
+def _clone_seq(s: BatchBranch) -> BatchBranch:
     """A sequence's own copy, its K/V in one storage: the static input buffers a captured graph reads."""
-    return _Seq(s.request, StackedKV.of(s.kv).clone(), Rope(s.rope.cos.clone(), s.rope.sin.clone()))
+    return BatchBranch(s.request, StackedKV.of(s.kv).clone(), Rope(s.rope.cos.clone(), s.rope.sin.clone()))
 
 
 def _prefix_lengths(inp: DenoiseInputs) -> tuple[int, int]:

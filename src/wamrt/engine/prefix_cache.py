@@ -15,8 +15,8 @@ from ..model import Cosmos3Transformer, ReasonerKV
 class StackedKV(ReasonerKV):
     """A ReasonerKV whose per-layer keys and values are views of one tensor, `storage` [L, 2 (k, v), B, K, U, d].
     A captured graph's prefix then travels in one copy: host -> its static input and, inside the graph, static input
-    -> its K/V buffers (`Engine._kv_buffers`). Per-layer copies were ~330 kernels and ~1 ms at the start of every Edge
-    E7 replay (bench/results/latency/2026-12-03-1ba1cea-fast-accum/, run2's trace)."""
+    -> its K/V buffers (`KVBufferArena.buffers`). Per-layer copies were ~330 kernels and ~1 ms at the start of every
+    Edge E7 replay (bench/results/latency/2026-12-03-1ba1cea-fast-accum/, run2's trace)."""
 
     storage: torch.Tensor | None = None
 

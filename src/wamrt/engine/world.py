@@ -35,8 +35,9 @@ from ..pipeline.vae import FrameEncoder
 from ..pipeline.world import WorldResult, run_world
 from ..sampler import Anchor, DistilledPlan, cfg_combine, guidance_active, make_anchor
 from .config import EngineConfig
-from .engine import Engine, _clone_seq, _Seq, run_to_end
+from .engine import Engine, _clone_seq, run_to_end
 from .graph_cache import CapturedGraph, CaptureTimer, GraphKey
+from .kv_buffers import BatchBranch
 from .prefix_cache import copy_lists
 from .vae_decode import implicit_pad_decoder
 
@@ -72,7 +73,7 @@ class _WorldLoop:
     replay of segment 0 reads whatever prefixes were copied into the static inputs."""
 
     def __init__(self, engine: WorldEngine, x_v: torch.Tensor, x_s: torch.Tensor | None, static: dict,
-                 conds: list[_Seq], unconds: list[_Seq], spec: _LoopSpec) -> None:
+                 conds: list[BatchBranch], unconds: list[BatchBranch], spec: _LoopSpec) -> None:
         self.engine, self.static, self.spec = engine, static, spec
         self.conds, self.unconds = conds, unconds
         self.plan = spec.solver(static)
@@ -292,12 +293,9 @@ class WorldEngine(Engine):
 
         # The K/V buffers come from the arena shared with every other bucket of this engine (see Engine._capture);
         # replays of two buckets never interleave (one world request at a time per engine).
-        arena = self._arena_for(conds, unconds, list(spec.cfg_steps))
-        self._arena_cursor = 0
-        try:
+        arena = self.kv_arena.reserve(self._loop_batches(conds, unconds, list(spec.cfg_steps)))
+        with self.kv_arena.allocating():
             loop = self._record_segments(new_loop, len(spec.timesteps), between)
-        finally:
-            self._arena_cursor = None
         entry.graph = loop.graphs
         entry.outputs = (loop.x_v, loop.x_s)
         # Every tensor a segment hands to the next lives in the graph pool and is referenced here.

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..engine.engine import Engine, _Seq
+from ..engine.engine import Engine
+from ..engine.kv_buffers import BatchBranch
 from ..model import GeneratorOutput
 
 
@@ -70,7 +71,7 @@ class CfgParallelEngine(Engine):
             return [self._branch(r, inp.cond) for r, inp in enumerate(inputs)], []
         return [self._branch(r, inp.uncond) for r, inp in enumerate(inputs)], []
 
-    def _bucket_lengths(self, conds: list[_Seq], unconds: list[_Seq]) -> tuple[int, ...]:
+    def _bucket_lengths(self, conds: list[BatchBranch], unconds: list[BatchBranch]) -> tuple[int, ...]:
         # Each rank pads its own branches (prompt buckets), but the key comes from every length on both.
         return tuple(self._padded_length(n) for n in self._lengths)
 
