@@ -11,7 +11,7 @@ from oracle.quant_models import policy_inputs, rel_l2, tiny_model
 from torch import nn
 
 from wamrt.quant import Fp8Linear, load_artifact, quantize_model, set_kernel, sqnr_db, write_artifact
-from wamrt.quant.fp8 import scaled_mm_supported
+from wamrt.quant.fp8 import resolve_kernel, scaled_mm_supported
 from wamrt.quant.sqnr import SQNR_BAR_DB
 
 pytestmark = [
@@ -51,7 +51,7 @@ def test_tiny_model_on_cuda_kernel_vs_reference(tmp_path):
     ref.time_embedder.float()
     quant = copy.deepcopy(ref)
     quantize_model(quant, "gen-fp8")  # auto -> scaled_mm here
-    assert quant.layers[0].self_attn.add_qkv_proj._use_scaled_mm(torch.empty(1, device="cuda"))
+    assert resolve_kernel(quant.layers[0].self_attn.add_qkv_proj.kernel, torch.device("cuda")) == "scaled_mm"
     ids, pos, tok = policy_inputs(ref, 1)
     ids, pos = ids.cuda(), pos.cuda()
     for f in ("timesteps", "vision", "vision_noisy", "action", "action_noisy", "domain_ids"):

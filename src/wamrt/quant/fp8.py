@@ -114,9 +114,6 @@ class Fp8Linear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight.float() * self.weight_scale[:, None]
 
-    def _use_scaled_mm(self, x: torch.Tensor) -> bool:
-        return resolve_kernel(self.kernel, x.device) == "scaled_mm"
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         # One dynamic scale per token: computed on the fly (no calibration), so it stays correct for
