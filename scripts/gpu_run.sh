@@ -11,7 +11,7 @@
 #          ab-edge ab-nano (this tree against an older one carried in .ab-before/ -- `git archive <sha> src` unpacked, less src/wamrt/assets,
 #          there, its sha in .ab-before/SHA -- in one process order per round, ROUNDS rounds alternating which side
 #          goes first: `wamrt bench latency` with ROWS (E5) at 4 steps and LOSSY_ROWS (E7,E6); TRACE=1 traces this
-#          tree's E7 in the last round)
+#          tree's E7 in the last round). quant-* and ab-*: PACE_HZ=15 starts requests on a 15 Hz clock (--pace-hz).
 #          act-probe (the per-row activation quantizers' variants against a cast's memory floor: scripts/act_quant_probe.py)
 #          fp8-engine-tests (a gen-fp8 engine's graph replay against its compiled self; the VAE encode's GPU tests)
 #          kernel-tests (the Triton kernels' GPU tests: q/k/v head epilogue, fp8 fusion)
@@ -72,7 +72,7 @@ for spec in "$@"; do
           # QUALITY=0: no quality record (SQNR table, chunk distances); QUANT_TESTS=0: no GPU tests after the rows
           quality=--quality; [ "${QUALITY:-1}" = 0 ] && quality=
           wamrt bench latency --model "${part#quant-}" --rows E5 --steps 4 --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" \
-             --lossy-rows "${LOSSY_ROWS:-E6,E7,E8}" $quality --trace ${TRACE_ROWS:+--trace-rows "$TRACE_ROWS"} \
+             --lossy-rows "${LOSSY_ROWS:-E6,E7,E8}" $quality --trace ${TRACE_ROWS:+--trace-rows "$TRACE_ROWS"} ${PACE_HZ:+--pace-hz "$PACE_HZ"} \
              --out "$res" 2>&1 | tee "$res/log.txt"
           [ "${QUANT_TESTS:-1}" = 0 ] || timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/quant tests/engine/test_fp8_fusion.py 2>&1 \
              | tail -30 | tee -a "$res/log.txt" ;;
@@ -229,7 +229,7 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
               each=$(( limit / (2 * ${ROUNDS:-2}) )); trace=; [ "${TRACE:-1}" = 1 ] && [ "$side" = after ] && [ "$round" = "${ROUNDS:-2}" ] && trace="--trace --trace-rows E7"
               echo "== round $round, $side ($sha)"
               PYTHONPATH=${PYTHONPATH/$PWD\/src/$src} WAMRT_GIT_SHA=$sha timeout "$each" python3 -m wamrt.cli bench latency \
-                 --model "${part#ab-}" --rows "${ROWS:-E5}" --steps 4 --lossy-rows "${LOSSY_ROWS:-E7,E6}" $trace \
+                 --model "${part#ab-}" --rows "${ROWS:-E5}" --steps 4 --lossy-rows "${LOSSY_ROWS:-E7,E6}" $trace ${PACE_HZ:+--pace-hz "$PACE_HZ"} \
                  --warmup "${WARMUP:-5}" --runs "${RUNS:-30}" --out "$res/round$round-$side" 2>&1 | grep -v 'UserWarning\|exe_args' \
                  | tee -a "$res/log.txt"
             done

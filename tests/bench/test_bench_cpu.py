@@ -84,3 +84,27 @@ def test_world_bench_writes_schema_files_with_the_peer(tmp_path, monkeypatch):
         assert row["text_tokens"]["cond"] > row["text_tokens"]["uncond"] > 0
     assert "vae_encode" in json.loads((tmp_path / "tiny-qwen-i2v.json").read_text())["peer"]["stages_ms"]
     assert (tmp_path / "world-tiny-qwen.png").stat().st_size > 0
+
+
+def test_paced_requests_start_on_the_clock_and_the_wait_is_not_timed():
+    """`time_requests(pace_hz=...)`: requests start one period apart (a robot's control loop), a request that overruns
+    its tick is followed at once, and only the requests themselves are timed."""
+    import time
+
+    from wamrt.bench.rows import time_requests
+
+    starts: list[float] = []
+
+    def request(i: int) -> dict:
+        starts.append(time.perf_counter())
+        time.sleep(0.045 if i == 2 else 0.002)  # request 2 overruns a 25 ms tick
+        return {"i": i}
+
+    totals, stages = time_requests(request, warmup=1, runs=4, pace_hz=40.0)
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert [s["i"] for s in stages] == [1, 2, 3, 4] and len(totals) == 4
+    assert all(t < 20 for i, t in enumerate(totals) if i != 1) and totals[1] >= 45  # waits are not in the times
+    assert 0.024 <= gaps[0] < 0.040  # on the clock
+    assert 0.044 <= gaps[2] < 0.060  # after the overrun: at once, not a tick later
+    back_to_back, _ = time_requests(request, warmup=0, runs=2)
+    assert len(back_to_back) == 2

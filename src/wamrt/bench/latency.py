@@ -188,6 +188,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="rows timed with --warmup/--runs; the others use --quick-warmup/--quick-runs")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--pace-hz", type=float, default=0.0,
+                    help="start our requests on a clock of this rate (a robot's control loop, e.g. 15) instead of back "
+                         "to back; recorded as pace_hz (the peer stays back to back)")
     ap.add_argument("--quick-warmup", type=int, default=3)
     ap.add_argument("--quick-runs", type=int, default=10)
     ap.add_argument("--peer", choices=["none", "diffusers"], default="none")

@@ -29,11 +29,26 @@ from .stats import median_stages, summarize
 from .timeline import gpu_timeline, kernel_intervals
 
 
-def time_requests(fn, warmup: int, runs: int) -> tuple[list[float], list[dict]]:
+def time_requests(fn, warmup: int, runs: int, pace_hz: float = 0.0) -> tuple[list[float], list[dict]]:
+    """Each request's wall time (ms) and stages, warm-up excluded. Back to back by default; with `pace_hz` a request
+    starts on every tick of that clock, as a robot's control loop sends them (one that overruns its tick delays the
+    next, which then starts at once). The wait is not timed. Paced, the GPU idles between requests: at Edge E7 it
+    runs below its power cap, which back-to-back requests hold it at."""
+    period = 1.0 / pace_hz if pace_hz > 0 else 0.0
+    tick = time.perf_counter()
+
+    def wait_for_tick() -> None:
+        nonlocal tick
+        if period:
+            time.sleep(max(0.0, tick - time.perf_counter()))
+            tick = max(tick + period, time.perf_counter())
+
     for i in range(warmup):
+        wait_for_tick()
         fn(i)
     totals, stages = [], []
     for i in range(runs):
+        wait_for_tick()
         t0 = time.perf_counter()
         chunk = fn(warmup + i)
         totals.append(1e3 * (time.perf_counter() - t0))
@@ -111,7 +126,8 @@ def measure_row(engine: Engine, spec: RowSpec, args: argparse.Namespace, env: di
     overrides = {"steps": spec.steps}
     if spec.guidance_interval is not None:
         overrides["guidance_interval"] = spec.guidance_interval
-    totals, stages = time_requests(partial(_infer, engine, observations, overrides), warm, runs)
+    pace_hz = getattr(args, "pace_hz", 0.0)
+    totals, stages = time_requests(partial(_infer, engine, observations, overrides), warm, runs, pace_hz)
     summary = summarize(totals)
     timesteps = replace(engine.options, **overrides).make_schedule().timesteps
     from ..sampler import guidance_active
@@ -129,7 +145,7 @@ def measure_row(engine: Engine, spec: RowSpec, args: argparse.Namespace, env: di
         "kind": "latency", "command": command, **env, "model": args.model, "tier": 480, "steps": spec.steps,
         "guidance": 3.0, "guidance_interval": list(spec.guidance_interval) if spec.guidance_interval else None,
         "recipe": spec.recipe, "lossy": spec.lossy, "parallel": "none", "gpus": 1,
-        "batch": 1, "weights": "random", **summary, "warmup": warm,
+        "batch": 1, "weights": "random", **summary, "warmup": warm, "pace_hz": pace_hz or None,
         "floor_ms": floor, "practical_floor_ms": practical, "target_ms": target,
         "stages_ms": median_stages(stages),
         "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
