@@ -108,7 +108,6 @@ class Engine:
         self.padded_prefixes = PaddedPrefixes(config.kv_cache_size, self.device)  # prompt buckets
         self.graphs = GraphCache(config.graph_cache_size, config.graph_cache_bytes)
         self._graph_pool = None  # shared by every captured graph (see _capture)
-        # K/V buffers of captured graphs live here, outside the graph pool (see _capture).
         self._kinds_needed: set[bool] | None = None
         self._seeds = np.random.default_rng(0)
         self._upcoming_seed = int(self._seeds.integers(0, 2**31))
@@ -190,6 +189,7 @@ class Engine:
         elif self.head_epilogue == "triton":
             self._pre = pre_heads(projections)
 
+        # K/V buffers; those of captured graphs live in its arena, outside the graph pool (see _capture)
         self.kv_arena = KVBufferArena(model.config, self.device, layout=self.cfg_attention, grouped=self.gqa_buffers,
                                       backend=config.attention, bucket_attention=self.bucket_attention,
                                       rescale=self._rescale)
