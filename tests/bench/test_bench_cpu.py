@@ -97,14 +97,14 @@ def test_paced_requests_start_on_the_clock_and_the_wait_is_not_timed():
 
     def request(i: int) -> dict:
         starts.append(time.perf_counter())
-        time.sleep(0.045 if i == 2 else 0.002)  # request 2 overruns a 25 ms tick
+        time.sleep(0.060 if i == 2 else 0.002)  # request 2 overruns a 50 ms tick
         return {"i": i}
 
-    totals, stages = time_requests(request, warmup=1, runs=4, pace_hz=40.0)
+    totals, stages = time_requests(request, warmup=1, runs=4, pace_hz=20.0)
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     assert [s["i"] for s in stages] == [1, 2, 3, 4] and len(totals) == 4
-    assert all(t < 20 for i, t in enumerate(totals) if i != 1) and totals[1] >= 45  # waits are not in the times
-    assert 0.024 <= gaps[0] < 0.040  # on the clock
-    assert 0.044 <= gaps[2] < 0.060  # after the overrun: at once, not a tick later
+    assert all(t < 40 for i, t in enumerate(totals) if i != 1) and totals[1] >= 60  # waits are not in the times
+    assert 0.049 <= gaps[0] < 0.080  # on the clock (slack for a loaded machine's sleeps)
+    assert 0.059 <= gaps[2] < 0.095  # after the overrun: at once, not at the next tick (0.100)
     back_to_back, _ = time_requests(request, warmup=0, runs=2)
     assert len(back_to_back) == 2
