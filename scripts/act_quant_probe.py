@@ -12,7 +12,6 @@ Every variant's output is checked against the reference (same bits). Writes `act
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from probe_cli import probe_parser, probe_start  # noqa: E402
 
 from wamrt.engine import fp8_fusion  # noqa: E402
 from wamrt.engine.fp8_fusion import ACTIVATIONS, _activation, fp8_act_quant  # noqa: E402
@@ -50,14 +50,7 @@ def _act_quant_persistent(y_ptr, q_ptr, scale_ptr, M, y_row_stride, N: tl.conste
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tokens", type=int, default=6184)
-    ap.add_argument("--iters", type=int, default=20)
-    args = ap.parse_args()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
+    args, out_dir = probe_start(probe_parser())
     m = args.tokens
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     result: dict = {"tokens": m, "torch": torch.__version__, "triton": triton.__version__,

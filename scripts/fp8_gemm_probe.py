@@ -7,7 +7,6 @@ writes `fp8-gemm-probe.json` under --out."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -15,6 +14,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from probe_cli import probe_parser, probe_start  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fp8_mlp_epilogue_probe import cublas_rowwise, triton_up  # noqa: E402
 
@@ -32,15 +33,9 @@ CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, warps=w, stages=s
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tokens", type=int, default=6184)
+    ap = probe_parser()
     ap.add_argument("--models", default="edge,nano")
-    ap.add_argument("--iters", type=int, default=20)
-    args = ap.parse_args()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
+    args, out_dir = probe_start(ap)
     m = args.tokens
     result: dict = {"tokens": m, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "rows": []}
     for model in args.models.split(","):

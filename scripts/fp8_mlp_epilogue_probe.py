@@ -10,7 +10,6 @@ input and weights. Writes `fp8-mlp-epilogue.json` under --out."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,6 +20,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from probe_cli import probe_parser, probe_start  # noqa: E402
+
 from wamrt.engine.fp8_fusion import fp8_act_quant  # noqa: E402
 from wamrt.ops.attention import _graph_ms  # noqa: E402
 from wamrt.ops.fp8_gemm import _tile_origin  # noqa: E402
@@ -127,16 +128,10 @@ def cublas_blockwise(xq, sblock, wq, sw_blocks):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tokens", type=int, default=6184)  # Edge, tier 480, both CFG rows
+    ap = probe_parser()  # --tokens: Edge's, tier 480, both CFG rows
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=9216)
-    ap.add_argument("--iters", type=int, default=20)
-    args = ap.parse_args()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
+    args, out_dir = probe_start(ap)
     dev = "cuda"
     m, h, f = args.tokens, args.hidden, args.ffn
     x = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
