@@ -20,6 +20,7 @@ from ..model.layer import MoTAttention
 from ..model.norms import RMSNorm
 from ..model.rope import Rope
 from ..ops.fp8_gemm import TileConfig, fp8_gemm_problem
+from ..ops.triton_support import triton_device_problem
 from ..quant.fp8 import Fp8Linear
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs (CI) have none and never run the kernel
@@ -123,10 +124,9 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 def head_epilogue_problem(attn: MoTAttention, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why `generator_heads_into` cannot serve this attention module here, or None."""
-    if device.type != "cuda":
-        return "the Triton kernel needs a CUDA device"
-    if triton is None:
-        return "Triton is not installed"
+    problem = triton_device_problem(device)
+    if problem:
+        return problem
     if dtype not in _DTYPES:
         return f"the kernel runs bf16 / fp16 models, not {dtype}"
     d = attn.head_dim

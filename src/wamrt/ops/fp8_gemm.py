@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .triton_support import triton_device_problem
+
 try:  # Triton ships with CUDA builds of torch; CPU-only installs (CI) have none and never run the kernel
     import triton
     import triton.language as tl
@@ -43,12 +45,9 @@ DEFAULT_TILES = TileConfig()
 
 def fp8_gemm_problem(m: int, n: int, k: int, device: torch.device) -> str | None:
     """Why `fp8_gemm` cannot run this GEMM here, or None."""
-    if device.type != "cuda":
-        return "the Triton kernel needs a CUDA device"
-    if triton is None:
-        return "Triton is not installed"
-    if torch.cuda.get_device_capability(device) < (9, 0):
-        return "the kernel's TMA loads need Hopper (sm 9.0) or newer"
+    problem = triton_device_problem(device, (9, 0), "the kernel's TMA loads (Hopper)")
+    if problem:
+        return problem
     if k % 16 or n % 16:
         return f"K ({k}) and N ({n}) must be multiples of 16 (TMA row strides)"
     return None

@@ -42,6 +42,7 @@ from ..quant.fp8 import _AMAX_FLOOR, FP8, FP8_MAX
 from ..quant.int8 import quantize_rowwise_int8
 from ..quant.sqnr import sqnr_db
 from .attention import sdpa
+from .triton_support import triton_device_problem
 
 try:  # the kernel runs on CUDA only; CPU-only installs (CI) may have no Triton
     import triton
@@ -179,12 +180,9 @@ if triton is not None:
 
 def quantized_attention_problem(device: torch.device, head_dim: int) -> str | None:
     """Why `quantized_attention` cannot run here, or None."""
-    if device.type != "cuda":
-        return "the quantized attention kernel needs a CUDA device"
-    if triton is None:
-        return "Triton is not installed"
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        return "e4m3 tensor cores need compute capability 8.9 or newer"
+    problem = triton_device_problem(device, (8, 9), "e4m3 tensor cores")
+    if problem:
+        return problem
     if head_dim not in (64, 128):
         return f"head_dim {head_dim} is not 64 or 128"
     return None
