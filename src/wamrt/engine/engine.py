@@ -18,7 +18,6 @@ from collections.abc import Collection, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -29,7 +28,6 @@ from ..ops.attention import (
     BackendAttention,
     diffusers_gqa_attention,
     fa4_available,
-    rescale_zero_keys,
     zero_key_attention_problem,
 )
 from ..pipeline.denoise import DenoiseInputs, DenoiseResult, SamplingOptions
@@ -51,21 +49,10 @@ from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
 from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
 from .config import EngineConfig, check_config
-from .epilogues import prepare_epilogues, quack_available, quack_generator_post, unsupported_reason
-from .fp8_fusion import (
-    TRITON_SITES,
-    fp8_fusion_problem,
-    fp8_generator_norm_quant,
-    fp8_generator_post_split,
-    fp8_generator_projections,
-    fp8_generator_qkv,
-)
-from .fuse import fuse_generator
 from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
 from .kv_buffers import BatchBranch, KVBufferArena, KVBuffers
-from .layer_halves import generator_projections, generator_qkv, post_split, pre_fp8_heads, pre_heads, pre_into
+from .layer_path import build_layer_path
 from .prefix_cache import PaddedPrefixes, ReasonerCache, StackedKV, copy_lists
-from .qkv_epilogue import fp8_qkv_heads_problem, head_epilogue_problem
 from .stage_clock import StageClock
 from .vae_encode import FirstFrameEncoder
 
@@ -99,11 +86,6 @@ class Engine:
         check_config(config)
         if config.attention == "fa4" and not fa4_available(self.device):
             raise ValueError("attention='fa4' needs flash-attn-4 installed and a Hopper or Blackwell GPU")
-        if config.epilogues == "quack":
-            if not quack_available(self.device):
-                raise ValueError("epilogues='quack' needs quack-kernels installed and a Hopper or Blackwell GPU")
-            if (problem := unsupported_reason(model)) is not None:
-                raise ValueError(f"epilogues='quack' cannot serve this model: {problem}")
         self.kv_cache = ReasonerCache(model, config.kv_cache_size)
         self.padded_prefixes = PaddedPrefixes(config.kv_cache_size, self.device)  # prompt buckets
         self.graphs = GraphCache(config.graph_cache_size, config.graph_cache_bytes)
@@ -118,38 +100,11 @@ class Engine:
         self._plans: dict[tuple, Any] = {}
         self._ropes: OrderedDict[tuple, Rope] = OrderedDict()  # Generator RoPE per packing layout (LRU)
         self._backend = BackendAttention(generator=config.attention if config.attention != "gqa" else "auto")
-        post = post_split
-        if config.epilogues == "quack":
-            prepare_epilogues(model)
-            post = quack_generator_post(self.device, split=True)
-        qkv, projections = generator_qkv, generator_projections
-        self.fp8_triton_gemms: tuple[str, ...] = ()  # what runs (none unless the fused gen-fp8 layer does)
-        self.fp8_fast_accum = False
-        if config.fp8_quantize == "fused" and fp8_fusion_problem(model.layers[0]) is None:  # (quack refuses fp8)
-            qkv, projections, post = fp8_generator_qkv, fp8_generator_projections, fp8_generator_post_split
-            self.fp8_fast_accum = config.fp8_fast_accum
-            sites = frozenset(config.fp8_triton_gemms) | ({"fast_accum"} if config.fp8_fast_accum else set())
-            if sites:
-                self.fp8_triton_gemms = tuple(s for s in TRITON_SITES if s in sites)
-                qkv, projections, post = (partial(f, gemm_choices=sites) for f in (qkv, projections, post))
-        # what runs: "auto" resolved here (as cfg_attention below)
-        self.head_epilogue = config.head_epilogue
-        head_problem = head_epilogue_problem(model.layers[0].self_attn, self.device, model.dtype)
-        if self.head_epilogue == "auto":
-            self.head_epilogue = "inductor" if head_problem else "triton"
-        elif self.head_epilogue == "triton" and head_problem:
-            raise ValueError(f"head_epilogue='triton' cannot serve this model here: {head_problem}")
-        self._pre, self._post, self._rescale = pre_into(qkv), post, rescale_zero_keys
-
-        def finish(g: torch.Tensor, update: torch.Tensor | None, tok: GeneratorTokens) -> GeneratorOutput:
-            return finish_generator(model, g, update, tok)
-
-        self._embed, self._finish = model.embed_generator, finish
-        if "qkv_heads" in self.fp8_triton_gemms:
-            problem = "head_epilogue is not 'triton'" if self.head_epilogue != "triton" else \
-                fp8_qkv_heads_problem(model.layers[0].self_attn, self.device, model.dtype)
-            if problem:
-                raise ValueError(f"fp8_triton_gemms 'qkv_heads' cannot serve this model here: {problem}")
+        path = build_layer_path(model, config, self.device)  # which kernels run each piece of a Generator pass
+        self._embed, self._pre, self._post, self._finish, self._rescale = (path.embed, path.pre, path.post,
+                                                                           path.finish, path.rescale)
+        self.head_epilogue, self.fp8_triton_gemms, self.fp8_fast_accum = (path.head_epilogue, path.fp8_triton_gemms,
+                                                                          path.fp8_fast_accum)
         # what runs: "auto" resolved here, bucket_attention may fall back to "mask" (below)
         self.cfg_attention = config.cfg_attention
         if self.cfg_attention == "auto":
@@ -163,31 +118,6 @@ class Engine:
                 log.warning("prompt buckets: log-sum-exp attention unavailable on %s (%s); using the mask", backend,
                             problem)
                 self.bucket_attention = "mask"
-        if config.compile:
-            fuse_generator(model)
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            torch._dynamo.config.inline_inbuilt_nn_modules = True  # parameters as inputs: one graph, all layers
-            # Regional compilation: one compiled graph for the repeated layer code (parameters are
-            # graph inputs), re-used by every layer. generator_pre runs inside the compiled pre_into.
-            # Compiled wrappers live on the engine, not on the model's layers: engines (and the eager
-            # reference Policy) share one model, and a compile=False engine must run uncompiled code.
-            mode = None if config.compile_mode == "default" else config.compile_mode
-            if "qkv_heads" in self.fp8_triton_gemms:  # two custom ops, nothing for Inductor between them
-                self._pre = pre_fp8_heads(fp8_generator_norm_quant)
-            elif self.head_epilogue == "triton":  # the kernel launches outside the compiled region
-                self._pre = pre_heads(torch.compile(projections, dynamic=False, mode=mode))
-            else:
-                self._pre = torch.compile(self._pre, dynamic=False, mode=mode)
-            self._post = torch.compile(post, dynamic=False, mode=mode)
-            # The step's edges: eager, the fp32 final norm alone was ~10 kernels and ~0.2 ms per Edge step, and the
-            # input embedding ~0.1 ms (bench/results/latency/2026-12-03-1ba1cea-fast-accum/, run2's trace).
-            self._embed = torch.compile(self._embed, dynamic=False, mode=mode)
-            self._finish = torch.compile(self._finish, dynamic=False, mode=mode)
-            self._rescale = torch.compile(rescale_zero_keys, dynamic=False, mode=mode)  # one fused kernel
-        elif "qkv_heads" in self.fp8_triton_gemms:
-            self._pre = pre_fp8_heads(fp8_generator_norm_quant)
-        elif self.head_epilogue == "triton":
-            self._pre = pre_heads(projections)
 
         # K/V buffers; those of captured graphs live in its arena, outside the graph pool (see _capture)
         self.kv_arena = KVBufferArena(model.config, self.device, layout=self.cfg_attention, grouped=self.gqa_buffers,
@@ -670,15 +600,6 @@ class Engine:
             x_a, hist_a = plan.step(i, x_a, v_act, hist_a)
             x_a = torch.where(cols, x_a, 0.0)
         return x_v, x_a
-
-
-def finish_generator(model: Cosmos3Transformer, g: torch.Tensor, update: torch.Tensor | None,
-                     tok: GeneratorTokens) -> GeneratorOutput:
-    """The last layer's residual add (its MLP output `update`, if not added yet), the final norm and the output
-    projections -> velocities."""
-    if update is not None:
-        g = g + update
-    return model.decode_generator(model.norm_moe_gen(g), tok)
 
 
 def _clone_seq(s: BatchBranch) -> BatchBranch:

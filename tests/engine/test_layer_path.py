@@ -1,0 +1,30 @@
+"""`build_layer_path`: which code runs each piece of a Generator pass. (That the pieces compute the reference
+pass is the engine tests' subject: test_engine_cpu.py, and the GPU tests for the compiled and captured forms.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wamrt.engine import EngineConfig
+from wamrt.engine.fuse import FusedGeneratorQKV
+from wamrt.engine.layer_path import build_layer_path
+from wamrt.pipeline.policy import random_policy
+
+
+def test_refusal_leaves_the_shared_model_untouched() -> None:
+    policy = random_policy("tiny-qwen", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="epilogues='quack' needs quack-kernels"):
+        build_layer_path(policy.model, EngineConfig(compile=True, cuda_graph=False, epilogues="quack"),
+                         torch.device("cpu"))
+    assert not any(isinstance(layer.self_attn, FusedGeneratorQKV) for layer in policy.model.layers)
+
+
+def test_resolved_choices_off_cuda() -> None:
+    policy = random_policy("tiny-qwen", torch.device("cpu"), torch.float32)
+    path = build_layer_path(policy.model, EngineConfig(compile=False, cuda_graph=False), torch.device("cpu"))
+    assert path.head_epilogue == "inductor"  # "auto" without CUDA
+    assert path.fp8_triton_gemms == () and path.fp8_fast_accum is False  # unquantized weights: no fused gen-fp8 layer
+    with pytest.raises(ValueError, match="head_epilogue='triton' cannot serve this model here: .*CUDA"):
+        build_layer_path(policy.model, EngineConfig(compile=False, cuda_graph=False, head_epilogue="triton"),
+                         torch.device("cpu"))
