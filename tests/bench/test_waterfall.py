@@ -36,3 +36,14 @@ def test_refuses_mixed_models_and_other_files(tmp_path):
     other.write_text(json.dumps({"kind": "quality"}))
     with pytest.raises(SystemExit, match="not a `kind: latency` result file"):
         load_rows([other])
+
+
+def test_paced_rows_and_notes_are_labelled(tmp_path):
+    pace = RESULTS / "2026-12-03-f584574-pace-ws0"
+    files = [pace / "7-default-edge-s2-E7.json", pace / "8-ws0-15hz-edge-s2-E7.json"]
+    specs = bars(load_rows(files, ["", "no cuBLASLt workspace"]))
+    assert "Hz" not in specs[0]["label"] and "@15 Hz" in specs[1]["label"]
+    assert specs[1]["label"].endswith("no cuBLASLt workspace") and "workspace" not in specs[0]["label"]
+    out = tmp_path / "chart.png"
+    assert main(["bench", "waterfall", str(files[0]), f"{files[1]}::no cuBLASLt workspace", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..engine import Engine, EngineConfig
+from ..engine.layer_path import CUBLASLT_WORKSPACE_ENV
 from ..sample import sample_observation
 from .flops import (
     COMPUTE_FLOOR_MS,
@@ -161,6 +163,8 @@ def measure_row(engine: Engine, spec: RowSpec, args: argparse.Namespace, env: di
         "attention_backend_ms": attention_ms, "kv_cache": {"hits": engine.kv_cache.hits,
                                                            "misses": engine.kv_cache.misses},
         "row_wall_s": time.perf_counter() - t_build,
+        # in force while the row ran (EngineConfig.workspace_free_gemms sets it to 0 unless the environment named one)
+        "cublaslt_workspace_kib": os.environ.get(CUBLASLT_WORKSPACE_ENV),
     }
     if peer_result is not None:
         result["speedup_vs_peer"] = peer_result["p50_ms"] / summary["p50_ms"]

@@ -15,13 +15,17 @@ from pathlib import Path
 EXACT_COLOR, LOSSY_COLOR, PEER_COLOR = "#4c72b0", "#dd8452", "#c44e52"
 
 
-def load_rows(paths: list[Path]) -> list[dict]:
-    """The result records, checked to be latency rows of one model (a chart mixing models would mislead)."""
+def load_rows(paths: list[Path], notes: list[str] | None = None) -> list[dict]:
+    """The result records, checked to be latency rows of one model (a chart mixing models would mislead). `notes`:
+    one per file ("" for none), a last label line for what the file does not say (e.g. an environment variable the
+    run had)."""
     rows = []
-    for p in paths:
+    for i, p in enumerate(paths):
         record = json.loads(p.read_text())
         if record.get("kind") != "latency" or "p50_ms" not in record:
             raise SystemExit(f"{p}: not a `kind: latency` result file")
+        if notes and notes[i]:
+            record = {**record, "chart_note": notes[i]}
         rows.append(record)
     models = {r["model"] for r in rows}
     if len(models) > 1:
@@ -48,7 +52,10 @@ def bars(rows: list[dict], peer_from: int | None = None) -> list[dict]:
     out = []
     for r in rows:
         lo, hi = r["ci95_p50_ms"]
-        label = f"{_wrap(r['row'])}\n{r['steps']} st\n{r.get('git_sha') or '?'}"
+        pace = f" @{r['pace_hz']:g} Hz" if r.get("pace_hz") else ""  # a robot's clock, not back to back
+        label = f"{_wrap(r['row'])}\n{r['steps']} st{pace}\n{r.get('git_sha') or '?'}"
+        if r.get("chart_note"):
+            label += "\n" + r["chart_note"]
         out.append({"label": label, "ms": r["p50_ms"], "err": (r["p50_ms"] - lo, hi - r["p50_ms"]),
                     "color": LOSSY_COLOR if r.get("lossy") else EXACT_COLOR})
     with_peer = [r for r in rows if r.get("peer")]
@@ -91,7 +98,8 @@ def plot(rows: list[dict], out: Path, title: str, peer_from: int | None = None) 
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = load_rows([Path(p) for p in args.files])
+    paths, notes = zip(*(f.split("::", 1) if "::" in f else (f, "") for f in args.files), strict=True)
+    rows = load_rows([Path(p) for p in paths], list(notes))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     r0 = rows[0]
@@ -103,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("files", nargs="+", help="result JSON files, in bar order")
+    ap.add_argument("files", nargs="+", help="result JSON files, in bar order; FILE::NOTE adds NOTE as the bar "
+                    "label's last line")
     ap.add_argument("--out", required=True, help="PNG to write")
     ap.add_argument("--title", default="")
     ap.add_argument("--peer-from", type=int, help="index of the file whose diffusers peer is drawn (default: the "

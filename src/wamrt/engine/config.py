@@ -74,6 +74,17 @@ class EngineConfig:
     # where it runs (CUDA, Triton installed, bf16 / fp16), else "inductor". H200, one run, quack epilogues and
     # gqa_buffers, 4 steps: Edge 151.8 vs 154.3 ms, Nano 619.6 vs 625.5 ms; gen-fp8 Edge 116.0 vs 119.6 ms.
     head_epilogue: str = "auto"
+    # cuBLASLt with no workspace: an engine built on CUDA sets CUBLASLT_WORKSPACE_SIZE=0 (KiB) for its process,
+    # unless the environment already names a size (then that one holds: the way to time the other side). With
+    # torch's default workspace, cuBLASLt runs every GEMM with more output tiles than one wave (at Edge E7 all four
+    # Generator GEMMs of a layer) as a kernel it first clears 4 bytes of workspace for: a memset node before each,
+    # 224 per E7 request. Without a workspace it picks the same 128x128 tile and 2x1 cluster with a static schedule
+    # (nvjet "ssched"), no memset. H200, Edge E7, one lease, separate processes: memsets 238 -> 12, denoise-graph
+    # nodes 890-899 -> 664, traced graph 44.9-47.1 -> 44.3-45.0 ms; back to back 54.65 / 54.20 / 54.33 -> 53.45 /
+    # 53.97 / 53.87 ms, at 15 Hz 52.17 / 51.84 -> 51.06 ms (bench/results/latency/2026-12-03-f584574-pace-ws0/).
+    # Process-wide and one way: the value is re-read at every cuBLASLt call but the workspace is allocated once,
+    # so it is only ever lowered (to 0), never raised. False: the environment is left alone.
+    workspace_free_gemms: bool = True
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
     # The VAE encode on a side stream and no host sync until the denoise is done (stage times from CUDA events,
     # engine/stage_clock.py): the requests' host work after the encode (tokens, noise, positions, the graph's

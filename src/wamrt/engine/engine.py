@@ -51,7 +51,7 @@ from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
 from .config import EngineConfig, check_config
 from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
 from .kv_buffers import BatchBranch, KVBufferArena, KVBuffers
-from .layer_path import build_layer_path
+from .layer_path import CUBLASLT_WORKSPACE_ENV, build_layer_path, use_workspace_free_gemms
 from .prefix_cache import PaddedPrefixes, ReasonerCache, StackedKV, copy_lists
 from .stage_clock import StageClock
 from .vae_encode import FirstFrameEncoder
@@ -100,6 +100,8 @@ class Engine:
         self._plans: dict[tuple, Any] = {}
         self._ropes: OrderedDict[tuple, Rope] = OrderedDict()  # Generator RoPE per packing layout (LRU)
         self._backend = BackendAttention(generator=config.attention if config.attention != "gqa" else "auto")
+        if config.workspace_free_gemms and self.device.type == "cuda":
+            use_workspace_free_gemms()
         path = build_layer_path(model, config, self.device)  # which kernels run each piece of a Generator pass
         self._embed, self._pre, self._post, self._finish, self._rescale = (path.embed, path.pre, path.post,
                                                                            path.finish, path.rescale)
@@ -145,13 +147,15 @@ class Engine:
     def metadata(self) -> dict[str, Any]:
         engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "compile_mode",
                                                        "cuda_graph", "prompt_bucket", "prompt_width",
-                                                       "isolate_requests", "overlap_encode")}
+                                                       "isolate_requests", "overlap_encode",
+                                                       "workspace_free_gemms")}
         engine["bucket_attention"] = self.bucket_attention  # the effective ones
         engine["cfg_attention"] = self.cfg_attention
         engine["head_epilogue"] = self.head_epilogue
         engine["gqa_buffers"] = self.gqa_buffers
         engine["fp8_triton_gemms"] = list(self.fp8_triton_gemms)
         engine["fp8_fast_accum"] = self.fp8_fast_accum
+        engine["cublaslt_workspace_kib"] = os.environ.get(CUBLASLT_WORKSPACE_ENV)  # None: torch's default
         engine["graphs"] = [k.describe() for k in self.graphs]  # the captured buckets, least recently used first
         return {**droid_metadata(self.name, self.contract, self.options), "quantization": self.quantization,
                 "gpu": device_name(self.device), "engine": engine}

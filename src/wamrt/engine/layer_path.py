@@ -9,6 +9,8 @@ outside the model: quack GEMM epilogues, the fused gen-fp8 layer (`fp8_fusion`),
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -30,6 +32,10 @@ from .fp8_fusion import (
 from .fuse import fuse_generator
 from .layer_halves import generator_projections, generator_qkv, post_split, pre_fp8_heads, pre_heads, pre_into
 from .qkv_epilogue import fp8_qkv_heads_problem, head_epilogue_problem
+
+log = logging.getLogger(__name__)
+
+CUBLASLT_WORKSPACE_ENV = "CUBLASLT_WORKSPACE_SIZE"  # KiB; torch reads it at every cuBLASLt call
 
 
 @dataclass(frozen=True)
@@ -120,3 +126,15 @@ def build_layer_path(model: Cosmos3Transformer, config: EngineConfig, device: to
         pre = pre_heads(projections)
     return LayerPath(embed=embed, pre=pre, post=post, finish=finish, rescale=rescale, head_epilogue=head_epilogue,
                      fp8_triton_gemms=triton_gemms, fp8_fast_accum=fast_accum)
+
+
+def use_workspace_free_gemms() -> bool:
+    """cuBLASLt without a workspace for this process (`EngineConfig.workspace_free_gemms`), unless the environment
+    already names a size. Returns whether it set it. Only ever lowers the size: torch allocates the workspace once,
+    at its first cuBLASLt call, and a larger value later would promise cuBLASLt memory that was never allocated."""
+    if CUBLASLT_WORKSPACE_ENV in os.environ:
+        return False
+    os.environ[CUBLASLT_WORKSPACE_ENV] = "0"
+    log.info("cuBLASLt: no workspace for this process (%s=0): no memset before each large GEMM",
+             CUBLASLT_WORKSPACE_ENV)
+    return True
