@@ -246,7 +246,8 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              | tee "$res/log.txt" ;;
   esac
   kill "$sampler" 2>/dev/null
-  python3 scripts/gpu_clocks.py "$res/gpu-clocks.csv" | tee -a "$res/log.txt"
+  python3 scripts/gpu_clocks.py "$res/gpu-clocks.csv" --rows $(find "$res" -name '*.json' ! -name 'trace-*') \
+    | tee -a "$res/log.txt"
   echo "part $part took $(( $(date +%s) - t0 )) s"
   tar czf "$OUT/$part.tgz" -C "$res" .
 done

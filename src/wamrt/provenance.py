@@ -28,6 +28,11 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
+def utc_now_ms() -> str:
+    """UTC to the millisecond, e.g. to find a row's samples in a clock log."""
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
+
+
 def environment() -> dict:
     """torch / python / git sha / date / GPU name, count and driver ("cpu" without CUDA)."""
     import torch

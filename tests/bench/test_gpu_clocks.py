@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_clocks.py"
@@ -25,3 +26,23 @@ def test_loaded_samples_only_and_power_cap_reason():
 
 def test_no_load():
     assert "none at >= 250 W" in gpu_clocks.summarise(["2026/12/03 07:00:00.200, 1980, 1980, 80.0, 700.00, 40, 0x1"])
+
+
+def test_row_window_counts_only_its_samples(tmp_path, capsys):
+    lines = ["2026/12/03 17:42:01.70, 1980, 1980, 400.0, 700.00, 50, 0x0000000000000000",  # before: the build
+             "2026/12/03 17:42:01.82, 1620, 1980, 435.5, 700.00, 55, 0x0000000000000004",
+             "2026/12/03 17:42:01.92, 1680, 1980, 458.3, 700.00, 55, 0x0000000000000004",
+             "2026/12/03 17:42:02.02, 1980, 1980, 470.0, 700.00, 55, 0x0000000000000000",
+             "2026/12/03 17:42:04.20, 1980, 1980, 300.0, 700.00, 50, 0x0000000000000000"]  # after
+    record = {"kind": "latency", "model": "edge", "row": "E7", "steps": 2, "pace_hz": 15.0,
+              "timed_utc": ["2026-12-03T17:42:01.800+00:00", "2026-12-03T17:42:02.100+00:00"]}
+    line = gpu_clocks.summarise_row(lines, record)
+    assert line == "edge E7 2 st @15 Hz: SM median 1680 MHz (min 1620, max 1980) over 3 samples, power-capped in 2"
+    assert gpu_clocks.summarise_row(lines, {"kind": "latency"}) is None  # a file from before timed_utc
+    log, row, other = tmp_path / "clocks.csv", tmp_path / "edge-s2-E7.json", tmp_path / "x.json"
+    log.write_text("\n".join(lines))
+    row.write_text(json.dumps(record))
+    other.write_text(json.dumps({"kind": "quality"}))
+    gpu_clocks.main([str(log), "--rows", str(row), str(other)])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("gpu clocks under load") and out[1] == "  " + line and len(out) == 2

@@ -17,6 +17,7 @@ import torch
 
 from ..engine import Engine, EngineConfig
 from ..engine.layer_path import CUBLASLT_WORKSPACE_ENV
+from ..provenance import utc_now_ms
 from ..sample import sample_observation
 from .flops import (
     COMPUTE_FLOOR_MS,
@@ -129,7 +130,9 @@ def measure_row(engine: Engine, spec: RowSpec, args: argparse.Namespace, env: di
     if spec.guidance_interval is not None:
         overrides["guidance_interval"] = spec.guidance_interval
     pace_hz = getattr(args, "pace_hz", 0.0)
+    timed_from = utc_now_ms()
     totals, stages = time_requests(partial(_infer, engine, observations, overrides), warm, runs, pace_hz)
+    timed_to = utc_now_ms()
     summary = summarize(totals)
     timesteps = replace(engine.options, **overrides).make_schedule().timesteps
     from ..sampler import guidance_active
@@ -163,6 +166,8 @@ def measure_row(engine: Engine, spec: RowSpec, args: argparse.Namespace, env: di
         "attention_backend_ms": attention_ms, "kv_cache": {"hits": engine.kv_cache.hits,
                                                            "misses": engine.kv_cache.misses},
         "row_wall_s": time.perf_counter() - t_build,
+        # the warm-up and timed requests' wall window: scripts/gpu_clocks.py --rows reads the row's clock samples in it
+        "timed_utc": [timed_from, timed_to],
         # in force while the row ran (EngineConfig.workspace_free_gemms sets it to 0 unless the environment named one)
         "cublaslt_workspace_kib": os.environ.get(CUBLASLT_WORKSPACE_ENV),
     }
