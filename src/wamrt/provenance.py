@@ -24,13 +24,9 @@ def git_sha() -> str:
         return "unknown"
 
 
-def utc_now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-
-
-def utc_now_ms() -> str:
-    """UTC to the millisecond, e.g. to find a row's samples in a clock log."""
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
+def utc_now(timespec: str = "seconds") -> str:
+    """UTC in ISO form; timespec="milliseconds" to find a row's samples in a clock log."""
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec=timespec)
 
 
 def environment() -> dict:

@@ -3,6 +3,7 @@ schema (the GPU runs that produce the committed results use the same code), and 
 
 from __future__ import annotations
 
+import datetime
 import json
 
 import pytest
@@ -27,6 +28,8 @@ def test_latency_exact_and_lossy_rows_write_schema_files(tmp_path, monkeypatch):
         missing = [k for k in LATENCY_KEYS if k not in row]
         assert not missing, missing
         assert row["kind"] == "latency" and row["n"] == 2 and row["p50_ms"] > 0
+        start, end = (datetime.datetime.fromisoformat(t) for t in row["timed_utc"])  # gpu_clocks.py --rows reads it
+        assert start.tzinfo is not None and start < end
     assert exact["recipe"] == "bf16" and not exact["lossy"]
     assert lossy["recipe"] == "gen-fp8" and lossy["lossy"] and lossy["steps"] == 2
     q = lossy["quality"]

@@ -17,7 +17,7 @@ import torch
 
 from ..engine import Engine, EngineConfig
 from ..engine.layer_path import CUBLASLT_WORKSPACE_ENV
-from ..provenance import utc_now_ms
+from ..provenance import utc_now
 from ..sample import sample_observation
 from .flops import (
     COMPUTE_FLOOR_MS,
@@ -130,9 +130,9 @@ def measure_row(engine: Engine, spec: RowSpec, args: argparse.Namespace, env: di
     if spec.guidance_interval is not None:
         overrides["guidance_interval"] = spec.guidance_interval
     pace_hz = getattr(args, "pace_hz", 0.0)
-    timed_from = utc_now_ms()
+    timed_from = utc_now("milliseconds")
     totals, stages = time_requests(partial(_infer, engine, observations, overrides), warm, runs, pace_hz)
-    timed_to = utc_now_ms()
+    timed_to = utc_now("milliseconds")
     summary = summarize(totals)
     timesteps = replace(engine.options, **overrides).make_schedule().timesteps
     from ..sampler import guidance_active
