@@ -13,7 +13,8 @@
 #          goes first: `wamrt bench latency` with ROWS (E5) at 4 steps and LOSSY_ROWS (E7,E6); TRACE=1 traces this
 #          tree's E7 in the last round). quant-* and ab-*: PACE_HZ=15 starts requests on a 15 Hz clock (--pace-hz).
 #          act-probe (the per-row activation quantizers' variants against a cast's memory floor: scripts/act_quant_probe.py)
-#          fp8-engine-tests (a gen-fp8 engine's graph replay against its compiled self; the VAE encode's GPU tests)
+#          fp8-engine-tests (a gen-fp8 engine's graph replay against its compiled self; the VAE encode's GPU tests and
+#          its per-pixel kernels')
 #          kernel-tests (the Triton kernels' GPU tests: q/k/v head epilogue, fp8 fusion)
 #          attn-probe (8-bit attention kernels vs flash-attn-4 bf16: time and SQNR; MODELS, default edge,nano;
 #          TRITON_CONFIGS, FA4_SWEEP, TMA_CONFIGS: how many configs of each family to time)
@@ -238,6 +239,7 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
           timeout "$limit" python3 scripts/act_quant_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
     fp8-engine-tests) # a gen-fp8 engine's graph replay at the default fast accumulation; the VAE encode's GPU tests
           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_vae_encode.py \
+             tests/ops/test_channels_last.py \
              tests/engine/test_fp8_fusion.py::test_gen_fp8_engine_replays_its_compiled_self_with_fast_accumulation \
              2>&1 | tee "$res/log.txt" ;;
     kernel-tests) # the Triton kernels against their references (head epilogue, fp8 fusion), in graphs, timed

@@ -5,8 +5,9 @@ with random weights, bf16.
 
 * GPU time of the captured encode for the walk's kernel options: the stem's input channels zero-padded to 8
   (`channel_multiple`) and the mid block's attention as two GEMMs (`gemm_attention`), each on and off; then with the
-  residual blocks' convolution biases folded into the ops after them (`fold_biases`), and with cuDNN's timed algorithm
-  choice (`cudnn_benchmark`); with the largest error of each against the fp32 encode.
+  residual blocks' convolution biases folded into the ops after them (`fold_biases`), then with the per-pixel Triton
+  kernels (`channels_last_kernels`), and with cuDNN's timed algorithm choice (`cudnn_benchmark`); with the largest
+  error of each against the fp32 encode.
 * Host time of a request's encode call: the canvas content padded in the graph from a pinned upload
   (`encode_canvases` today) against the host pad + pageable upload + graph from [-1, 1] pixels it replaced.
 * The kernels of one eager encode, before and after, from torch.profiler.
@@ -89,9 +90,13 @@ def main() -> None:
     pixels_u8 = torch.from_numpy(padded.pixels)[None].to(dev)
     want = ref32.encode_uint8(pixels_u8)
     result: dict = {"canvas": list(geo.image_size), "pad_mode": geo.pad_mode, "variants": []}
-    variants = [dict(channel_multiple=m, gemm_attention=g, fold_biases=False) for m in (1, 8) for g in (False, True)]
-    variants += [dict(channel_multiple=8, gemm_attention=True, fold_biases=True),
-                 dict(channel_multiple=8, gemm_attention=True, fold_biases=True, cudnn_benchmark=True)]
+    old = dict(channels_last_kernels=False)
+    variants = [dict(channel_multiple=m, gemm_attention=g, fold_biases=False, **old)
+                for m in (1, 8) for g in (False, True)]
+    variants += [dict(channel_multiple=8, gemm_attention=True, fold_biases=True, **old),
+                 dict(channel_multiple=8, gemm_attention=True, fold_biases=True, channels_last_kernels=True),
+                 dict(channel_multiple=8, gemm_attention=True, fold_biases=True, channels_last_kernels=True,
+                      cudnn_benchmark=True)]
     for flags in variants:
         enc = FirstFrameEncoder(frames, capture=True, **flags)
         got = enc.encode_content_uint8(content, geo)
@@ -104,7 +109,8 @@ def main() -> None:
     # A request's encode call as the engine makes it, and as it was made before (host pad, pageable upload, graph
     # from [-1, 1] pixels).
     new = FirstFrameEncoder(frames, capture=True)
-    old = FirstFrameEncoder(frames, capture=True, channel_multiple=1, gemm_attention=False, fold_biases=False)
+    old = FirstFrameEncoder(frames, capture=True, channel_multiple=1, gemm_attention=False, fold_biases=False,
+                            channels_last_kernels=False)
 
     obs = sample_observation(0)  # made once: its synthetic scenes take ~12 ms (the 6c036aa run timed them per call)
 
@@ -124,11 +130,14 @@ def main() -> None:
         print(name, result[f"request_{name}"], flush=True)
     result["compose_and_bucket_host_ms"] = host_ms(lambda: pad_to_bucket(compose_droid_canvas(obs)), args.runs)[0]
     result["host_pad_ms"] = host_ms(lambda: pad_canvas(padded.content, geo), args.runs)[0]
-    eager_old = FirstFrameEncoder(frames, channel_multiple=1, gemm_attention=False, fold_biases=False)
+    eager_old = FirstFrameEncoder(frames, channel_multiple=1, gemm_attention=False, fold_biases=False,
+                                  channels_last_kernels=False)
+    eager_fold = FirstFrameEncoder(frames, channels_last_kernels=False)
     eager_new = FirstFrameEncoder(frames)
     result["kernels_before"] = top_kernels(lambda: eager_old.encode_content_uint8(content, geo))
+    result["kernels_fold_biases"] = top_kernels(lambda: eager_fold.encode_content_uint8(content, geo))
     result["kernels_today"] = top_kernels(lambda: eager_new.encode_content_uint8(content, geo))
-    for name in ("kernels_before", "kernels_today"):
+    for name in ("kernels_before", "kernels_fold_biases", "kernels_today"):
         print(name, json.dumps(result[name][:12], indent=0), flush=True)
     sha = os.environ.get("WAMRT_GIT_SHA") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                                               capture_output=True, text=True).stdout.strip()

@@ -176,6 +176,24 @@ def test_stem_channels_padded_for_tensor_cores(assets) -> None:
                 assert ours._tap(conv_in).shape[1] == (16 if multiple == 8 else conv_in.weight.shape[1])
 
 
+def test_channels_last_kernels_walk_gives_diffusers_latent(assets) -> None:
+    """The walk with the per-pixel kernels (ops/channels_last.py; on CPU their references): the down blocks' pad written
+    by the last residual add, the downsampler's bias added with the average shortcut, the stem's bias in its own
+    pass. On and off, with and without folded biases, it gives diffusers' latent."""
+    from wamrt.engine.vae_encode import _padded_downsampler
+
+    blocks = [b for b in assets.vae.encoder.down_blocks if type(b).__name__ == "WanResidualDownBlock"]
+    assert any(_padded_downsampler(b.downsampler) is not None for b in blocks)  # the fused pad runs
+    assert any(b.downsampler is None for b in blocks)  # and the shortcut-only block
+    for b, seed in ((1, 41), (2, 42)):
+        pixels = _pixels(b, 1, seed=seed)
+        want = assets.encoder.encode(pixels)
+        for kernels in (False, True):
+            for fold in (False, True):
+                ours = FirstFrameEncoder(assets.encoder, channels_last_kernels=kernels, fold_biases=fold)
+                _assert_close(ours.encode(pixels), want, f"batch {b}, kernels={kernels}, fold_biases={fold}")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_captured_canvas_content_replays_the_eager_walk_exactly() -> None:

@@ -40,6 +40,7 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import (
 )
 from torch import nn
 
+from ..ops import channels_last
 from ..pipeline.canvas import pad_unit_pixels
 from ..pipeline.errors import RequestError
 from ..pipeline.geometry import CanvasGeometry
@@ -58,7 +59,7 @@ class FirstFrameEncoder(FrameEncoder):
 
     def __init__(self, frames: FrameEncoder, *, capture: bool = False, max_graphs: int = 8,
                  channel_multiple: int = 8, gemm_attention: bool = True, cudnn_benchmark: bool = False,
-                 fold_biases: bool = True) -> None:
+                 fold_biases: bool = True, channels_last_kernels: bool = True) -> None:
         super().__init__(frames.vae)
         self.capture, self.max_graphs = capture, max_graphs
         # A convolution whose input channels are not a multiple of this gets zero channels (and zero weights) up to
@@ -74,6 +75,11 @@ class FirstFrameEncoder(FrameEncoder):
         # PyTorch's separate bias pass after each cuDNN convolution: H200, the captured encode 3.304 -> 3.096 ms
         # (bench/results/latency/2026-12-03-57588cc-vae-fold-biases/).
         self.fold_biases = fold_biases
+        # The norms, the residual adds (the downsamplers' zero pad written with them), the stem's bias and the down
+        # blocks' average shortcuts (added with the downsampler's bias) in the kernels of ops/channels_last.py, one
+        # pass each, instead of the compiled norm and add and PyTorch's pad / permute / mean copies. Off: those.
+        # Where Triton cannot run (CPU) the same walk runs their eager references.
+        self.channels_last_kernels = channels_last_kernels
         # (what, shapes, ...) -> (graph, static input, static output); LRU. One memory pool for all: replays are
         # serialised by _graph_lock and every output is copied out before the next replay.
         self._graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = OrderedDict()
@@ -180,7 +186,10 @@ class FirstFrameEncoder(FrameEncoder):
 
     def _encoder(self, x: torch.Tensor) -> torch.Tensor:
         enc = self.vae.encoder
-        x = self._conv(enc.conv_in, x)
+        if self.channels_last_kernels and enc.conv_in.bias is not None:  # PyTorch's bias pass is a slow broadcast
+            x = channels_last.add(self._conv(enc.conv_in, x, bias=False), self._bias(enc.conv_in))
+        else:
+            x = self._conv(enc.conv_in, x)
         for block in enc.down_blocks:
             x = self._block(block, x)
         mid = enc.mid_block
@@ -195,6 +204,8 @@ class FirstFrameEncoder(FrameEncoder):
     def _block(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if type(m) is WanResidualBlock:
             return self._residual(m, x)
+        if type(m) is WanResidualDownBlock and self.channels_last_kernels and self.fold_biases:
+            return self._down_block(m, x)
         if type(m) is WanResidualDownBlock:
             shortcut = m.avg_shortcut(x.unsqueeze(2)).squeeze(2)  # AvgDown3D on one frame (zero-pads time)
             for resnet in m.resnets:
@@ -209,6 +220,29 @@ class FirstFrameEncoder(FrameEncoder):
         raise UnsupportedEncoder(f"no first-frame rule for {type(m).__name__}"
                                  f"{' mode ' + m.mode if isinstance(m, WanResample) else ''}")
 
+    def _down_block(self, m: WanResidualDownBlock, x: torch.Tensor) -> torch.Tensor:
+        """A residual down block with its last residual add writing the downsampler's zero pad, the downsampler's
+        convolution without bias, and its bias added with the average shortcut of the block's input in one pass."""
+        source, conv = x, _padded_downsampler(m.downsampler)
+        resnets = list(m.resnets)
+        for index, resnet in enumerate(resnets):
+            last = index == len(resnets) - 1
+            x = self._residual(resnet, x, pad=(1, 1) if conv is not None and last else (0, 0))
+        if conv is not None:
+            if not resnets:
+                x = F.pad(x, (0, 1, 0, 1))
+            x = F.conv2d(x, self._weight(conv), None, conv.stride, 0, conv.dilation, conv.groups)
+            shift = self._bias(conv)
+        elif m.downsampler is not None:
+            x = self._block(m.downsampler, x)
+            shift = None
+        else:
+            shift = None
+        if shift is None:
+            shift = self._cached(m, "zero shift", None, lambda _: x.new_zeros(x.shape[1], dtype=torch.float32))
+        avg = m.avg_shortcut
+        return channels_last.avg_down_add(x, shift, source, avg.factor_t, avg.factor_s)
+
     def _attention(self, m: WanAttentionBlock, x: torch.Tensor) -> torch.Tensor:
         """The block's single-head attention over the frame's pixels. Its head is as wide as the channels (640 at
         Wan2.2), past every flash kernel: SDPA ran the memory-efficient one at ~20 TFLOP/s (H200, 0.18 ms). Here
@@ -218,12 +252,13 @@ class FirstFrameEncoder(FrameEncoder):
         y = self._norm(m.norm, x, silu=False)
         qkv = F.conv2d(y, self._weight(m.to_qkv), m.to_qkv.bias)  # [B, 3C, H, W], channels-last
         q, k, v = qkv.permute(0, 2, 3, 1).reshape(b, h * w, 3 * c).split(c, dim=-1)  # [B, HW, C] views
-        scores = torch.bmm(q.float(), k.float().transpose(1, 2)) * c**-0.5
+        scores = _scores(q, k) * c**-0.5
         out = torch.bmm(scores.softmax(dim=-1).to(v.dtype), v)  # [B, HW, C]
         out = out.view(b, h, w, c).permute(0, 3, 1, 2)  # channels-last [B, C, H, W]
         return F.conv2d(out, self._weight(m.proj), m.proj.bias) + x
 
-    def _residual(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _residual(self, m: nn.Module, x: torch.Tensor, pad: tuple[int, int] = (0, 0)) -> torch.Tensor:
+        """A residual block; pad = (bottom rows, right columns) of zeros around its output (the downsampler's)."""
         if type(m) is not WanResidualBlock:
             raise UnsupportedEncoder(f"no first-frame rule for {type(m).__name__} in a residual position")
         silu = _is_silu(m.nonlinearity)
@@ -231,14 +266,16 @@ class FirstFrameEncoder(FrameEncoder):
             shortcut = x if isinstance(m.conv_shortcut, nn.Identity) else self._conv(m.conv_shortcut, x)
             x = self._conv(m.conv1, self._norm(m.norm1, x, silu=silu))
             x = self._conv(m.conv2, m.dropout(self._norm(m.norm2, x, silu=silu)))
-            return x + shortcut
+            return _pad(x + shortcut, pad)
         # conv1's bias goes into norm2, conv2's (and a shortcut convolution's) into the residual add
         shortcut = x if isinstance(m.conv_shortcut, nn.Identity) else self._conv(m.conv_shortcut, x, bias=False)
         x = self._conv(m.conv1, self._norm(m.norm1, x, silu=silu), bias=False)
         x = self._conv(m.conv2, m.dropout(self._norm(m.norm2, x, silu=silu, shift=self._bias(m.conv1))), bias=False)
         convs = (m.conv2,) if isinstance(m.conv_shortcut, nn.Identity) else (m.conv2, m.conv_shortcut)
         shift = self._cached(m, "residual shift", tuple(c.bias for c in convs), lambda _: _sum_biases(*convs))
-        return residual_add(x, shortcut, shift)
+        if self.channels_last_kernels:
+            return channels_last.add(x, shift, shortcut, pad)
+        return _pad(residual_add(x, shortcut, shift), pad)
 
     def _bias(self, m: nn.Module) -> torch.Tensor | None:
         """A convolution's bias as an fp32 [C, 1, 1] shift, or None."""
@@ -254,6 +291,8 @@ class FirstFrameEncoder(FrameEncoder):
         bias = m.bias
         if isinstance(bias, torch.Tensor):
             bias = self._cached(m, "bias", bias, lambda b: b.detach().float().reshape(c, 1, 1))
+        if self.channels_last_kernels:
+            return channels_last.rms_norm(x, weight, bias, silu, shift)
         return rms_norm_silu(x, weight, bias, silu, shift)
 
     def _conv(self, m: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
@@ -291,6 +330,39 @@ class FirstFrameEncoder(FrameEncoder):
             if entry is None or not _same(entry[0], source):
                 entry = self._derived[(id(m), what)] = (source, make(source))
             return entry[1]
+
+
+def _padded_downsampler(m: nn.Module | None) -> nn.Conv2d | None:
+    """The convolution of a downsampler that is diffusers' first-chunk `ZeroPad2d((0, 1, 0, 1))` + unpadded
+    `Conv2d`, or None (no downsampler, or another form: the walk then runs it as it is)."""
+    if type(m) is not WanResample or m.mode not in ("downsample2d", "downsample3d"):
+        return None
+    layers = list(m.resample)
+    if (len(layers) == 2 and type(layers[0]) is nn.ZeroPad2d and tuple(layers[0].padding) == (0, 1, 0, 1)
+            and type(layers[1]) is nn.Conv2d and tuple(layers[1].padding) == (0, 0)
+            and layers[1].padding_mode == "zeros"):
+        return layers[1]
+    return None
+
+
+def _pad(x: torch.Tensor, pad: tuple[int, int]) -> torch.Tensor:
+    return F.pad(x, (0, pad[1], 0, pad[0])).contiguous(memory_format=torch.channels_last) if any(pad) else x
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q k^T [B, HW, HW] in fp32. bf16 / fp16 on CUDA: tensor-core products summed in fp32 (`bmm`'s out_dtype), as a
+    flash kernel computes them; upcasting the operands instead ran fp32 FMA (H200: 113 us of the ~3.1 ms encode)."""
+    global _bmm_out_dtype
+    if _bmm_out_dtype and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        try:
+            return torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError) as e:  # a torch without it: upcast from now on
+            _bmm_out_dtype = False
+            log.warning("first-frame VAE encode: bmm with out_dtype unavailable (%s); upcasting the attention", e)
+    return torch.bmm(q.float(), k.float().transpose(1, 2))
+
+
+_bmm_out_dtype = True
 
 
 def _same(a, b) -> bool:
