@@ -179,7 +179,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--layers", type=int, help="override the layer count (smoke tests)")
     ap.add_argument("--tiny-vae", action="store_true", help="tiny VAE instead of the Wan2.2 size (smoke tests)")
     ap.add_argument("--steps", type=int, nargs="+", default=[4])
-    ap.add_argument("--rows", type=lambda s: s.split(","), default=DEFAULT_ROWS,
+    ap.add_argument("--rows", type=lambda s: [r for r in s.split(",") if r], default=DEFAULT_ROWS,
                     help=f"comma-separated, default {','.join(DEFAULT_ROWS)}; opt-in: "
                          f"{','.join(r for r in ROWS if r not in DEFAULT_ROWS)}")
     ap.add_argument("--other-steps-rows", type=lambda s: s.split(","), default=["E5"],
