@@ -116,8 +116,10 @@ def add(x: torch.Tensor, shift: torch.Tensor, shortcut: torch.Tensor | None = No
         return add_reference(x, shift, shortcut, pad).contiguous(memory_format=torch.channels_last)
     b, c, h, w = x.shape
     hp, wp = h + pad[0], w + pad[1]
-    y = (torch.zeros if any(pad) else torch.empty)((b, c, hp, wp), dtype=x.dtype, device=x.device
-                                                 ).contiguous(memory_format=torch.channels_last)
+    # allocated channels-last (`.contiguous(memory_format=...)` on a new tensor would be a copy of the whole grid)
+    y = torch.empty((b, c, hp, wp), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    if any(pad):
+        y.zero_()
     rows = b * h * w
     block_r, block_c, warps = _tile(c)
     _add_kernel[(triton.cdiv(rows, block_r),)](
