@@ -8,6 +8,7 @@
 #          mlp-probe (the gen-fp8 MLP with the down GEMM's input quantized in the up GEMM's epilogue:
 #          scripts/fp8_mlp_epilogue_probe.py)
 #          gemm-probe (each Generator fp8 GEMM shape, cuBLAS against Triton: scripts/fp8_gemm_probe.py)
+#          cl-probe (the VAE encode's per-pixel kernels over tile sizes: scripts/channels_last_probe.py)
 #          ab-edge ab-nano (this tree against an older one carried in .ab-before/ -- `git archive <sha> src` unpacked, less src/wamrt/assets,
 #          there, its sha in .ab-before/SHA -- in one process order per round, ROUNDS rounds alternating which side
 #          goes first: `wamrt bench latency` with ROWS (E5) at 4 steps and LOSSY_ROWS (E7,E6); TRACE=1 traces this
@@ -218,6 +219,8 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              | tail -5 | tee -a "$res/log.txt" ;;
     mlp-probe) # Issue 14 moonshot: the down GEMM's input quantization in the up GEMM's epilogue (1x128 scales)
           timeout "$limit" python3 scripts/fp8_mlp_epilogue_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
+    cl-probe) # Issue 14 moonshot: the VAE encode's per-pixel kernels at the encoder's levels over tile sizes
+          timeout "$limit" python3 scripts/channels_last_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
     gemm-probe) # Issue 14 moonshot: every Generator fp8 GEMM shape on cuBLAS against a Triton TMA kernel
           timeout "$limit" python3 scripts/fp8_gemm_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
     ab-edge|ab-nano) # Issue 14: before / after in one lease (see the usage above)
