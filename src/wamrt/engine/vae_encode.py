@@ -7,7 +7,8 @@ time taps multiply zeros, and before every convolution the residual blocks copy 
 kernel_t - 1, so only the last time tap meets data) is exactly a 2D convolution with that tap; the temporal
 downsampler's time convolution never runs on a first chunk. This module walks diffusers' encoder modules and runs
 that 2D computation with their weights (read only: the shared VAE is never modified, so a generation thread may use
-the same encoder meanwhile), with the norm and the SiLU after it fused (`vae_decode.rms_norm_silu`) and weights and
+the same encoder meanwhile), with the norm and the SiLU after it fused (`ops.channels_last.rms_norm`; with
+`channels_last_kernels=False`, `vae_decode.rms_norm_silu`) and weights and
 activations channels-last for cuDNN, and a residual block's convolution biases folded into its second norm and its
 residual add (`fold_biases`: PyTorch adds a bias to a cuDNN convolution's output in a pass of its own).
 
@@ -223,14 +224,12 @@ class FirstFrameEncoder(FrameEncoder):
     def _down_block(self, m: WanResidualDownBlock, x: torch.Tensor) -> torch.Tensor:
         """A residual down block with its last residual add writing the downsampler's zero pad, the downsampler's
         convolution without bias, and its bias added with the average shortcut of the block's input in one pass."""
-        source, conv = x, _padded_downsampler(m.downsampler)
         resnets = list(m.resnets)
+        source, conv = x, _padded_downsampler(m.downsampler) if resnets else None  # no add to write the pad: as is
         for index, resnet in enumerate(resnets):
             last = index == len(resnets) - 1
             x = self._residual(resnet, x, pad=(1, 1) if conv is not None and last else (0, 0))
         if conv is not None:
-            if not resnets:
-                x = F.pad(x, (0, 1, 0, 1))
             x = F.conv2d(x, self._weight(conv), None, conv.stride, 0, conv.dilation, conv.groups)
             shift = self._bias(conv)
         elif m.downsampler is not None:
