@@ -41,11 +41,6 @@ def channels_last_problem(*tensors: torch.Tensor) -> str | None:
     return None
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """A channels-last [B, C, H, W] tensor's memory as [B*H*W, C] (no copy)."""
-    return x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
-
-
 def _channels(v: torch.Tensor | None, c: int) -> torch.Tensor | None:
     """A per-channel fp32 vector ([C], [C, 1, 1], ...) as a contiguous [C]."""
     return None if v is None else v.reshape(c).float().contiguous()
@@ -83,7 +78,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | float, 
         return rms_norm_reference(x, weight, bias, silu, shift)
     c = x.shape[1]
     y = torch.empty_like(x, memory_format=torch.channels_last)
-    rows = _rows(x).shape[0]
+    rows = x.numel() // c  # pixels: a channels-last tensor's memory is [pixels, channels]
     bias_vec = _channels(bias, c) if isinstance(bias, torch.Tensor) else None
     w, s = _channels(weight, c), _channels(shift, c)
     block_r, block_c, warps = _tile(c)
