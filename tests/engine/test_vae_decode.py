@@ -223,6 +223,57 @@ def test_past_the_recompile_limit_new_inputs_run_eagerly_and_compiling_stays_on(
     assert len([r for r in caplog.records if "recompile limit" in r.getMessage()]) == 1
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_norm_kernel_rows_takes_pixel_major_memory_and_compile_takes_the_rest(monkeypatch, layout: str) -> None:
+    """Which kernel each layout reaches, on the CPU with stand-ins: the Triton row kernel is said to be available
+    and recorded; torch.compile returns the eager math, recorded. "rows" sends [pixels, C] memory (channels-last,
+    and the attention block's 4-D channels-last) to the row kernel, as one contiguous 2-D view of x's own memory;
+    every other layout, and every layout under "compile", to the compiled kernel."""
+    calls: list[tuple[str, torch.Tensor]] = []
+
+    def rows_kernel(rows, *args):
+        calls.append(("rows", rows))
+        return vae_decode._rms_norm_silu_eager(rows.unsqueeze(-1), *(a.reshape(-1, 1) if isinstance(a, torch.Tensor)
+                                                                      else a for a in args)).squeeze(-1)
+
+    def compile_(fn, **_):
+        def compiled(x, *args):
+            calls.append(("compile", x))
+            return fn(x, *args)
+
+        return compiled
+
+    monkeypatch.setattr(vae_decode, "COMPILED_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(vae_decode, "_compiled_rms_norm_silu", None)
+    monkeypatch.setattr(vae_decode, "_compile_failed", False)
+    monkeypatch.setattr(torch, "compile", compile_)
+    monkeypatch.setattr(vae_decode.channels_last, "rows_problem", lambda x: None if x.dim() == 2 else "not 2-D")
+    monkeypatch.setattr(vae_decode.channels_last, "rms_norm_rows", rows_kernel)
+    x = _input(layout)
+    norm = _diffusers_norm(16, images=x.dim() == 4, seed=7)
+    weight, want = norm.gamma.detach() * norm.scale, F.silu(norm(x))
+    pixel_major = layout in ("channels_last", "images_channels_last")
+    for kernel in ("rows", "compile"):
+        calls.clear()
+        got = rms_norm_silu(x, weight, norm.bias, True, torch.zeros(16, *[1] * (x.dim() - 2)), kernel=kernel)
+        _assert_close(got, want, f"{kernel}, {layout}")
+        if layout != "with_gaps":
+            assert got.stride() == x.stride()
+        assert [k for k, _ in calls] == ["rows" if kernel == "rows" and pixel_major else "compile"]
+        if calls[0][0] == "rows":
+            seen = calls[0][1]
+            assert seen.shape == (x.numel() // 16, 16) and seen.data_ptr() == x.data_ptr()
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        rms_norm_silu(x, weight, 0.0, True, kernel="triton")
+
+
+def test_an_unknown_norm_kernel_is_refused_before_anything_is_swapped(assets) -> None:
+    with pytest.raises(ValueError, match="norm_kernel must be one of"), implicit_pad_decoder(assets.vae,
+                                                                                          norm_kernel="fast"):
+        pass
+    _assert_diffusers_own(assets.vae)
+
+
 def test_an_error_that_is_not_a_compile_failure_is_raised(monkeypatch) -> None:
     _compile_on_cpu_raising(monkeypatch, torch.OutOfMemoryError("out of memory"))
     with pytest.raises(torch.OutOfMemoryError):  # the decode's tiled retry (omni._decode_fitting) must see it
@@ -232,13 +283,14 @@ def test_an_error_that_is_not_a_compile_failure_is_raised(monkeypatch) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["rows", "compile"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_compiled_norm_rounds_once_and_keeps_the_memory_format_on_gpu(layout: str) -> None:
+def test_compiled_norm_rounds_once_and_keeps_the_memory_format_on_gpu(layout: str, kernel: str) -> None:
     x = _input(layout).to("cuda", torch.bfloat16)  # .to keeps strides: channels-last stays channels-last
     norm = _diffusers_norm(16, images=x.dim() == 4, seed=6).cuda()
     weight = norm.gamma.detach() * norm.scale
     once = F.silu(norm(x.float())).to(torch.bfloat16).float()
-    got = rms_norm_silu(x, weight, 0.0, True)
+    got = rms_norm_silu(x, weight, 0.0, True, kernel=kernel)
     assert not vae_decode._compile_failed, "the fused norm ran eagerly: its torch.compile failed (see the log)"
     assert got.dtype == torch.bfloat16 and torch.all((got.float() - once).abs() <= BF16_ULP * once.abs() + 1e-6)
     if layout != "with_gaps":
@@ -252,7 +304,8 @@ NOT_WORSE_THAN_BF16 = 1.25
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fused_bf16_decode_is_as_close_to_fp32_as_diffusers_bf16_decode() -> None:
+@pytest.mark.parametrize("norm_kernel", ["rows", "compile"])
+def test_fused_bf16_decode_is_as_close_to_fp32_as_diffusers_bf16_decode(norm_kernel: str) -> None:
     from wamrt.pipeline.random_weights import random_vae
     from wamrt.pipeline.vae import FrameEncoder
 
@@ -273,7 +326,7 @@ def test_fused_bf16_decode_is_as_close_to_fp32_as_diffusers_bf16_decode() -> Non
 
     want = decode_pixels(reference, latents, to_host=False)
     diffusers_bf16 = decode_pixels(encoder, latents, to_host=False)
-    with implicit_pad_decoder(vae):
+    with implicit_pad_decoder(vae, norm_kernel=norm_kernel):
         fused = decode_pixels(encoder, latents, to_host=False)
     assert not vae_decode._compile_failed, "the fused norm ran eagerly: its torch.compile failed (see the log)"
     assert rel_l2(fused, want) <= NOT_WORSE_THAN_BF16 * rel_l2(diffusers_bf16, want)

@@ -1,7 +1,7 @@
-"""`ops.channels_last`: the frame-0 VAE encode's per-pixel kernels. CPU: each eager reference against the module or op
-it replaces (diffusers' `AvgDown3D`, the engine's compiled norm's eager form, `F.pad`). GPU (skipped without CUDA): each
-Triton kernel against its reference, in bf16 and fp32, at the Wan2.2 encoder's channel counts and at odd ones, and
-inside a CUDA graph."""
+"""`ops.channels_last`: the frame-0 VAE encode's per-pixel kernels and the decoder's row norm. CPU: each eager
+reference against the module or op it replaces (diffusers' `AvgDown3D`, the engine's compiled norm's eager form,
+`F.pad`). GPU (skipped without CUDA): each Triton kernel against its reference, in bf16 and fp32, at the Wan2.2
+encoder's and decoder's channel counts and at odd ones, and inside a CUDA graph."""
 
 from __future__ import annotations
 
@@ -64,8 +64,13 @@ def test_add_reference_pads_after_the_add() -> None:
 
 def test_problems_are_named() -> None:
     assert "CUDA" in cl.channels_last_problem(_cl(1, 4, 2, 2))
+    assert "CUDA" in cl.rows_problem(torch.zeros(6, 4))
+    with pytest.raises(ValueError, match="rms_norm_rows: .*CUDA"):
+        cl.rms_norm_rows(torch.zeros(6, 4), torch.ones(4), 0.0, False)
     if torch.cuda.is_available():
         assert "channels-last" in cl.channels_last_problem(torch.zeros(1, 4, 2, 3, device="cuda"))
+        assert "[rows, channels]" in cl.rows_problem(torch.zeros(4, 6, device="cuda").t())
+        assert "[rows, channels]" in cl.rows_problem(torch.zeros(2, 4, 6, device="cuda"))
 
 
 @gpu
@@ -82,6 +87,27 @@ def test_norm_kernel_matches_its_reference(dtype, c) -> None:
                 got = cl.rms_norm(x, w, bias, silu, shift)
                 assert got.is_contiguous(memory_format=torch.channels_last)
                 _close(got, cl.rms_norm_reference(x, w, bias, silu, shift), tol, f"c={c} silu={silu}")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("c", [1024, 512, 256, 384, 12])
+def test_row_norm_kernel_matches_its_reference_at_the_decoders_widths(dtype, c) -> None:
+    """`rms_norm_rows` on [pixels, C] memory (the decoder's channels-last 3-D activations seen flat), per-channel
+    vectors in the decoder's [C, 1] shape, against the reference on the same values as a channels-last 4-D tensor."""
+    tol = BF16_ULP if dtype is torch.bfloat16 else FP32_TOL
+    x4 = _cl(1, c, 5, 2 * 37 + 1, device="cuda", dtype=dtype, seed=c)  # an odd pixel count: a partial last tile
+    rows = x4.permute(0, 2, 3, 1).reshape(-1, c)  # the same memory, [pixels, C]
+    assert rows.data_ptr() == x4.data_ptr()
+    w, b, s = (torch.randn(c, 1, device="cuda") for _ in range(3))
+    for bias in (b, 0.5):
+        for silu in (False, True):
+            for shift in (None, s):
+                got = cl.rms_norm_rows(rows, w, bias, silu, shift)
+                assert got.shape == rows.shape and got.is_contiguous()
+                want = cl.rms_norm_reference(x4, w, bias, silu, shift).permute(0, 2, 3, 1).reshape(-1, c)
+                _close(got, want, tol, f"c={c} silu={silu} shift={shift is not None}")
 
 
 @gpu

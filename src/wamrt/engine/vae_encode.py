@@ -292,7 +292,7 @@ class FirstFrameEncoder(FrameEncoder):
             bias = self._cached(m, "bias", bias, lambda b: b.detach().float().reshape(c, 1, 1))
         if self.channels_last_kernels:
             return channels_last.rms_norm(x, weight, bias, silu, shift)
-        return rms_norm_silu(x, weight, bias, silu, shift)
+        return rms_norm_silu(x, weight, bias, silu, shift, kernel="compile")  # the walk before the Triton kernels
 
     def _conv(self, m: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
         """m's last time tap as a 2D convolution; bias=False leaves m's bias to the caller (folded into the next op:

@@ -76,9 +76,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | float, 
     reference."""
     if channels_last_problem(x):
         return rms_norm_reference(x, weight, bias, silu, shift)
-    c = x.shape[1]
     y = torch.empty_like(x, memory_format=torch.channels_last)
-    rows = x.numel() // c  # pixels: a channels-last tensor's memory is [pixels, channels]
+    _launch_norm(x, y, x.shape[1], weight, bias, silu, shift)
+    return y
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | float, silu: bool,
+                  shift: torch.Tensor | None = None) -> torch.Tensor:
+    """The same norm over the rows of a contiguous [rows, C] CUDA tensor (any activation whose memory is pixels x
+    channels, seen as such: the VAE decoder's channels-last 3-D activations); `rows_problem` says when it cannot run.
+    Per channel, weight, bias and shift may have any shape of C elements."""
+    problem = rows_problem(x)
+    if problem:
+        raise ValueError(f"rms_norm_rows: {problem}")
+    y = torch.empty_like(x)
+    _launch_norm(x, y, x.shape[1], weight, bias, silu, shift)
+    return y
+
+
+def rows_problem(x: torch.Tensor) -> str | None:
+    """Why `rms_norm_rows` cannot take x, or None: it must be a contiguous 2-D tensor on a CUDA device with Triton."""
+    problem = triton_device_problem(x.device)
+    if problem:
+        return problem
+    if x.dim() != 2 or not x.is_contiguous():
+        return f"not a contiguous [rows, channels] tensor (shape {tuple(x.shape)}, strides {x.stride()})"
+    return None
+
+
+def _launch_norm(x: torch.Tensor, y: torch.Tensor, c: int, weight: torch.Tensor, bias: torch.Tensor | float,
+                 silu: bool, shift: torch.Tensor | None) -> None:
+    rows = x.numel() // c  # pixels: the memory of x and y is [pixels, channels]
     bias_vec = _channels(bias, c) if isinstance(bias, torch.Tensor) else None
     w, s = _channels(weight, c), _channels(shift, c)
     block_r, block_c, warps = _tile(c)
@@ -86,7 +114,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | float, 
         x, y, w, bias_vec if bias_vec is not None else w, s if s is not None else w, rows,
         0.0 if bias_vec is not None else float(bias), NORM_EPS, C=c, HAS_BIAS=bias_vec is not None,
         HAS_SHIFT=s is not None, SILU=silu, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
-    return y
 
 
 # -- the residual add (into a zero-padded grid) -------------------------------------------------------------------
