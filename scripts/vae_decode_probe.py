@@ -1,15 +1,16 @@
-"""The world decode's norm kernels (engine/vae_decode.py): full-size Wan2.2 VAE decoder with random weights, bf16, at
-the i2v bench's shape (48 x 9 x 30 x 52 latents -> 33 frames of 480 x 832).
+"""The world decode's norm kernels and fused residual blocks (engine/vae_decode.py): full-size Wan2.2 VAE decoder with
+random weights, bf16, at the i2v bench's shape (48 x 9 x 30 x 52 latents -> 33 frames of 480 x 832).
 
     python3 scripts/vae_decode_probe.py --out DIR [--runs 5]
 
 * GPU time of `decode_pixels` (normalised latents -> float pixels on the device, what `WorldEngine.decode_pixels`
-  times as `decode_ms`) for diffusers' own modules, the implicit-padding convolutions alone, and the convolutions
-  with the fused norm + SiLU as the compiled kernel ("compile") and as the Triton row kernel ("rows", the default);
-  median and range of `--runs` after one untimed call each (it absorbs compiles and cuDNN's plan choice).
-* The largest difference between the "rows" and "compile" decodes (bf16 rounding in another order only).
-* The kernels of one decode per fused variant from torch.profiler, with the time per kind (convolution, norm, copy /
-  cat, other).
+  times as `decode_ms`) for diffusers' own modules, the implicit-padding convolutions alone, the convolutions with
+  the fused norm + SiLU as the compiled kernel ("compile") and as the Triton row kernel ("rows"), and with the fused
+  residual blocks too (biases folded, inputs assembled in place: the default); median and range of `--runs` after
+  one untimed call each (it absorbs compiles and cuDNN's plan choice).
+* How far the "rows" decodes are from the "compile" one (bf16 rounding in another order only).
+* The kernels of one decode, compiled norms against the default, from torch.profiler, with the time per kind
+  (convolution, norm, copy / cat, other).
 Writes vae-decode-probe.json.
 """
 
@@ -77,8 +78,10 @@ def main() -> None:
     variants = {
         "diffusers": nullcontext,
         "implicit_pad": lambda: implicit_pad_decoder(vae, fuse_norms=False),
-        "implicit_pad_fused_norm_compile": lambda: implicit_pad_decoder(vae, norm_kernel="compile"),
-        "implicit_pad_fused_norm_rows": lambda: implicit_pad_decoder(vae, norm_kernel="rows"),
+        "implicit_pad_fused_norm_compile": lambda: implicit_pad_decoder(vae, norm_kernel="compile",
+                                                                        fuse_blocks=False),
+        "implicit_pad_fused_norm_rows": lambda: implicit_pad_decoder(vae, norm_kernel="rows", fuse_blocks=False),
+        "implicit_pad_fused_norm_rows_blocks": lambda: implicit_pad_decoder(vae),  # the default
     }
     result: dict = {"latent_shape": list(shape), "variants": {}}
     outputs: dict[str, torch.Tensor] = {}
@@ -100,12 +103,13 @@ def main() -> None:
         row = {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "runs": times}
         result["variants"][name] = row
         print(name, {k: round(v, 2) for k, v in row.items() if k != "runs"}, flush=True)
-    rows, compiled = outputs["implicit_pad_fused_norm_rows"], outputs["implicit_pad_fused_norm_compile"]
-    result["rows_vs_compile_max_abs_diff"] = (rows - compiled).abs().max().item()
-    result["rows_vs_compile_mean_abs_diff"] = (rows - compiled).abs().mean().item()
-    print("rows vs compile:", result["rows_vs_compile_max_abs_diff"], result["rows_vs_compile_mean_abs_diff"])
-    del outputs, rows, compiled
-    for name in ("implicit_pad_fused_norm_compile", "implicit_pad_fused_norm_rows"):
+    compiled = outputs["implicit_pad_fused_norm_compile"]
+    for name in ("implicit_pad_fused_norm_rows", "implicit_pad_fused_norm_rows_blocks"):
+        diff = (outputs[name] - compiled).abs()
+        result[f"{name}_vs_compile_abs_diff"] = {"max": diff.max().item(), "mean": diff.mean().item()}
+        print(name, "vs compile:", result[f"{name}_vs_compile_abs_diff"], flush=True)
+    del outputs, compiled, diff
+    for name in ("implicit_pad_fused_norm_compile", "implicit_pad_fused_norm_rows_blocks"):
         with variants[name]():
             result[f"kernels_{name}"] = profile_decode(lambda: decode_pixels(encoder, latents, to_host=False))
         print(name, json.dumps({k: v for k, v in result[f"kernels_{name}"].items() if k != "top"}), flush=True)

@@ -70,10 +70,17 @@ def _assert_diffusers_own(vae: nn.Module) -> None:
     assert not [name for name, m in vae.named_modules() if any(k.startswith("_fused") for k in m.__dict__)]
 
 
-def test_fused_decode_equals_diffusers_decode(assets) -> None:
+@pytest.mark.parametrize("fuse_blocks", [True, False])
+def test_fused_decode_equals_diffusers_decode(assets, fuse_blocks: bool) -> None:
     vae, latents = assets.vae, _latents()
     want = decode_pixels(assets.encoder, latents)
-    with implicit_pad_decoder(vae):
+    blocks = [m for m in vae.decoder.modules() if isinstance(m, WanResidualBlock)]
+    # what the fused blocks must get right: biases to fold, a shortcut convolution's among them
+    assert all(b.conv1.bias.abs().max() > 0 and b.conv2.bias.abs().max() > 0 for b in blocks)
+    assert any(isinstance(b.conv_shortcut, WanCausalConv3d) for b in blocks)
+    with implicit_pad_decoder(vae, fuse_blocks=fuse_blocks):
+        want_type = vae_decode._FusedResidualBlock if fuse_blocks else WanResidualBlock
+        assert blocks and all(type(b) is want_type for b in blocks)
         norms = [m for m in vae.decoder.modules() if isinstance(m, WanRMS_norm)]
         assert norms and all(type(m) is vae_decode._FusedRMSNorm for m in norms)
         parents = _silu_parents(vae.decoder)
@@ -304,8 +311,8 @@ NOT_WORSE_THAN_BF16 = 1.25
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("norm_kernel", ["rows", "compile"])
-def test_fused_bf16_decode_is_as_close_to_fp32_as_diffusers_bf16_decode(norm_kernel: str) -> None:
+@pytest.mark.parametrize("norm_kernel,fuse_blocks", [("rows", True), ("rows", False), ("compile", False)])
+def test_fused_bf16_decode_is_as_close_to_fp32_as_diffusers_bf16_decode(norm_kernel: str, fuse_blocks: bool) -> None:
     from wamrt.pipeline.random_weights import random_vae
     from wamrt.pipeline.vae import FrameEncoder
 
@@ -326,7 +333,9 @@ def test_fused_bf16_decode_is_as_close_to_fp32_as_diffusers_bf16_decode(norm_ker
 
     want = decode_pixels(reference, latents, to_host=False)
     diffusers_bf16 = decode_pixels(encoder, latents, to_host=False)
-    with implicit_pad_decoder(vae, norm_kernel=norm_kernel):
+    with implicit_pad_decoder(vae, norm_kernel=norm_kernel, fuse_blocks=fuse_blocks):
+        if fuse_blocks:
+            assert any(type(m) is vae_decode._FusedResidualBlock for m in vae.decoder.modules())
         fused = decode_pixels(encoder, latents, to_host=False)
     assert not vae_decode._compile_failed, "the fused norm ran eagerly: its torch.compile failed (see the log)"
     assert rel_l2(fused, want) <= NOT_WORSE_THAN_BF16 * rel_l2(diffusers_bf16, want)

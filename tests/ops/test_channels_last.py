@@ -71,6 +71,8 @@ def test_problems_are_named() -> None:
         assert "channels-last" in cl.channels_last_problem(torch.zeros(1, 4, 2, 3, device="cuda"))
         assert "[rows, channels]" in cl.rows_problem(torch.zeros(4, 6, device="cuda").t())
         assert "[rows, channels]" in cl.rows_problem(torch.zeros(2, 4, 6, device="cuda"))
+        assert "does not match" in cl.rows_problem(torch.zeros(4, 6, device="cuda"),
+                                                   torch.zeros(4, 6, device="cuda", dtype=torch.bfloat16))
 
 
 @gpu
@@ -108,6 +110,28 @@ def test_row_norm_kernel_matches_its_reference_at_the_decoders_widths(dtype, c) 
                 assert got.shape == rows.shape and got.is_contiguous()
                 want = cl.rms_norm_reference(x4, w, bias, silu, shift).permute(0, 2, 3, 1).reshape(-1, c)
                 _close(got, want, tol, f"c={c} silu={silu} shift={shift is not None}")
+    # into a row range of a larger buffer (the decoder's convolution input behind its cached frames): only there
+    buffer = torch.full((rows.shape[0] + 7, c), 3.0, device="cuda", dtype=dtype)
+    cl.rms_norm_rows(rows, w, 0.0, True, s, out=buffer[7:])
+    assert torch.equal(buffer[:7], torch.full_like(buffer[:7], 3.0))
+    assert torch.equal(buffer[7:], cl.rms_norm_rows(rows, w, 0.0, True, s))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("c", [1024, 256, 12])
+def test_row_add_kernel_matches_its_reference(dtype, c) -> None:
+    tol = BF16_ULP if dtype is torch.bfloat16 else FP32_TOL
+    x4, s4 = (_cl(1, c, 5, 75, device="cuda", dtype=dtype, seed=seed) for seed in (c, c + 1))
+    x, s = (t.permute(0, 2, 3, 1).reshape(-1, c) for t in (x4, s4))
+    shift = torch.randn(c, 1, 1, 1, device="cuda")  # the decoder's bias shape
+    for shortcut, shortcut4 in ((None, None), (s, s4)):
+        got = cl.add_rows(x, shift, shortcut)
+        want = cl.add_reference(x4, shift, shortcut4).permute(0, 2, 3, 1).reshape(-1, c)
+        _close(got, want, tol, f"c={c} shortcut={shortcut is not None}")
+    with pytest.raises(ValueError, match="does not match"):
+        cl.add_rows(x, shift, s[:-1])
 
 
 @gpu

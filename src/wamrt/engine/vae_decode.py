@@ -35,6 +35,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 import torch.nn.functional as F
 from diffusers.models.autoencoders.autoencoder_kl_wan import (
+    CACHE_T,
     WanCausalConv3d,
     WanDecoder3d,
     WanResidualBlock,
@@ -234,16 +235,141 @@ def _swap_convs(decoder: nn.Module, stack: ExitStack) -> None:
         stack.callback(setattr, m, "__class__", WanCausalConv3d)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The residual block: convolution biases folded, each causal convolution's input assembled in place
+
+
+def _pixel_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x's memory as a contiguous [pixels, C] view when x is a channels-last 3-D tensor of batch 1 (so that a range
+    of its frames is a range of rows too: a slice of a buffer along time), else None."""
+    if x.dim() != 5 or x.shape[0] != 1 or not x.is_contiguous(memory_format=torch.channels_last_3d):
+        return None
+    return x.permute(0, 2, 3, 4, 1).view(-1, x.shape[1])
+
+
+def _norm_into(norm: _FusedRMSNorm, x: torch.Tensor, out: torch.Tensor, shift: torch.Tensor | None) -> None:
+    """`norm` (its SiLU included) of x + shift, written into `out` (a slice of a convolution's input buffer): by the
+    row kernel straight into place where both are pixel rows on CUDA, else computed and copied."""
+    w, b, silu = norm._fused_weight, norm._fused_bias, norm._fused_silu
+    if x.device.type in COMPILED_DEVICE_TYPES and norm._fused_kernel == "rows":
+        src, dst = _pixel_rows(x), _pixel_rows(out)
+        if src is not None and dst is not None and channels_last.rows_problem(src, dst) is None:
+            channels_last.rms_norm_rows(src, w, b, silu, shift, out=dst)
+            return
+    out.copy_(rms_norm_silu(x, w, b, silu, shift, kernel=norm._fused_kernel))
+
+
+def _residual_add(x: torch.Tensor, shift: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """x + shift (fp32 per channel) + h, in fp32, rounded to x's dtype once: one row kernel on CUDA (h brought to
+    x's layout first if it has another), else eagerly."""
+    rows = _pixel_rows(x)
+    if x.device.type in COMPILED_DEVICE_TYPES and rows is not None:
+        h_rows = _pixel_rows(h) if _pixel_rows(h) is not None else _pixel_rows(
+            h.contiguous(memory_format=torch.channels_last_3d))
+        if h_rows is not None and channels_last.rows_problem(rows, h_rows) is None:
+            b, c, t, hh, ww = x.shape
+            return channels_last.add_rows(rows, shift, h_rows).view(b, t, hh, ww, c).permute(0, 4, 1, 2, 3)
+    return (x.float() + shift + h.float()).to(x.dtype)
+
+
+def _conv_without_bias(conv: _ImplicitPadCausalConv3d, buffer: torch.Tensor) -> torch.Tensor:
+    """`conv` on an input whose causal frames are already in front (`buffer`), without its bias."""
+    w_pad, _, h_pad, _, _, _ = conv._padding
+    return F.conv3d(buffer, conv._channels_last_weight, None, conv.stride, (0, h_pad, w_pad), conv.dilation,
+                    conv.groups)
+
+
+class _FusedResidualBlock(WanResidualBlock):
+    """`WanResidualBlock.forward` with fewer passes over its activations, the same function:
+    * PyTorch adds a cuDNN convolution's bias in a pass of its own (a broadcast add, at ~10 % of the decode): here
+      conv1's bias is the `shift` of norm2, and conv2's and the shortcut convolution's are added in the residual add,
+      which is one row kernel (x + bias + shortcut, rounded once);
+    * diffusers (and `_ImplicitPadCausalConv3d`) concatenate each 3x3x3 convolution's cached frames (or zeros) with
+      its input into a new tensor: here the buffer is made first, the cached frames copied to its front and the norm
+      writing its output behind them.
+    The causal cache holds what diffusers' holds (the norm output's last CACHE_T frames, the previous chunk's last
+    frame in front of a one-frame chunk). Needs the decoder's norms and convolutions swapped (`_swap_norms`,
+    `_swap_convs`); made by `_swap_blocks` only where they are."""
+
+    _fused_shift1: torch.Tensor  # conv1's bias, fp32 [C, 1, 1, 1]: norm2's shift
+    _fused_shift2: torch.Tensor  # conv2's bias plus the shortcut convolution's, fp32 [C, 1, 1, 1]
+
+    def forward(self, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list[int] = [0]  # noqa: B006
+                ) -> torch.Tensor:  # diffusers' signature: the decoder passes a shared counter list
+        shortcut = self.conv_shortcut
+        h = x if isinstance(shortcut, nn.Identity) else _conv_without_bias(shortcut, x)
+        x = self._norm_then_conv(self.norm1, self.conv1, x, None, feat_cache, feat_idx)
+        x = self._norm_then_conv(self.norm2, self.conv2, x, self._fused_shift1, feat_cache, feat_idx)
+        return _residual_add(x, self._fused_shift2, h)
+
+    @staticmethod
+    def _norm_then_conv(norm: _FusedRMSNorm, conv: _ImplicitPadCausalConv3d, x: torch.Tensor,
+                        shift: torch.Tensor | None, feat_cache: list | None, feat_idx: list[int]) -> torch.Tensor:
+        front = conv._padding[4]  # the causal frames in front of the input: cached ones, zeros for the rest
+        previous = feat_cache[feat_idx[0]] if feat_cache is not None else None
+        cached = previous.shape[2] if previous is not None else 0
+        b, c, t, hh, ww = x.shape
+        buffer = torch.empty((b, c, front + t, hh, ww), dtype=x.dtype, device=x.device,
+                             memory_format=torch.channels_last_3d)
+        if front > cached:
+            buffer[:, :, : front - cached].zero_()
+        if cached:
+            buffer[:, :, front - cached : front].copy_(previous)
+        normed = buffer[:, :, front:]
+        _norm_into(norm, x, normed, shift)
+        if feat_cache is not None:
+            if t >= CACHE_T or previous is None:
+                feat_cache[feat_idx[0]] = normed[:, :, -CACHE_T:].clone()
+            else:  # a one-frame chunk: the previous chunk's last frame goes in front (diffusers' rule)
+                feat_cache[feat_idx[0]] = torch.cat([previous[:, :, -1:], normed], dim=2)
+            feat_idx[0] += 1
+        return _conv_without_bias(conv, buffer)
+
+
+def _swap_blocks(decoder: nn.Module, stack: ExitStack) -> None:
+    """Makes `decoder`'s residual blocks `_FusedResidualBlock`s where their norms and convolutions are swapped (and no
+    dropout is active); `stack` undoes it."""
+    for m in [m for m in decoder.modules() if type(m) is WanResidualBlock]:
+        norms_fused = all(type(n) is _FusedRMSNorm and n._fused_silu for n in (m.norm1, m.norm2))
+        convs = (m.conv1, m.conv2)
+        shortcut = m.conv_shortcut
+        if not norms_fused or not all(type(v) is _ImplicitPadCausalConv3d for v in convs):
+            continue
+        if not (isinstance(shortcut, nn.Identity) or (type(shortcut) is _ImplicitPadCausalConv3d
+                                                      and shortcut._padding == (0,) * 6)):
+            continue
+        if m.training and m.dropout.p > 0:
+            continue
+        channels = m.conv2.out_channels
+
+        def bias(conv: nn.Module) -> torch.Tensor:
+            if not isinstance(conv, nn.Conv3d) or conv.bias is None:
+                return torch.zeros(channels, 1, 1, 1, device=m.conv2.weight.device)
+            return conv.bias.detach().float().reshape(-1, 1, 1, 1)
+
+        # Made on every entry (C floats each), so weights loaded between decodes are never stale.
+        m.__dict__.update(_fused_shift1=bias(m.conv1), _fused_shift2=bias(m.conv2) + bias(shortcut))
+        m.__class__ = _FusedResidualBlock
+        stack.callback(_unfuse_block, m)
+
+
+def _unfuse_block(m: nn.Module) -> None:
+    m.__class__ = WanResidualBlock
+    for attr in ("_fused_shift1", "_fused_shift2"):
+        m.__dict__.pop(attr, None)
+
+
 _swap_lock = threading.Lock()  # one decode at a time swaps the classes (a second waits rather than un-swapping)
 
 
 @contextmanager
-def implicit_pad_decoder(vae: torch.nn.Module, fuse_norms: bool = True, norm_kernel: str = "rows"
-                         ) -> Iterator[None]:
+def implicit_pad_decoder(vae: torch.nn.Module, fuse_norms: bool = True, norm_kernel: str = "rows",
+                         fuse_blocks: bool = True) -> Iterator[None]:
     """Within the block, `vae.decoder`'s causal convolutions run `_ImplicitPadCausalConv3d.forward` and, with
     `fuse_norms`, its RMS norms (and the SiLUs after them) run `rms_norm_silu` with `norm_kernel` ("rows" or
-    "compile", see the module docstring); all is diffusers' own again after. Not reentrant: a nested block on any
-    VAE waits for ever on the lock."""
+    "compile", see the module docstring), and with `fuse_blocks` too, its residual blocks run
+    `_FusedResidualBlock.forward` (biases folded, inputs assembled in place); all is diffusers' own again after. Not
+    reentrant: a nested block on any VAE waits for ever on the lock."""
     if norm_kernel not in NORM_KERNELS:
         raise ValueError(f"norm_kernel must be one of {NORM_KERNELS}, got {norm_kernel!r}")
     decoder = getattr(vae, "decoder", None)
@@ -252,4 +378,6 @@ def implicit_pad_decoder(vae: torch.nn.Module, fuse_norms: bool = True, norm_ker
             _swap_convs(decoder, undo)
             if fuse_norms:
                 _swap_norms(decoder, undo, norm_kernel)
+                if fuse_blocks:
+                    _swap_blocks(decoder, undo)
         yield

@@ -82,25 +82,46 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | float, 
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | float, silu: bool,
-                  shift: torch.Tensor | None = None) -> torch.Tensor:
+                  shift: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The same norm over the rows of a contiguous [rows, C] CUDA tensor (any activation whose memory is pixels x
     channels, seen as such: the VAE decoder's channels-last 3-D activations); `rows_problem` says when it cannot run.
-    Per channel, weight, bias and shift may have any shape of C elements."""
-    problem = rows_problem(x)
+    Per channel, weight, bias and shift may have any shape of C elements. `out`: a contiguous [rows, C] tensor of x's
+    dtype to write into (a slice of a larger buffer), else a new one."""
+    problem = rows_problem(x, *([out] if out is not None else []))
     if problem:
         raise ValueError(f"rms_norm_rows: {problem}")
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if out is None else out
     _launch_norm(x, y, x.shape[1], weight, bias, silu, shift)
     return y
 
 
-def rows_problem(x: torch.Tensor) -> str | None:
-    """Why `rms_norm_rows` cannot take x, or None: it must be a contiguous 2-D tensor on a CUDA device with Triton."""
+def add_rows(x: torch.Tensor, shift: torch.Tensor, shortcut: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x + shift (fp32 per channel, any shape of C elements) [+ shortcut] over contiguous [rows, C] CUDA tensors, in
+    fp32, rounded to x's dtype once (`add_reference`'s math); into `out` if given."""
+    problem = rows_problem(x, *[t for t in (shortcut, out) if t is not None])
+    if problem:
+        raise ValueError(f"add_rows: {problem}")
+    y = torch.empty_like(x) if out is None else out
+    rows, c = x.shape
+    block_r, block_c, warps = _tile(c)
+    _add_kernel[(triton.cdiv(rows, block_r),)](
+        x, shortcut if shortcut is not None else x, _channels(shift, c), y, rows, rows, 1, rows, 1, C=c,
+        HAS_SHORTCUT=shortcut is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return y
+
+
+def rows_problem(x: torch.Tensor, *others: torch.Tensor) -> str | None:
+    """Why the row kernels cannot take x (and `others`, which must match it), or None: each must be a contiguous
+    [rows, channels] tensor of one shape and dtype on a CUDA device with Triton."""
     problem = triton_device_problem(x.device)
     if problem:
         return problem
-    if x.dim() != 2 or not x.is_contiguous():
-        return f"not a contiguous [rows, channels] tensor (shape {tuple(x.shape)}, strides {x.stride()})"
+    for t in (x, *others):
+        if t.dim() != 2 or not t.is_contiguous():
+            return f"not a contiguous [rows, channels] tensor (shape {tuple(t.shape)}, strides {t.stride()})"
+        if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device:
+            return f"{tuple(t.shape)} {t.dtype} on {t.device} does not match {tuple(x.shape)} {x.dtype} on {x.device}"
     return None
 
 
