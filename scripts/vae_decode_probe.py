@@ -5,9 +5,10 @@ random weights, bf16, at the i2v bench's shape (48 x 9 x 30 x 52 latents -> 33 f
 
 * GPU time of `decode_pixels` (normalised latents -> float pixels on the device, what `WorldEngine.decode_pixels`
   times as `decode_ms`) for diffusers' own modules, the implicit-padding convolutions alone, the convolutions with
-  the fused norm + SiLU as the compiled kernel ("compile") and as the Triton row kernel ("rows"), and with the fused
-  residual blocks too (biases folded, inputs assembled in place: the default); median and range of `--runs` after
-  one untimed call each (it absorbs compiles and cuDNN's plan choice).
+  the fused norm + SiLU as the compiled kernel ("compile") and as the Triton row kernel ("rows"), with the fused
+  residual blocks too (biases folded, inputs assembled in place), and with the fused up blocks as well (no input
+  clone, the duplicating shortcut gathered in its add: the default); median and range of `--runs` after one untimed
+  call each (it absorbs compiles and cuDNN's plan choice).
 * How far the "rows" decodes are from the "compile" one (bf16 rounding in another order only).
 * The kernels of one decode, compiled norms against the default, from torch.profiler, with the time per kind
   (convolution, norm, copy / cat, other).
@@ -24,12 +25,13 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualUpBlock
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from wamrt.engine.vae_decode import implicit_pad_decoder  # noqa: E402
+from wamrt.engine.vae_decode import _FusedResidualUpBlock, implicit_pad_decoder  # noqa: E402
 from wamrt.pipeline.omni import decode_pixels  # noqa: E402
 from wamrt.pipeline.random_weights import random_vae  # noqa: E402
 from wamrt.pipeline.vae import FrameEncoder  # noqa: E402
@@ -64,6 +66,16 @@ def profile_decode(fn, n: int = 30) -> dict:
     return {"total_kernel_ms": sum(r["ms"] for r in rows), "by_kind_ms": by_kind, "top": rows[:n]}
 
 
+@contextmanager
+def _without_fused_up_blocks(vae):
+    """The default swap with diffusers' own up blocks (the fused residual blocks alone)."""
+    with implicit_pad_decoder(vae):
+        for m in vae.decoder.modules():
+            if type(m) is _FusedResidualUpBlock:
+                m.__class__ = WanResidualUpBlock  # what the swap's undo sets again on exit
+        yield
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -81,6 +93,7 @@ def main() -> None:
         "implicit_pad_fused_norm_compile": lambda: implicit_pad_decoder(vae, norm_kernel="compile",
                                                                         fuse_blocks=False),
         "implicit_pad_fused_norm_rows": lambda: implicit_pad_decoder(vae, norm_kernel="rows", fuse_blocks=False),
+        "implicit_pad_fused_norm_rows_residual_blocks": lambda: _without_fused_up_blocks(vae),
         "implicit_pad_fused_norm_rows_blocks": lambda: implicit_pad_decoder(vae),  # the default
     }
     result: dict = {"latent_shape": list(shape), "variants": {}}
@@ -104,7 +117,8 @@ def main() -> None:
         result["variants"][name] = row
         print(name, {k: round(v, 2) for k, v in row.items() if k != "runs"}, flush=True)
     compiled = outputs["implicit_pad_fused_norm_compile"]
-    for name in ("implicit_pad_fused_norm_rows", "implicit_pad_fused_norm_rows_blocks"):
+    for name in ("implicit_pad_fused_norm_rows", "implicit_pad_fused_norm_rows_residual_blocks",
+                 "implicit_pad_fused_norm_rows_blocks"):
         diff = (outputs[name] - compiled).abs()
         result[f"{name}_vs_compile_abs_diff"] = {"max": diff.max().item(), "mean": diff.mean().item()}
         print(name, "vs compile:", result[f"{name}_vs_compile_abs_diff"], flush=True)

@@ -16,6 +16,7 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import (
     WanCausalConv3d,
     WanDecoder3d,
     WanResidualBlock,
+    WanResidualUpBlock,
     WanRMS_norm,
 )
 from oracle.assets import tiny_assets
@@ -81,6 +82,10 @@ def test_fused_decode_equals_diffusers_decode(assets, fuse_blocks: bool) -> None
     with implicit_pad_decoder(vae, fuse_blocks=fuse_blocks):
         want_type = vae_decode._FusedResidualBlock if fuse_blocks else WanResidualBlock
         assert blocks and all(type(b) is want_type for b in blocks)
+        up_blocks = [m for m in vae.decoder.modules() if isinstance(m, WanResidualUpBlock)]
+        want_type = vae_decode._FusedResidualUpBlock if fuse_blocks else WanResidualUpBlock
+        assert any(b.avg_shortcut is not None for b in up_blocks)
+        assert up_blocks and all(type(b) is want_type for b in up_blocks)
         norms = [m for m in vae.decoder.modules() if isinstance(m, WanRMS_norm)]
         assert norms and all(type(m) is vae_decode._FusedRMSNorm for m in norms)
         parents = _silu_parents(vae.decoder)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from diffusers.models.autoencoders.autoencoder_kl_wan import AvgDown3D
+from diffusers.models.autoencoders.autoencoder_kl_wan import AvgDown3D, DupUp3D
 
 from wamrt.engine.vae_decode import _rms_norm_silu_eager
 from wamrt.ops import channels_last as cl
@@ -41,6 +41,22 @@ def test_avg_down_reference_is_diffusers_avgdown3d_on_one_frame(factor_t, cin, c
     _close(cl.avg_down_add(x, shift, src, factor_t, 2), x + shift.reshape(-1, 1, 1) + want, FP32_TOL, "+ add")
     with pytest.raises(ValueError, match="average shortcut"):
         cl.avg_down_add(x, shift, src[:, :, :6], factor_t, 2)
+
+
+DUP_UP_CASES = [(2, 2, 16, 8), (1, 2, 16, 16), (2, 2, 8, 8), (1, 2, 8, 4), (2, 1, 6, 12)]  # ft, fs, cin, cout
+
+
+@pytest.mark.parametrize("first_chunk", [False, True])
+@pytest.mark.parametrize("factor_t,factor_s,cin,cout", DUP_UP_CASES)
+def test_dup_up_reference_is_diffusers_dupup3d(factor_t, factor_s, cin, cout, first_chunk) -> None:
+    src = torch.randn(2, cin, 3, 4, 5, generator=torch.Generator().manual_seed(cin + cout))
+    want = DupUp3D(cin, cout, factor_t=factor_t, factor_s=factor_s)(src, first_chunk=first_chunk)
+    got = cl.dup_up_reference(src, cout, factor_t, factor_s, first_chunk)
+    assert torch.equal(got, want)  # a gather of the same values: nothing is computed
+    x = torch.randn(want.shape).contiguous(memory_format=torch.channels_last_3d)
+    assert torch.equal(cl.dup_up_add(x, src, factor_t, factor_s, first_chunk), x + want)  # on CPU: the reference
+    with pytest.raises(ValueError, match="up block's shortcut"):
+        cl.dup_up_add(x[:, :, :, 1:], src, factor_t, factor_s, first_chunk)
 
 
 def test_norm_reference_is_the_compiled_norms_math() -> None:
@@ -160,6 +176,29 @@ def test_avg_down_add_kernel_matches_its_reference(dtype, factor_t, factor_s, ci
     x, shift = _cl(2, cout, 34, 40, device="cuda", dtype=dtype, seed=1), torch.randn(cout, device="cuda")
     got = cl.avg_down_add(x, shift, src, factor_t, factor_s)
     _close(got, cl.avg_down_add_reference(x, shift, src, factor_t, factor_s), tol, "avg_down_add")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous", "frame_major"])
+@pytest.mark.parametrize("factor_t,factor_s,cin,cout", [(2, 2, 1024, 1024), (1, 2, 1024, 512), (2, 2, 24, 12),
+                                                        (2, 1, 6, 12)])
+def test_dup_up_add_kernel_equals_its_reference(dtype, layout, factor_t, factor_s, cin, cout) -> None:
+    """Bit for bit: both are one fp32 add of the same two values, rounded once. The source is read in any layout."""
+    gen = torch.Generator(device="cuda").manual_seed(cin)
+    src = torch.randn(1, cin, 2, 15, 26, device="cuda", generator=gen).to(dtype)
+    if layout == "channels_last":
+        src = src.contiguous(memory_format=torch.channels_last_3d)
+    elif layout == "frame_major":  # [b, t, c, h, w] memory, as an upsampler's output
+        src = src.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
+    for first_chunk in (False, True):
+        want_shape = cl.dup_up_reference(src, cout, factor_t, factor_s, first_chunk).shape
+        x = torch.randn(want_shape, device="cuda", generator=gen).to(dtype).contiguous(
+            memory_format=torch.channels_last_3d)
+        got = cl.dup_up_add(x, src, factor_t, factor_s, first_chunk)
+        assert got.is_contiguous(memory_format=torch.channels_last_3d)
+        assert torch.equal(got, cl.dup_up_add_reference(x, src, factor_t, factor_s, first_chunk)), first_chunk
 
 
 @gpu

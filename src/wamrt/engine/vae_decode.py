@@ -3,7 +3,7 @@
 diffusers' `WanCausalConv3d` copies its whole input into a zero-padded tensor (`F.pad`, time and space) before
 every convolution, and cuDNN converts that copy to channels-last and the output back. At 480x832x33 on the
 H200 the decode took 731 ms, of which 377 ms were convolutions and 350 ms copies, layout conversions and
-elementwise work (profile in bench/results/latency/2026-12-02-*-world/). Two swaps cut the second part:
+elementwise work (profile in bench/results/latency/2026-12-02-*-world/). Three swaps cut the second part:
 
 * Convolutions: the spatial padding is the convolution's own (implicit zeros: no copy), time padding is copied
   only while the causal cache is short (first frames), and the weights are kept channels-last, so cuDNN reads
@@ -13,10 +13,15 @@ elementwise work (profile in bench/results/latency/2026-12-02-*-world/). Two swa
   follows it in `WanResidualBlock` and at the decoder's head is one more. `rms_norm_silu` computes all of it from
   one read and one write, and the parent's `nonlinearity` becomes `nn.Identity()` while the SiLU lives in the norm.
   On CUDA the kernel is, by `norm_kernel`: "rows" (the default), `ops.channels_last`'s Triton row kernel wherever
-  the activation's memory is [pixels, channels] (the channels-last convolutions' outputs: every norm of the
-  decode), else the compiled one; "compile", a `torch.compile(dynamic=True)` kernel for every layout. Elsewhere
-  the same math runs eagerly. Why a hand-written kernel: Inductor's dynamic-shape reduction ran the encoder's
+  the activation's memory is [pixels, channels] (the channels-last convolutions' outputs: 242 of the 258 norm calls
+  of an i2v decode), else the compiled one; "compile", a `torch.compile(dynamic=True)` kernel for every layout.
+  Elsewhere the same math runs eagerly. Why a hand-written kernel: Inductor's dynamic-shape reduction ran the encoder's
   norms at 1.5-1.8 TB/s on the H200 against ~3.5 for the row kernel (`ops/channels_last.py`).
+* Blocks (`fuse_blocks=True`, the default, with the fused norms): in each residual block the convolution biases
+  ride in the ops after them (PyTorch adds a cuDNN convolution's bias in a broadcast pass of its own) and each
+  causal convolution's input is assembled in place instead of concatenated (`_FusedResidualBlock`); each residual
+  up block adds its duplicating shortcut in one gather kernel, without the input clone and the two copies diffusers
+  makes for it (`_FusedResidualUpBlock`).
 
 Same function, other kernels: results equal diffusers' decode up to float rounding (the CPU test compares in
 fp32; in bf16 cuDNN's algorithm choice moves bits either way, and the fused norm rounds to bf16 once instead of
@@ -36,9 +41,11 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.autoencoders.autoencoder_kl_wan import (
     CACHE_T,
+    DupUp3D,
     WanCausalConv3d,
     WanDecoder3d,
     WanResidualBlock,
+    WanResidualUpBlock,
     WanRMS_norm,
 )
 from torch import nn
@@ -326,9 +333,32 @@ class _FusedResidualBlock(WanResidualBlock):
         return _conv_without_bias(conv, buffer)
 
 
+class _FusedResidualUpBlock(WanResidualUpBlock):
+    """`WanResidualUpBlock.forward` without its two full copies for the shortcut: diffusers clones the block's input
+    (nothing here writes into it) and builds `DupUp3D`'s output in two copies (a channel repeat, then a permute),
+    which it adds to the block's output with a strided kernel (the layouts differ); here one kernel reads the source
+    pixels where they lie and adds them (`ops.channels_last.dup_up_add`; bit for bit the same sum)."""
+
+    def forward(self, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list[int] = [0],  # noqa: B006
+                first_chunk: bool = False) -> torch.Tensor:  # diffusers' signature (a shared counter list)
+        source = x
+        for resnet in self.resnets:
+            x = resnet(x, feat_cache=feat_cache, feat_idx=feat_idx)
+        if self.upsampler is not None:
+            x = self.upsampler(x, feat_cache=feat_cache, feat_idx=feat_idx)
+        if self.avg_shortcut is not None:
+            up = self.avg_shortcut
+            x = channels_last.dup_up_add(x, source, up.factor_t, up.factor_s, first_chunk)
+        return x
+
+
 def _swap_blocks(decoder: nn.Module, stack: ExitStack) -> None:
     """Makes `decoder`'s residual blocks `_FusedResidualBlock`s where their norms and convolutions are swapped (and no
-    dropout is active); `stack` undoes it."""
+    dropout is active), and its residual up blocks `_FusedResidualUpBlock`s; `stack` undoes it."""
+    for m in [m for m in decoder.modules() if type(m) is WanResidualUpBlock]:
+        if m.avg_shortcut is None or type(m.avg_shortcut) is DupUp3D:
+            m.__class__ = _FusedResidualUpBlock
+            stack.callback(setattr, m, "__class__", WanResidualUpBlock)
     for m in [m for m in decoder.modules() if type(m) is WanResidualBlock]:
         norms_fused = all(type(n) is _FusedRMSNorm and n._fused_silu for n in (m.norm1, m.norm2))
         convs = (m.conv1, m.conv2)

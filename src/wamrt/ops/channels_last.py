@@ -1,5 +1,6 @@
 """Per-pixel kernels for channels-last activations, seen as [pixels, channels] rows: the frame-0 VAE encode's norms,
-residual adds and average shortcuts (`engine.vae_encode`).
+residual adds and average shortcuts (`engine.vae_encode`), and the world decode's norms, residual adds and up blocks'
+duplicating shortcuts (`engine.vae_decode`).
 
 Why not Inductor's: the walk's `torch.compile(dynamic=True)` kernels (shared with the decoder's many shapes) ran these
 memory-bound ops at 1.5-1.8 TB/s on the H200 (Wan2.2 encoder at the DROID canvas, 272x320 pixels x 160 channels: the
@@ -215,6 +216,58 @@ def avg_down_add(x: torch.Tensor, shift: torch.Tensor, source: torch.Tensor, fac
     return y
 
 
+# -- the decoder's up block: its duplicating shortcut, added to the block's output --------------------------------
+
+
+def dup_up_reference(source: torch.Tensor, out_channels: int, factor_t: int, factor_s: int,
+                     first_chunk: bool = False) -> torch.Tensor:
+    """diffusers' `DupUp3D` [B, Cin, T, H, W] -> [B, out_channels, T*ft (less ft-1 on a first chunk), H*fs, W*fs], as
+    a gather: output channel c at time phase it and spatial phases (ih, iw) reads source channel
+    ((c*ft + it)*fs + ih)*fs + iw, divided by the repeat count; each output pixel reads the source pixel it grew
+    from."""
+    b, cin, t, h, w = source.shape
+    ft, fs = factor_t, factor_s
+    repeats = out_channels * ft * fs * fs // cin
+    dev = source.device
+    times = torch.arange(ft - 1 if first_chunk else 0, t * ft, device=dev)
+    rows, cols = torch.arange(h * fs, device=dev), torch.arange(w * fs, device=dev)
+    channel = torch.arange(out_channels, device=dev)[:, None, None, None]
+    k = ((channel * ft + (times % ft)[:, None, None]) * fs + (rows % fs)[:, None]) * fs + cols % fs
+    return source[:, k // repeats, (times // ft)[:, None, None], (rows // fs)[:, None], cols // fs]
+
+
+def dup_up_add_reference(x: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int,
+                         first_chunk: bool = False) -> torch.Tensor:
+    """x + dup_up(source), in fp32, rounded to x's dtype once (what PyTorch's add of two bf16 tensors does)."""
+    up = dup_up_reference(source, x.shape[1], factor_t, factor_s, first_chunk)
+    return (x.float() + up.float()).to(x.dtype)
+
+
+def dup_up_add(x: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int, first_chunk: bool = False
+               ) -> torch.Tensor:
+    """`dup_up_add_reference` in one Triton kernel for a channels-last 3-D CUDA x (source in any layout, read where it
+    lies): diffusers repeats the source's channels into a copy, permutes that into a second copy, and adds it to x
+    with a strided kernel (the two layouts differ). Else the reference."""
+    b, c, to, ho, wo = x.shape
+    _, cin, t, h, w = source.shape
+    skip = factor_t - 1 if first_chunk else 0
+    if (source.shape[0], to + skip, ho, wo) != (b, t * factor_t, h * factor_s, w * factor_s) or (
+            (c * factor_t * factor_s ** 2) % cin):
+        raise ValueError(f"the up block's shortcut of {tuple(source.shape)} cannot give {tuple(x.shape)} at factors "
+                         f"({factor_t}, {factor_s}), first_chunk={first_chunk}")
+    problem = triton_device_problem(x.device)
+    if problem or not x.is_contiguous(memory_format=torch.channels_last_3d) or source.device != x.device:
+        return dup_up_add_reference(x, source, factor_t, factor_s, first_chunk)
+    y = torch.empty_like(x, memory_format=torch.channels_last_3d)
+    rows = b * to * ho * wo
+    block_r, block_c, warps = _tile(c)
+    _dup_up_add_kernel[(triton.cdiv(rows, block_r),)](
+        x, source, y, rows, to, ho, wo, skip, *(source.stride(d) for d in (0, 1, 2, 3, 4)), C=c,
+        REPEATS=c * factor_t * factor_s ** 2 // cin, FT=factor_t, FS=factor_s, BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=warps)
+    return y
+
+
 if triton is not None:
 
     @triton.jit
@@ -282,4 +335,29 @@ if triton is not None:
                              mask=mask & (real & omask)[None, :], other=0.0).to(tl.float32)
         y = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = y + tl.load(shift_ptr + o, mask=omask, other=0.0)[None, :] + total / GROUP
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+    @triton.jit
+    def _dup_up_add_kernel(x_ptr, src_ptr, y_ptr, rows, TO, HO, WO, SKIP, sb, sc, st, sh, sw, C: tl.constexpr,
+                           REPEATS: tl.constexpr, FT: tl.constexpr, FS: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.arange(0, BLOCK_C)
+        cmask = c < C
+        mask = (r[:, None] < rows) & cmask[None, :]
+        # output pixel (b, time, row, col) of a channels-last 3-D grid, and the source pixel and phases it grew from
+        col = r % WO
+        rest = r // WO
+        row = rest % HO
+        rest = rest // HO
+        time = rest % TO + SKIP
+        b = rest // TO
+        phase = ((time % FT) * FS + row % FS) * FS + col % FS
+        channel = (c[None, :] * (FT * FS * FS) + phase[:, None]) // REPEATS
+        pixel = b.to(tl.int64) * sb + (time // FT).to(tl.int64) * st + (row // FS).to(tl.int64) * sh + (
+            col // FS).to(tl.int64) * sw
+        up = tl.load(src_ptr + pixel[:, None] + channel.to(tl.int64) * sc, mask=mask, other=0.0).to(tl.float32)
+        offs = r[:, None].to(tl.int64) * C + c[None, :]
+        y = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) + up
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
