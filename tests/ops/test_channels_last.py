@@ -185,20 +185,26 @@ def test_avg_down_add_kernel_matches_its_reference(dtype, factor_t, factor_s, ci
 @pytest.mark.parametrize("factor_t,factor_s,cin,cout", [(2, 2, 1024, 1024), (1, 2, 1024, 512), (2, 2, 24, 12),
                                                         (2, 1, 6, 12)])
 def test_dup_up_add_kernel_equals_its_reference(dtype, layout, factor_t, factor_s, cin, cout) -> None:
-    """Bit for bit: both are one fp32 add of the same two values, rounded once. The source is read in any layout."""
+    """Bit for bit: both are one fp32 add of the same two values, rounded once. The source and x are read in any
+    layout (an upsampler's output is frame-major); the result is channels-last 3-D."""
+
+    def laid_out(t: torch.Tensor, how: str) -> torch.Tensor:
+        if how == "channels_last":
+            return t.contiguous(memory_format=torch.channels_last_3d)
+        if how == "frame_major":  # [b, t, c, h, w] memory
+            return t.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
+        return t.contiguous()
+
     gen = torch.Generator(device="cuda").manual_seed(cin)
-    src = torch.randn(1, cin, 2, 15, 26, device="cuda", generator=gen).to(dtype)
-    if layout == "channels_last":
-        src = src.contiguous(memory_format=torch.channels_last_3d)
-    elif layout == "frame_major":  # [b, t, c, h, w] memory, as an upsampler's output
-        src = src.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
-    for first_chunk in (False, True):
-        want_shape = cl.dup_up_reference(src, cout, factor_t, factor_s, first_chunk).shape
-        x = torch.randn(want_shape, device="cuda", generator=gen).to(dtype).contiguous(
-            memory_format=torch.channels_last_3d)
-        got = cl.dup_up_add(x, src, factor_t, factor_s, first_chunk)
-        assert got.is_contiguous(memory_format=torch.channels_last_3d)
-        assert torch.equal(got, cl.dup_up_add_reference(x, src, factor_t, factor_s, first_chunk)), first_chunk
+    src = laid_out(torch.randn(2, cin, 2, 15, 26, device="cuda", generator=gen).to(dtype), layout)
+    for x_layout in ("channels_last", "frame_major"):
+        for first_chunk in (False, True):
+            want_shape = cl.dup_up_reference(src, cout, factor_t, factor_s, first_chunk).shape
+            x = laid_out(torch.randn(want_shape, device="cuda", generator=gen).to(dtype), x_layout)
+            got = cl.dup_up_add(x, src, factor_t, factor_s, first_chunk)
+            assert got.is_contiguous(memory_format=torch.channels_last_3d)
+            want = cl.dup_up_add_reference(x, src, factor_t, factor_s, first_chunk)
+            assert torch.equal(got, want), (x_layout, first_chunk)
 
 
 @gpu

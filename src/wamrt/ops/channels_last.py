@@ -245,9 +245,10 @@ def dup_up_add_reference(x: torch.Tensor, source: torch.Tensor, factor_t: int, f
 
 def dup_up_add(x: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int, first_chunk: bool = False
                ) -> torch.Tensor:
-    """`dup_up_add_reference` in one Triton kernel for a channels-last 3-D CUDA x (source in any layout, read where it
-    lies): diffusers repeats the source's channels into a copy, permutes that into a second copy, and adds it to x
-    with a strided kernel (the two layouts differ). Else the reference."""
+    """`dup_up_add_reference` in one Triton kernel on CUDA, written channels-last 3-D whatever x's layout (x and the
+    source are read where they lie): diffusers repeats the source's channels into a copy, permutes that into a second
+    copy, and adds it to x with a strided kernel (the layouts differ), and an upsampler's frame-major output stays
+    frame-major for the convolutions and norms after it. Else the reference."""
     b, c, to, ho, wo = x.shape
     _, cin, t, h, w = source.shape
     skip = factor_t - 1 if first_chunk else 0
@@ -255,18 +256,21 @@ def dup_up_add(x: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: i
             (c * factor_t * factor_s ** 2) % cin):
         raise ValueError(f"the up block's shortcut of {tuple(source.shape)} cannot give {tuple(x.shape)} at factors "
                          f"({factor_t}, {factor_s}), first_chunk={first_chunk}")
-    problem = triton_device_problem(x.device)
-    if problem or not x.is_contiguous(memory_format=torch.channels_last_3d) or source.device != x.device:
-        return dup_up_add_reference(x, source, factor_t, factor_s, first_chunk)
+    if triton_device_problem(x.device) or source.device != x.device:
+        return dup_up_add_reference(x, source, factor_t, factor_s, first_chunk).contiguous(
+            memory_format=torch.channels_last_3d)
     y = torch.empty_like(x, memory_format=torch.channels_last_3d)
     rows = b * to * ho * wo
-    block_r, block_c, warps = _tile(c)
-    _dup_up_add_kernel[(triton.cdiv(rows, block_r),)](
-        x, source, y, rows, to, ho, wo, skip, *(source.stride(d) for d in (0, 1, 2, 3, 4)), C=c,
-        REPEATS=c * factor_t * factor_s ** 2 // cin, FT=factor_t, FS=factor_s, BLOCK_R=block_r, BLOCK_C=block_c,
-        num_warps=warps)
+    # square tiles: each of x's layouts (channels-last, or frame-major from an upsampler) reads whole sectors along
+    # one of the tile's two axes, and y is written along the channels
+    _dup_up_add_kernel[(triton.cdiv(rows, _DUP_UP_TILE), triton.cdiv(c, _DUP_UP_TILE))](
+        x, source, y, rows, to, ho, wo, skip, *(x.stride(d) for d in (0, 1, 2, 3, 4)),
+        *(source.stride(d) for d in (0, 1, 2, 3, 4)), C=c, REPEATS=c * factor_t * factor_s ** 2 // cin, FT=factor_t,
+        FS=factor_s, BLOCK_R=_DUP_UP_TILE, BLOCK_C=_DUP_UP_TILE, num_warps=4)
     return y
 
+
+_DUP_UP_TILE = 64
 
 if triton is not None:
 
@@ -339,25 +343,25 @@ if triton is not None:
 
 
     @triton.jit
-    def _dup_up_add_kernel(x_ptr, src_ptr, y_ptr, rows, TO, HO, WO, SKIP, sb, sc, st, sh, sw, C: tl.constexpr,
-                           REPEATS: tl.constexpr, FT: tl.constexpr, FS: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
+    def _dup_up_add_kernel(x_ptr, src_ptr, y_ptr, rows, TO, HO, WO, SKIP, xb, xc, xt, xh, xw, sb, sc, st, sh, sw,
+                           C: tl.constexpr, REPEATS: tl.constexpr, FT: tl.constexpr, FS: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = tl.arange(0, BLOCK_C)
-        cmask = c < C
-        mask = (r[:, None] < rows) & cmask[None, :]
-        # output pixel (b, time, row, col) of a channels-last 3-D grid, and the source pixel and phases it grew from
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (r[:, None] < rows) & (c[None, :] < C)
+        # output pixel (b, time, row, col) in channels-last 3-D order, and the source pixel and phases it grew from
         col = r % WO
         rest = r // WO
         row = rest % HO
         rest = rest // HO
-        time = rest % TO + SKIP
+        frame = rest % TO
         b = rest // TO
+        time = frame + SKIP
         phase = ((time % FT) * FS + row % FS) * FS + col % FS
         channel = (c[None, :] * (FT * FS * FS) + phase[:, None]) // REPEATS
         pixel = b.to(tl.int64) * sb + (time // FT).to(tl.int64) * st + (row // FS).to(tl.int64) * sh + (
             col // FS).to(tl.int64) * sw
         up = tl.load(src_ptr + pixel[:, None] + channel.to(tl.int64) * sc, mask=mask, other=0.0).to(tl.float32)
-        offs = r[:, None].to(tl.int64) * C + c[None, :]
-        y = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) + up
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        at = b.to(tl.int64) * xb + frame.to(tl.int64) * xt + row.to(tl.int64) * xh + col.to(tl.int64) * xw
+        y = tl.load(x_ptr + at[:, None] + c[None, :].to(tl.int64) * xc, mask=mask, other=0.0).to(tl.float32) + up
+        tl.store(y_ptr + r[:, None].to(tl.int64) * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
