@@ -222,8 +222,8 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
           timeout "$limit" python3 scripts/fp8_mlp_epilogue_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
     decode-probe) # The world decode's norm kernels (compiled vs Triton rows) and fused residual blocks at the i2v shape, then their GPU tests
           timeout "$limit" python3 scripts/vae_decode_probe.py --out "$res" --runs "${RUNS:-5}" 2>&1 | tee "$res/log.txt"
-          timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_vae_decode.py \
-             tests/ops/test_channels_last.py 2>&1 | tail -8 | tee -a "$res/log.txt" ;;
+          timeout 240 python3 -m pytest -v -p no:cacheprovider -m gpu -s tests/engine/test_vae_decode.py \
+             tests/ops/test_channels_last.py 2>&1 | tee "$res/gpu-tests.txt" | tail -8 | tee -a "$res/log.txt" ;;
     cl-probe) # Issue 14 moonshot: the VAE encode's per-pixel kernels at the encoder's levels over tile sizes
           timeout "$limit" python3 scripts/channels_last_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
     gemm-probe) # Issue 14 moonshot: every Generator fp8 GEMM shape on cuBLAS against a Triton TMA kernel

@@ -13,10 +13,10 @@ elementwise work (profile in bench/results/latency/2026-12-02-*-world/). Three s
   follows it in `WanResidualBlock` and at the decoder's head is one more. `rms_norm_silu` computes all of it from
   one read and one write, and the parent's `nonlinearity` becomes `nn.Identity()` while the SiLU lives in the norm.
   On CUDA the kernel is, by `norm_kernel`: "rows" (the default), `ops.channels_last`'s Triton row kernel wherever
-  the activation's memory is [pixels, channels] (the channels-last convolutions' outputs: 242 of the 258 norm calls
-  of an i2v decode), else the compiled one; "compile", a `torch.compile(dynamic=True)` kernel for every layout.
-  Elsewhere the same math runs eagerly. Why a hand-written kernel: Inductor's dynamic-shape reduction ran the encoder's
-  norms at 1.5-1.8 TB/s on the H200 against ~3.5 for the row kernel (`ops/channels_last.py`).
+  the activation's memory is [pixels, channels] (the channels-last convolutions' outputs; with `fuse_blocks`, all
+  261 norm calls of an i2v decode), else the compiled one; "compile", a `torch.compile(dynamic=True)` kernel for
+  every layout. Elsewhere the same math runs eagerly. Why a hand-written kernel: Inductor's dynamic-shape reduction
+  ran the encoder's norms at 1.5-1.8 TB/s on the H200 against ~3.5 for the row kernel (`ops/channels_last.py`).
 * Blocks (`fuse_blocks=True`, the default, with the fused norms): in each residual block the convolution biases
   ride in the ops after them (PyTorch adds a cuDNN convolution's bias in a broadcast pass of its own) and each
   causal convolution's input is assembled in place instead of concatenated (`_FusedResidualBlock`); each residual
