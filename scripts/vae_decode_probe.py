@@ -20,11 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -35,12 +32,13 @@ from wamrt.engine.vae_decode import _FusedResidualUpBlock, implicit_pad_decoder 
 from wamrt.pipeline.omni import decode_pixels  # noqa: E402
 from wamrt.pipeline.random_weights import random_vae  # noqa: E402
 from wamrt.pipeline.vae import FrameEncoder  # noqa: E402
+from wamrt.provenance import environment  # noqa: E402
 
 # Substrings of kernel names per kind, checked in this order (the first match wins).
 KINDS = (
     ("norm", ("_norm_kernel", "triton_", "norm")),
     ("convolution", ("conv", "xmma", "cudnn", "implicit_gemm", "sm90", "cutlass", "gemm")),
-    ("copy / cat", ("Cat", "copy", "Copy", "pad")),
+    ("copy / cat", ("Cat", "copy", "Copy", "Memcpy", "pad")),
 )
 
 
@@ -129,11 +127,7 @@ def main() -> None:
         print(name, json.dumps({k: v for k, v in result[f"kernels_{name}"].items() if k != "top"}), flush=True)
         for r in result[f"kernels_{name}"]["top"][:15]:
             print(f"  {r['ms']:8.2f} ms {r['calls']:5d}  {r['kernel']}", flush=True)
-    sha = os.environ.get("WAMRT_GIT_SHA") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                              capture_output=True, text=True).stdout.strip()
-    result = {"kind": "vae-decode-probe", "command": " ".join(sys.argv), "git_sha": sha,
-              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "python": platform.python_version(), "runs": args.runs, **result}
+    result = {"kind": "vae-decode-probe", "command": " ".join(sys.argv), **environment(), "runs": args.runs, **result}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "vae-decode-probe.json"), "w") as f:
         json.dump(result, f, indent=1)
