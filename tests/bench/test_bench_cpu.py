@@ -85,8 +85,16 @@ def test_world_bench_writes_schema_files_with_the_peer(tmp_path, monkeypatch):
         assert {"reasoner_prefill", "denoise", "vae_decode"} <= set(row["stages_ms"])
         assert {"vae_decode", "denoise_and_rest"} <= set(row["peer"]["stages_ms"])
         assert row["text_tokens"]["cond"] > row["text_tokens"]["uncond"] > 0
+        assert row["engine"]["epilogues"] == "inductor" and row["engine"]["implicit_pad_decode"] is True
     assert "vae_encode" in json.loads((tmp_path / "tiny-qwen-i2v.json").read_text())["peer"]["stages_ms"]
     assert (tmp_path / "world-tiny-qwen.png").stat().st_size > 0
+
+
+def test_world_bench_refuses_quack_epilogues_where_they_cannot_run(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="--epilogues quack: needs quack-kernels"):
+        main(["bench", "world", "--model", "tiny-qwen", "--device", "cpu", "--tiny-vae", "--modes", "t2i",
+              "--peer", "none", "--epilogues", "quack", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())  # nothing built or written
 
 
 def test_paced_requests_start_on_the_clock_and_the_wait_is_not_timed():

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..engine.epilogues import EPILOGUES, quack_available
 from ..ops.attention import measure_backends
 from ..provenance import environment
 from .flops import request_flops
@@ -96,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--modes: unknown {unknown}; known: {list(MODES)}")
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device(args.device)
+    if args.epilogues == "quack" and not quack_available(dev):  # before minutes of peer time, not after
+        raise SystemExit("--epilogues quack: needs quack-kernels installed and a Hopper or Blackwell GPU")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -129,10 +132,11 @@ def run(args: argparse.Namespace) -> int:
                                             g_max + WORLD_ENGINE_CONFIG.prompt_bucket * 2, dtype=dtype, device=dev)
             attention = min(attention_ms, key=attention_ms.get)
             print(f"generator attention per call (ms) at {g_max} tokens: {attention_ms} -> {attention}", flush=True)
-        config = replace(WORLD_ENGINE_CONFIG, compile_mode=args.compile_mode, attention=attention)
+        config = replace(WORLD_ENGINE_CONFIG, compile_mode=args.compile_mode, attention=attention,
+                         epilogues=args.epilogues)
     else:
         config = EngineConfig(attention="auto", compile=False, cuda_graph=False,
-                              prompt_bucket=WORLD_ENGINE_CONFIG.prompt_bucket)
+                              prompt_bucket=WORLD_ENGINE_CONFIG.prompt_bucket, epilogues=args.epilogues)
     engine: WorldEngine | None = None  # built after the peer has run (fusing swaps the layers' weights)
 
     results = []
@@ -201,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
             "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
             "peer": peer_result, "speedup_vs_peer": peer_result["p50_ms"] / summary["p50_ms"] if peer_result else None,
             "engine": {**{k: getattr(engine.config, k) for k in ("attention", "compile", "compile_mode", "cuda_graph",
-                                                                  "prompt_bucket", "batch_cfg")},
+                                                                  "prompt_bucket", "batch_cfg", "epilogues")},
+                       "head_epilogue": engine.head_epilogue, "implicit_pad_decode": engine.implicit_pad_decode,
                        "bucket_attention": engine.bucket_attention, "graph_captures": engine.graphs.captures,
                        "capture_seconds": engine.graphs.capture_seconds},
             "layers": cfg.num_hidden_layers, "generator_tokens": gen_tokens,
@@ -331,5 +336,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="Generator attention kernel; measure: the fastest at the largest mode's shape")
     ap.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
                     help="torch.compile mode of the layer halves (autotuning takes minutes per new shape)")
+    ap.add_argument("--epilogues", default="inductor", choices=list(EPILOGUES),
+                    help="the Generator layer tail's GEMM epilogues (quack: needs quack-kernels, which comes with "
+                         "flash-attn-4, and a Hopper or Blackwell GPU)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="bench/results/latency")
