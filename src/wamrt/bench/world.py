@@ -233,8 +233,8 @@ def run(args: argparse.Namespace) -> int:
 def compare_decodes(engine, request: dict, sampling: dict, runs: int = 3) -> dict[str, float]:
     """Median VAE decode (normalised latents -> float pixels on the device) of one request's latents with diffusers'
     causal convolutions and norms (`diffusers_convs`), with implicit-padding convolutions only (`implicit_pad`) and
-    with the engine's default, implicit padding plus fused norm and SiLU and fused residual blocks
-    (`implicit_pad_fused_norm`), after one untimed call each (it absorbs the fused norm's compile)."""
+    with the engine's default, implicit padding plus the fused norm and SiLU and the fused residual and up blocks
+    (`implicit_pad_fused_norm`), after one untimed call each (it absorbs compiles)."""
     from ..engine.vae_decode import implicit_pad_decoder
 
     latents = engine.run(**request, **sampling, generator=torch.Generator().manual_seed(0), decode=False).video_latents

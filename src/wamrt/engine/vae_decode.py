@@ -271,8 +271,9 @@ def _residual_add(x: torch.Tensor, shift: torch.Tensor, h: torch.Tensor) -> torc
     x's layout first if it has another), else eagerly."""
     rows = _pixel_rows(x)
     if x.device.type in COMPILED_DEVICE_TYPES and rows is not None:
-        h_rows = _pixel_rows(h) if _pixel_rows(h) is not None else _pixel_rows(
-            h.contiguous(memory_format=torch.channels_last_3d))
+        h_rows = _pixel_rows(h)
+        if h_rows is None:
+            h_rows = _pixel_rows(h.contiguous(memory_format=torch.channels_last_3d))
         if h_rows is not None and channels_last.rows_problem(rows, h_rows) is None:
             b, c, t, hh, ww = x.shape
             return channels_last.add_rows(rows, shift, h_rows).view(b, t, hh, ww, c).permute(0, 4, 1, 2, 3)
@@ -398,7 +399,8 @@ def implicit_pad_decoder(vae: torch.nn.Module, fuse_norms: bool = True, norm_ker
     """Within the block, `vae.decoder`'s causal convolutions run `_ImplicitPadCausalConv3d.forward` and, with
     `fuse_norms`, its RMS norms (and the SiLUs after them) run `rms_norm_silu` with `norm_kernel` ("rows" or
     "compile", see the module docstring), and with `fuse_blocks` too, its residual blocks run
-    `_FusedResidualBlock.forward` (biases folded, inputs assembled in place); all is diffusers' own again after. Not
+    `_FusedResidualBlock.forward` (biases folded, inputs assembled in place) and its residual up blocks
+    `_FusedResidualUpBlock.forward` (the shortcut gathered in its add); all is diffusers' own again after. Not
     reentrant: a nested block on any VAE waits for ever on the lock."""
     if norm_kernel not in NORM_KERNELS:
         raise ValueError(f"norm_kernel must be one of {NORM_KERNELS}, got {norm_kernel!r}")
