@@ -9,7 +9,8 @@
 #          scripts/fp8_mlp_epilogue_probe.py)
 #          gemm-probe (each Generator fp8 GEMM shape, cuBLAS against Triton: scripts/fp8_gemm_probe.py)
 #          cl-probe (the VAE encode's per-pixel kernels over tile sizes: scripts/channels_last_probe.py)
-#          decode-probe (the world decode's norm kernels at the i2v shape, and their GPU tests: scripts/vae_decode_probe.py)
+#          decode-probe (the world decode's norm kernels and fused blocks at the i2v shape, and their GPU tests:
+#          scripts/vae_decode_probe.py)
 #          ab-edge ab-nano (this tree against an older one carried in .ab-before/ -- `git archive <sha> src` unpacked, less src/wamrt/assets,
 #          there, its sha in .ab-before/SHA -- in one process order per round, ROUNDS rounds alternating which side
 #          goes first: `wamrt bench latency` with ROWS (E5) at 4 steps and LOSSY_ROWS (E7,E6); TRACE=1 traces this
@@ -220,7 +221,7 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              | tail -5 | tee -a "$res/log.txt" ;;
     mlp-probe) # Issue 14 moonshot: the down GEMM's input quantization in the up GEMM's epilogue (1x128 scales)
           timeout "$limit" python3 scripts/fp8_mlp_epilogue_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
-    decode-probe) # The world decode's norm kernels (compiled vs Triton rows) and fused residual blocks at the i2v shape, then their GPU tests
+    decode-probe) # The world decode's norm kernels (compiled vs Triton rows), fused residual and up blocks at the i2v shape, then GPU tests
           timeout "$limit" python3 scripts/vae_decode_probe.py --out "$res" --runs "${RUNS:-5}" 2>&1 | tee "$res/log.txt"
           timeout 240 python3 -m pytest -v -p no:cacheprovider -m gpu -s tests/engine/test_vae_decode.py \
              tests/ops/test_channels_last.py 2>&1 | tee "$res/gpu-tests.txt" | tail -8 | tee -a "$res/log.txt" ;;

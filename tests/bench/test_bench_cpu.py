@@ -90,7 +90,7 @@ def test_world_bench_writes_schema_files_with_the_peer(tmp_path, monkeypatch):
     assert (tmp_path / "world-tiny-qwen.png").stat().st_size > 0
 
 
-def test_world_bench_refuses_quack_epilogues_where_they_cannot_run(tmp_path, capsys):
+def test_world_bench_refuses_quack_epilogues_where_they_cannot_run(tmp_path):
     with pytest.raises(SystemExit, match="--epilogues quack: needs quack-kernels"):
         main(["bench", "world", "--model", "tiny-qwen", "--device", "cpu", "--tiny-vae", "--modes", "t2i",
               "--peer", "none", "--epilogues", "quack", "--out", str(tmp_path)])

@@ -1,7 +1,8 @@
-"""`ops.channels_last`: the frame-0 VAE encode's per-pixel kernels and the decoder's row norm. CPU: each eager
-reference against the module or op it replaces (diffusers' `AvgDown3D`, the engine's compiled norm's eager form,
-`F.pad`). GPU (skipped without CUDA): each Triton kernel against its reference, in bf16 and fp32, at the Wan2.2
-encoder's and decoder's channel counts and at odd ones, and inside a CUDA graph."""
+"""`ops.channels_last`: the frame-0 VAE encode's per-pixel kernels and the decoder's row norm, residual add and up
+blocks' shortcut. CPU: each eager reference against the module or op it replaces (diffusers' `AvgDown3D` and
+`DupUp3D`, the engine's compiled norm's eager form, `F.pad`). GPU (skipped without CUDA): each Triton kernel against
+its reference, in bf16 and fp32, at the Wan2.2 encoder's and decoder's channel counts and at odd ones, and inside a
+CUDA graph."""
 
 from __future__ import annotations
 
