@@ -7,6 +7,7 @@ import datetime
 import json
 
 import pytest
+import torch
 
 from wamrt.bench.load import scaling_vs
 from wamrt.cli import main
@@ -95,6 +96,30 @@ def test_world_bench_refuses_quack_epilogues_where_they_cannot_run(tmp_path):
         main(["bench", "world", "--model", "tiny-qwen", "--device", "cpu", "--tiny-vae", "--modes", "t2i",
               "--peer", "none", "--epilogues", "quack", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())  # nothing built or written
+
+
+@pytest.mark.parametrize("fa4", [True, False])
+def test_world_attention_measure_times_fa4_over_the_models_kv_heads(monkeypatch, fa4: bool):
+    """flash-attn-4 is timed over the model's K/V heads (the engine's GQA step buffers with fa4), every other backend
+    over K/V repeated per query head, as the engine runs each."""
+    from wamrt.bench import world
+    from wamrt.model.config import Cosmos3Config
+
+    calls = []
+
+    def measure(q_shape, kv_heads, kv_len, *, dtype, device, backends):
+        calls.append((q_shape, kv_heads, kv_len, tuple(backends)))
+        return {b: float(kv_heads) for b in backends}
+
+    monkeypatch.setattr(world, "measure_backends", measure)
+    monkeypatch.setattr(world, "fa4_available", lambda device: fa4)
+    cfg = Cosmos3Config(num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    got = world.measure_generator_attention(cfg, 3510, 3638, torch.bfloat16, torch.device("cpu"))
+    want_calls = [((2, 32, 3510, 128), 32, 3638, ("cudnn", "flash", "efficient"))]
+    if fa4:
+        want_calls.append(((2, 32, 3510, 128), 8, 3638, ("fa4",)))
+    assert calls == want_calls
+    assert got == {"cudnn": 32.0, "flash": 32.0, "efficient": 32.0, **({"fa4": 8.0} if fa4 else {})}
 
 
 def test_paced_requests_start_on_the_clock_and_the_wait_is_not_timed():
