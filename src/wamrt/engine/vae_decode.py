@@ -63,15 +63,20 @@ class _ImplicitPadCausalConv3d(WanCausalConv3d):
     _channels_last_weight: torch.Tensor
 
     def forward(self, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
-        w_pad, _, h_pad, _, front, _ = self._padding
+        front = self._padding[4]
         if cache_x is not None and front > 0:
             x = torch.cat([cache_x.to(x.device), x], dim=2)
             front -= cache_x.shape[2]
         if front > 0:
             x = F.pad(x, (0, 0, 0, 0, front, 0))
-        return F.conv3d(
-            x, self._channels_last_weight, self.bias, self.stride, (0, h_pad, w_pad), self.dilation, self.groups
-        )
+        return self.conv(x)
+
+    def conv(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """The convolution of an input whose causal frames are already in front; bias=False leaves the bias to the
+        caller (`_FusedResidualBlock` folds it into the op after)."""
+        w_pad, _, h_pad, _, _, _ = self._padding
+        return F.conv3d(x, self._channels_last_weight, self.bias if bias else None, self.stride, (0, h_pad, w_pad),
+                        self.dilation, self.groups)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -280,13 +285,6 @@ def _residual_add(x: torch.Tensor, shift: torch.Tensor, h: torch.Tensor) -> torc
     return (x.float() + shift + h.float()).to(x.dtype)
 
 
-def _conv_without_bias(conv: _ImplicitPadCausalConv3d, buffer: torch.Tensor) -> torch.Tensor:
-    """`conv` on an input whose causal frames are already in front (`buffer`), without its bias."""
-    w_pad, _, h_pad, _, _, _ = conv._padding
-    return F.conv3d(buffer, conv._channels_last_weight, None, conv.stride, (0, h_pad, w_pad), conv.dilation,
-                    conv.groups)
-
-
 class _FusedResidualBlock(WanResidualBlock):
     """`WanResidualBlock.forward` with fewer passes over its activations, the same function:
     * PyTorch adds a cuDNN convolution's bias in a pass of its own (a broadcast add, at ~10 % of the decode): here
@@ -305,7 +303,7 @@ class _FusedResidualBlock(WanResidualBlock):
     def forward(self, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list[int] = [0]  # noqa: B006
                 ) -> torch.Tensor:  # diffusers' signature: the decoder passes a shared counter list
         shortcut = self.conv_shortcut
-        h = x if isinstance(shortcut, nn.Identity) else _conv_without_bias(shortcut, x)
+        h = x if isinstance(shortcut, nn.Identity) else shortcut.conv(x, bias=False)
         x = self._norm_then_conv(self.norm1, self.conv1, x, None, feat_cache, feat_idx)
         x = self._norm_then_conv(self.norm2, self.conv2, x, self._fused_shift1, feat_cache, feat_idx)
         return _residual_add(x, self._fused_shift2, h)
@@ -331,7 +329,7 @@ class _FusedResidualBlock(WanResidualBlock):
             else:  # a one-frame chunk: the previous chunk's last frame goes in front (diffusers' rule)
                 feat_cache[feat_idx[0]] = torch.cat([previous[:, :, -1:], normed], dim=2)
             feat_idx[0] += 1
-        return _conv_without_bias(conv, buffer)
+        return conv.conv(buffer, bias=False)
 
 
 class _FusedResidualUpBlock(WanResidualUpBlock):

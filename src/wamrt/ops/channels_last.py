@@ -243,6 +243,9 @@ def dup_up_add_reference(x: torch.Tensor, source: torch.Tensor, factor_t: int, f
     return (x.float() + up.float()).to(x.dtype)
 
 
+_DUP_UP_TILE = 64  # pixels and channels per program of the up-block kernel
+
+
 def dup_up_add(x: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int, first_chunk: bool = False
                ) -> torch.Tensor:
     """`dup_up_add_reference` in one Triton kernel on CUDA, written channels-last 3-D whatever x's layout (x and the
@@ -268,9 +271,6 @@ def dup_up_add(x: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: i
         *(source.stride(d) for d in (0, 1, 2, 3, 4)), C=c, REPEATS=c * factor_t * factor_s ** 2 // cin, FT=factor_t,
         FS=factor_s, BLOCK_R=_DUP_UP_TILE, BLOCK_C=_DUP_UP_TILE, num_warps=4)
     return y
-
-
-_DUP_UP_TILE = 64
 
 if triton is not None:
 
