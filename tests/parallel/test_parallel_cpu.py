@@ -4,7 +4,10 @@ over gloo, through the same `wamrt.parallel.start` front the server and the benc
 Tolerances (fp32): CFG-parallel runs each branch as its own Generator pass where the single-process
 engine batches both branches into one pass (same math, different GEMM row blocking); tensor parallel
 sums every row-parallel projection as two partial sums plus an all-reduce. Both only reorder fp32
-additions, so the actions agree to ~1e-6 (measured 1-5e-6), far inside TOL.
+additions, so the actions agree to a few fp32 roundings of their size: TOL relative to the largest action (at
+least 1). Measured 1-5e-6, and up to 3.1e-5 on actions of up to 3.9 (tiny-droid-edge, 2 steps) on a 2-core machine
+with each of the two processes on its default threads, where the same checkout passed and failed on reruns: how
+the CPU GEMMs block their sums depends on the threads they get. A missing or doubled all-reduce is off by O(1).
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ def _single(name: str) -> Engine:
     return Engine.from_policy(load_policy(name, device="cpu"), EngineConfig(**ECONF))
 
 
+def _close(got: np.ndarray, want: np.ndarray) -> bool:
+    return float(np.abs(got - want).max()) <= TOL * max(1.0, float(np.abs(want).max()))
+
+
 def _compare(front, single, cases) -> None:
     for kwargs in cases:
         obs = [sample_observation(0), sample_observation(1)]
@@ -41,7 +48,7 @@ def _compare(front, single, cases) -> None:
         want = single.infer_batch(obs, seeds=[3, 4], **kwargs)
         for g, w in zip(got, want, strict=True):
             assert g.actions.shape == (32, 8)
-            assert np.abs(g.actions - w.actions).max() <= TOL, kwargs
+            assert _close(g.actions, w.actions), (kwargs, float(np.abs(g.actions - w.actions).max()))
 
 
 CASES = [dict(steps=2),  # CFG every step + the order-2 solver
@@ -57,7 +64,7 @@ def test_cfg_parallel_equals_single_process(cache):
         # seed stream: a request without a seed gets the single engine's default sequence
         got = front.infer(sample_observation(5), steps=1)
         want = single.infer(sample_observation(5), steps=1)
-        assert got.seed == want.seed and np.abs(got.actions - want.actions).max() <= TOL
+        assert got.seed == want.seed and _close(got.actions, want.actions)
 
 
 @pytest.mark.parametrize("name", ["tiny-droid", "tiny-droid-edge"])  # Qwen (SiLU) and Edge (ReLU², norms)
