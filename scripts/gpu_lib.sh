@@ -39,6 +39,9 @@ choose_gl() {
   log "setup done: MUJOCO_GL=$GL ${__EGL_VENDOR_LIBRARY_FILENAMES:+vendor=$__EGL_VENDOR_LIBRARY_FILENAMES}"
 }
 
+# A server NAME for a label that may hold '-' or '+' (a recipe name): NAME becomes part of variable names.
+ident() { echo "${1//[^A-Za-z0-9_]/_}"; }
+
 # serve_launch NAME CKPT PORT MAX_BATCH: `wamrt serve` (fast engine, CUDA graphs) in the background, pid in
 # SRV_<NAME>, port in PORT_<NAME>; serve_ready NAME waits for /readyz. Prompt buckets of 64 tokens: one graph per
 # batch size serves every instruction mix of the lanes (exact lengths would capture one per mix). BATCH_INVARIANT=1:

@@ -231,11 +231,15 @@ evaluate() {  # CKPT served as SERVED (already up, or started here), then the ba
 c.pop('action_normalization', None); json.dump(c, open(p, 'w'), indent=2)" "$WORK/nonorm" \
       && serve_launch nonorm "$WORK/nonorm" 8772 "$LANES"
   fi
-  if [[ " $GATES " == *" gen-fp8 "* ]]; then
-    "$PY" -m wamrt.cli quantize --model "$CKPT" --recipe gen-fp8 --out "$WORK/gen-fp8" > "$RES/quantize.txt" 2>&1 \
-      && serve_launch fp8 "$WORK/gen-fp8" 8771 "$LANES"
-    log "quantize: $(tail -1 "$RES/quantize.txt" | cut -c1-160)"
-  fi
+  # A gate named after a gen-fp8* recipe (gen-fp8, gen-fp8-skip-first, ...) serves the checkpoint quantized with it.
+  local g iv port=8781
+  for g in $GATES; do
+    [[ $g == gen-fp8* ]] || continue
+    "$PY" -m wamrt.cli quantize --model "$CKPT" --recipe "$g" --out "$WORK/$g" > "$RES/quantize-$g.txt" 2>&1 \
+      && serve_launch "$(ident "$g")" "$WORK/$g" $port "$LANES"
+    log "quantize: $(tail -1 "$RES/quantize-$g.txt" | cut -c1-160)"
+    port=$((port + 1))
+  done
   BASE=$RES/rollout-pick_place-$EVAL_EPISODES.json
   log "eval: $EVAL_EPISODES episodes of pick_place, $LANES lanes, 4 steps, guidance 3${BATCH_INVARIANT:+, batch-invariant server}"
   timeout "$EVAL_S" "$PY" -m wamrt.cli rollout --url "$URL" --task pick_place --episodes "$EVAL_EPISODES" \
@@ -243,7 +247,7 @@ c.pop('action_normalization', None); json.dump(c, open(p, 'w'), indent=2)" "$WOR
   log "eval: $(grep -E '^pick_place' "$RES/eval.txt" | head -1); $(grep -E '^stages' "$RES/eval.txt" | head -1)"
   [ -f "$BASE" ] || { log "FATAL: no baseline rollout"; tail -5 "$RES/eval.txt"; return 1; }
   # One gate at a time: two at once (32 lanes, two servers) ran past their limits on 2026-12-01.
-  local g iv
+  local srv port_var
   for g in $GATES; do
     case $g in
       self) gate self "$URL" ;;
@@ -253,7 +257,9 @@ c.pop('action_normalization', None); json.dump(c, open(p, 'w'), indent=2)" "$WOR
         iv=$("$PY" -c "from wamrt.pipeline.denoise import SamplingOptions as S
 t = S(steps=4).make_schedule().timesteps.tolist(); print(f'{int(t[1])}-{int(t[0]) + 1}')")
         gate interval "$URL:guidance_interval=$iv" ;;
-      gen-fp8) [ -n "${SRV_fp8:-}" ] && serve_ready fp8 && gate gen-fp8 ws://127.0.0.1:8771; serve_stop fp8 ;;
+      gen-fp8*)
+        srv=$(ident "$g"); port_var=PORT_$srv; pid_var=SRV_$srv
+        [ -n "${!pid_var:-}" ] && serve_ready "$srv" && gate "$g" "ws://127.0.0.1:${!port_var}"; serve_stop "$srv" ;;
       nonorm) [ -n "${SRV_nonorm:-}" ] && serve_ready nonorm && gate nonorm ws://127.0.0.1:8772; serve_stop nonorm ;;
       guidance0) gate guidance0 "$URL:guidance=0" ;;
       *) log "unknown gate $g" ;;

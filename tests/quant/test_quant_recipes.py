@@ -40,6 +40,19 @@ def test_gen_fp8_selects_exactly_the_generator_linears(flavour):
     assert set(chosen.values()) == {FP8_W8A8}
 
 
+def test_gen_fp8_skip_first_leaves_exactly_the_first_layer(flavour):
+    model = tiny_model(flavour)
+    assert model.config.num_hidden_layers >= 2
+    every = select_modules(model, "gen-fp8")
+    chosen = select_modules(model, "gen-fp8-skip-first")
+    assert set(every) - set(chosen) == {n for n in every if n.startswith("layers.0.")} != set()
+    assert set(chosen) == {n for n in every if not n.startswith("layers.0.")}
+    # only layer 0 is left out: layers 10, 20, ... (which start with a "0"-free digit but contain one) are kept
+    recipe = RECIPES["gen-fp8-skip-first"]
+    for layer, fmt in (("0", None), ("1", FP8_W8A8), ("10", FP8_W8A8), ("20", FP8_W8A8), ("01", FP8_W8A8)):
+        assert recipe.format_of(f"layers.{layer}.mlp_moe_gen.down_proj") == fmt, layer
+
+
 def test_fused_names_are_selected_after_fusion(flavour):
     model = tiny_model(flavour)
     chosen = quantize_model(model, "gen-fp8")

@@ -24,6 +24,11 @@ GENERATOR_LINEARS = (
     _LAYER + r"self_attn\.(add_q_proj|add_k_proj|add_v_proj|add_qkv_proj|to_add_out)",
     _LAYER + r"mlp_moe_gen\.(gate_proj|up_proj|gate_up_proj|down_proj)",
 )
+# The same, every layer but the first: the first layer's Generator input is the freshly embedded noisy latent and
+# action rows, which every later layer builds on (on the trained panda-droid, bf16 there cut the open-loop chunk drift
+# of gen-fp8 by a quarter: bench/results/rollout/2026-12-04-policy-drift/).
+_AFTER_FIRST = r"layers\.(?!0\.)\d+\."
+GENERATOR_LINEARS_AFTER_FIRST = tuple(_AFTER_FIRST + p[len(_LAYER):] for p in GENERATOR_LINEARS)
 # Reasoner tower: text-stream attention projections and MLP.
 REASONER_LINEARS = (
     _LAYER + r"self_attn\.(to_q|to_k|to_v|to_out)",
@@ -85,6 +90,10 @@ RECIPES: dict[str, Recipe] = {
     "gen-fp8": Recipe(
         "gen-fp8", _rules(GENERATOR_LINEARS, FP8_W8A8),
         "Generator-tower linears FP8 e4m3 W8A8; Reasoner, embeddings, projections, norms untouched",
+    ),
+    "gen-fp8-skip-first": Recipe(
+        "gen-fp8-skip-first", _rules(GENERATOR_LINEARS_AFTER_FIRST, FP8_W8A8),
+        "gen-fp8 with the first layer's Generator linears left in the model dtype",
     ),
     "gen-fp8+reasoner-w8": Recipe(
         "gen-fp8+reasoner-w8", _rules(GENERATOR_LINEARS, FP8_W8A8) + _rules(REASONER_LINEARS, INT8_W8A16),
