@@ -145,6 +145,8 @@ def _write(args: argparse.Namespace, recorded: dict, requests: list, ref: np.nda
               "checkpoint": args.checkpoint, "requests": len(requests), "episodes": recorded["seeds"],
               "recorded_on": recorded["device"], "reference": "engine bf16 (served)",
               "reference_rms_per_dim": np.sqrt((ref[:, :EXECUTED_ROWS] ** 2).mean((0, 1))).round(5).tolist(),
+              # the spread a dimension's error compares with (its RMS above is mostly the absolute joint angle)
+              "reference_std_per_dim": ref[:, :EXECUTED_ROWS].std((0, 1)).round(5).tolist(),
               "variants": report}
     (out / "policy-drift.json").write_text(json.dumps(result, indent=1))
 
