@@ -42,9 +42,10 @@ def _stack(tmp_path):
 
 
 def _check_engine_path(tmp_path, reference_fn: Callable, engine_method: str, seed: int, n_steps: int,
-                       **request) -> None:
+                       config=None, segments: bool = True, **request) -> None:
     """fp32 truth and the bf16 reference through `reference_fn(model, encoder, tokenizer, ...)`; then the engine's
-    `engine_method` compiled without graphs, with graphs (capture), and replayed with an on_step callback."""
+    `engine_method` (under `config`, default `WORLD_ENGINE_CONFIG`) compiled without graphs, with graphs (capture),
+    and replayed with an on_step callback; with `segments`, also a server's segmented engine."""
     from wamrt.bench.world import conditioning_image
     from wamrt.engine.world import WORLD_ENGINE_CONFIG, WorldEngine
     from wamrt.pipeline.vae import FrameEncoder
@@ -63,10 +64,11 @@ def _check_engine_path(tmp_path, reference_fn: Callable, engine_method: str, see
     torch.cuda.empty_cache()
     reference = reference_fn(model, encoder, tokenizer, generator=gen(), **request).video_latents
 
-    eager = WorldEngine(model, encoder, tokenizer, replace(WORLD_ENGINE_CONFIG, cuda_graph=False))
+    config = config or WORLD_ENGINE_CONFIG
+    eager = WorldEngine(model, encoder, tokenizer, replace(config, cuda_graph=False))
     compiled = getattr(eager, engine_method)(generator=gen(), **request).video_latents
     del eager
-    engine = WorldEngine(model, encoder, tokenizer)  # compiled, graphs, 64-token prompt buckets
+    engine = WorldEngine(model, encoder, tokenizer, config)  # compiled, graphs, 64-token prompt buckets
     run = getattr(engine, engine_method)
     first = run(generator=gen(), **request).video_latents  # captures
     steps_seen: list[int] = []
@@ -75,6 +77,19 @@ def _check_engine_path(tmp_path, reference_fn: Callable, engine_method: str, see
     assert torch.equal(first, replay), "a replay must equal the run that captured it bit for bit"
     assert torch.equal(replay, compiled), "graph replay == the compiled engine without graphs"
     del engine, run
+    if segments:
+        _check_segments(model, encoder, tokenizer, engine_method, gen, n_steps, replay, request)
+
+    ref_err, eng_err = rel_l2(reference, truth), rel_l2(replay, truth)
+    print(f"{engine_method}: rel L2 vs fp32: reference {ref_err:.3e}, engine {eng_err:.3e}; engine vs reference "
+          f"{rel_l2(replay, reference):.3e}")
+    assert eng_err <= NOT_WORSE_THAN_BF16 * ref_err + 1e-4
+
+
+def _check_segments(model, encoder, tokenizer, engine_method: str, gen: Callable, n_steps: int,
+                    replay: torch.Tensor, request: dict) -> None:
+    from wamrt.engine.world import WorldEngine
+
     # A server's engine: every step captured as 3 segments of layers, the host called between them.
     segmented = WorldEngine(model, encoder, tokenizer, step_segments=3)
     pauses: list[int] = []
@@ -86,12 +101,6 @@ def _check_engine_path(tmp_path, reference_fn: Callable, engine_method: str, see
                                               **request).video_latents
     assert len(pauses) == 2 * n_steps
     assert torch.equal(split, replay), "segmented steps == whole steps, bit for bit"
-    del segmented
-
-    ref_err, eng_err = rel_l2(reference, truth), rel_l2(replay, truth)
-    print(f"{engine_method}: rel L2 vs fp32: reference {ref_err:.3e}, engine {eng_err:.3e}; engine vs reference "
-          f"{rel_l2(replay, reference):.3e}")
-    assert eng_err <= NOT_WORSE_THAN_BF16 * ref_err + 1e-4
 
 
 def test_world_engine_vs_reference_and_fp32_truth_and_replay_bitwise(tmp_path):
@@ -108,3 +117,22 @@ def test_world_engine_distilled_replay_bitwise_and_near_the_reference(tmp_path):
 
     schedule = DistilledSchedule((1.0, 0.8333, 0.4125, 0.2))
     _check_engine_path(tmp_path, run_world_distilled, "run_distilled", 3, schedule.steps, schedule=schedule)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="flash-attn-4 and quack need a Hopper or Blackwell GPU")
+def test_world_engine_fa4_gqa_buffers_and_quack_epilogues_near_the_reference(tmp_path):
+    """The kernels `wamrt bench world --attention measure --epilogues quack` picks on the H200: flash-attn-4 over
+    step K/V buffers at the model's K/V heads (both CFG branches in one call) and the MLP activation in quack's GEMM
+    epilogues. Skipped where either library is not installed (both optional)."""
+    from wamrt.engine.epilogues import quack_available
+    from wamrt.engine.world import WORLD_ENGINE_CONFIG
+    from wamrt.ops.attention import fa4_available
+    from wamrt.pipeline.world import run_world
+
+    dev = torch.device("cuda")
+    if not (fa4_available(dev) and quack_available(dev)):
+        pytest.skip("flash-attn-4 or quack-kernels not installed")
+    config = replace(WORLD_ENGINE_CONFIG, attention="fa4", epilogues="quack")
+    _check_engine_path(tmp_path, run_world, "run", 7, STEPS, config=config, segments=False, steps=STEPS,
+                       guidance=6.0, shift=10.0)
