@@ -20,7 +20,8 @@ LATENCY_KEYS = ("kind", "git_sha", "command", "date", "gpu", "torch", "model", "
 def test_latency_exact_and_lossy_rows_write_schema_files(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     rc = main(["bench", "latency", "--model", "tiny-qwen", "--device", "cpu", "--tiny-vae", "--rows", "E3",
-               "--steps", "2", "--warmup", "0", "--runs", "2", "--full-rows", "E3", "--lossy-rows", "E7", "--quality",
+               "--steps", "2", "--warmup", "0", "--runs", "2", "--full-rows", "E3", "--lossy-rows", "E7,E5-interval",
+               "--quality",
                "--out", str(tmp_path)])
     assert rc == 0
     exact = json.loads((tmp_path / "tiny-qwen-s2-E3.json").read_text())
@@ -41,6 +42,15 @@ def test_latency_exact_and_lossy_rows_write_schema_files(tmp_path, monkeypatch):
     w = quality["weight_gib"]
     assert w["gen-fp8+reasoner-w8"] < w["gen-fp8"] < w["bf16"]
     assert (tmp_path / "waterfall-tiny-qwen-lossy.png").stat().st_size > 0
+    # The bf16 row with CFG on the first step only ran before the model was quantized for E7: its chunks equal the
+    # exact engine's under the same interval, and differ from full CFG.
+    interval = json.loads((tmp_path / "tiny-qwen-s4-E5-interval.json").read_text())
+    assert interval["recipe"] == "bf16" and interval["lossy"] and interval["steps"] == 4
+    lo, hi = interval["guidance_interval"]
+    assert lo < hi
+    assert interval["quality"]["rel_l2_vs_bf16_same_config"] == 0
+    assert interval["quality"]["rel_l2_vs_bf16_4_steps"] > 0
+    assert list(quality["rows"]) == ["E5-interval", "E7"]  # measured in that order, whatever the order asked
 
 
 def test_load_scaling_ratios():
