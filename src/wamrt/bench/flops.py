@@ -45,6 +45,15 @@ def request_flops(cfg: Cosmos3Config, *, text: list[int], gen_tokens: int, cfg_s
         total += reasoner(cond) + (reasoner(uncond) if any(cfg_steps) else 0.0)
     return total
 
+def guidance_share(cfg: Cosmos3Config, cfg_steps: list[bool], *, reasoner_once: bool = True) -> float:
+    """A DROID request's FLOPs with CFG on `cfg_steps` over its FLOPs with CFG on every step: what the floors above
+    (which assume the latter) scale by for a guidance interval."""
+    def request(steps: list[bool]) -> float:
+        return request_flops(cfg, text=[125, 30], gen_tokens=3092, cfg_steps=steps, reasoner_once=reasoner_once)
+
+    return request(cfg_steps) / request([True] * len(cfg_steps))
+
+
 # fp8 W8A8 Generator GEMMs (performance.md: rowwise torch._scaled_mm), tier 480, 4 / 2 steps.
 FP8_COMPUTE_FLOOR_MS = {("edge", 4): 68.0, ("edge", 2): 34.0, ("nano", 4): 282.0, ("nano", 2): 141.0,
                         ("super", 4): 1211.0, ("super", 2): 605.0}

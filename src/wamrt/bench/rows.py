@@ -26,6 +26,7 @@ from .flops import (
     FP8_TARGET_MS,
     PRACTICAL_FLOOR_MS,
     TARGET_MS,
+    guidance_share,
     request_flops,
 )
 from .stats import median_stages, summarize
@@ -145,6 +146,9 @@ def measure_row(engine: Engine, spec: RowSpec, args: argparse.Namespace, env: di
     key = (args.model, spec.steps)
     floor = (FP8_COMPUTE_FLOOR_MS if fp8 else COMPUTE_FLOOR_MS).get(key)
     practical = (FP8_PRACTICAL_FLOOR_MS if fp8 else PRACTICAL_FLOOR_MS).get(key)
+    if not all(cfg_steps):  # the tables assume CFG at every step: scale them to the steps that run both branches
+        share = guidance_share(cfg, cfg_steps, reasoner_once=econf.reuse_reasoner)
+        floor, practical = (None if f is None else f * share for f in (floor, practical))
     target = (FP8_TARGET_MS if fp8 else TARGET_MS).get(key) if spec.guidance_interval is None else None
     result = {
         "kind": "latency", "command": command, **env, "model": args.model, "tier": 480, "steps": spec.steps,
