@@ -102,7 +102,7 @@ def drift(args: argparse.Namespace) -> None:
         "engine gen-fp8, gate/up bf16": lambda: (engine(fp8_except(_LAYER + r"mlp_moe_gen\.gate_up_proj")), {}),
         "engine gen-fp8, layer 0 bf16": lambda: (engine(fp8_except(r"layers\.0\..*")), {}),
     }
-    if not cuda:  # the CPU has no served engine apart from the reference path
+    if not cuda:  # cuBLAS's precise accumulation and torch._scaled_mm are CUDA kernels
         variants = {k: v for k, v in variants.items() if "precise" not in k and "scaled_mm" not in k}
 
     chunks: dict[str, np.ndarray] = {}

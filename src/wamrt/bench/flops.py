@@ -45,6 +45,7 @@ def request_flops(cfg: Cosmos3Config, *, text: list[int], gen_tokens: int, cfg_s
         total += reasoner(cond) + (reasoner(uncond) if any(cfg_steps) else 0.0)
     return total
 
+
 def guidance_share(cfg: Cosmos3Config, cfg_steps: list[bool], *, reasoner_once: bool = True) -> float:
     """A DROID request's FLOPs with CFG on `cfg_steps` over its FLOPs with CFG on every step: what the floors above
     (which assume the latter) scale by for a guidance interval."""

@@ -31,7 +31,7 @@ LOSSY_ROWS: dict[str, tuple[str, int, str, bool, dict]] = {
     "E6": ("lossy: + gen-fp8 (Generator linears fp8 e4m3 W8A8)", 4, "gen-fp8", False, {}),
     "E7": ("lossy: + 2 sampling steps", 2, "gen-fp8", False, {}),
     "E8": ("lossy: + CFG on the first step only (guidance interval)", 2, "gen-fp8", True, {}),
-        # The exact engine with CFG on the first step only: no fp8, no fewer steps. The one lossy lever the trained
+    # The exact engine with CFG on the first step only: no fp8, no fewer steps. The one lossy lever the trained
     # panda-droid's closed-loop gate passed (179 vs 178 of 200, bench/results/rollout/2026-12-02-8fc9a24f-...), so
     # the fastest setting with a passing gate; steps 2-4 run the conditional branch alone.
     "E5-interval": ("lossy: E5 with CFG on the first step only (bf16, 4 steps)", 4, "bf16", True, {}),

@@ -26,7 +26,7 @@ GENERATOR_LINEARS = (
 )
 # The same, every layer but the first: the first layer's Generator input is the freshly embedded noisy latent and
 # action rows, which every later layer builds on (on the trained panda-droid, bf16 there cut the open-loop chunk drift
-# of gen-fp8 by a quarter: bench/results/rollout/2026-12-04-00f304e-fp8-gates/).
+# of gen-fp8 by about a quarter: bench/results/rollout/2026-12-04-00f304e-fp8-gates/).
 _AFTER_FIRST = r"layers\.(?!0\.)\d+\."
 GENERATOR_LINEARS_AFTER_FIRST = tuple(_AFTER_FIRST + p[len(_LAYER):] for p in GENERATOR_LINEARS)
 # Reasoner tower: text-stream attention projections and MLP.
