@@ -73,9 +73,10 @@ for spec in "$@"; do
     edge|nano) wamrt bench latency --model "$part" --steps 4 2 --peer diffusers --trace --out "$res" 2>&1 \
              | tee "$res/log.txt" ;;
     quant-edge|quant-nano)
-          # QUALITY=0: no quality record (SQNR table, chunk distances); QUANT_TESTS=0: no GPU tests after the rows
+          # QUALITY=0: no quality record (SQNR table, chunk distances); QUANT_TESTS=0: no GPU tests after the rows;
+          # EXACT_ROWS: the exact rows before them (default E5)
           quality=--quality; [ "${QUALITY:-1}" = 0 ] && quality=
-          wamrt bench latency --model "${part#quant-}" --rows E5 --steps 4 --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" \
+          wamrt bench latency --model "${part#quant-}" --rows "${EXACT_ROWS:-E5}" --full-rows "${EXACT_ROWS:-E5}" --steps 4 --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" \
              --lossy-rows "${LOSSY_ROWS:-E6,E7,E8}" $quality --trace ${TRACE_ROWS:+--trace-rows "$TRACE_ROWS"} ${PACE_HZ:+--pace-hz "$PACE_HZ"} \
              --out "$res" 2>&1 | tee "$res/log.txt"
           [ "${QUANT_TESTS:-1}" = 0 ] || timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/quant tests/engine/test_fp8_fusion.py 2>&1 \
