@@ -40,6 +40,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 SIGMAS = (1.0, 0.8333, 0.4125, 0.2)  # 4 steps, non-integer timesteps (as tests/pipeline/test_world_distilled.py)
 LONG_SIGMAS = tuple(float(s) for s in np.linspace(1.0, 0.0025, 400))  # long enough to watch and cancel a job
 MAX_PIXELS = 128 * 128 * 33
+# Two encodes of the same frames that differ decode ~1 level apart on average (serving/media.encode_mp4's docstring).
+H264_REENCODE_MEAN_LEVELS = 2.0
 
 
 def declare_distilled(folder: Path, sigmas: Any = SIGMAS, *, index: bool = True) -> Path:
@@ -171,7 +173,14 @@ def test_sync_video_is_the_distilled_samplers_bit_for_bit(distilled_server: Serv
     np.testing.assert_array_equal(encoded[0], direct)  # the served frames, before H.264
 
     body = httpx.post(url + "/v1/videos/sync", data=form, headers={"accept": "application/json"}, timeout=60).json()
-    assert base64.b64decode(body["data"][0]["b64_json"]) == r.content  # same seed, same MP4
+    # Same seed, same frames bit for bit; the H.264 bytes are not always reproducible even on one x264 thread
+    # (serving/media.encode_mp4: 4 versions in 30 inside this server; CI saw two in one run), so the files are
+    # compared decoded, to within the codec's rounding.
+    assert len(encoded) == 2
+    np.testing.assert_array_equal(encoded[1], encoded[0])
+    again = _frames(base64.b64decode(body["data"][0]["b64_json"]))
+    assert again.shape == (9, 32, 48, 3)
+    assert np.abs(again.astype(int) - _frames(r.content).astype(int)).mean() <= H264_REENCODE_MEAN_LEVELS
     meta = body["metadata"]
     assert {k: meta[k] for k in ("sampler", "steps", "guidance", "shift", "mode", "num_frames", "seed")} == {
         "sampler": "distilled", "steps": 4, "guidance": 1.0, "shift": 1.0, "mode": "text2video", "num_frames": 9,
