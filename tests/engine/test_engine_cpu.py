@@ -370,3 +370,36 @@ def test_compile_mode_is_checked_and_reported(policy):
     engine = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False,
                                                      compile_mode="max-autotune-no-cudagraphs"))
     assert engine.metadata()["engine"]["compile_mode"] == "max-autotune-no-cudagraphs"
+
+
+@pytest.mark.parametrize("config", [dict(), dict(cfg_attention="lengths"), dict(cfg_attention="mask"),
+                                    dict(prompt_bucket=16)], ids=["split", "lengths", "mask", "bucket"])
+def test_last_layer_of_the_last_step_runs_the_action_rows_only(policy, config):
+    """EngineConfig.action_rows_last: the final step's last layer after its K/V stores (attention, output projection,
+    MLP) and the output run on the action rows alone, and the actions are those of the full pass. Also with CFG off
+    at the last step (a guidance interval), where that step runs the conditional branch only."""
+    obs = [sample_observation(0), sample_observation(1)]
+    last_layer = policy.model.layers[-1]
+    for kwargs in (dict(steps=2), dict(steps=3, guidance_interval=(960, 1001))):
+        actions, rows_seen = {}, {}
+        for pruned in (True, False):
+            engine = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False,
+                                                             action_rows_last=pruned, **config))
+            seen: list[int] = []
+            post = engine._post
+
+            def counting_post(layer, g, o, post=post, seen=seen):
+                if layer is last_layer:
+                    seen.append(g.shape[1])
+                return post(layer, g, o)
+
+            engine._post = counting_post
+            actions[pruned] = [o.actions for o in engine.infer_batch(obs, seeds=[3, 4], **kwargs)]
+            rows_seen[pruned] = seen
+        steps = kwargs["steps"]
+        full = rows_seen[False][0]
+        assert rows_seen[False] == [full] * steps
+        chunk_rows = policy.contract.history + policy.contract.chunk
+        assert rows_seen[True] == [full] * (steps - 1) + [chunk_rows] and chunk_rows < full
+        for got, want in zip(actions[True], actions[False], strict=True):
+            assert np.abs(got - want).max() <= TOL, kwargs

@@ -148,7 +148,7 @@ class Engine:
         engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "compile_mode",
                                                        "cuda_graph", "prompt_bucket", "prompt_width",
                                                        "isolate_requests", "overlap_encode",
-                                                       "workspace_free_gemms")}
+                                                       "workspace_free_gemms", "action_rows_last")}
         engine["bucket_attention"] = self.bucket_attention  # the effective ones
         engine["cfg_attention"] = self.cfg_attention
         engine["head_epilogue"] = self.head_epilogue
@@ -411,13 +411,19 @@ class Engine:
         return [conds] + ([conds + unconds] if unconds else [])
 
     def _generator_pieces(self, tok: GeneratorTokens, bufs: KVBuffers, rope: Rope, attn,
-                          pause_after: Collection[int] = ()) -> Generator[None, None, GeneratorOutput]:
+                          pause_after: Collection[int] = (), action_rows_only: bool = False
+                          ) -> Generator[None, None, GeneratorOutput]:
         """One Generator pass that pauses (yields) after each layer index in `pause_after` and returns the
         output: a world request captures each of its long steps as several graphs this way, so that a server can
-        hand the device to a policy request within a step (`WorldEngine(step_segments=...)`)."""
+        hand the device to a policy request within a step (`WorldEngine(step_segments=...)`). `action_rows_only`:
+        the last layer after its K/V stores, and the output, for the action rows alone (the output's vision and
+        sound are None; see `EngineConfig.action_rows_last`)."""
         g, update = self._embed(tok), None
+        last = len(self.model.layers) - 1
         for index, (layer, kbuf, vbuf) in enumerate(zip(self.model.layers, bufs.keys, bufs.values, strict=True)):
             q, g = self._pre(layer, g, update, rope, kbuf, vbuf, bufs.start)
+            if action_rows_only and index == last:
+                q, g, tok = _action_rows(q, g, tok)
             g, update = self._post(layer, g, attn(q, kbuf, vbuf, causal=False))
             if index in pause_after:
                 yield
@@ -426,19 +432,23 @@ class Engine:
     def _generator_step(self, tok: GeneratorTokens, bufs: KVBuffers, rope: Rope, attn) -> GeneratorOutput:
         return run_to_end(self._generator_pieces(tok, bufs, rope, attn))
 
-    def _velocities(self, groups: list, tok: GeneratorTokens, raw_dim: int | None) -> GeneratorOutput:
+    def _velocities(self, groups: list, tok: GeneratorTokens, raw_dim: int | None,
+                    action_rows_only: bool = False) -> GeneratorOutput:
         """Velocities of every row of `groups` (see _step_batches), rows in group order; action columns from
-        `raw_dim` on zeroed."""
-        return run_to_end(self._velocity_pieces(groups, tok, raw_dim))
+        `raw_dim` on zeroed. `action_rows_only`: actions only where the pass runs on K/V buffers (vision None)."""
+        return run_to_end(self._velocity_pieces(groups, tok, raw_dim, action_rows_only=action_rows_only))
 
     def _velocity_pieces(self, groups: list, tok: GeneratorTokens, raw_dim: int | None,
-                         pause_after: Collection[int] = ()) -> Generator[None, None, GeneratorOutput]:
+                         pause_after: Collection[int] = (), action_rows_only: bool = False
+                         ) -> Generator[None, None, GeneratorOutput]:
         """`_velocities`, pausing after the layers in `pause_after` of each K/V-buffer group's pass."""
         outs = []
+        if action_rows_only and not all(isinstance(kv, KVBuffers) for _, kv, _, _ in groups):
+            action_rows_only = False  # the per-branch reference pattern (batch_cfg=False) runs the model's own pass
         for rows, kv, rope, attn in groups:
             sel = _select(tok, rows)
             if isinstance(kv, KVBuffers):
-                outs.append((yield from self._generator_pieces(sel, kv, rope, attn, pause_after)))
+                outs.append((yield from self._generator_pieces(sel, kv, rope, attn, pause_after, action_rows_only)))
             else:
                 self.model.attention = attn
                 outs.append(self.model.generator_step(sel, rope, kv))
@@ -459,15 +469,19 @@ class Engine:
         self._kinds_needed = set(cfg_steps)
         kinds = self._step_batches(conds, unconds, n)
         hist_v, hist_a = plan.init_history(), plan.init_history()
+        last = len(timesteps) - 1
         for i, t in enumerate(timesteps):
             tok = GeneratorTokens(timesteps=torch.full((n,), float(t), device=self.device), vision=x_v.to(dtype),
                                   action=x_a.to(dtype), **static)
-            vel = self._velocities(kinds[cfg_steps[i]], tok, raw_dim)
+            vel = self._velocities(kinds[cfg_steps[i]], tok, raw_dim,
+                                   action_rows_only=self.config.action_rows_last and i == last)
             v_vis, v_act = vel.vision, vel.action
             if cfg_steps[i]:
-                v_vis = cfg_combine(v_vis[:n], v_vis[n:], opts.guidance)
                 v_act = cfg_combine(v_act[:n], v_act[n:], opts.guidance)
-            x_v, hist_v = plan.step(i, x_v, v_vis, hist_v)
+            if v_vis is not None:  # None: the last step of a pass that computed the action rows only
+                if cfg_steps[i]:
+                    v_vis = cfg_combine(v_vis[:n], v_vis[n:], opts.guidance)
+                x_v, hist_v = plan.step(i, x_v, v_vis, hist_v)
             x_a, hist_a = plan.step(i, x_a, v_act, hist_a)
             if raw_dim is not None:
                 x_a = torch.where(torch.arange(x_a.shape[-1], device=x_a.device) < raw_dim, x_a, 0.0)
@@ -609,6 +623,17 @@ class Engine:
 def _clone_seq(s: BatchBranch) -> BatchBranch:
     """A sequence's own copy, its K/V in one storage: the static input buffers a captured graph reads."""
     return BatchBranch(s.request, StackedKV.of(s.kv).clone(), Rope(s.rope.cos.clone(), s.rope.sin.clone()))
+
+
+def _action_rows(q: torch.Tensor, g: torch.Tensor, tok: GeneratorTokens
+                 ) -> tuple[torch.Tensor, torch.Tensor, GeneratorTokens]:
+    """The action rows (the last rows of a pass: [vision | sound | action]) of the last layer's queries
+    q [B, H, G, d] and hidden states g [B, G, h], and the tokens of an action-only output. The copies keep q's
+    memory order ([B, G, H, d] under the [B, H, G, d] view, what the head epilogue and SDPA's q have)."""
+    assert tok.action is not None
+    na = tok.action.shape[1]
+    q = q.transpose(1, 2)[:, -na:].contiguous().transpose(1, 2)
+    return q, g[:, -na:].contiguous(), replace(tok, vision=None, vision_noisy=None, sound=None, sound_noisy=None)
 
 
 def _prefix_lengths(inp: DenoiseInputs) -> tuple[int, int]:

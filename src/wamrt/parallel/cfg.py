@@ -80,16 +80,18 @@ class CfgParallelEngine(Engine):
         return {False: _Step(local, cfg=False), True: _Step(local, cfg=True)}
 
     # One step's velocities: local branch + one collective ---------------------------------------
-    def _velocities(self, step, tok, raw_dim):
+    def _velocities(self, step, tok, raw_dim, action_rows_only=False):
         if not isinstance(step, _Step):  # not ours (e.g. a caller passing plain groups)
-            return super()._velocities(step, tok, raw_dim)
+            return super()._velocities(step, tok, raw_dim, action_rows_only)
         n = tok.timesteps.shape[0]
         vshape, ashape = tuple(tok.vision.shape), tuple(tok.action.shape)
-        dv, da = _numel(vshape[1:]), _numel(ashape[1:])
+        # action_rows_only: the ranks' passes return actions only, and only those travel
+        dv, da = 0 if action_rows_only else _numel(vshape[1:]), _numel(ashape[1:])
         dtype = self.model.dtype
         if step.groups and (step.cfg or self.rank == 0):  # unguided steps: rank 0's branch only
-            out = super()._velocities(step.groups, tok, raw_dim)
-            local = torch.cat([out.vision.reshape(n, dv).to(dtype), out.action.reshape(n, da).to(dtype)], dim=1)
+            out = super()._velocities(step.groups, tok, raw_dim, action_rows_only)
+            parts = [] if action_rows_only else [out.vision.reshape(n, dv).to(dtype)]
+            local = torch.cat([*parts, out.action.reshape(n, da).to(dtype)], dim=1)
         else:
             local = torch.empty(n, dv + da, dtype=dtype, device=self.device)
         if step.cfg:
@@ -99,7 +101,8 @@ class CfgParallelEngine(Engine):
             dist.broadcast(local, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
             both = local
         rows = both.shape[0]
-        return GeneratorOutput(both[:, :dv].reshape(rows, *vshape[1:]), None, both[:, dv:].reshape(rows, *ashape[1:]))
+        vision = None if action_rows_only else both[:, :dv].reshape(rows, *vshape[1:])
+        return GeneratorOutput(vision, None, both[:, dv:].reshape(rows, *ashape[1:]))
 
 
 # torch 2.13 renames all_gather_into_tensor (the H200 image has 2.11).
