@@ -374,32 +374,48 @@ def test_compile_mode_is_checked_and_reported(policy):
 
 @pytest.mark.parametrize("config", [dict(), dict(cfg_attention="lengths"), dict(cfg_attention="mask"),
                                     dict(prompt_bucket=16)], ids=["split", "lengths", "mask", "bucket"])
-def test_last_layer_of_the_last_step_runs_the_action_rows_only(policy, config):
-    """EngineConfig.action_rows_last: the final step's last layer after its K/V stores (attention, output projection,
-    MLP) and the output run on the action rows alone, and the actions are those of the full pass. Also with CFG off
-    at the last step (a guidance interval), where that step runs the conditional branch only."""
+def test_last_layer_runs_the_rows_whose_output_is_read(policy, config):
+    """EngineConfig.last_layer_read_rows: after its K/V stores the last layer (attention, output projection, MLP) and
+    the output run without the observation's clean latent frame at every step, and on the action rows alone at the
+    last one. The actions are those of the full pass, and so are the velocities of every step before the last (the
+    clean frame's as zeros, as the full pass masks it). Also with CFG off at the last step (a guidance interval),
+    where that step runs the conditional branch only."""
     obs = [sample_observation(0), sample_observation(1)]
     last_layer = policy.model.layers[-1]
     for kwargs in (dict(steps=2), dict(steps=3, guidance_interval=(960, 1001))):
-        actions, rows_seen = {}, {}
+        actions, rows_seen, velocities = {}, {}, {}
         for pruned in (True, False):
             engine = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False,
-                                                             action_rows_last=pruned, **config))
+                                                             last_layer_read_rows=pruned, **config))
             seen: list[int] = []
-            post = engine._post
+            vels: list = []
+            post, step_velocities = engine._post, engine._velocities
 
             def counting_post(layer, g, o, post=post, seen=seen):
                 if layer is last_layer:
                     seen.append(g.shape[1])
                 return post(layer, g, o)
 
-            engine._post = counting_post
+            def recording(*args, step_velocities=step_velocities, vels=vels, **kw):
+                vels.append(out := step_velocities(*args, **kw))
+                return out
+
+            engine._post, engine._velocities = counting_post, recording
             actions[pruned] = [o.actions for o in engine.infer_batch(obs, seeds=[3, 4], **kwargs)]
-            rows_seen[pruned] = seen
+            rows_seen[pruned], velocities[pruned] = seen, vels
         steps = kwargs["steps"]
         full = rows_seen[False][0]
         assert rows_seen[False] == [full] * steps
+        frames = velocities[False][0].vision.shape[2]
         chunk_rows = policy.contract.history + policy.contract.chunk
-        assert rows_seen[True] == [full] * (steps - 1) + [chunk_rows] and chunk_rows < full
+        frame_rows = (full - chunk_rows) // frames
+        assert rows_seen[True] == [full - frame_rows] * (steps - 1) + [chunk_rows] and 0 < frame_rows < full
         for got, want in zip(actions[True], actions[False], strict=True):
             assert np.abs(got - want).max() <= TOL, kwargs
+        for step, (got, want) in enumerate(zip(velocities[True], velocities[False], strict=True)):
+            assert (got.action - want.action).abs().max() <= TOL
+            if step == steps - 1:
+                assert got.vision is None and want.vision is not None
+            else:
+                assert got.vision.shape == want.vision.shape and (got.vision - want.vision).abs().max() <= TOL
+                assert not got.vision[:, :, 0].any() and want.vision[:, :, 1:].abs().max() > 0

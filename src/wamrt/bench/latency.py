@@ -79,10 +79,10 @@ ROWS: dict[str, tuple[str, dict]] = {
     "E5-quack-heads-gqa-sync": ("E5-quack-heads-gqa with the host waiting for the VAE encode",
                                 dict(epilogues="quack", attention="fa4", cfg_attention="lengths",
                                      head_epilogue="triton", gqa_buffers=True, overlap_encode=False)),
-    # The shipped defaults with every row through the last step's last layer (EngineConfig.action_rows_last off: the
+    # The shipped defaults with every row through the last layer (EngineConfig.last_layer_read_rows off: the
     # comparison row for it).
-    "E5-quack-all-rows": ("E5-quack with every row through the last step's last layer",
-                          dict(epilogues="quack", action_rows_last=False)),
+    "E5-quack-all-rows": ("E5-quack with every row through the last layer",
+                          dict(epilogues="quack", last_layer_read_rows=False)),
     # E5 with diffusers' own encode of the conditioning frame (the comparison row for the 2D first-frame encode).
     "E5-vae-diffusers": ("E5 with diffusers' VAE encode of frame 0", dict(vae_encode="diffusers")),
 }

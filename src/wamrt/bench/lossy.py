@@ -71,9 +71,9 @@ _TRITON_GEMMS = (("triton-gemms", "every fp8 GEMM on the Triton kernel", ("qkv",
 LOSSY_ROWS.update({f"{row}-{suffix}": (f"{row} with {what}", steps, "gen-fp8", False,
                                         {"fp8_triton_gemms": sites, "fp8_fast_accum": False})
                    for suffix, what, sites in _TRITON_GEMMS for row, steps in (("E6", 4), ("E7", 2))})
-# E6 / E7 with every row through the last step's last layer (EngineConfig.action_rows_last off: the comparison rows).
-LOSSY_ROWS.update({f"{row}-all-rows": (f"{row} with every row through the last step's last layer", steps, "gen-fp8",
-                                       False, {"action_rows_last": False}) for row, steps in (("E6", 4), ("E7", 2))})
+# E6 / E7 with every row through the last layer (EngineConfig.last_layer_read_rows off: the comparison rows).
+LOSSY_ROWS.update({f"{row}-all-rows": (f"{row} with every row through the last layer", steps, "gen-fp8", False,
+                                       {"last_layer_read_rows": False}) for row, steps in (("E6", 4), ("E7", 2))})
 # E6 / E7 with cuBLAS's fp8 fast accumulation (EngineConfig.fp8_fast_accum, the default since its 1ba1cea timing) on or
 # off: the Triton rows' accumulation on cuBLAS, and the comparison rows for it.
 LOSSY_ROWS.update({f"{row}-fast-accum": (f"{row} with cuBLAS's fp8 fast accumulation", steps, "gen-fp8", False,

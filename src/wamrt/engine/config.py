@@ -85,13 +85,15 @@ class EngineConfig:
     # Process-wide and one way: the value is re-read at every cuBLASLt call but the workspace is allocated once,
     # so it is only ever lowered (to 0), never raised. False: the environment is left alone.
     workspace_free_gemms: bool = True
-    # The last denoising step of a policy request computes the last layer's attention, output projection and MLP
-    # for the action rows alone: a reply is the action chunk, and the solver's last update of a row reads that
-    # row's velocity only, so the video rows' last-layer outputs would be thrown away. Every row's K/V of that layer
-    # is still computed (the action rows attend to them). Exact: the actions are those of the full pass, up to the
-    # GEMMs' rounding at another row count. Analytic saving: 0.89 of one layer-step in 144 at Nano (~0.6 %), 112 at
-    # Edge 4 steps (~0.8 %), 56 at 2 steps (~1.6 %). False: every row to the end (the comparison rows "-all-rows").
-    action_rows_last: bool = True
+    # A policy request's last layer, after its K/V stores, runs its attention, output projection and MLP (and the
+    # final norm and output projections) on the rows whose output is read: at every step not the observation's
+    # latent frame (clean: its velocity is zero), at the last step the action rows alone (a reply is the action
+    # chunk, and the solver's last update of a row reads only that row's velocity). Earlier layers cannot be cut:
+    # the next layer's keys and values come from every row. Exact: the same function of the read rows, up to the
+    # GEMMs' rounding at another row count. Analytically, of a tier-480 request (3,092 rows a branch, 340 of them
+    # frame 0): 0.89 of a layer at the last step and 0.10 at each other one, ~0.8 % of Nano's 4 steps (36 layers),
+    # ~1.0 % of Edge's (28), ~1.8 % at 2 steps. False: every row to the end (the comparison rows "-all-rows").
+    last_layer_read_rows: bool = True
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
     # The VAE encode on a side stream and no host sync until the denoise is done (stage times from CUDA events,
     # engine/stage_clock.py): the requests' host work after the encode (tokens, noise, positions, the graph's

@@ -32,6 +32,7 @@ from ..ops.attention import (
 )
 from ..pipeline.denoise import DenoiseInputs, DenoiseResult, SamplingOptions
 from ..pipeline.droid import (
+    OBSERVED_LATENT_FRAMES,
     ActionChunk,
     DroidContract,
     DroidHostInputs,
@@ -148,7 +149,7 @@ class Engine:
         engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "compile_mode",
                                                        "cuda_graph", "prompt_bucket", "prompt_width",
                                                        "isolate_requests", "overlap_encode",
-                                                       "workspace_free_gemms", "action_rows_last")}
+                                                       "workspace_free_gemms", "last_layer_read_rows")}
         engine["bucket_attention"] = self.bucket_attention  # the effective ones
         engine["cfg_attention"] = self.cfg_attention
         engine["head_epilogue"] = self.head_epilogue
@@ -411,44 +412,49 @@ class Engine:
         return [conds] + ([conds + unconds] if unconds else [])
 
     def _generator_pieces(self, tok: GeneratorTokens, bufs: KVBuffers, rope: Rope, attn,
-                          pause_after: Collection[int] = (), action_rows_only: bool = False
+                          pause_after: Collection[int] = (), last_layer_rows: str = "all"
                           ) -> Generator[None, None, GeneratorOutput]:
         """One Generator pass that pauses (yields) after each layer index in `pause_after` and returns the
         output: a world request captures each of its long steps as several graphs this way, so that a server can
-        hand the device to a policy request within a step (`WorldEngine(step_segments=...)`). `action_rows_only`:
-        the last layer after its K/V stores, and the output, for the action rows alone (the output's vision and
-        sound are None; see `EngineConfig.action_rows_last`)."""
+        hand the device to a policy request within a step (`WorldEngine(step_segments=...)`). `last_layer_rows`:
+        which rows the last layer runs after its K/V stores, "all", "noisy" (not the observation's clean latent
+        frame, whose velocity is zero: returned as zeros) or "action" (the output's vision is None); see
+        `EngineConfig.last_layer_read_rows`."""
         g, update = self._embed(tok), None
-        last = len(self.model.layers) - 1
+        last, out_tok, clean = len(self.model.layers) - 1, tok, 0
         for index, (layer, kbuf, vbuf) in enumerate(zip(self.model.layers, bufs.keys, bufs.values, strict=True)):
             q, g = self._pre(layer, g, update, rope, kbuf, vbuf, bufs.start)
-            if action_rows_only and index == last:
-                q, g, tok = _action_rows(q, g, tok)
+            if index == last and last_layer_rows != "all":
+                q, g, out_tok, clean = _read_rows(q, g, tok, last_layer_rows, self.model.config.latent_patch_size)
             g, update = self._post(layer, g, attn(q, kbuf, vbuf, causal=False))
             if index in pause_after:
                 yield
-        return self._finish(g, update, tok)
+        out = self._finish(g, update, out_tok)
+        if clean:
+            v = out.vision
+            out = replace(out, vision=torch.cat([v.new_zeros(*v.shape[:2], clean, *v.shape[3:]), v], dim=2))
+        return out
 
     def _generator_step(self, tok: GeneratorTokens, bufs: KVBuffers, rope: Rope, attn) -> GeneratorOutput:
         return run_to_end(self._generator_pieces(tok, bufs, rope, attn))
 
     def _velocities(self, groups: list, tok: GeneratorTokens, raw_dim: int | None,
-                    action_rows_only: bool = False) -> GeneratorOutput:
+                    last_layer_rows: str = "all") -> GeneratorOutput:
         """Velocities of every row of `groups` (see _step_batches), rows in group order; action columns from
-        `raw_dim` on zeroed. `action_rows_only`: actions only where the pass runs on K/V buffers (vision None)."""
-        return run_to_end(self._velocity_pieces(groups, tok, raw_dim, action_rows_only=action_rows_only))
+        `raw_dim` on zeroed. `last_layer_rows` as `_generator_pieces`'s, where the passes run on K/V buffers."""
+        return run_to_end(self._velocity_pieces(groups, tok, raw_dim, last_layer_rows=last_layer_rows))
 
     def _velocity_pieces(self, groups: list, tok: GeneratorTokens, raw_dim: int | None,
-                         pause_after: Collection[int] = (), action_rows_only: bool = False
+                         pause_after: Collection[int] = (), last_layer_rows: str = "all"
                          ) -> Generator[None, None, GeneratorOutput]:
         """`_velocities`, pausing after the layers in `pause_after` of each K/V-buffer group's pass."""
         outs = []
-        if action_rows_only and not all(isinstance(kv, KVBuffers) for _, kv, _, _ in groups):
-            action_rows_only = False  # the per-branch reference pattern (batch_cfg=False) runs the model's own pass
+        if not all(isinstance(kv, KVBuffers) for _, kv, _, _ in groups):
+            last_layer_rows = "all"  # the per-branch reference pattern (batch_cfg=False) runs the model's own pass
         for rows, kv, rope, attn in groups:
             sel = _select(tok, rows)
             if isinstance(kv, KVBuffers):
-                outs.append((yield from self._generator_pieces(sel, kv, rope, attn, pause_after, action_rows_only)))
+                outs.append((yield from self._generator_pieces(sel, kv, rope, attn, pause_after, last_layer_rows)))
             else:
                 self.model.attention = attn
                 outs.append(self.model.generator_step(sel, rope, kv))
@@ -473,8 +479,8 @@ class Engine:
         for i, t in enumerate(timesteps):
             tok = GeneratorTokens(timesteps=torch.full((n,), float(t), device=self.device), vision=x_v.to(dtype),
                                   action=x_a.to(dtype), **static)
-            vel = self._velocities(kinds[cfg_steps[i]], tok, raw_dim,
-                                   action_rows_only=self.config.action_rows_last and i == last)
+            rows = "all" if not self.config.last_layer_read_rows else "action" if i == last else "noisy"
+            vel = self._velocities(kinds[cfg_steps[i]], tok, raw_dim, last_layer_rows=rows)
             v_vis, v_act = vel.vision, vel.action
             if cfg_steps[i]:
                 v_act = cfg_combine(v_act[:n], v_act[n:], opts.guidance)
@@ -625,15 +631,27 @@ def _clone_seq(s: BatchBranch) -> BatchBranch:
     return BatchBranch(s.request, StackedKV.of(s.kv).clone(), Rope(s.rope.cos.clone(), s.rope.sin.clone()))
 
 
-def _action_rows(q: torch.Tensor, g: torch.Tensor, tok: GeneratorTokens
-                 ) -> tuple[torch.Tensor, torch.Tensor, GeneratorTokens]:
-    """The action rows (the last rows of a pass: [vision | sound | action]) of the last layer's queries
-    q [B, H, G, d] and hidden states g [B, G, h], and the tokens of an action-only output. The copies keep q's
-    memory order ([B, G, H, d] under the [B, H, G, d] view, what the head epilogue and SDPA's q have)."""
-    assert tok.action is not None
-    na = tok.action.shape[1]
-    q = q.transpose(1, 2)[:, -na:].contiguous().transpose(1, 2)
-    return q, g[:, -na:].contiguous(), replace(tok, vision=None, vision_noisy=None, sound=None, sound_noisy=None)
+def _read_rows(q: torch.Tensor, g: torch.Tensor, tok: GeneratorTokens, which: str, patch: int
+               ) -> tuple[torch.Tensor, torch.Tensor, GeneratorTokens, int]:
+    """The rows of the last layer's queries q [B, H, G, d] and hidden states g [B, G, h] whose output is read (rows
+    in the order [vision | sound | action]): "action", the last rows; "noisy", all but the leading clean latent
+    frame(s) of the observation (`OBSERVED_LATENT_FRAMES`, whose velocity is zero). Returns them, the tokens their
+    output decodes with and how many leading vision frames the output lacks. The copies keep q's memory order
+    ([B, G, H, d] under the [B, H, G, d] view, what the head epilogue and SDPA's q have)."""
+    clean = 0
+    if which == "action":
+        assert tok.action is not None
+        start = g.shape[1] - tok.action.shape[1]
+        tok = replace(tok, vision=None, vision_noisy=None, sound=None, sound_noisy=None)
+    elif which == "noisy" and tok.vision is not None:
+        clean = OBSERVED_LATENT_FRAMES
+        frames = tok.vision.shape[2]
+        start = clean * (tok.counts(patch)[0] // frames)
+        tok = replace(tok, vision=tok.vision[:, :, clean:], vision_noisy=tok.vision_noisy[:, clean:])
+    else:
+        raise ValueError(f"last_layer_rows must be 'all', 'noisy' or 'action' (with vision), got {which!r}")
+    q = q.transpose(1, 2)[:, start:].contiguous().transpose(1, 2)
+    return q, g[:, start:].contiguous(), tok, clean
 
 
 def _prefix_lengths(inp: DenoiseInputs) -> tuple[int, int]:

@@ -80,16 +80,17 @@ class CfgParallelEngine(Engine):
         return {False: _Step(local, cfg=False), True: _Step(local, cfg=True)}
 
     # One step's velocities: local branch + one collective ---------------------------------------
-    def _velocities(self, step, tok, raw_dim, action_rows_only=False):
+    def _velocities(self, step, tok, raw_dim, last_layer_rows="all"):
         if not isinstance(step, _Step):  # not ours (e.g. a caller passing plain groups)
-            return super()._velocities(step, tok, raw_dim, action_rows_only)
+            return super()._velocities(step, tok, raw_dim, last_layer_rows)
+        action_rows_only = last_layer_rows == "action"
         n = tok.timesteps.shape[0]
         vshape, ashape = tuple(tok.vision.shape), tuple(tok.action.shape)
         # action_rows_only: the ranks' passes return actions only, and only those travel
         dv, da = 0 if action_rows_only else _numel(vshape[1:]), _numel(ashape[1:])
         dtype = self.model.dtype
         if step.groups and (step.cfg or self.rank == 0):  # unguided steps: rank 0's branch only
-            out = super()._velocities(step.groups, tok, raw_dim, action_rows_only)
+            out = super()._velocities(step.groups, tok, raw_dim, last_layer_rows)
             parts = [] if action_rows_only else [out.vision.reshape(n, dv).to(dtype)]
             local = torch.cat([*parts, out.action.reshape(n, da).to(dtype)], dim=1)
         else:

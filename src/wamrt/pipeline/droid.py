@@ -253,12 +253,15 @@ def _droid_positions(cfg: Cosmos3Config, layout: tuple, device: str) -> torch.Te
     return pos[None].to(device)
 
 
+OBSERVED_LATENT_FRAMES = 1  # the observation's latent frames, at the front of the clip: clean, never denoised
+
+
 @lru_cache(maxsize=64)
 @torch.inference_mode(False)
 def droid_vision_noisy(lat_t: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[1, lat_t] bool: latent frame 0 (the observation) is clean, the future frames are generated (cached: never
     write into it)."""
-    return (torch.arange(lat_t, device=device) >= 1)[None]
+    return (torch.arange(lat_t, device=device) >= OBSERVED_LATENT_FRAMES)[None]
 
 
 def droid_action_noisy(contract: DroidContract, device: torch.device | str = "cpu") -> torch.Tensor:
