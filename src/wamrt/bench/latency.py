@@ -205,7 +205,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--trace-rows", type=lambda s: [r for r in s.split(",") if r], default=[],
                     help="with --trace: the rows to profile (comma-separated), each in its own trace file")
     ap.add_argument("--lossy-rows", type=lambda s: [r for r in s.split(",") if r], default=[],
-                    help="lossy rows after the exact ones (E6 gen-fp8, E7 +2 steps, E8 +CFG on the first step only)")
+                    help="lossy rows after the exact ones (E6 gen-fp8, E7 +2 steps, E8 +CFG on the first step only; "
+                         "E5-interval / E5-quack-interval: bf16, 4 steps, CFG on the first step only; the variants "
+                         "in wamrt.bench.lossy.LOSSY_ROWS)")
     ap.add_argument("--quality", action="store_true",
                     help="with --lossy-rows: per-layer SQNR at full shape, chunk rel-L2 vs bf16, memory per recipe")
     ap.add_argument("--device", default="cuda")
