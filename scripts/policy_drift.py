@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from wamrt.engine import Engine  # noqa: E402
 from wamrt.engine.config import EngineConfig  # noqa: E402
 from wamrt.pipeline.policy import Policy, load_policy  # noqa: E402
-from wamrt.quant import FP8_W8A8, Recipe, Rule, quantize_model  # noqa: E402
+from wamrt.quant import FP8_W8A8, Recipe, Rule, get_recipe, quantize_model  # noqa: E402
 from wamrt.quant.recipes import GENERATOR_LINEARS  # noqa: E402
 
 CHECKPOINT = "src/wamrt/assets/panda-droid"
@@ -42,9 +42,9 @@ EXECUTED_ROWS = 8  # what `wamrt rollout` runs of each chunk (--execute-steps de
 _LAYER = r"layers\.\d+\."
 
 
-def fp8_except(pattern: str | None) -> Recipe:
-    """gen-fp8 with the Generator linears whose names fully match `pattern` left in bf16 (None: plain gen-fp8)."""
-    rules = GENERATOR_LINEARS if pattern is None else tuple(rf"(?!{pattern}$){g}" for g in GENERATOR_LINEARS)
+def fp8_except(pattern: str) -> Recipe:
+    """gen-fp8 with the Generator linears whose names fully match `pattern` left in bf16."""
+    rules = tuple(rf"(?!{pattern}$){g}" for g in GENERATOR_LINEARS)
     return Recipe(f"gen-fp8-except:{pattern}", tuple(Rule(r, FP8_W8A8) for r in rules))
 
 
@@ -87,7 +87,7 @@ def drift(args: argparse.Namespace) -> None:
     def engine(recipe: Recipe | None = None, **config) -> Engine:
         return Engine.from_policy(policy(recipe=recipe), EngineConfig(**{**served, **config}))
 
-    gen_fp8 = fp8_except(None)
+    gen_fp8 = get_recipe("gen-fp8")
     variants: dict[str, Callable[[], tuple[object, dict]]] = {
         "engine bf16 (served)": lambda: (engine(), {}),
         "eager bf16": lambda: (policy(), {}),
@@ -100,7 +100,7 @@ def drift(args: argparse.Namespace) -> None:
         "eager gen-fp8, reference kernel (fp32 dequantized)": lambda: (policy(recipe=gen_fp8, kernel="reference"), {}),
         "engine gen-fp8, down-projection bf16": lambda: (engine(fp8_except(_LAYER + r"mlp_moe_gen\.down_proj")), {}),
         "engine gen-fp8, gate/up bf16": lambda: (engine(fp8_except(_LAYER + r"mlp_moe_gen\.gate_up_proj")), {}),
-        "engine gen-fp8, layer 0 bf16": lambda: (engine(fp8_except(r"layers\.0\..*")), {}),
+        "engine gen-fp8, layer 0 bf16": lambda: (engine(get_recipe("gen-fp8-skip-first")), {}),
     }
     if not cuda:  # cuBLAS's precise accumulation and torch._scaled_mm are CUDA kernels
         variants = {k: v for k, v in variants.items() if "precise" not in k and "scaled_mm" not in k}

@@ -449,7 +449,7 @@ class Engine:
                          ) -> Generator[None, None, GeneratorOutput]:
         """`_velocities`, pausing after the layers in `pause_after` of each K/V-buffer group's pass."""
         outs = []
-        if not all(isinstance(kv, KVBuffers) for _, kv, _, _ in groups):
+        if last_layer_rows != "all" and not all(isinstance(kv, KVBuffers) for _, kv, _, _ in groups):
             last_layer_rows = "all"  # the per-branch reference pattern (batch_cfg=False) runs the model's own pass
         for rows, kv, rope, attn in groups:
             sel = _select(tok, rows)
