@@ -61,7 +61,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,n
 for spec in "$@"; do
   part=${spec%%:*}; limit=540; [ "$spec" != "$part" ] && limit=${spec#*:}
   res=/tmp/res-$part
-  mkdir -p "$res"
+  # a warm machine keeps /tmp between calls: an earlier call's rows must not travel in this part's archive
+  rm -rf "$res"; mkdir -p "$res"
   t0=$(date +%s)
   # SM clock, power and clock-event reasons every 100 ms (summarised after the part: scripts/gpu_clocks.py)
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active \
