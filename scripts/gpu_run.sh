@@ -22,6 +22,7 @@
 #          attn-probe (8-bit attention kernels vs flash-attn-4 bf16: time and SQNR; MODELS, default edge,nano;
 #          TRITON_CONFIGS, FA4_SWEEP, TMA_CONFIGS: how many configs of each family to time)
 #          world (issue 15: WorldEngine t2i / i2v vs diffusers; MODES, RUNS, PEER_RUNS, WORLD_MODEL, WORLD_ARGS)
+#          world-rows (i2v: the last layer on the read rows against --all-rows, ROUNDS rounds, no peer)
 #          world-tests (the WorldEngine GPU test), fa4-tests (flash-attn-4 against SDPA, in a graph)
 #          peer-edge peer-nano (issue 14: ROWS at 4 and 2 steps with the diffusers peer in the same process)
 #          kernels (issue 14: `wamrt bench kernels --sweep` and the GPU tests of the epilogue GEMMs and the VAE encode)
@@ -193,6 +194,18 @@ print("world-serve: policy p50/p99 ms " + " | ".join(lat) + "; generation jobs d
           wamrt bench world --model "${WORLD_MODEL:-nano}" --modes "${MODES:-t2i,i2v}" --warmup "${WARMUP:-1}" \
              --runs "${RUNS:-5}" --peer diffusers --peer-warmup 1 --peer-runs "${PEER_RUNS:-5}" ${WORLD_ARGS:-} \
              --out "$res" 2>&1 | tee "$res/log.txt" ;;
+    world-rows) # i2v with the last layer on the rows whose output is read (the default: not the conditioning frame)
+          # against --all-rows, one process each, ROUNDS (2) rounds alternating which goes first; no peer.
+          # WORLD_ARGS: more flags for both (e.g. --epilogues quack)
+          for round in $(seq "${ROUNDS:-2}"); do
+            order="read all"; [ $((round % 2)) = 0 ] && order="all read"
+            for side in $order; do
+              flag=; [ "$side" = all ] && flag=--all-rows
+              mkdir -p "$res/round$round-$side"
+              wamrt bench world --model "${WORLD_MODEL:-nano}" --modes i2v --warmup "${WARMUP:-1}" --runs "${RUNS:-5}" \
+                 --peer none $flag ${WORLD_ARGS:-} --out "$res/round$round-$side" 2>&1 | tee -a "$res/log.txt"
+            done
+          done ;;
     fa4-tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_fa4_gpu.py \
              2>&1 | tee "$res/log.txt"
           timeout 120 python3 -c 'import torch; from wamrt.ops.attention import measure_backends as m

@@ -97,6 +97,7 @@ def test_world_bench_writes_schema_files_with_the_peer(tmp_path, monkeypatch):
         assert {"vae_decode", "denoise_and_rest"} <= set(row["peer"]["stages_ms"])
         assert row["text_tokens"]["cond"] > row["text_tokens"]["uncond"] > 0
         assert row["engine"]["epilogues"] == "inductor" and row["engine"]["implicit_pad_decode"] is True
+        assert row["engine"]["last_layer_read_rows"] is True  # --all-rows turns it off for the comparison
     assert "vae_encode" in json.loads((tmp_path / "tiny-qwen-i2v.json").read_text())["peer"]["stages_ms"]
     assert (tmp_path / "world-tiny-qwen.png").stat().st_size > 0
 

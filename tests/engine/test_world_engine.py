@@ -18,7 +18,7 @@ from oracle.sound import tiny_sound_tokenizer
 from torch.utils._pytree import tree_flatten
 
 from wamrt.engine import EngineConfig
-from wamrt.engine.world import WorldEngine, _WorldLoop, segment_ends
+from wamrt.engine.world import WorldEngine, _WorldLoop, leading_clean_frames, segment_ends
 from wamrt.model import Cosmos3Transformer, get_config, init_random_
 from wamrt.pipeline.sound import SoundDecoder
 from wamrt.pipeline.world import run_world
@@ -33,7 +33,7 @@ CASES: dict[str, dict[str, Any]] = {
     "image2video": {"num_frames": 5, "image": picture(40, 70, 0), "fps": 30.0},
     "text2video_sound": {"num_frames": 5, "enable_sound": True, "fps": 16.0},
 }
-# Same shapes as image2video, no clean frame: replays image2video's graph with other noisy-frame masks.
+# Same shapes as image2video, no clean frame: a graph of its own (image2video's last layer skips frame 0).
 TEXT2VIDEO = {"num_frames": 5, "fps": 24.0}
 
 
@@ -165,7 +165,8 @@ class RerunWorldEngine(WorldEngine):
 
 def test_world_graph_path_refreshes_its_inputs_on_cpu(stack) -> None:
     """Capture on one request, replay others (another image, another seed, another prompt length in the same
-    bucket, text -> video: no clean frame, another fps): each equals the reference, and one graph serves them."""
+    bucket): each equals the reference, and one graph serves them. Text -> video at the same shapes (no clean
+    frame, another fps) is a second graph, replayed by another text -> video request."""
     engine = _engine(stack, RerunWorldEngine, prompt_bucket=512)  # byte-level tokens: both prompts in one bucket
     engine.config = replace(engine.config, cuda_graph=True)  # the graph path, minus the CUDA check
     requests = [
@@ -173,14 +174,15 @@ def test_world_graph_path_refreshes_its_inputs_on_cpu(stack) -> None:
         {**_request("image2video", 1), "image": picture(50, 60, 3)},
         _request("image2video", 2, prompt="a much longer prompt about a blue cube that slides down a ramp and stops"),
         {**_request("image2video", 3), "image": None, **TEXT2VIDEO},
+        {**_request("image2video", 5), "image": None, **TEXT2VIDEO, "fps": 12.0},
     ]
-    for kw in requests:
+    for n, kw in enumerate(requests):
         want = _reference(stack, **{**kw, "generator": torch.Generator().manual_seed(kw["generator"].initial_seed())})
         _assert_same_result(engine.run(sound_decoder=stack[2], **kw), want)
-    assert len(engine.graphs) == 1
+        assert len(engine.graphs) == (1 if n < 3 else 2), n
     want = _reference(stack, **_request("text2video_sound", 4))
     _assert_same_result(engine.run(sound_decoder=stack[2], **_request("text2video_sound", 4)), want)
-    assert len(engine.graphs) == 2  # sound changes the shapes: a second bucket
+    assert len(engine.graphs) == 3  # sound changes the shapes: another bucket
 
 
 def test_world_capture_hands_the_host_back_between_segments_on_cpu(stack) -> None:
@@ -259,3 +261,64 @@ def test_implicit_pad_decode_equals_diffusers_decode_and_restores_the_vae(stack)
     assert all(type(m) is WanCausalConv3d for m in vae.modules() if isinstance(m, WanCausalConv3d))
     _assert_close(got, want, "decoded pixels")
     assert not torch.equal(got, torch.zeros_like(got))
+
+
+def test_leading_clean_frames_counts_only_a_leading_run_every_request_shares() -> None:
+    def mask(*rows):
+        return torch.tensor(rows, dtype=torch.bool)
+
+    assert leading_clean_frames(mask([False, True, True])) == 1
+    assert leading_clean_frames(mask([False, False, True, True])) == 2
+    assert leading_clean_frames(mask([True, True, True])) == 0  # text -> video: nothing clean
+    assert leading_clean_frames(mask([False, False])) == 0  # nothing noisy
+    assert leading_clean_frames(mask([True, False, True])) == 0  # a clean frame after a noisy one
+    assert leading_clean_frames(mask([False, True], [False, True])) == 1
+    assert leading_clean_frames(mask([False, True], [True, True])) == 0  # requests differ
+
+
+V2V_FRAMES = 9  # 3 latent frames: two clean by default (condition_latent_frames [0, 1]), one noisy
+
+
+@pytest.mark.parametrize("case, clean", [
+    ("image2video", 1),
+    ("video2video", 2),
+    ("video2video_gap", 0),  # conditioned on latent frame 1 only: not a leading run, every row runs
+    ("text2video_sound", 0),
+])
+def test_world_last_layer_skips_the_conditioning_frames(stack, case: str, clean: int) -> None:
+    """EngineConfig.last_layer_read_rows on world requests: after its K/V stores the last layer runs without the
+    request's leading clean latent frames (their velocity is zero), at every step. Same latents and sound as the
+    engine with every row, and as run_world; the last layer saw one frame's rows fewer per clean frame."""
+    model, assets, sound = stack
+    if case.startswith("video2video"):
+        video = [picture(40, 70, k) for k in range(5)]
+        kw = {**_request("image2video", 7), "image": None, "num_frames": V2V_FRAMES, "video": video}
+        if case == "video2video_gap":
+            kw["condition_latent_frames"] = [1]
+    else:
+        kw = _request(case, 7)
+    want = _reference(stack, **kw)
+    last_layer = model.layers[-1]
+    results, rows_seen = {}, {}
+    for pruned in (True, False):
+        engine = _engine(stack, last_layer_read_rows=pruned)
+        seen: list[int] = []
+        post = engine._post
+
+        def counting_post(layer, g, o, post=post, seen=seen):
+            if layer is last_layer:
+                seen.append(g.shape[1])
+            return post(layer, g, o)
+
+        engine._post = counting_post
+        generator = torch.Generator().manual_seed(kw["generator"].initial_seed())
+        results[pruned] = engine.run(sound_decoder=sound, **{**kw, "generator": generator})
+        rows_seen[pruned] = seen
+    _assert_same_result(results[True], want)
+    _assert_same_result(results[True], results[False])
+    full = rows_seen[False][0]
+    assert rows_seen[False] == [full] * STEPS
+    frames = want.video_latents.shape[2]
+    sound_rows = 0 if want.sound_latents is None else want.sound_latents.shape[-1]
+    frame_rows = (full - sound_rows) // frames
+    assert rows_seen[True] == [full - clean * frame_rows] * STEPS and frame_rows > 0

@@ -132,10 +132,11 @@ def run(args: argparse.Namespace) -> int:
             attention = min(attention_ms, key=attention_ms.get)
             print(f"generator attention per call (ms) at {g_max} tokens: {attention_ms} -> {attention}", flush=True)
         config = replace(WORLD_ENGINE_CONFIG, compile_mode=args.compile_mode, attention=attention,
-                         epilogues=args.epilogues)
+                         epilogues=args.epilogues, last_layer_read_rows=not args.all_rows)
     else:
         config = EngineConfig(attention="auto", compile=False, cuda_graph=False,
-                              prompt_bucket=WORLD_ENGINE_CONFIG.prompt_bucket, epilogues=args.epilogues)
+                              prompt_bucket=WORLD_ENGINE_CONFIG.prompt_bucket, epilogues=args.epilogues,
+                              last_layer_read_rows=not args.all_rows)
     engine: WorldEngine | None = None  # built after the peer has run (fusing swaps the layers' weights)
 
     results = []
@@ -204,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
             "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
             "peer": peer_result, "speedup_vs_peer": peer_result["p50_ms"] / summary["p50_ms"] if peer_result else None,
             "engine": {**{k: getattr(engine.config, k) for k in ("attention", "compile", "compile_mode", "cuda_graph",
-                                                                  "prompt_bucket", "batch_cfg", "epilogues")},
+                                                                  "prompt_bucket", "batch_cfg", "epilogues",
+                                                                  "last_layer_read_rows")},
                        "head_epilogue": engine.head_epilogue, "implicit_pad_decode": engine.implicit_pad_decode,
                        "bucket_attention": engine.bucket_attention, "graph_captures": engine.graphs.captures,
                        "capture_seconds": engine.graphs.capture_seconds},
@@ -352,5 +354,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--epilogues", default="inductor", choices=list(EPILOGUES),
                     help="the Generator layer tail's GEMM epilogues (quack: needs quack-kernels, which comes with "
                          "flash-attn-4, and a Hopper or Blackwell GPU)")
+    ap.add_argument("--all-rows", action="store_true",
+                    help="the last layer on every row (EngineConfig.last_layer_read_rows off): the comparison for "
+                         "the default, which skips an i2v request's conditioning frame there")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="bench/results/latency")

@@ -92,7 +92,10 @@ class EngineConfig:
     # the next layer's keys and values come from every row. Exact: the same function of the read rows, up to the
     # GEMMs' rounding at another row count. Analytically, of a tier-480 request (3,092 rows a branch, 340 of them
     # frame 0): 0.89 of a layer at the last step and 0.10 at each other one, ~0.8 % of Nano's 4 steps (36 layers),
-    # ~1.0 % of Edge's (28), ~1.8 % at 2 steps. False: every row to the end (the comparison rows "-all-rows").
+    # ~1.0 % of Edge's (28), ~1.8 % at 2 steps; measured Nano 603.0 vs 607.7 ms (H200, 7a525e4). A world request
+    # (WorldEngine) skips its leading clean latent frames there the same way (i2v: the image's frame, 1 of 9 at
+    # 480x832x33, ~0.3 % of the denoise; video -> video: the conditioning frames); text -> image / video runs
+    # every row. False: every row to the end (the comparison rows "-all-rows", `wamrt bench world --all-rows`).
     last_layer_read_rows: bool = True
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
     # The VAE encode on a side stream and no host sync until the denoise is done (stage times from CUDA events,

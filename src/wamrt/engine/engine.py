@@ -412,20 +412,21 @@ class Engine:
         return [conds] + ([conds + unconds] if unconds else [])
 
     def _generator_pieces(self, tok: GeneratorTokens, bufs: KVBuffers, rope: Rope, attn,
-                          pause_after: Collection[int] = (), last_layer_rows: str = "all"
-                          ) -> Generator[None, None, GeneratorOutput]:
+                          pause_after: Collection[int] = (), last_layer_rows: str = "all",
+                          clean_frames: int = OBSERVED_LATENT_FRAMES) -> Generator[None, None, GeneratorOutput]:
         """One Generator pass that pauses (yields) after each layer index in `pause_after` and returns the
         output: a world request captures each of its long steps as several graphs this way, so that a server can
         hand the device to a policy request within a step (`WorldEngine(step_segments=...)`). `last_layer_rows`:
-        which rows the last layer runs after its K/V stores, "all", "noisy" (not the observation's clean latent
-        frame, whose velocity is zero: returned as zeros) or "action" (the output's vision is None); see
-        `EngineConfig.last_layer_read_rows`."""
+        which rows the last layer runs after its K/V stores, "all", "noisy" (not the `clean_frames` leading clean
+        latent frames, whose velocity is zero: returned as zeros; a policy's observation, a world request's
+        conditioning frames) or "action" (the output's vision is None); see `EngineConfig.last_layer_read_rows`."""
         g, update = self._embed(tok), None
         last, out_tok, clean = len(self.model.layers) - 1, tok, 0
         for index, (layer, kbuf, vbuf) in enumerate(zip(self.model.layers, bufs.keys, bufs.values, strict=True)):
             q, g = self._pre(layer, g, update, rope, kbuf, vbuf, bufs.start)
             if index == last and last_layer_rows != "all":
-                q, g, out_tok, clean = _read_rows(q, g, tok, last_layer_rows, self.model.config.latent_patch_size)
+                q, g, out_tok, clean = _read_rows(q, g, tok, last_layer_rows, self.model.config.latent_patch_size,
+                                                  clean_frames)
             g, update = self._post(layer, g, attn(q, kbuf, vbuf, causal=False))
             if index in pause_after:
                 yield
@@ -445,8 +446,8 @@ class Engine:
         return run_to_end(self._velocity_pieces(groups, tok, raw_dim, last_layer_rows=last_layer_rows))
 
     def _velocity_pieces(self, groups: list, tok: GeneratorTokens, raw_dim: int | None,
-                         pause_after: Collection[int] = (), last_layer_rows: str = "all"
-                         ) -> Generator[None, None, GeneratorOutput]:
+                         pause_after: Collection[int] = (), last_layer_rows: str = "all",
+                         clean_frames: int = OBSERVED_LATENT_FRAMES) -> Generator[None, None, GeneratorOutput]:
         """`_velocities`, pausing after the layers in `pause_after` of each K/V-buffer group's pass."""
         outs = []
         if last_layer_rows != "all" and not all(isinstance(kv, KVBuffers) for _, kv, _, _ in groups):
@@ -454,7 +455,8 @@ class Engine:
         for rows, kv, rope, attn in groups:
             sel = _select(tok, rows)
             if isinstance(kv, KVBuffers):
-                outs.append((yield from self._generator_pieces(sel, kv, rope, attn, pause_after, last_layer_rows)))
+                outs.append((yield from self._generator_pieces(sel, kv, rope, attn, pause_after, last_layer_rows,
+                                                               clean_frames)))
             else:
                 self.model.attention = attn
                 outs.append(self.model.generator_step(sel, rope, kv))
@@ -631,25 +633,27 @@ def _clone_seq(s: BatchBranch) -> BatchBranch:
     return BatchBranch(s.request, StackedKV.of(s.kv).clone(), Rope(s.rope.cos.clone(), s.rope.sin.clone()))
 
 
-def _read_rows(q: torch.Tensor, g: torch.Tensor, tok: GeneratorTokens, which: str, patch: int
-               ) -> tuple[torch.Tensor, torch.Tensor, GeneratorTokens, int]:
+def _read_rows(q: torch.Tensor, g: torch.Tensor, tok: GeneratorTokens, which: str, patch: int,
+               clean_frames: int = OBSERVED_LATENT_FRAMES) -> tuple[torch.Tensor, torch.Tensor, GeneratorTokens, int]:
     """The rows of the last layer's queries q [B, H, G, d] and hidden states g [B, G, h] whose output is read (rows
-    in the order [vision | sound | action]): "action", the last rows; "noisy", all but the leading clean latent
-    frame(s) of the observation (`OBSERVED_LATENT_FRAMES`, whose velocity is zero). Returns them, the tokens their
-    output decodes with and how many leading vision frames the output lacks. The copies keep q's memory order
+    in the order [vision | sound | action]): "action", the last rows; "noisy", all but the `clean_frames` leading
+    clean latent frames (a policy's observation, `OBSERVED_LATENT_FRAMES`; a world request's conditioning frames),
+    whose velocity is zero. Returns them, the tokens their output decodes with and how many leading vision frames
+    the output lacks. The copies keep q's memory order
     ([B, G, H, d] under the [B, H, G, d] view, what the head epilogue and SDPA's q have)."""
     clean = 0
     if which == "action":
         assert tok.action is not None
         start = g.shape[1] - tok.action.shape[1]
         tok = replace(tok, vision=None, vision_noisy=None, sound=None, sound_noisy=None)
-    elif which == "noisy" and tok.vision is not None:
-        clean = OBSERVED_LATENT_FRAMES
+    elif which == "noisy" and tok.vision is not None and 0 < clean_frames < tok.vision.shape[2]:
+        clean = clean_frames
         frames = tok.vision.shape[2]
         start = clean * (tok.counts(patch)[0] // frames)
         tok = replace(tok, vision=tok.vision[:, :, clean:], vision_noisy=tok.vision_noisy[:, clean:])
     else:
-        raise ValueError(f"last_layer_rows must be 'all', 'noisy' or 'action' (with vision), got {which!r}")
+        raise ValueError(f"last_layer_rows must be 'all', 'noisy' (with vision and 0 < clean_frames < its frames) "
+                         f"or 'action', got {which!r} with clean_frames={clean_frames}")
     q = q.transpose(1, 2)[:, start:].contiguous().transpose(1, 2)
     return q, g[:, start:].contiguous(), tok, clean
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -52,6 +52,18 @@ def segment_ends(layers: int, segments: int) -> frozenset[int]:
     return frozenset(round(k * layers / segments) - 1 for k in range(1, segments))
 
 
+def leading_clean_frames(vision_noisy: torch.Tensor) -> int:
+    """How many leading latent frames `vision_noisy` [B, T] marks clean in every request, when those are all of
+    its clean frames and some frame is noisy; else 0 (the last layer then runs every row). A host read, once per
+    request."""
+    masks = vision_noisy.bool().tolist()
+    first = masks[0]
+    clean = first.index(True) if True in first else len(first)
+    if any(m != first for m in masks) or clean == len(first) or not all(first[clean:]):
+        return 0
+    return clean
+
+
 @dataclass(frozen=True, eq=False)
 class _LoopSpec:
     """What a loop runs besides the model: the timesteps, which steps guide, how velocities combine, and the
@@ -64,6 +76,10 @@ class _LoopSpec:
     upcast: bool  # velocities to fp32 before CFG and the solver (diffusers' order)
     solver: Callable[[dict], Any]  # static buffers -> a SamplerPlan (steps / init_history / step)
     key: tuple  # what identifies the sampler in a graph key
+    # Leading latent frames the request holds clean (an image / video's conditioning), which the last layer skips
+    # after its K/V stores (`EngineConfig.last_layer_read_rows`; their velocity is zero); 0: every row. Part of
+    # the graph key: a text -> video request's frame 0 is noisy.
+    clean_frames: int = 0
 
 
 class _WorldLoop:
@@ -97,7 +113,9 @@ class _WorldLoop:
             vision=self.x_v.to(dtype), vision_noisy=self.static["vision_noisy"],
             sound=None if self.x_s is None else self.x_s.to(dtype), sound_noisy=self.static.get("sound_noisy"),
         )
-        vel = yield from engine._velocity_pieces(self.kinds[spec.cfg_steps[i]], tok, None, engine.pause_after)
+        vel = yield from engine._velocity_pieces(self.kinds[spec.cfg_steps[i]], tok, None, engine.pause_after,
+                                                 last_layer_rows="noisy" if spec.clean_frames else "all",
+                                                 clean_frames=spec.clean_frames)
 
         def combine(v: torch.Tensor) -> torch.Tensor:  # rows [cond; uncond] -> guided velocity (pipeline.denoise)
             if spec.upcast:
@@ -209,6 +227,8 @@ class WorldEngine(Engine):
                        on_step: Callable[[int, int], None] | None, on_segment: Callable[[], None] | None,
                        need_uncond: bool | None = None) -> DenoiseResult:
         timings: dict[str, float] = {}
+        if self.config.last_layer_read_rows:
+            spec = replace(spec, clean_frames=leading_clean_frames(inp.vision_noisy))
         with torch.inference_mode():
             self._sync()
             t0 = time.perf_counter()
@@ -242,7 +262,7 @@ class WorldEngine(Engine):
         return DenoiseResult(x_v, None, timings, {}, x_s)
 
     def _world_key(self, x_v, x_s, conds, unconds, spec: _LoopSpec) -> GraphKey:
-        sampler = ("world", () if x_s is None else tuple(x_s.shape[1:]), spec.key)
+        sampler = ("world", () if x_s is None else tuple(x_s.shape[1:]), spec.key, spec.clean_frames)
         return GraphKey(1, tuple(x_v.shape[1:]), (), self._bucket_lengths(conds, unconds), sampler,
                         bucketed=bool(self.config.prompt_bucket))
 
