@@ -34,6 +34,7 @@
 # `world-serve` (same wheels, plus PyAV for the MP4 replies): policy lanes with and without back-to-back i2v jobs
 #   on the same server; ROW_SECONDS (default 50) per row, the whole part fits WORLD_SERVE_BUDGET (default 480 s);
 #   STEP_SEGMENTS sets the server's --generation-step-segments (default 12).
+# Latency rows warm up 10 requests (WARMUP; ../shared/docs/performance.md: at least 10) before RUNS timed ones.
 # Each part is killed after SECONDS (default 540) and packed whatever it finished.
 # Everything it measures is packed into $OUT/<part>.tgz (the device tool returns few files).
 set -uo pipefail
@@ -78,7 +79,7 @@ for spec in "$@"; do
           # QUALITY=0: no quality record (SQNR table, chunk distances); QUANT_TESTS=0: no GPU tests after the rows;
           # EXACT_ROWS: the exact rows before them (default E5)
           quality=--quality; [ "${QUALITY:-1}" = 0 ] && quality=
-          wamrt bench latency --model "${part#quant-}" --rows "${EXACT_ROWS:-E5}" --full-rows "${EXACT_ROWS:-E5}" --steps 4 --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" \
+          wamrt bench latency --model "${part#quant-}" --rows "${EXACT_ROWS:-E5}" --full-rows "${EXACT_ROWS:-E5}" --steps 4 --warmup "${WARMUP:-10}" --runs "${RUNS:-20}" \
              --lossy-rows "${LOSSY_ROWS:-E6,E7,E8}" $quality --trace ${TRACE_ROWS:+--trace-rows "$TRACE_ROWS"} ${PACE_HZ:+--pace-hz "$PACE_HZ"} \
              --out "$res" 2>&1 | tee "$res/log.txt"
           [ "${QUANT_TESTS:-1}" = 0 ] || timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/quant tests/engine/test_fp8_fusion.py 2>&1 \
@@ -86,11 +87,11 @@ for spec in "$@"; do
     rows-edge|rows-nano)
           wamrt bench latency --model "${part#rows-}" --rows "${ROWS:-E5,E5-bucket,E5-bucket-mask}" \
              --full-rows "${ROWS:-E5,E5-bucket,E5-bucket-mask}" --steps 4 ${TRACE_ROWS:+--trace --trace-rows "$TRACE_ROWS"} \
-             --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" --out "$res" 2>&1 | tee "$res/log.txt" ;;
+             --warmup "${WARMUP:-10}" --runs "${RUNS:-20}" --out "$res" 2>&1 | tee "$res/log.txt" ;;
     peer-edge|peer-nano) # Issue 14: ROWS (default E5,E5-quack) at 4 and 2 steps beside the diffusers peer, one process
           wamrt bench latency --model "${part#peer-}" --rows "${ROWS:-E5,E5-quack}" --full-rows "${ROWS:-E5,E5-quack}" \
              --other-steps-rows "${ROWS:-E5,E5-quack}" --steps 4 2 --peer diffusers --peer-warmup 2 --peer-runs "${PEER_RUNS:-8}" \
-             --warmup "${WARMUP:-5}" --runs "${RUNS:-20}" ${TRACE_ROWS:+--trace --trace-rows "$TRACE_ROWS"} \
+             --warmup "${WARMUP:-10}" --runs "${RUNS:-20}" ${TRACE_ROWS:+--trace --trace-rows "$TRACE_ROWS"} \
              --out "$res" 2>&1 | tee "$res/log.txt" ;;
     load) # Issue 13: lanes cycle through twelve instructions of 118-152 tokens (`--prompts mixed`, variable-length
           # tokenizer of random:nano); every prefix is padded to the declared width 192 (3 x 64-token buckets),
@@ -255,7 +256,7 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
               echo "== round $round, $side ($sha)"
               PYTHONPATH=${PYTHONPATH/$PWD\/src/$src} WAMRT_GIT_SHA=$sha timeout "$each" python3 -m wamrt.cli bench latency \
                  --model "${part#ab-}" --rows "${ROWS:-E5}" --steps 4 --lossy-rows "${LOSSY_ROWS:-E7,E6}" $trace ${PACE_HZ:+--pace-hz "$PACE_HZ"} \
-                 --warmup "${WARMUP:-5}" --runs "${RUNS:-30}" --out "$res/round$round-$side" 2>&1 | grep -v 'UserWarning\|exe_args' \
+                 --warmup "${WARMUP:-10}" --runs "${RUNS:-30}" --out "$res/round$round-$side" 2>&1 | grep -v 'UserWarning\|exe_args' \
                  | tee -a "$res/log.txt"
             done
           done ;;
