@@ -198,6 +198,7 @@ print("world-serve: policy p50/p99 ms " + " | ".join(lat) + "; generation jobs d
     world-rows) # i2v with the last layer on the rows whose output is read (the default: not the conditioning frame)
           # against --all-rows, one process each, ROUNDS (2) rounds alternating which goes first; no peer.
           # WORLD_ARGS: more flags for both (e.g. --epilogues quack)
+          limit=$(( limit / (2 * ${ROUNDS:-2}) ))  # each process its share of the part's seconds
           for round in $(seq "${ROUNDS:-2}"); do
             order="read all"; [ $((round % 2)) = 0 ] && order="all read"
             for side in $order; do
