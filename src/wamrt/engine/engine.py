@@ -14,9 +14,9 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Generator, Iterator, Mapping
+from collections.abc import Collection, Generator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -50,10 +50,12 @@ from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
 from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
 from .config import EngineConfig, check_config
-from .graph_cache import CapturedGraph, CaptureTimer, GraphCache, GraphKey
+from .generator_pass import read_rows, run_to_end, select_requests
+from .graph_cache import GraphCache
+from .graph_capture import GraphCapture
 from .kv_buffers import BatchBranch, KVBufferArena, KVBuffers
 from .layer_path import CUBLASLT_WORKSPACE_ENV, build_layer_path, use_workspace_free_gemms
-from .prefix_cache import PaddedPrefixes, ReasonerCache, StackedKV, copy_lists
+from .prefix_cache import PaddedPrefixes, ReasonerCache
 from .stage_clock import StageClock
 from .vae_encode import FirstFrameEncoder
 
@@ -63,7 +65,7 @@ ROPE_CACHE_SIZE = 64  # packing layouts (instruction length x geometry) whose Ge
 HOST_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))  # canvas threads of a batch (the rest: server, GPU)
 
 
-class Engine:
+class Engine(GraphCapture):
     def __init__(
         self,
         model: Cosmos3Transformer,
@@ -425,7 +427,7 @@ class Engine:
         for index, (layer, kbuf, vbuf) in enumerate(zip(self.model.layers, bufs.keys, bufs.values, strict=True)):
             q, g = self._pre(layer, g, update, rope, kbuf, vbuf, bufs.start)
             if index == last and last_layer_rows != "all":
-                q, g, out_tok, clean = _read_rows(q, g, tok, last_layer_rows, self.model.config.latent_patch_size,
+                q, g, out_tok, clean = read_rows(q, g, tok, last_layer_rows, self.model.config.latent_patch_size,
                                                   clean_frames)
             g, update = self._post(layer, g, attn(q, kbuf, vbuf, causal=False))
             if index in pause_after:
@@ -453,7 +455,7 @@ class Engine:
         if last_layer_rows != "all" and not all(isinstance(kv, KVBuffers) for _, kv, _, _ in groups):
             last_layer_rows = "all"  # the per-branch reference pattern (batch_cfg=False) runs the model's own pass
         for rows, kv, rope, attn in groups:
-            sel = _select(tok, rows)
+            sel = select_requests(tok, rows)
             if isinstance(kv, KVBuffers):
                 outs.append((yield from self._generator_pieces(sel, kv, rope, attn, pause_after, last_layer_rows,
                                                                clean_frames)))
@@ -495,113 +497,6 @@ class Engine:
                 x_a = torch.where(torch.arange(x_a.shape[-1], device=x_a.device) < raw_dim, x_a, 0.0)
         return x_v, x_a
 
-    # Serve a bucket the cache lacks from a larger captured one (GraphKey.serves); CFG-parallel ranks must
-    # decide in lockstep, so they keep exact buckets.
-    reuse_compatible_graphs = True
-
-    @contextmanager
-    def capturing_exact_buckets(self) -> Iterator[None]:
-        """Warm-up: capture every bucket met, not a compatible larger one (a batch of 1 replaying the batch-8
-        graph would cost 8 requests' compute on every call)."""
-        saved = self.reuse_compatible_graphs
-        self.reuse_compatible_graphs = False
-        try:
-            yield
-        finally:
-            self.reuse_compatible_graphs = saved
-
-    def _graph_key(self, x_v, x_a, conds, unconds, timesteps, cfg_steps, opts, raw_dim) -> GraphKey:
-        # Masks and domain ids are fixed by the contract, so the contract (not tensor values, which would
-        # need a host sync) identifies them.
-        return GraphKey(x_v.shape[0], tuple(x_v.shape[1:]), tuple(x_a.shape[1:]), self._bucket_lengths(conds, unconds),
-                        (tuple(timesteps), tuple(cfg_steps), opts.guidance, opts.solver, raw_dim, self.contract),
-                        bucketed=bool(self.config.prompt_bucket))
-
-    def _graph_loop(self, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim, *,
-                    exact=None):
-        n = x_v.shape[0]
-        key = self._graph_key(x_v, x_a, conds, unconds, timesteps, cfg_steps, opts, raw_dim)
-        entry = self.graphs.get(key)
-        # An isolated request never runs on a wider or larger graph: its bits would depend on what was captured.
-        if entry is None and self.reuse_compatible_graphs and exact is not None and not self.config.isolate_requests:
-            larger = self.graphs.compatible(key)
-            if larger is not None:
-                x_v, x_a, conds, unconds = self._fit_rows(larger, x_v, x_a, *exact)
-                key, entry = larger, self.graphs.get(larger)
-        if entry is None:
-            with CaptureTimer(self.device) as timer:
-                entry = self._capture(x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim)
-            entry.seconds, entry.nbytes = timer.seconds, timer.nbytes
-            self.graphs.add(key, entry)
-        ins = entry.inputs
-        ins["x_v"].copy_(x_v)
-        ins["x_a"].copy_(x_a)
-        for dst, src in zip(ins["seqs"], conds + unconds, strict=True):
-            out, into = copy_lists(dst.kv, src.kv)
-            torch._foreach_copy_(out + [dst.rope.cos, dst.rope.sin], into + [src.rope.cos, src.rope.sin])
-        entry.graph.replay()
-        assert entry.outputs is not None
-        return entry.outputs[0][:n].clone(), entry.outputs[1][:n].clone()
-
-    def _fit_rows(self, key: GraphKey, x_v, x_a, conds: list[BatchBranch], unconds: list[BatchBranch]):
-        """A batch grown to `key`'s rows (copies of its last request; their results are dropped) with its exact
-        prefixes padded to `key`'s width. Only what a replay copies in: the captured static inputs (noisy masks,
-        domain ids) are the contract's, the same for every row."""
-        n, m = x_v.shape[0], key.batch
-
-        def grow(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t, t[-1:].expand(m - n, *t.shape[1:])]) if m > n else t
-
-        def grow_seqs(seqs: list[BatchBranch]) -> list[BatchBranch]:
-            return seqs + [BatchBranch(r, seqs[-1].kv, seqs[-1].rope) for r in range(n, m)] if seqs else seqs
-
-        conds, unconds = self._pad_prefixes(grow_seqs(conds), grow_seqs(unconds), width=key.width)
-        return grow(x_v), grow(x_a), conds, unconds
-
-    def _capture(self, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim) -> CapturedGraph:
-        log.info("capturing a CUDA graph for bucket vision %s, prefixes %s", tuple(x_v.shape),
-                 [s.kv.length for s in conds + unconds])
-        entry = CapturedGraph()
-        seqs = [_clone_seq(s) for s in conds + unconds]
-        s_conds, s_unconds = seqs[: len(conds)], seqs[len(conds):]
-        ins = {"x_v": x_v.clone(), "x_a": x_a.clone(), "seqs": seqs,
-               "static": {k: v.clone() for k, v in static.items()}}
-        entry.inputs = ins
-
-        def run():
-            return self._loop(ins["x_v"], ins["x_a"], ins["static"], s_conds, s_unconds, plan, timesteps, cfg_steps,
-                              opts, raw_dim)
-
-        # Memory shared by every bucket's graph: the K/V buffers (28 GiB at Nano batch 8) come from one
-        # arena allocated outside capture, and the temporaries from one graph pool. Made inside each
-        # capture, the buffers stayed allocated per graph: a server warming batch sizes 1..8 of Nano ran
-        # out of 141 GB at batch 6-7. Sharing is safe because replays are sequential on one stream, each
-        # replay writes every buffer it reads (prefixes and Generator K/V included) before reading it,
-        # and its outputs are cloned before any other graph replays. A bigger bucket gets a bigger arena;
-        # graphs captured on the old one keep it alive, so warm the largest batch first.
-        arena = self.kv_arena.reserve(self._loop_batches(conds, unconds, cfg_steps))
-        with self.kv_arena.allocating():
-            entry.outputs = self._record(entry, run)
-        # The graph reads tensors made before capture (the sampler plan's divisors, the K/V arena): they
-        # must live as long as the graph, or replays read freed memory.
-        entry.keepalive = (plan, run, arena)
-        return entry
-
-    def _record(self, entry: CapturedGraph, run) -> tuple[torch.Tensor, torch.Tensor]:
-        """Warm `run` up on a side stream, then capture it into `entry.graph` in the pool every graph shares.
-        (The only CUDA-specific step of capture: tests stand in for it on the CPU.)"""
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # compile / autotune / cuDNN plan selection happen here, not in capture
-                run()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        entry.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(entry.graph, pool=self._graph_pool):
-            return run()
-
     # E0/E1: the reference call pattern (full forward per branch per step) --------------------------
     def _reference_loop(self, inp: DenoiseInputs, opts: SamplingOptions, timesteps, cfg_steps):
         model, dtype = self.model, self.model.dtype
@@ -628,58 +523,5 @@ class Engine:
         return x_v, x_a
 
 
-def _clone_seq(s: BatchBranch) -> BatchBranch:
-    """A sequence's own copy, its K/V in one storage: the static input buffers a captured graph reads."""
-    return BatchBranch(s.request, StackedKV.of(s.kv).clone(), Rope(s.rope.cos.clone(), s.rope.sin.clone()))
-
-
-def _read_rows(q: torch.Tensor, g: torch.Tensor, tok: GeneratorTokens, which: str, patch: int,
-               clean_frames: int = OBSERVED_LATENT_FRAMES) -> tuple[torch.Tensor, torch.Tensor, GeneratorTokens, int]:
-    """The rows of the last layer's queries q [B, H, G, d] and hidden states g [B, G, h] whose output is read (rows
-    in the order [vision | sound | action]): "action", the last rows; "noisy", all but the `clean_frames` leading
-    clean latent frames (a policy's observation, `OBSERVED_LATENT_FRAMES`; a world request's conditioning frames),
-    whose velocity is zero. Returns them, the tokens their output decodes with and how many leading vision frames
-    the output lacks. The copies keep q's memory order
-    ([B, G, H, d] under the [B, H, G, d] view, what the head epilogue and SDPA's q have)."""
-    clean = 0
-    if which == "action":
-        assert tok.action is not None
-        start = g.shape[1] - tok.action.shape[1]
-        tok = replace(tok, vision=None, vision_noisy=None, sound=None, sound_noisy=None)
-    elif which == "noisy" and tok.vision is not None and 0 < clean_frames < tok.vision.shape[2]:
-        clean = clean_frames
-        frames = tok.vision.shape[2]
-        start = clean * (tok.counts(patch)[0] // frames)
-        tok = replace(tok, vision=tok.vision[:, :, clean:], vision_noisy=tok.vision_noisy[:, clean:])
-    else:
-        raise ValueError(f"last_layer_rows must be 'all', 'noisy' (with vision and 0 < clean_frames < its frames) "
-                         f"or 'action', got {which!r} with clean_frames={clean_frames}")
-    q = q.transpose(1, 2)[:, start:].contiguous().transpose(1, 2)
-    return q, g[:, start:].contiguous(), tok, clean
-
-
 def _prefix_lengths(inp: DenoiseInputs) -> tuple[int, int]:
     return inp.cond.input_ids.shape[1], inp.uncond.input_ids.shape[1] if inp.uncond is not None else 0
-
-
-def run_to_end(pieces: Generator[None, None, Any]) -> Any:
-    """Runs a paused-computation generator (see `Engine._generator_pieces`) through and returns its result."""
-    while True:
-        try:
-            next(pieces)
-        except StopIteration as done:
-            return done.value
-
-
-def _select(tok: GeneratorTokens, rows: list[int]) -> GeneratorTokens:
-    """The requests `rows` of a token batch (rows may repeat: a request's two CFG branches). Slices
-    and cat only: an index tensor built from a host list would be a copy a CUDA graph cannot hold."""
-    if rows == list(range(tok.timesteps.shape[0])):
-        return tok
-
-    def pick(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else torch.cat([x[r : r + 1] for r in rows])
-
-    return GeneratorTokens(timesteps=pick(tok.timesteps), vision=pick(tok.vision), vision_noisy=pick(tok.vision_noisy),
-                           sound=pick(tok.sound), sound_noisy=pick(tok.sound_noisy), action=pick(tok.action),
-                           action_noisy=pick(tok.action_noisy), domain_ids=pick(tok.domain_ids))

@@ -35,8 +35,10 @@ from ..pipeline.vae import FrameEncoder
 from ..pipeline.world import WorldResult, run_world
 from ..sampler import Anchor, DistilledPlan, cfg_combine, guidance_active, make_anchor
 from .config import EngineConfig
-from .engine import Engine, _clone_seq, run_to_end
+from .engine import Engine
+from .generator_pass import run_to_end
 from .graph_cache import CapturedGraph, CaptureTimer, GraphKey
+from .graph_capture import clone_branch
 from .kv_buffers import BatchBranch
 from .prefix_cache import copy_lists
 from .vae_decode import implicit_pad_decoder
@@ -302,7 +304,7 @@ class WorldEngine(Engine):
     def _capture_world(self, x_v, x_s, static, conds, unconds, spec: _LoopSpec, *,
                        between: Callable[[], None] | None = None) -> CapturedGraph:
         entry = CapturedGraph()
-        seqs = [_clone_seq(s) for s in conds + unconds]
+        seqs = [clone_branch(s) for s in conds + unconds]
         s_conds, s_unconds = seqs[: len(conds)], seqs[len(conds):]
         ins = {"x_v": x_v.clone(), "x_s": None if x_s is None else x_s.clone(), "seqs": seqs,
                "static": {k: v.clone() for k, v in static.items()}}
