@@ -428,7 +428,7 @@ class Engine(GraphCapture):
             q, g = self._pre(layer, g, update, rope, kbuf, vbuf, bufs.start)
             if index == last and last_layer_rows != "all":
                 q, g, out_tok, clean = read_rows(q, g, tok, last_layer_rows, self.model.config.latent_patch_size,
-                                                  clean_frames)
+                                                 clean_frames)
             g, update = self._post(layer, g, attn(q, kbuf, vbuf, causal=False))
             if index in pause_after:
                 yield

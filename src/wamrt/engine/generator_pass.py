@@ -14,7 +14,7 @@ from ..pipeline.droid import OBSERVED_LATENT_FRAMES
 
 
 def read_rows(q: torch.Tensor, g: torch.Tensor, tok: GeneratorTokens, which: str, patch: int,
-               clean_frames: int = OBSERVED_LATENT_FRAMES) -> tuple[torch.Tensor, torch.Tensor, GeneratorTokens, int]:
+              clean_frames: int = OBSERVED_LATENT_FRAMES) -> tuple[torch.Tensor, torch.Tensor, GeneratorTokens, int]:
     """The rows of the last layer's queries q [B, H, G, d] and hidden states g [B, G, h] whose output is read (rows
     in the order [vision | sound | action]): "action", the last rows; "noisy", all but the `clean_frames` leading
     clean latent frames (a policy's observation, `OBSERVED_LATENT_FRAMES`; a world request's conditioning frames),
