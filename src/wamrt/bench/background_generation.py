@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from ..serving.generation import SAMPLE_REFERENCE as SAMPLE
-from ..serving.generation import reference_upload
+from ..serving.generation_settings import SAMPLE_REFERENCE as SAMPLE
+from ..serving.generation_settings import reference_upload
 
 SYNC_PATH = "/v1/videos/sync"
 EXAMPLE = '{"prompt": "a robot arm", "size": "832x480", "num_frames": "33", "input_reference": "@sample"}'

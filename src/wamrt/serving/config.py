@@ -5,16 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ServeConfigError
+from .generation_settings import resolve_sampler, warmup_fields
+
 ATTENTION_CHOICES = ("cudnn", "flash", "efficient", "fa4")
 EPILOGUE_CHOICES = ("inductor", "quack")
-
-
-class ServeConfigError(ValueError):
-    """A setting that cannot work; `flag` names the `wamrt serve` flag (the field is its snake_case form)."""
-
-    def __init__(self, message: str, *, flag: str) -> None:
-        super().__init__(f"{flag}: {message}")
-        self.flag = flag
 
 
 @dataclass
@@ -60,7 +55,8 @@ class ServeConfig:
     # defaults need nothing beyond PyTorch.
     attention: str = "cudnn"
     epilogues: str = "inductor"
-    # World generation's sampler: auto (from the checkpoint folder) | unipc | distilled (`generation.resolve_sampler`).
+    # World generation's sampler: auto (from the checkpoint folder) | unipc | distilled
+    # (`generation_settings.resolve_sampler`).
     sampler: str = "auto"
     extra_metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -72,8 +68,6 @@ class ServeConfig:
         if self.generation_step_segments < 1:
             raise ServeConfigError(f"must be >= 1, got {self.generation_step_segments}",
                                    flag="--generation-step-segments")
-        from .generation import warmup_fields
-
         for text in self.generation_warmup:
             try:
                 warmup_fields(text)
@@ -100,8 +94,6 @@ class ServeConfig:
                                    flag="--epilogues")
         # Two small JSON reads of the checkpoint folder, so that a distilled sampler forced on a checkpoint without
         # a distilled schedule (or an unreadable one) fails naming --sampler before any model is built.
-        from .generation import resolve_sampler
-
         resolve_sampler(self.sampler, self.model_name)
 
     def engine_settings(self, device: str) -> dict[str, Any]:

@@ -8,6 +8,14 @@ from ..client.wire import WireError
 from ..pipeline.errors import RequestError
 
 
+class ServeConfigError(ValueError):
+    """A setting that cannot work; `flag` names the `wamrt serve` flag (the field is its snake_case form)."""
+
+    def __init__(self, message: str, *, flag: str) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
 class ServingError(Exception):
     """An error the server reports to the client. `code` is stable API; `message` is for humans."""
 

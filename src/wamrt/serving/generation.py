@@ -3,8 +3,9 @@
 
 Sampler. A checkpoint runs `wamrt.pipeline.world.run_world` (UniPC with CFG), or, when it is a distilled one,
 `wamrt.pipeline.world_distilled.run_world_distilled` (its own few-step schedule, guidance baked in). Which one
-is decided once, at startup, by `resolve_sampler` (`wamrt serve --sampler`, default: from the checkpoint folder)
-and held by `WorldModel.schedule`; `build_generation` reads the request fields for that sampler.
+is decided once, at startup, by `generation_settings.resolve_sampler` (`wamrt serve --sampler`, default: from
+the checkpoint folder) and held by `WorldModel.schedule`; `build_generation` reads the request fields for that
+sampler.
 
 Scheduling. Generation runs on its own thread (`GenerationWorker`, one job at a time, its own bounded
 queue of `max_generation_jobs`), and shares the device with the policy queue through the batcher's
@@ -39,10 +40,10 @@ import numpy as np
 
 from ..pipeline.errors import RequestError
 from .batcher import DeviceGate, GenerationCancelled
-from .config import ServeConfigError
 from .dynamics import _conditioning
 from .errors import Busy, Cancelled, InvalidRequest, NotReady, ServingError, as_serving_error
 from .fields import as_float, as_int
+from .generation_settings import resolve_sampler
 from .media import audio_rate, encode_mp4, encode_png
 
 if TYPE_CHECKING:
@@ -52,8 +53,6 @@ log = logging.getLogger("wamrt.serving")
 
 Kind = Literal["video", "image"]
 Sampler = Literal["unipc", "distilled"]
-SAMPLER_CHOICES = ("auto", "unipc", "distilled")  # `wamrt serve --sampler`
-_DISTILLED_PIPELINE = "Cosmos3DistilledModularPipeline"  # modular_model_index.json `_class_name`
 # Defaults: vLLM-Omni's Cosmos3 recipe (T2V/I2V/V2V 1280x720, 189 frames at 24 fps, 35 steps, guidance 6,
 # flow shift 10; T2I 1024x1024, 50 steps, guidance 7); the metadata sentences are off unless asked for,
 # as in vLLM-Omni's server (run_world's own defaults are diffusers', where they are on).
@@ -134,71 +133,6 @@ def find_sound_tokenizer(checkpoint: str) -> Path | None:
     return None
 
 
-def _json_object(path: Path) -> dict[str, Any] | None:
-    """The JSON object in `path`: {} when there is no such file, None when it cannot be read as one."""
-    try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def distilled_folder(checkpoint: str) -> Path | None:
-    """The folder of a served checkpoint (its own, or the one above a bare transformer folder) that declares
-    it distilled, or None.
-
-    Declared by diffusers' `modular_model_index.json` naming `Cosmos3DistilledModularPipeline` or carrying
-    `distilled_sigmas` (what that pipeline reads), or by a `FlowMatchEulerDiscreteScheduler` scheduler config
-    (how vLLM-Omni tells them apart: base Cosmos 3 checkpoints ship UniPC). A file there that cannot be read
-    counts as a declaration, so that `load_distilled_schedule` says what is wrong with it. Built-in and
-    `random:` models are not folders and declare nothing.
-    """
-    if not checkpoint or not Path(checkpoint).is_dir():
-        return None
-    from ..pipeline.world_distilled import MODULAR_INDEX, SCHEDULER_CLASS, SCHEDULER_CONFIG
-
-    root = Path(checkpoint)
-    for folder in (root, root.parent):
-        index, scheduler = _json_object(folder / MODULAR_INDEX), _json_object(folder / SCHEDULER_CONFIG)
-        if index is None or scheduler is None or "distilled_sigmas" in index \
-                or index.get("_class_name") == _DISTILLED_PIPELINE or scheduler.get("_class_name") == SCHEDULER_CLASS:
-            return folder
-    return None
-
-
-def resolve_sampler(sampler: str, checkpoint: str) -> DistilledSchedule | None:
-    """The world-generation sampler of `wamrt serve --sampler SAMPLER` on `checkpoint`: the distilled schedule
-    to run, or None for UniPC with CFG. Errors are `ServeConfigError`s naming `--sampler`.
-
-    auto: distilled when the checkpoint declares it (`distilled_folder`), else UniPC; unipc: UniPC even on a
-    distilled checkpoint; distilled: the checkpoint's schedule, which must exist. A declared schedule that
-    cannot be read fails here rather than falling back to UniPC: a distilled checkpoint sampled with 35 UniPC
-    steps and CFG still produces a video, just not one it was trained to make.
-    """
-    if sampler not in SAMPLER_CHOICES:
-        raise ServeConfigError(f"must be one of {', '.join(SAMPLER_CHOICES)}, got {sampler!r}", flag="--sampler")
-    if sampler == "unipc":
-        return None
-    folder = distilled_folder(checkpoint)
-    if folder is None:
-        if sampler == "distilled":
-            raise ServeConfigError(
-                f"{checkpoint or 'the served model'} is not a distilled checkpoint (no modular_model_index.json with "
-                "distilled_sigmas, no FlowMatchEulerDiscreteScheduler in scheduler/); serve it with --sampler auto "
-                "or unipc", flag="--sampler")
-        return None
-    from ..pipeline.world_distilled import DistilledCheckpointError, load_distilled_schedule
-
-    try:
-        return load_distilled_schedule(folder)
-    except DistilledCheckpointError as exc:
-        fallback = "" if sampler == "distilled" else "; --sampler unipc serves it with UniPC anyway"
-        raise ServeConfigError(f"{checkpoint} declares a distilled schedule that cannot be used: {exc}{fallback}",
-                               flag="--sampler") from exc
-
-
 def world_model_of(policy: Any, checkpoint: str, sampler: str = "auto", *,
                    step_segments: int = 1) -> WorldModel | None:
     """The served policy's (or fast engine's) model/encoder/tokenizer as a `WorldModel`; None when it has none
@@ -239,48 +173,6 @@ def _world_engine(policy: Any, step_segments: int = 1) -> Any | None:
 
 # ------------------------------------------------------------------------------------------------
 # Requests
-
-SAMPLE_REFERENCE = "@sample"  # a field value naming the built-in picture (the sample observation's wrist view)
-
-
-def sample_picture() -> bytes:
-    """PNG of the sample observation's 360x640 wrist view: a table with three coloured discs."""
-    from ..sample import sample_observation
-
-    return encode_png(sample_observation(0)["observation/wrist_image_left"])
-
-
-def warmup_fields(text: str) -> dict[str, Any]:
-    """One `wamrt serve --generation-warmup` value -> the fields of a warm-up job: a JSON object of
-    /v1/videos/sync form fields, where "@sample" is the built-in picture and "@PATH" a file's bytes (curl's -F
-    convention). Raises ValueError saying what is wrong."""
-    example = '{"size": "832x480", "num_frames": "33", "input_reference": "@sample"}'
-    try:
-        fields = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"not JSON ({exc}); expected an object such as {example}") from None
-    if not isinstance(fields, dict) or not fields:
-        raise ValueError(f"must be a non-empty JSON object of /v1/videos/sync fields, such as {example}")
-    fields.setdefault("prompt", "A robot arm picks up the red block and places it in the blue bowl.")
-    for key, value in fields.items():
-        if isinstance(value, str) and value.startswith("@"):
-            try:
-                fields[key] = reference_upload(value)[1]
-            except ValueError as exc:
-                raise ValueError(f"field {key!r}: {exc}") from None
-    return fields
-
-
-def reference_upload(value: str) -> tuple[str, bytes]:
-    """A field value "@sample" (the built-in picture) or "@PATH" -> (file name, bytes); ValueError for a missing
-    file."""
-    if value == SAMPLE_REFERENCE:
-        return "sample.png", sample_picture()
-    path = Path(value[1:])
-    if not path.is_file():
-        raise ValueError(f"{value[1:]!r} is not a file ({SAMPLE_REFERENCE} = the built-in picture)")
-    return path.name, path.read_bytes()
-
 
 @dataclass
 class GenerationRequest:
@@ -360,8 +252,6 @@ def _num_frames(fields: dict[str, Any], fps: float, default: int) -> int:
 
 
 def _extra(fields: dict[str, Any]) -> dict[str, Any]:
-    import json
-
     extra = fields.get("extra_params") or {}
     if isinstance(extra, str):
         try:

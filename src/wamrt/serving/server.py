@@ -15,7 +15,7 @@ from ..net import free_port
 from .app import build_app
 from .batcher import BatchPolicy
 from .config import ATTENTION_CHOICES, EPILOGUE_CHOICES, ServeConfig, ServeConfigError
-from .generation import SAMPLER_CHOICES
+from .generation_settings import SAMPLER_CHOICES
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -119,7 +119,8 @@ class Service:
 
     async def warm_up_generation(self, text: str) -> None:
         """One `--generation-warmup` job through the generation thread (the path requests take), unmetered."""
-        from .generation import build_generation, warmup_fields
+        from .generation import build_generation
+        from .generation_settings import warmup_fields
 
         fields = await asyncio.to_thread(warmup_fields, text)
         req = await asyncio.to_thread(build_generation, fields, self.world, max_pixels=self.config.max_video_pixels,
