@@ -2,8 +2,8 @@
 checkpoint is served with (`resolve_sampler`, `--sampler`) and the warm-up jobs (`warmup_fields`,
 `--generation-warmup`), plus the "@sample" / "@PATH" upload convention those jobs and the benches share.
 
-Kept apart from `generation` (the jobs themselves) so that `ServeConfig` can check these flags when it is made
-without importing the job machinery, and `generation` can import the config's error type without a circle.
+Kept apart from `generation` (the jobs themselves) so that `ServeConfig` checks these flags when it is made
+without importing the job machinery, and no module of `serving` imports one that imports it back.
 """
 
 from __future__ import annotations
