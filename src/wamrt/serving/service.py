@@ -18,7 +18,15 @@ from .batcher import Batcher, BatchPolicy, BatchResult, Job
 from .config import ServeConfig
 from .dynamics import DynamicsRequest, generic_runner
 from .errors import InvalidRequest, NotReady, ServingError, as_serving_error
-from .generation import GenerationJob, GenerationOutcome, GenerationRequest, GenerationWorker, world_model_of
+from .generation import (
+    GenerationJob,
+    GenerationOutcome,
+    GenerationRequest,
+    GenerationWorker,
+    build_generation,
+    world_model_of,
+)
+from .generation_settings import warmup_fields
 from .metrics import Metrics
 from .observation import JOINTS, ParsedRequest
 from .safety import SafetyEnvelope
@@ -119,9 +127,6 @@ class Service:
 
     async def warm_up_generation(self, text: str) -> None:
         """One `--generation-warmup` job through the generation thread (the path requests take), unmetered."""
-        from .generation import build_generation
-        from .generation_settings import warmup_fields
-
         fields = await asyncio.to_thread(warmup_fields, text)
         req = await asyncio.to_thread(build_generation, fields, self.world, max_pixels=self.config.max_video_pixels,
                                       model_name=self.config.model_name)
