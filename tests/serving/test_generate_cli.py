@@ -40,7 +40,8 @@ def test_video_with_sound_is_a_playable_mp4(tmp_path, capsys):
 
 def test_png_equals_the_server_request_path(tmp_path):
     import wamrt
-    from wamrt.serving.generation import build_generation, world_model_of
+    from wamrt.serving.generation_request import build_generation
+    from wamrt.serving.world_model import world_model_of
 
     out = tmp_path / "still.png"
     rc = main(["generate", "--prompt", "a wooden table", "--size", "32x48", "--steps", "2", "--seed", "7",

@@ -33,8 +33,10 @@ from wamrt.client.wire import packb, unpackb
 from wamrt.sample import sample_observation
 from wamrt.serving import ServeConfig, ServerThread
 from wamrt.serving.batcher import DeviceGate
-from wamrt.serving.generation import GenerationJob, GenerationWorker, build_generation, world_model_of
+from wamrt.serving.generation import GenerationJob, GenerationWorker
+from wamrt.serving.generation_request import build_generation
 from wamrt.serving.media import audio_rate, encode_mp4, encode_png
+from wamrt.serving.world_model import world_model_of
 
 # gc.get_objects() touches lazy torch attributes that warn on access; the sound tokenizer uses weight_norm.
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")

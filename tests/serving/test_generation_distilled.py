@@ -34,8 +34,8 @@ from wamrt.pipeline.builtin import build_builtin
 from wamrt.pipeline.world_distilled import load_distilled_schedule, run_world_distilled
 from wamrt.serving import ServeConfig, ServerThread, generation
 from wamrt.serving.config import ServeConfigError
-from wamrt.serving.generation import world_model_of
 from wamrt.serving.generation_settings import resolve_sampler
+from wamrt.serving.world_model import world_model_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 SIGMAS = (1.0, 0.8333, 0.4125, 0.2)  # 4 steps, non-integer timesteps (as tests/pipeline/test_world_distilled.py)

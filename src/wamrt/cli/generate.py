@@ -43,7 +43,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def _fields(args: argparse.Namespace) -> dict:
-    """The HTTP form fields these flags stand for (`serving.generation.build_generation` validates them)."""
+    """The HTTP form fields these flags stand for (`serving.generation_request.build_generation` validates them)."""
     if args.image is not None and args.video is not None:
         raise ValueError("give --image or --video, not both")
     fields: dict = {"prompt": args.prompt, "seed": str(args.seed)}
@@ -71,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
 
     from ..pipeline import RequestError, load_policy
     from ..serving.errors import ServingError
-    from ..serving.generation import build_generation, world_model_of
+    from ..serving.generation_request import build_generation
     from ..serving.media import audio_rate, encode_mp4, encode_png
+    from ..serving.world_model import world_model_of
 
     suffix = args.out.suffix.lower()
     if suffix not in (".mp4", ".png"):

@@ -18,7 +18,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .generation import build_generation
+from .generation_request import build_generation
 from .http_api import service_of, until_disconnect
 from .videos import _guard, _headers, _peak_memory_mb, _read_fields
 

@@ -18,18 +18,13 @@ from .batcher import Batcher, BatchPolicy, BatchResult, Job
 from .config import ServeConfig
 from .dynamics import DynamicsRequest, generic_runner
 from .errors import InvalidRequest, NotReady, ServingError, as_serving_error
-from .generation import (
-    GenerationJob,
-    GenerationOutcome,
-    GenerationRequest,
-    GenerationWorker,
-    build_generation,
-    world_model_of,
-)
+from .generation import GenerationJob, GenerationOutcome, GenerationWorker
+from .generation_request import GenerationRequest, build_generation
 from .generation_settings import warmup_fields
 from .metrics import Metrics
 from .observation import JOINTS, ParsedRequest
 from .safety import SafetyEnvelope
+from .world_model import world_model_of
 
 log = logging.getLogger("wamrt.serving")
 # Policy timing keys that are input preparation / output handling; everything else is model time.

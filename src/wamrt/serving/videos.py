@@ -40,7 +40,8 @@ from ..client.wire import _decode_image, json_array, to_jsonable
 from .dynamics import DYNAMICS_MODES, DynamicsRequest, build_dynamics
 from .errors import Busy, Cancelled, Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from .fields import as_float, as_int
-from .generation import GenerationOutcome, GenerationRequest, build_generation
+from .generation import GenerationOutcome
+from .generation_request import GenerationRequest, build_generation
 from .http_api import service_of, until_disconnect
 from .media import encode_mp4
 from .observation import GRIPPER, IMAGE, JOINTS, PROMPT, parse_params, parse_request
