@@ -66,7 +66,7 @@ def test_load_scaling_ratios():
 def test_latency_rows_opt_in_and_unknown(tmp_path, monkeypatch):
     """The untimed alternatives are opt-in (autotuning would eat a default GPU run's time limit) and run; a
     misspelt row is a clear error, not a KeyError halfway through a run."""
-    from wamrt.bench.latency import DEFAULT_ROWS, ROWS
+    from wamrt.bench.catalog import DEFAULT_ROWS, ROWS
 
     assert "E5-autotune" not in DEFAULT_ROWS and "E5-bucket" not in DEFAULT_ROWS and "E5" in DEFAULT_ROWS
     assert set(DEFAULT_ROWS) < set(ROWS)

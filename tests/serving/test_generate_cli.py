@@ -76,3 +76,42 @@ def test_bad_arguments_exit_2_naming_what_is_wrong(tmp_path, capsys, argv, messa
     rc = main(base + argv)
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_cpu_picks_small_defaults_and_says_so(tmp_path, capsys, monkeypatch):
+    from wamrt.cli import generate
+    from wamrt.serving.generation import VIDEO_DEFAULTS
+
+    # The shipped CPU defaults are a small fraction of the GPU (vLLM-Omni) job ...
+    cpu = generate.CPU_DEFAULTS["video"]
+    w, h = (int(v) for v in cpu["size"].split("x"))
+    cpu_work = w * h * int(cpu["num_frames"]) * int(cpu["num_inference_steps"])
+    gpu = VIDEO_DEFAULTS
+    gpu_work = gpu["width"] * gpu["height"] * gpu["num_frames"] * gpu["steps"]
+    assert cpu_work * 100 < gpu_work
+    # ... and a run that leaves size, frames and steps out gets them (patched smaller here, to stay fast).
+    monkeypatch.setitem(generate.CPU_DEFAULTS, "video",
+                        {"size": "48x32", "num_frames": "5", "num_inference_steps": "2"})
+    rc = main(["generate", "--prompt", "a cup", "--device", "cpu", "--out", str(tmp_path / "o.mp4"), "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["frames"] == [5, 32, 48, 3] and summary["sampler"]["steps"] == 2
+    assert "note: on a CPU, small defaults: size 48x32, num_frames 5, num_inference_steps 2" in captured.err
+    # an explicit flag wins over the CPU default
+    rc = main(["generate", "--prompt", "a cup", "--device", "cpu", "--steps", "1", "--out", str(tmp_path / "p.mp4"),
+               "--json", "--quiet"])
+    assert rc == 0 and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["sampler"]["steps"] == 1
+
+
+def test_a_long_job_is_announced_with_its_estimate(tmp_path, capsys, monkeypatch):
+    from wamrt.cli import generate
+
+    argv = ["generate", "--prompt", "a cup", "--size", "48x32", "--frames", "5", "--steps", "2", "--device", "cpu",
+            "--out", str(tmp_path / "o.mp4"), "--quiet"]
+    assert main(argv) == 0
+    assert "warning" not in capsys.readouterr().err  # seconds: nothing to warn about
+    monkeypatch.setattr(generate, "LONG_JOB_S", 0.0)  # every job is "long": the estimate line appears once
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(lines) == 1 and "this job will take about" in lines[0] and "2 steps" in lines[0]

@@ -557,8 +557,9 @@ def test_stored_videos_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_generation_step_segments_flag_reaches_the_config_and_is_checked() -> None:
     import argparse
 
+    from wamrt.cli.serve import add_arguments
     from wamrt.serving.config import ServeConfigError
-    from wamrt.serving.server import add_arguments, config_from_args
+    from wamrt.serving.server import config_from_args
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)

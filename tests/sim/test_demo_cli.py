@@ -24,9 +24,13 @@ def test_demo_without_the_trained_policy_says_what_to_do(tmp_path):
 def test_demo_serves_runs_episodes_and_writes_the_video(tmp_path):
     import av
 
-    video = tmp_path / "episode.mp4"
-    r = _demo(["--model", "tiny-droid", "--episodes", "2", "--max-steps", "8", "--video", str(video)], tmp_path)
+    from wamrt.net import free_port
+
+    video, port = tmp_path / "episode.mp4", free_port()
+    r = _demo(["--model", "tiny-droid", "--episodes", "2", "--max-steps", "8", "--video", str(video),
+               "--port", str(port)], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert f"--port {port} " in r.stdout.splitlines()[0]  # the server it started listens where it was told
     summary = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("{")))
     assert summary["episodes"] == 2 and summary["errors"] == 0 and summary["mean_steps"] == 8.0
     assert summary["infer_p50_ms"] > 0 and len(summary["success_ci95"]) == 2

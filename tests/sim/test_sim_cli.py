@@ -20,9 +20,13 @@ def _run(argv: list[str]) -> int:
 def test_rollout_expert_writes_result(tmp_path, capsys):
     out = tmp_path / "rollout.json"
     rc = _run(["rollout", "--task", "lift", "--policy", "expert", "--episodes", "2", "--lanes", "1",
-               "--seed0", "0", "--execute-steps", "8", "--out", str(out)])
+               "--seed0", "0", "--execute-steps", "8", "--out", str(out), "--progress", "on"])
     assert rc == 0
-    assert "2/2 = 100.0% (Wilson 95% CI" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "2/2 = 100.0% (Wilson 95% CI" in captured.out
+    # the forced progress bar (stderr is no terminal here): episodes done, running success rate, ETA
+    assert "2/2" in captured.err and "success 1/1 = 100%" in captured.err and "success 2/2 = 100%" in captured.err
+    assert "<" in captured.err  # tqdm's "elapsed<remaining"
     res = json.loads(out.read_text())
     for key in ("kind", "git_sha", "command", "date", "gpu", "torch", "task", "policy", "episodes", "successes",
                 "success_rate", "ci95", "seeds", "config"):
@@ -36,7 +40,9 @@ def test_gate_expert_vs_expert(tmp_path, capsys):
     rc = _run(["eval", "gate", "--task", "lift", "--baseline", "expert", "--candidate", "expert",
                "--episodes", "2", "--seed0", "3", "--out", str(out)])
     assert rc == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
+    assert "success" not in captured.err  # --progress auto: no bar when stderr is no terminal
     assert "p = 1" in text and "verdict: inconclusive" in text  # 2 identical episodes bound nothing
     res = json.loads(out.read_text())
     assert res["kind"] == "gate" and "verdict" in res and res["p_value"] == 1.0
@@ -74,8 +80,11 @@ def test_demos_record_and_lerobot_export(tmp_path, capsys):
     assert (demos / "episode_000000.npz").is_file() and (demos / "manifest.json").is_file()
     assert _run(["export", "lerobot", "--demos", str(demos), "--out", str(ds)]) == 0
     assert json.loads((ds / "meta/info.json").read_text())["total_episodes"] == 1
-    assert _run(["export", "lerobot", "--demos", str(demos), "--out", str(ds)]) == 2  # never overwrites
-    assert "already holds a dataset" in capsys.readouterr().err
+    assert _run(["export", "lerobot", "--demos", str(demos), "--out", str(ds)]) == 2  # never overwrites unasked
+    assert "already holds a dataset (pass --force to replace it)" in capsys.readouterr().err
+    (ds / "stale.txt").write_text("from the earlier export")
+    assert _run(["export", "lerobot", "--demos", str(demos), "--out", str(ds), "--force"]) == 0
+    assert not (ds / "stale.txt").exists() and json.loads((ds / "meta/info.json").read_text())["total_episodes"] == 1
 
 
 def test_missing_sim_extra_is_a_clear_error(monkeypatch, capsys):

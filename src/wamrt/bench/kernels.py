@@ -20,8 +20,6 @@ from ..engine.epilogues import act_reference, quack_available
 from ..model.config import get_config
 from ..provenance import environment
 
-GENERATOR_TOKENS = 6186
-
 
 def _median_ms(fn: Callable[[], object], iters: int, reps: int = 10) -> tuple[float, str]:
     """Median ms per call, and how it was timed: `reps` calls captured in one CUDA graph and replayed (the engine's
@@ -157,12 +155,3 @@ def run(args: argparse.Namespace) -> int:
               "sites": rows}
     (out / "kernels.json").write_text(json.dumps(record, indent=2) + "\n")
     return 0
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--models", nargs="+", default=["edge", "nano"], choices=["edge", "nano", "super"])
-    ap.add_argument("--tokens", type=int, default=GENERATOR_TOKENS, help="GEMM rows (Generator tokens, both branches)")
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--sweep", action="store_true", help="time every tile configuration of SWEEP_TILES, not only "
-                    "quack's default")
-    ap.add_argument("--out", default="bench/results/kernels")

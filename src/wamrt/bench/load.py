@@ -35,45 +35,10 @@ from urllib.request import Request, urlopen
 import numpy as np
 
 from ..provenance import environment
-from .background_generation import BackgroundGeneration, parse_fields
-from .prompts import PROMPT_SETS, load_prompts
+from .background_generation import BackgroundGeneration
+from .catalog import MAX_LANES, MAX_SECONDS
+from .prompts import load_prompts
 from .stats import summarize
-
-MAX_LANES = 64
-MAX_SECONDS = 600.0
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--url", default="ws://127.0.0.1:8000", help="loopback ws:// URL of a `wamrt serve`")
-    ap.add_argument("--lanes", type=int, default=1, help=f"concurrent closed-loop lanes (1..{MAX_LANES})")
-    ap.add_argument("--seconds", type=float, default=None,
-                    help=f"measured duration (max {MAX_SECONDS:.0f}); default 10, or with --requests the cap")
-    ap.add_argument("--requests", type=int, default=None, metavar="N",
-                    help="measure N requests (ceil(N / lanes) per lane) instead of a duration; --seconds caps it "
-                         f"(default {MAX_SECONDS:.0f})")
-    ap.add_argument("--prompts", default="fixed", metavar="|".join(PROMPT_SETS) + "|FILE",
-                    help="instructions the lanes cycle through, each lane from its own offset: fixed = the sample "
-                         "instruction; mixed = twelve built-in robot instructions of different token lengths; "
-                         "FILE = one instruction per line")
-    ap.add_argument("--warmup-requests", type=int, default=1, metavar="N",
-                    help="unmeasured requests per lane first; with several prompts (and N >= 1) the lanes also send "
-                         "every prompt once between them, so no measured request pays a first prefill")
-    ap.add_argument("--steps", type=int, default=None, help="per-request params.num_steps")
-    ap.add_argument("--api-key", default=None)
-    ap.add_argument("--model", default="", help="label for the result file (e.g. nano)")
-    ap.add_argument("--out", default=None, help="write the kind: load JSON result here")
-    ap.add_argument("--baseline", default=None,
-                    help="a 1-lane result file of the same model: adds requests/s, efficiency and tail ratios")
-    ap.add_argument("--background-generation", type=parse_fields, default=None, metavar="FIELDS",
-                    help="while the lanes run, submit this world-generation job to the server's /v1/videos/sync "
-                         "back to back: a JSON object of vLLM-Omni multipart fields, e.g. '{\"prompt\": \"a robot "
-                         "arm\", \"size\": \"832x480\", \"num_frames\": \"33\", \"num_inference_steps\": \"35\", "
-                         "\"guidance_scale\": \"6\", \"input_reference\": \"@sample\"}' (@sample = a built-in "
-                         "picture, @PATH = a file); adds a background_generation object to the result")
-    ap.add_argument("--generation-warmup", type=int, default=1, metavar="N",
-                    help="with --background-generation: jobs run alone, unmeasured, before the lanes start (a GPU "
-                         "server compiles and captures a job shape's graphs in its first job); 0 when an earlier row "
-                         "already ran the same job on this server")
 
 
 def check_url(url: str) -> str:

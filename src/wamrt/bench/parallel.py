@@ -31,25 +31,6 @@ from .stats import median_stages, summarize
 TEXT_TOKENS = {"cond": 125, "uncond": 30, "note": "stand-in tokenizer with performance.md's counts"}
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="nano",
-                    help="registered size with random weights (edge, nano, super, tiny-qwen)")
-    ap.add_argument("--parallel", choices=["cfg", "tp"], default="cfg")
-    ap.add_argument("--gpus", type=int, default=2, help="ranks (cfg: exactly 2)")
-    ap.add_argument("--baseline", action="store_true", help="first time the same policy on one GPU (rank 0's)")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--layers", type=int, help="override the layer count (smoke tests)")
-    ap.add_argument("--tiny-vae", action="store_true", help="tiny VAE instead of the Wan2.2 size (smoke tests)")
-    ap.add_argument("--attention", default=None, help="Generator attention backend (default: cudnn on CUDA)")
-    ap.add_argument("--no-graph", action="store_true", help="E4 instead of E5 (no whole-loop CUDA graph)")
-    ap.add_argument("--serve-seconds", type=float, default=0.0,
-                    help="also serve the parallel engine on loopback and time one websocket lane this long")
-    ap.add_argument("--device", default="cuda", help="cuda (one GPU per rank, NCCL) or cpu (gloo, tiny models)")
-    ap.add_argument("--out", default="bench/results/latency")
-
-
 def engine_config(args: argparse.Namespace) -> dict[str, Any]:
     if args.device == "cpu":
         return dict(attention=args.attention or "auto", compile=False, cuda_graph=False)

@@ -79,11 +79,6 @@ def format_timeline(line: dict) -> str:
     return "\n".join(out)
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("traces", nargs="+", help="Chrome traces written by `wamrt bench latency --trace`")
-    ap.add_argument("--split-us", type=float, default=100.0, help="a gap at least this long starts a new segment")
-
-
 def run(args: argparse.Namespace) -> int:
     for path in args.traces:
         print(f"{path}\n{format_timeline(gpu_timeline(chrome_trace_intervals(Path(path)), split_us=args.split_us))}")

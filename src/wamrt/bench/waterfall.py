@@ -108,12 +108,3 @@ def run(args: argparse.Namespace) -> int:
     plot(rows, out, title, args.peer_from)
     print(f"{len(rows)} rows -> {out}")
     return 0
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("files", nargs="+", help="result JSON files, in bar order; FILE::NOTE adds NOTE as the bar "
-                    "label's last line")
-    ap.add_argument("--out", required=True, help="PNG to write")
-    ap.add_argument("--title", default="")
-    ap.add_argument("--peer-from", type=int, help="index of the file whose diffusers peer is drawn (default: the "
-                    "first file that has one)")

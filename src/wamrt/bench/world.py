@@ -25,17 +25,16 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..engine.epilogues import EPILOGUES, quack_available
+from ..engine.epilogues import quack_available
 from ..ops.attention import fa4_available, measure_backends
 from ..provenance import environment
+from .catalog import WORLD_MODES
 from .flops import request_flops
 from .rows import time_requests
 from .stats import median_stages, summarize
 
 PROMPT = ("A robot arm in a bright kitchen picks up a red apple from a wooden table and places it gently into a "
           "white ceramic bowl, while the camera slowly pans to the right.")
-MODES: dict[str, dict[str, Any]] = {"t2i": {"num_frames": 1, "size": (1024, 1024)},
-                                    "i2v": {"num_frames": 33, "size": (480, 832)}}
 PEAK_BF16_TFLOPS = 790.0  # performance.md: measured dense bf16 matmul ceiling of the H200
 
 
@@ -92,9 +91,9 @@ def run(args: argparse.Namespace) -> int:
     from ..pipeline.world import world_request
     from .peer_diffusers import diffusers_twin, diffusers_unipc
 
-    unknown = sorted(set(args.modes) - set(MODES))
+    unknown = sorted(set(args.modes) - set(WORLD_MODES))
     if unknown:
-        raise SystemExit(f"--modes: unknown {unknown}; known: {list(MODES)}")
+        raise SystemExit(f"--modes: unknown {unknown}; known: {list(WORLD_MODES)}")
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device(args.device)
     if args.epilogues == "quack" and not quack_available(dev):  # before minutes of peer time, not after
@@ -320,42 +319,3 @@ def _generator_tokens(cfg, num_frames: int, height: int, width: int) -> int:
 
     lat, p = latent_geometry(num_frames, height, width), cfg.latent_patch_size
     return lat.latent_t * (-(-lat.latent_h // p)) * (-(-lat.latent_w // p))
-
-
-def _size(text: str) -> tuple[int, int]:
-    try:
-        h, w = (int(v) for v in text.lower().split("x"))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected HEIGHTxWIDTH, got {text!r}") from e
-    return h, w
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="nano", choices=["edge", "nano", "super", "tiny-qwen", "tiny-edge"],
-                    help="tiny-* run on the CPU in seconds (smoke tests)")
-    ap.add_argument("--layers", type=int, help="override the layer count (smoke tests)")
-    ap.add_argument("--tiny-vae", action="store_true", help="tiny VAE instead of the Wan2.2 size (smoke tests)")
-    ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help=f"of {','.join(MODES)}")
-    ap.add_argument("--t2i-size", type=_size, default=MODES["t2i"]["size"], help="HEIGHTxWIDTH")
-    ap.add_argument("--i2v-size", type=_size, default=MODES["i2v"]["size"], help="HEIGHTxWIDTH")
-    ap.add_argument("--i2v-frames", type=int, default=MODES["i2v"]["num_frames"])
-    ap.add_argument("--steps", type=int, default=35, help="Cosmos3OmniPipeline's default")
-    ap.add_argument("--guidance", type=float, default=6.0, help="Cosmos3OmniPipeline's default")
-    ap.add_argument("--shift", type=float, default=10.0, help="flow shift of the UniPC scheduler")
-    ap.add_argument("--warmup", type=int, default=1, help="requests before timing (the first one captures)")
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--peer", choices=["none", "diffusers"], default="diffusers")
-    ap.add_argument("--peer-warmup", type=int, default=1)
-    ap.add_argument("--peer-runs", type=int, default=5)
-    ap.add_argument("--attention", default="measure", choices=["measure", "cudnn", "fa4", "flash", "efficient"],
-                    help="Generator attention kernel; measure: the fastest at the largest mode's shape")
-    ap.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
-                    help="torch.compile mode of the layer halves (autotuning takes minutes per new shape)")
-    ap.add_argument("--epilogues", default="inductor", choices=list(EPILOGUES),
-                    help="the Generator layer tail's GEMM epilogues (quack: needs quack-kernels, which comes with "
-                         "flash-attn-4, and a Hopper or Blackwell GPU)")
-    ap.add_argument("--all-rows", action="store_true",
-                    help="the last layer on every row (EngineConfig.last_layer_read_rows off): the comparison for "
-                         "the default, which skips an i2v request's conditioning frame there")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--out", default="bench/results/latency")

@@ -13,22 +13,26 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from ..net import free_port
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     ap = sub.add_parser("demo", help="serve the embedded policy and run closed-loop sim episodes over websocket")
-    ap.add_argument("--model", default="panda-droid")
-    ap.add_argument("--task", default="pick_place")
-    ap.add_argument("--episodes", type=int, default=3)
-    ap.add_argument("--seed0", type=int, default=0)
-    ap.add_argument("--execute-steps", type=int, default=8)
-    ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--model", default="panda-droid",
+                    help="what the server serves: the embedded trained policy, a built-in name or a checkpoint folder")
+    ap.add_argument("--task", default="pick_place", help="lift, pick_place or pick_place_two")
+    ap.add_argument("--episodes", type=int, default=3, help="closed-loop episodes, one per seed")
+    ap.add_argument("--seed0", type=int, default=0, help="episode seeds are seed0 .. seed0+episodes-1")
+    ap.add_argument("--execute-steps", type=int, default=8, help="chunk rows run per inference")
+    ap.add_argument("--max-steps", type=int, help="episode step limit (default: the task's)")
     ap.add_argument("--video", type=Path, default=Path("wamrt-demo.mp4"), help="mp4 of the first episode")
+    ap.add_argument("--port", type=int, default=0,
+                    help="port of the server it starts (0: any free port); the demo talks to it over loopback")
     ap.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     ap.add_argument("--engine", choices=["auto", "eager", "fast"], default="auto",
                     help="the server's engine (auto: the fast engine on CUDA, the eager path on CPU)")
@@ -51,6 +55,7 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 300.0) -> 
 
 def _write_mp4(frames: list[np.ndarray], path: Path, fps: int = 15) -> None:
     import av
+    import numpy as np
 
     h, w = frames[0].shape[:2]
     with av.open(str(path), "w") as out:
@@ -85,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
                   f"arm, it does not succeed); --model DIR serves a checkpoint folder", file=sys.stderr)
             return 2
 
-    port = free_port()
+    port = args.port or free_port()
     cmd = [sys.executable, "-m", "wamrt.cli", "serve", "--model", args.model, "--port", str(port),
            "--engine", args.engine, "--max-batch", "1"] + (["--device", args.device] if args.device else [])
     print(f"serving {args.model}: {' '.join(cmd[1:])}", flush=True)

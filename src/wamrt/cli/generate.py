@@ -4,7 +4,8 @@ PNG, with a progress bar over the denoising steps.
 The request is what `POST /v1/videos/sync` (or `/v1/images/generations` for a PNG) would receive, built and
 validated by the server's own `build_generation`, so the flags mean what the HTTP fields mean and share their
 defaults (vLLM-Omni's Cosmos 3 recipe). On a CUDA device it runs on a `WorldEngine` (`--eager`: the reference
-pipeline); a distilled checkpoint runs its few-step sampler (`--sampler`).
+pipeline); a distilled checkpoint runs its few-step sampler (`--sampler`). On a CPU the size, frame count and
+steps the flags leave out are small ones (`CPU_DEFAULTS`): the GPU defaults would run for half an hour.
 """
 
 from __future__ import annotations
@@ -14,22 +15,32 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+# What a CPU runs when the flags leave these out: ~15 s for tiny-world on 2 cores (the GPU defaults, 1280x720 x 189
+# frames x 35 steps, measured ~26 min). Steps are left to a distilled checkpoint's own schedule.
+CPU_DEFAULTS = {"video": {"size": "384x224", "num_frames": "17", "num_inference_steps": "12"},
+                "image": {"size": "384x384", "num_inference_steps": "12"}}
+LONG_JOB_S = 60.0  # a projected denoising time above this gets a warning with the estimate
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="tiny-world",
                     help="checkpoint folder, built-in name or random:SIZE (default: tiny-world, sound heads included)")
-    ap.add_argument("--prompt", required=True)
-    ap.add_argument("--negative-prompt")
+    ap.add_argument("--prompt", required=True, help="what the video (or image) shows")
+    ap.add_argument("--negative-prompt", help="what to steer away from (default: the pipeline's)")
     ap.add_argument("--image", type=Path, help="image -> video: the first frame (PNG, JPEG, ...)")
     ap.add_argument("--video", type=Path, help="video -> video: an MP4 whose first frames condition")
-    ap.add_argument("--size", help="WIDTHxHEIGHT, multiples of 16 (default: 1280x720 video, 1024x1024 image)")
-    ap.add_argument("--frames", type=int, help="4k + 1 frames (default 189; an .png --out makes one image)")
-    ap.add_argument("--fps", type=float)
-    ap.add_argument("--steps", type=int, help="denoising steps (default 35 video / 50 image; distilled: its own)")
-    ap.add_argument("--guidance", type=float)
+    ap.add_argument("--size", help="WIDTHxHEIGHT, multiples of 16 (default: 1280x720 video, 1024x1024 image; on a "
+                    "CPU 384x224 / 384x384)")
+    ap.add_argument("--frames", type=int, help="4k + 1 frames (default 189; on a CPU 17; an .png --out makes one "
+                    "image)")
+    ap.add_argument("--fps", type=float, help="frame rate of the clip (default 24)")
+    ap.add_argument("--steps", type=int, help="denoising steps (default 35 video / 50 image; on a CPU 12; distilled: "
+                    "its own)")
+    ap.add_argument("--guidance", type=float, help="CFG scale (default 6 video / 7 image; distilled: 1)")
     ap.add_argument("--shift", type=float, help="flow shift of the UniPC schedule (default 10)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="noise seed")
     ap.add_argument("--sound", action="store_true", help="generate a sound track too (checkpoints with sound heads)")
     ap.add_argument("--templates", action="store_true",
                     help="add the resolution and duration sentences to the prompts (diffusers' default)")
@@ -65,6 +76,20 @@ def _fields(args: argparse.Namespace) -> dict:
     return fields
 
 
+def _small_defaults(fields: dict[str, Any], kind: str, *, distilled: bool) -> None:
+    """CPU_DEFAULTS for the fields the flags left out (said on stderr, so a user knows what ran and why)."""
+    chosen = {k: v for k, v in CPU_DEFAULTS[kind].items()
+              if k not in fields and not (distilled and k == "num_inference_steps")}
+    if chosen:
+        fields.update(chosen)
+        print("note: on a CPU, small defaults: " + ", ".join(f"{k} {v}" for k, v in chosen.items())
+              + " (give --size / --frames / --steps for more)", file=sys.stderr)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
@@ -89,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         if world is None:
             raise ValueError(f"{args.model} has no world-generation path")
         device = next(policy.model.parameters()).device
+        if device.type == "cpu":
+            _small_defaults(fields, kind, distilled=world.schedule is not None)
         if device.type == "cuda" and not args.eager:
             from dataclasses import replace
 
@@ -105,10 +132,17 @@ def run(args: argparse.Namespace) -> int:
     bar = tqdm(total=req.steps, desc=f"{kind} {req.record.get('size', '')}".strip(), unit="step",
                disable=args.quiet, file=sys.stderr)
     t0 = time.perf_counter()
+
+    def on_step(i: int, steps: int) -> None:
+        bar.update(1)
+        if i == 0 and (projected := (time.perf_counter() - t0) * steps) > LONG_JOB_S:
+            bar.write(f"warning: this job will take about {_duration(projected)} on {device.type} ({steps} steps, the "
+                      f"first took {projected / steps:.1f} s; the VAE decode comes after); smaller: --size, --frames, "
+                      "--steps", file=sys.stderr)
+
     try:
         extra = {"sound_decoder": world.sound} if req.sound else {}
-        result = world.run(**req.kwargs, **extra, generator=torch.Generator().manual_seed(args.seed),
-                           on_step=lambda _i, _n: bar.update(1))
+        result = world.run(**req.kwargs, **extra, generator=torch.Generator().manual_seed(args.seed), on_step=on_step)
     finally:
         bar.close()
     assert result.frames is not None

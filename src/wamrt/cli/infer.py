@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 IMAGE_ARGS = {
     "image": "observation/image",
     "wrist": "observation/wrist_image_left",
@@ -30,15 +28,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         ap.add_argument(f"--{name}", type=Path, help=f"image file for {key}")
     ap.add_argument("--state", help='JSON file or string: {"joint_position": [7 floats], "gripper_position": x}')
     ap.add_argument("--prompt", help="instruction (default: the sample observation's)")
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--steps", type=int)
-    ap.add_argument("--guidance", type=float)
-    ap.add_argument("--shift", type=float)
-    ap.add_argument("--guidance-interval", type=int, nargs=2, metavar=("LO", "HI"))
+    ap.add_argument("--seed", type=int, help="noise seed (default: the policy's seed stream, printed with the chunk)")
+    ap.add_argument("--steps", type=int, help="denoising steps (default: the checkpoint's, 4)")
+    ap.add_argument("--guidance", type=float, help="CFG scale (default: the checkpoint's)")
+    ap.add_argument("--shift", type=float, help="flow shift of the schedule (default: the checkpoint's)")
+    ap.add_argument("--guidance-interval", type=int, nargs=2, metavar=("LO", "HI"),
+                    help="apply CFG only on steps LO..HI (default: every step)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def _load_image(path: Path) -> np.ndarray:
+def _load_image(path: Path) -> Any:
+    import numpy as np
     from PIL import Image
 
     with Image.open(path) as im:
@@ -72,6 +72,7 @@ def build_observation(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import numpy as np
     import torch
 
     from ..pipeline import RequestError, load_policy

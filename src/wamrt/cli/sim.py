@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import threading
 from collections import Counter
@@ -60,7 +61,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     _add_run_arguments(gate)
     gate.add_argument("--baseline", required=True, metavar="SPEC",
                       help="a SPEC, or a `wamrt rollout --out` result JSON of the same task and seeds (reused)")
-    gate.add_argument("--candidate", required=True, metavar="SPEC")
+    gate.add_argument("--candidate", required=True, metavar="SPEC", help="a SPEC, run on the same seeds")
     gate.add_argument("--margin", type=float, default=0.05, help="non-inferiority margin (default 0.05)")
     gate.add_argument("--alpha", type=float, default=0.05, help="McNemar significance level (default 0.05)")
     gate.add_argument("--require-pass", action="store_true", help="exit 1 unless the verdict is 'pass'")
@@ -68,10 +69,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
     demos = sub.add_parser("demos", help="demonstrations").add_subparsers(dest="demos", required=True)
     rec = demos.add_parser("record", help="record scripted-expert episodes as .npz files (+ manifest.json)")
-    rec.add_argument("--task", required=True)
-    rec.add_argument("--episodes", type=int, default=10)
+    rec.add_argument("--task", required=True, help="lift, pick_place or pick_place_two")
+    rec.add_argument("--episodes", type=int, default=10, help="episodes to run (failures are dropped unless "
+                     "--keep-failures)")
     rec.add_argument("--seed0", type=int, default=0, help="episode seeds are seed0 .. seed0+episodes-1")
-    rec.add_argument("--out", type=Path, required=True, metavar="DIR")
+    rec.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder for the .npz episodes")
     rec.add_argument("--keep-failures", action="store_true", help="also write episodes the expert failed")
     rec.add_argument("--exterior-hw", type=int, nargs=2, metavar=("H", "W"),
                      help="exterior camera size (default 128 224; the wrist camera is twice that)")
@@ -80,15 +82,16 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     export = sub.add_parser("export", help="dataset export").add_subparsers(dest="export", required=True)
     lr = export.add_parser("lerobot", help="recorded demos -> LeRobot dataset v3.0")
     lr.add_argument("--demos", type=Path, required=True, metavar="DIR", help="written by `demos record`")
-    lr.add_argument("--out", type=Path, required=True, metavar="DIR")
-    lr.add_argument("--robot-type", default="panda")
-    lr.add_argument("--codec", default="libx264")
+    lr.add_argument("--out", type=Path, required=True, metavar="DIR", help="dataset folder to create")
+    lr.add_argument("--robot-type", default="panda", help="robot_type in meta/info.json")
+    lr.add_argument("--codec", default="libx264", help="video codec of the camera streams (PyAV name)")
+    lr.add_argument("--force", action="store_true", help="replace a dataset already in --out")
     lr.set_defaults(func=run_export_lerobot)
 
 
 def _add_run_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--task", required=True, help="lift, pick_place or pick_place_two")
-    ap.add_argument("--episodes", type=int, default=50)
+    ap.add_argument("--episodes", type=int, default=50, help="episodes, one per seed")
     ap.add_argument("--lanes", type=int, default=1, help="simulators run in parallel (default 1)")
     ap.add_argument("--seed0", type=int, default=0, help="episode seeds are seed0 .. seed0+episodes-1")
     ap.add_argument("--execute-steps", type=int, default=8, help="chunk rows run per inference (default 8)")
@@ -96,13 +99,17 @@ def _add_run_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
     ap.add_argument("--out", type=Path, metavar="FILE.json", help="write the result JSON here")
+    ap.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
+                    help="progress bar on stderr (episodes, running success rate, ETA); auto: when stderr is a "
+                         "terminal")
 
 
 def _add_sampling_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--steps", type=int)
-    ap.add_argument("--guidance", type=float)
-    ap.add_argument("--shift", type=float)
-    ap.add_argument("--guidance-interval", type=int, nargs=2, metavar=("LO", "HI"))
+    ap.add_argument("--steps", type=int, help="denoising steps (default: the policy's)")
+    ap.add_argument("--guidance", type=float, help="CFG scale (default: the policy's)")
+    ap.add_argument("--shift", type=float, help="flow shift of the schedule (default: the policy's)")
+    ap.add_argument("--guidance-interval", type=int, nargs=2, metavar=("LO", "HI"),
+                    help="apply CFG only on steps LO..HI (default: the policy's)")
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
@@ -274,10 +281,15 @@ def _gpu_name(device: Any) -> str:
 
 
 def _run_side(side: Side, args: argparse.Namespace, seeds: list[int]) -> list[Any]:
-    from ..eval.runner import run_rollouts
+    from ..eval.runner import RolloutProgress, run_rollouts
 
-    results = run_rollouts(args.task, side.factory, seeds, lanes=args.lanes, backend=side.backend,
-                           max_steps=args.max_steps, progress=sys.stderr.isatty())
+    shown = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
+    bar = RolloutProgress(len(seeds), side.label, enabled=shown)
+    try:
+        results = run_rollouts(args.task, side.factory, seeds, lanes=args.lanes, backend=side.backend,
+                               max_steps=args.max_steps, on_result=bar)
+    finally:
+        bar.close()
     errors = [r for r in results if r.error]
     if errors:  # counted as failures by the runner; say so, or a crash would read as a bad policy
         print(f"warning: {side.label}: {len(errors)} episode(s) raised; first (seed {errors[0].seed}):\n"
@@ -394,10 +406,12 @@ def run_export_lerobot(args: argparse.Namespace) -> int:
     files = sorted(Path(args.demos).glob("episode_*.npz"))
     if not files:
         return _error(f"no episode_*.npz files in {args.demos} (write them with `wamrt demos record`)")
+    if args.force and (args.out / "meta" / "info.json").is_file():
+        shutil.rmtree(args.out)  # only a folder that holds a LeRobot dataset is replaced
     try:
         root = export_lerobot(files, args.out, robot_type=args.robot_type, codec=args.codec)
     except FileExistsError as e:
-        return _error(str(e))
+        return _error(f"{e} (pass --force to replace it)")
     except ImportError as e:  # PyAV is imported only when the first video is encoded
         return _error(f"the LeRobot export needs PyAV (pip install 'wamrt[sim]'): {e}")
     print(f"wrote a LeRobot v3.0 dataset of {len(files)} episode(s) to {root}")

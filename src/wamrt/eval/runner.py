@@ -140,20 +140,20 @@ def run_rollouts(
     max_steps: int | None = None,
     progress: bool = False,
     start_method: str = "spawn",
+    on_result: Callable[[EpisodeResult], None] | None = None,
 ) -> list[EpisodeResult]:
-    """Run one episode per seed over `lanes` workers; returns results in the order of `seeds`."""
+    """Run one episode per seed over `lanes` workers; returns results in the order of `seeds`. `on_result` sees
+    each episode as it ends (e.g. a `RolloutProgress`); `progress=True` draws one on stderr."""
     seeds = [int(s) for s in seeds]
     kw = dict(env_kwargs or {})
     results: dict[int, EpisodeResult] = {}
-    done = 0
+    own_bar = RolloutProgress(len(seeds), task) if progress and on_result is None else None
+    on_result = on_result or own_bar
 
     def report(r: EpisodeResult) -> None:
-        nonlocal done
         results[r.seed] = r
-        done += 1
-        if progress:
-            ok = sum(x.success for x in results.values())
-            print(f"\r{task}: {done}/{len(seeds)} episodes, {ok} successes", end="", file=sys.stderr)
+        if on_result is not None:
+            on_result(r)
 
     if len(set(seeds)) != len(seeds):
         raise ValueError("seeds must be unique (results are keyed by seed)")
@@ -180,9 +180,30 @@ def run_rollouts(
                 f.result()  # re-raises a lane's setup error
     else:
         raise ValueError(f"backend must be 'process' or 'thread', got {backend!r}")
-    if progress:
-        print(file=sys.stderr)
+    if own_bar is not None:
+        own_bar.close()
     return [results[s] for s in seeds]
+
+
+class RolloutProgress:
+    """A progress bar over episodes (stderr) with the running success rate; tqdm gives the rate and the ETA."""
+
+    def __init__(self, total: int, label: str, *, enabled: bool = True) -> None:
+        from tqdm import tqdm
+
+        self.done = self.successes = 0
+        self.bar = tqdm(total=total, desc=label, unit="episode", disable=not enabled, file=sys.stderr,
+                        dynamic_ncols=True)
+
+    def __call__(self, result: EpisodeResult) -> None:
+        self.done += 1
+        self.successes += bool(result.success)
+        self.bar.set_postfix_str(f"success {self.successes}/{self.done} = {self.successes / self.done:.0%}",
+                                 refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _pool_task(args: tuple[int, int | None]) -> EpisodeResult:

@@ -50,6 +50,6 @@ __all__ = [
 
 
 def quantize_main(argv: list[str] | None = None) -> int:
-    from .cli import quantize_main as _main
+    from ..cli.quantize import quantize_main as _main
 
     return _main(argv)

@@ -9,6 +9,7 @@ Debian/Ubuntu packages: EGL needs `libegl1 libegl-mesa0 libgl1-mesa-dri libopeng
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -30,12 +31,24 @@ def probe(backend: str, timeout_s: float = 60.0) -> bool:
     return res.returncode == 0
 
 
+def _mujoco_installed() -> bool:
+    if "mujoco" in sys.modules:
+        return sys.modules["mujoco"] is not None  # None: blocked, as an uninstalled module
+    try:
+        return importlib.util.find_spec("mujoco") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def configure_gl() -> str:
     """Set MUJOCO_GL (and PYOPENGL_PLATFORM) to a working headless backend and return it.
 
-    An explicit MUJOCO_GL is respected as is. Raises RuntimeError naming the apt packages when nothing works.
+    An explicit MUJOCO_GL is respected as is. Raises RuntimeError naming the apt packages when nothing works, and
+    ImportError when mujoco itself is missing (every probe would fail, and the error would blame OpenGL).
     """
     global _chosen
+    if not _mujoco_installed():
+        raise ImportError("No module named 'mujoco'", name="mujoco")
     if os.environ.get("MUJOCO_GL"):
         return os.environ["MUJOCO_GL"]
     if _chosen is None:

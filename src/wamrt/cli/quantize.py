@@ -3,7 +3,8 @@
 The recipes here use dynamic per-token activation scales and weight scales computed from the
 weights, so no calibration data is read. Given a pipeline root (with transformer/, vae/, tokenizer),
 the artifact goes to OUT/transformer/ and the other components are copied next to it, so
-`--model OUT` serves like the source did.
+`--model OUT` serves like the source did. The parser is standard library only (see `wamrt.cli`); torch and the
+quantizer load when the command runs.
 """
 
 from __future__ import annotations
@@ -14,34 +15,34 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from .recipes import RECIPES
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+RECIPES = ("all-fp8", "gen-fp8", "gen-fp8+reasoner-w8", "gen-fp8-skip-first")  # sorted(quant.recipes.RECIPES)
+DTYPES = ("bfloat16", "float16", "float32")  # of the tensors left unquantized
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", required=True, help="transformer folder or pipeline root (diffusers layout)")
-    ap.add_argument("--recipe", required=True, choices=sorted(RECIPES))
+    ap.add_argument("--recipe", required=True, choices=RECIPES,
+                    help="what to quantize and how (docs/quant.md)")
     ap.add_argument("--out", required=True, help="artifact folder to create")
     ap.add_argument("--device", default="cpu", help="where to quantize (cuda is faster for full sizes)")
-    ap.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES),
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                     help="dtype of the tensors left unquantized (default: bfloat16)")
     ap.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from ..model import load_transformer, resolve_transformer_folder
-    from .artifact import write_artifact
-    from .errors import ArtifactError, RecipeError
+    from ..quant.artifact import write_artifact
+    from ..quant.errors import ArtifactError, RecipeError
 
     src = Path(args.model)
     out = Path(args.out)
     t0 = time.perf_counter()
     try:
         folder = resolve_transformer_folder(src)
-        model = load_transformer(folder, device=args.device, dtype=_DTYPES[args.dtype])
+        model = load_transformer(folder, device=args.device, dtype=getattr(torch, args.dtype))
         pipeline_root = folder != src  # source had transformer/ under it
         target = out / "transformer" if pipeline_root else out
         if pipeline_root and out.exists() and any(out.iterdir()) and not args.force:

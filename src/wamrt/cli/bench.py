@@ -1,0 +1,201 @@
+"""`wamrt bench ...` flags. Standard library only (see `wamrt.cli`): each benchmark module is imported when its
+command runs; the tables the flags list (latency rows, world modes, load limits) come from `bench.catalog`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any
+
+from ..bench.catalog import DEFAULT_ROWS, GENERATOR_TOKENS, MAX_LANES, MAX_SECONDS, ROWS, WORLD_MODES
+from ..bench.prompts import PROMPT_SETS
+from .dispatch import lazy
+
+MODELS = ["edge", "nano", "super", "tiny-qwen", "tiny-edge"]
+EPILOGUES = ("inductor", "quack")  # engine.epilogues.EPILOGUES
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (latency waterfall, world generation, load, kernels)")
+    commands = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    for name, add, help_text in (
+        ("latency", _latency, "latency waterfall E0..E5 on random full-size weights (GPU)"),
+        ("world", _world, "world generation (t2i, i2v) end to end vs diffusers on random weights"),
+        ("kernels", _kernels, "the Generator's GEMM call sites: cuBLAS + Inductor vs quack's fused epilogues, at "
+                              "real shapes (GPU)"),
+        ("parallel", _parallel, "latency on 2 GPUs: --parallel cfg (vs one GPU) or tp (Super)"),
+        ("load", _load, "closed-loop websocket lanes against a loopback server"),
+        ("waterfall", _waterfall, "one chart from committed latency result files (rows of several runs, each "
+                                  "labelled with its commit)"),
+        ("timeline", _timeline, "a saved --trace request's GPU timeline: busy, idle, segments, gaps"),
+    ):
+        ap = commands.add_parser(name, help=help_text, description=help_text)
+        add(ap)
+        ap.set_defaults(func=lazy(f"wamrt.bench.{name}:run"))
+
+
+def _rows(text: str) -> list[str]:
+    return [r for r in text.split(",") if r]
+
+
+def _height_width(text: str) -> tuple[int, int]:
+    try:
+        h, w = (int(v) for v in text.lower().split("x"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected HEIGHTxWIDTH, got {text!r}") from e
+    return h, w
+
+
+def _background_fields(text: str) -> dict[str, Any]:
+    # Imported on use: it reads the serving package's upload rules (numpy, msgpack), which --help does not need.
+    return importlib.import_module("wamrt.bench.background_generation").parse_fields(text)
+
+
+def _smoke_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--layers", type=int, help="override the layer count (smoke tests; default: the model's)")
+    ap.add_argument("--tiny-vae", action="store_true", help="tiny VAE instead of the Wan2.2 size (smoke tests)")
+
+
+def _latency(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="nano", choices=MODELS,
+                    help="tiny-* run the whole bench on CPU in seconds (smoke tests)")
+    _smoke_arguments(ap)
+    ap.add_argument("--steps", type=int, nargs="+", default=[4], help="denoising steps; several values: one "
+                    "waterfall each (later ones run --other-steps-rows only)")
+    ap.add_argument("--rows", type=_rows, default=DEFAULT_ROWS,
+                    help=f"comma-separated, default {','.join(DEFAULT_ROWS)}; opt-in: "
+                         f"{','.join(r for r in ROWS if r not in DEFAULT_ROWS)}")
+    ap.add_argument("--other-steps-rows", type=_rows, default=["E5"],
+                    help="rows run for the second and later --steps values")
+    ap.add_argument("--full-rows", type=_rows, default=["E5"],
+                    help="rows timed with --warmup/--runs; the others use --quick-warmup/--quick-runs")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed requests before a --full-rows row")
+    ap.add_argument("--runs", type=int, default=30, help="timed requests of a --full-rows row")
+    ap.add_argument("--pace-hz", type=float, default=0.0,
+                    help="start our requests on a clock of this rate (a robot's control loop, e.g. 15) instead of back "
+                         "to back; recorded as pace_hz (the peer stays back to back); 0 = back to back")
+    ap.add_argument("--quick-warmup", type=int, default=3, help="untimed requests before any other row")
+    ap.add_argument("--quick-runs", type=int, default=10, help="timed requests of any other row")
+    ap.add_argument("--peer", choices=["none", "diffusers"], default="none",
+                    help="also time diffusers' Cosmos3OmniPipeline on the same weights, in the same process")
+    ap.add_argument("--peer-all-steps", action="store_true", help="also run the peer for later --steps values")
+    ap.add_argument("--peer-warmup", type=int, default=3, help="untimed peer requests")
+    ap.add_argument("--peer-runs", type=int, default=10, help="timed peer requests")
+    ap.add_argument("--trace", action="store_true", help="profile one extra request of the last row (or --trace-rows)")
+    ap.add_argument("--trace-rows", type=_rows, default=[],
+                    help="with --trace: the rows to profile (comma-separated), each in its own trace file")
+    ap.add_argument("--lossy-rows", type=_rows, default=[],
+                    help="lossy rows after the exact ones (E6 gen-fp8, E7 +2 steps, E8 +CFG on the first step only; "
+                         "E5-interval / E5-quack-interval: bf16, 4 steps, CFG on the first step only; the variants "
+                         "in wamrt.bench.lossy.LOSSY_ROWS)")
+    ap.add_argument("--quality", action="store_true",
+                    help="with --lossy-rows: per-layer SQNR at full shape, chunk rel-L2 vs bf16, memory per recipe")
+    ap.add_argument("--device", default="cuda", help="torch device")
+    ap.add_argument("--out", default="bench/results/latency", help="folder of the result JSON files and the chart")
+
+
+def _world(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="nano", choices=MODELS, help="tiny-* run on the CPU in seconds (smoke tests)")
+    _smoke_arguments(ap)
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=list(WORLD_MODES),
+                    help=f"comma-separated, of {','.join(WORLD_MODES)}")
+    ap.add_argument("--t2i-size", type=_height_width, default=WORLD_MODES["t2i"]["size"], help="HEIGHTxWIDTH")
+    ap.add_argument("--i2v-size", type=_height_width, default=WORLD_MODES["i2v"]["size"], help="HEIGHTxWIDTH")
+    ap.add_argument("--i2v-frames", type=int, default=WORLD_MODES["i2v"]["num_frames"], help="frames of an i2v clip")
+    ap.add_argument("--steps", type=int, default=35, help="denoising steps (Cosmos3OmniPipeline's default)")
+    ap.add_argument("--guidance", type=float, default=6.0, help="CFG scale (Cosmos3OmniPipeline's default)")
+    ap.add_argument("--shift", type=float, default=10.0, help="flow shift of the UniPC scheduler")
+    ap.add_argument("--warmup", type=int, default=1, help="requests before timing (the first one captures)")
+    ap.add_argument("--runs", type=int, default=5, help="timed requests per mode")
+    ap.add_argument("--peer", choices=["none", "diffusers"], default="diffusers",
+                    help="time diffusers' Cosmos3OmniPipeline first, on the same weights, in the same process")
+    ap.add_argument("--peer-warmup", type=int, default=1, help="untimed peer requests")
+    ap.add_argument("--peer-runs", type=int, default=5, help="timed peer requests")
+    ap.add_argument("--attention", default="measure", choices=["measure", "cudnn", "fa4", "flash", "efficient"],
+                    help="Generator attention kernel; measure: the fastest at the largest mode's shape")
+    ap.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
+                    help="torch.compile mode of the layer halves (autotuning takes minutes per new shape)")
+    ap.add_argument("--epilogues", default="inductor", choices=EPILOGUES,
+                    help="the Generator layer tail's GEMM epilogues (quack: needs quack-kernels, which comes with "
+                         "flash-attn-4, and a Hopper or Blackwell GPU)")
+    ap.add_argument("--all-rows", action="store_true",
+                    help="the last layer on every row (EngineConfig.last_layer_read_rows off): the comparison for "
+                         "the default, which skips an i2v request's conditioning frame there")
+    ap.add_argument("--device", default="cuda", help="torch device")
+    ap.add_argument("--out", default="bench/results/latency", help="folder of the result JSON files and the chart")
+
+
+def _kernels(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--models", nargs="+", default=["edge", "nano"], choices=["edge", "nano", "super"],
+                    help="model sizes whose call sites are timed")
+    ap.add_argument("--tokens", type=int, default=GENERATOR_TOKENS, help="GEMM rows (Generator tokens, both branches)")
+    ap.add_argument("--iters", type=int, default=30, help="timed calls per kernel")
+    ap.add_argument("--sweep", action="store_true", help="time every tile configuration of SWEEP_TILES, not only "
+                    "quack's default")
+    ap.add_argument("--out", default="bench/results/kernels", help="folder of the result JSON file")
+
+
+def _parallel(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="nano",
+                    help="registered size with random weights (edge, nano, super, tiny-qwen)")
+    ap.add_argument("--parallel", choices=["cfg", "tp"], default="cfg",
+                    help="cfg = one CFG branch per GPU; tp = every layer split across --gpus GPUs")
+    ap.add_argument("--gpus", type=int, default=2, help="ranks (cfg: exactly 2)")
+    ap.add_argument("--baseline", action="store_true", help="first time the same policy on one GPU (rank 0's)")
+    ap.add_argument("--steps", type=int, default=4, help="denoising steps")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed requests")
+    ap.add_argument("--runs", type=int, default=30, help="timed requests")
+    _smoke_arguments(ap)
+    ap.add_argument("--attention", default=None, help="Generator attention backend (default: cudnn on CUDA)")
+    ap.add_argument("--no-graph", action="store_true", help="E4 instead of E5 (no whole-loop CUDA graph)")
+    ap.add_argument("--serve-seconds", type=float, default=0.0,
+                    help="also serve the parallel engine on loopback and time one websocket lane this long (0: off)")
+    ap.add_argument("--device", default="cuda", help="cuda (one GPU per rank, NCCL) or cpu (gloo, tiny models)")
+    ap.add_argument("--out", default="bench/results/latency", help="folder of the result JSON files")
+
+
+def _load(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--url", default="ws://127.0.0.1:8000", help="loopback ws:// URL of a `wamrt serve`")
+    ap.add_argument("--lanes", type=int, default=1, help=f"concurrent closed-loop lanes (1..{MAX_LANES})")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help=f"measured duration (max {MAX_SECONDS:.0f}); default 10, or with --requests the cap")
+    ap.add_argument("--requests", type=int, default=None, metavar="N",
+                    help="measure N requests (ceil(N / lanes) per lane) instead of a duration; --seconds caps it "
+                         f"(default {MAX_SECONDS:.0f})")
+    ap.add_argument("--prompts", default="fixed", metavar="|".join(PROMPT_SETS) + "|FILE",
+                    help="instructions the lanes cycle through, each lane from its own offset: fixed = the sample "
+                         "instruction; mixed = twelve built-in robot instructions of different token lengths; "
+                         "FILE = one instruction per line")
+    ap.add_argument("--warmup-requests", type=int, default=1, metavar="N",
+                    help="unmeasured requests per lane first; with several prompts (and N >= 1) the lanes also send "
+                         "every prompt once between them, so no measured request pays a first prefill")
+    ap.add_argument("--steps", type=int, default=None, help="per-request params.num_steps (default: the server's)")
+    ap.add_argument("--api-key", default=None, help="for a server started with --api-key")
+    ap.add_argument("--model", default="", help="label for the result file (e.g. nano)")
+    ap.add_argument("--out", default=None, help="write the kind: load JSON result here (default: print only)")
+    ap.add_argument("--baseline", default=None,
+                    help="a 1-lane result file of the same model: adds requests/s, efficiency and tail ratios")
+    ap.add_argument("--background-generation", type=_background_fields, default=None, metavar="FIELDS",
+                    help="while the lanes run, submit this world-generation job to the server's /v1/videos/sync "
+                         "back to back: a JSON object of vLLM-Omni multipart fields, e.g. '{\"prompt\": \"a robot "
+                         "arm\", \"size\": \"832x480\", \"num_frames\": \"33\", \"num_inference_steps\": \"35\", "
+                         "\"guidance_scale\": \"6\", \"input_reference\": \"@sample\"}' (@sample = a built-in "
+                         "picture, @PATH = a file); adds a background_generation object to the result")
+    ap.add_argument("--generation-warmup", type=int, default=1, metavar="N",
+                    help="with --background-generation: jobs run alone, unmeasured, before the lanes start (a GPU "
+                         "server compiles and captures a job shape's graphs in its first job); 0 when an earlier row "
+                         "already ran the same job on this server")
+
+
+def _waterfall(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("files", nargs="+", help="result JSON files, in bar order; FILE::NOTE adds NOTE as the bar "
+                    "label's last line")
+    ap.add_argument("--out", required=True, help="PNG to write")
+    ap.add_argument("--title", default="", help="chart title")
+    ap.add_argument("--peer-from", type=int, help="index of the file whose diffusers peer is drawn (default: the "
+                    "first file that has one)")
+
+
+def _timeline(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("traces", nargs="+", help="Chrome traces written by `wamrt bench latency --trace`")
+    ap.add_argument("--split-us", type=float, default=100.0, help="a gap at least this long starts a new segment")

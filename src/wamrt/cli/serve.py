@@ -1,0 +1,93 @@
+"""`wamrt serve` flags. Standard library only, like every parser of `wamrt` (see `wamrt.cli`): the server itself
+(`wamrt.serving.server.run`) is imported when the command runs. Defaults and choices repeat `ServeConfig`'s;
+tests/serving/test_cli_parsers.py holds the two together."""
+
+from __future__ import annotations
+
+import argparse
+
+ATTENTION_CHOICES = ("cudnn", "flash", "efficient", "fa4")  # serving.config.ATTENTION_CHOICES
+EPILOGUE_CHOICES = ("inductor", "quack")  # serving.config.EPILOGUE_CHOICES
+SAMPLER_CHOICES = ("auto", "unipc", "distilled")  # serving.generation_settings.SAMPLER_CHOICES
+MAX_VIDEO_PIXELS = 1280 * 720 * 189
+MAX_GENERATION_JOBS = 4
+GENERATION_STEP_SEGMENTS = 12
+PROMPT_BUCKET = 64
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="tiny-droid",
+                    help="checkpoint folder or built-in name (default: the embedded tiny-droid)")
+    ap.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    ap.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
+    ap.add_argument("--port", type=int, default=8000, help="TCP port of HTTP and the websocket")
+    ap.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' or 'Api-Key' (probes stay open)")
+    ap.add_argument("--max-batch", type=int, default=8, help="requests per infer_batch call")
+    ap.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for companions")
+    ap.add_argument("--max-queue", type=int, default=64, help="waiting requests before 'busy' (HTTP 429)")
+    ap.add_argument("--max-frame-mb", type=float, default=64.0, help="largest websocket frame / HTTP body, MiB")
+    ap.add_argument("--steps", type=int, default=None, help="sampler steps (default: the policy's, 4)")
+    ap.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the policy's)")
+    ap.add_argument("--shift", type=float, default=None, help="flow shift of the sampler (default: the policy's)")
+    ap.add_argument("--guidance-interval", type=int, nargs=2, metavar=("LO", "HI"), default=None,
+                    help="apply CFG only on steps LO..HI (default: every step)")
+    ap.add_argument("--max-video-pixels", type=int, default=MAX_VIDEO_PIXELS, metavar="N",
+                    help="world generation: largest width x height x frames (x images) of one job "
+                         f"(default {MAX_VIDEO_PIXELS} = 1280x720 x 189 frames); larger ones get 400")
+    ap.add_argument("--max-generation-jobs", type=int, default=MAX_GENERATION_JOBS, metavar="N",
+                    help="world-generation jobs queued or running at once (their own queue; over it: busy, 429)")
+    ap.add_argument("--generation-step-segments", type=int, default=GENERATION_STEP_SEGMENTS, metavar="N",
+                    help="CUDA servers: split every denoising step of a generation job into N graphs of consecutive "
+                         "layers (at most one per layer), so a policy request waits for 1/N of a step, not a whole "
+                         f"step (default {GENERATION_STEP_SEGMENTS}); see docs/serving.md")
+    ap.add_argument("--generation-warmup", action="append", default=[], metavar="FIELDS",
+                    help="a world-generation job run before /readyz turns 200, so that a GPU server compiles and "
+                         "captures its shape before robots connect: a JSON object of /v1/videos/sync fields, e.g. "
+                         "'{\"size\": \"832x480\", \"num_frames\": \"33\", \"input_reference\": \"@sample\"}' "
+                         "(@sample = a built-in picture, @PATH = a file; prompt optional); repeat for more shapes "
+                         "(default: none)")
+    ap.add_argument("--sampler", choices=SAMPLER_CHOICES, default="auto",
+                    help="world generation's sampler: auto = the checkpoint's (the distilled few-step sampler when "
+                         "the checkpoint folder declares a distilled schedule, else UniPC with CFG); unipc; distilled "
+                         "(refused at startup on a checkpoint without a distilled schedule); see docs/serving.md")
+    ap.add_argument("--safety", default=None, metavar="FILE",
+                    help="action safety envelope (JSON or TOML; default: none)")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up requests before /readyz says ready")
+    ap.add_argument("--engine", choices=["auto", "eager", "fast"], default="auto",
+                    help="fast = the batching engine (fused, compiled, CUDA graphs on a GPU); eager = reference path; "
+                         "auto = fast on CUDA, eager on CPU")
+    ap.add_argument("--prompt-bucket", type=int, default=PROMPT_BUCKET, metavar="TOKENS",
+                    help="fast engine: pad instruction prefixes to a multiple of TOKENS (zero keys, removed exactly) "
+                         "so one CUDA graph serves every instruction length in the bucket and any mix of them in a "
+                         f"batch (default {PROMPT_BUCKET}); 0 = exact lengths (a capture per new length "
+                         "combination); see docs/serving.md")
+    ap.add_argument("--prompt-width", type=int, default=0, metavar="TOKENS",
+                    help="with --prompt-bucket: pad every batch's instruction prefixes to at least TOKENS (a multiple "
+                         "of the bucket), so warm-up captures the graphs every instruction up to TOKENS replays and "
+                         "no mix of lanes captures later; a longer one widens its batch (a new capture); "
+                         "0 (the default) = each batch's own bucket; see docs/serving.md")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="fast engine: compute every request alone at its own fixed shape (VAE encode and "
+                         "denoising loop at batch 1; host work still batched), so its actions do not depend on "
+                         "which requests share its batch or where it sits in it, and a rollout replays bit for "
+                         "bit (paired gates); GPU work is no longer shared across requests")
+    ap.add_argument("--attention", choices=ATTENTION_CHOICES, default="cudnn",
+                    help="fast engine on CUDA: the Generator attention kernel; fa4 = flash-attn-4 (optional install; "
+                         "the fastest measured on the H200, see docs/performance.md)")
+    ap.add_argument("--epilogues", choices=EPILOGUE_CHOICES, default="inductor",
+                    help="fast engine on CUDA: quack = the MLP activation inside the up-projection GEMM's epilogue "
+                         "(quack-kernels, which flash-attn-4 brings; Nano -14 ms per request on the H200); "
+                         "inductor = cuBLAS GEMMs and compiled elementwise kernels")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs of this host behind one engine (with --parallel)")
+    ap.add_argument("--parallel", choices=["none", "cfg", "tp"], default="none",
+                    help="cfg = one CFG branch per GPU (2 GPUs, full model each); tp = every layer split across "
+                         "--gpus GPUs (models too large for one GPU); see docs/deployment.md")
+    ap.add_argument("--ray", action="store_true",
+                    help="serve on Ray Serve: --replicas engine replicas (each owning --gpus GPUs) behind one endpoint")
+    ap.add_argument("--replicas", type=int, default=1, help="Ray replicas (with --ray)")
+    ap.add_argument("--max-replicas", type=int, default=None,
+                    help="with --ray: autoscale between --replicas and this on ongoing requests per replica "
+                         "(default: no autoscaling)")
+    ap.add_argument("--log-level", default="info", type=str.lower,
+                    choices=["debug", "info", "warning", "error", "critical"], help="server and access log level")
