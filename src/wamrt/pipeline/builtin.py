@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from ..model import Cosmos3Transformer, get_config, init_random_, save_transformer
 
 BUILTIN_MODELS = ("tiny-droid", "tiny-droid-edge", "tiny-world")
-_FORMAT_VERSION = 1  # bump when the builder changes, so cached folders are rebuilt
+_FORMAT_VERSION = 2  # bump when the builder changes, so cached folders are rebuilt
 
 # Tiny Wan2.2-layout VAE (48 latent channels, x16 spatial / x4 temporal) with the real latent stats.
 TINY_VAE = dict(
@@ -36,7 +36,8 @@ TINY_VAE = dict(
 # released 25 latent frames per second, stereo like the released one.
 TINY_SOUND = dict(sampling_rate=16000, vocoder_input_dim=8, dec_dim=8, dec_c_mults=[1, 2, 4], dec_strides=[4, 8, 20],
                   dec_out_channels=2, encoder_enabled=False)
-SPECIAL_TOKENS = ["<|im_end|>", "<|endoftext|>", "<|im_start|>", "<|vision_start|>", "<|vision_end|>"]
+SPECIAL_TOKENS = ["<|im_end|>", "<|endoftext|>", "<|im_start|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                  "<|video_pad|>"]
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
     "'<|im_end|>' + '\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
@@ -80,7 +81,8 @@ def write_tokenizer(folder: Path, level: str = "bytes") -> None:
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "additional_special_tokens": ["<|im_start|>", "<|vision_start|>", "<|vision_end|>"],
+        "additional_special_tokens": ["<|im_start|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                      "<|video_pad|>"],
         "chat_template": CHAT_TEMPLATE, "model_max_length": 32768,
     }, indent=2))
 
@@ -138,8 +140,9 @@ def write_sound_tokenizer(folder: Path, seed: int) -> None:
 
 
 def build_builtin(name: str, folder: Path) -> Path:
-    """Write the named embedded model into `folder` (transformer/, vae/, tokenizer/, wamrt.json; tiny-world also
-    sound_tokenizer/)."""
+    """Write the named embedded model into `folder` (transformer/ with the Reasoner's lm_head, vae/, tokenizer/,
+    wamrt.json; tiny-world also sound_tokenizer/ and a Qwen3-VL vision tower in the hub layout: vision_encoder/ and a
+    root model.safetensors.index.json over transformer/ and vision_encoder/)."""
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {name!r}; known: {BUILTIN_MODELS}")
     edge, world = name.endswith("edge"), name == "tiny-world"
@@ -149,6 +152,11 @@ def build_builtin(name: str, folder: Path) -> Path:
         cfg, seed = cfg.replace(sound_gen=True, sound_dim=TINY_SOUND["vocoder_input_dim"]), 2030
         write_sound_tokenizer(folder / "sound_tokenizer", seed + 2)
     save_transformer(init_random_(Cosmos3Transformer(cfg), seed), folder / "transformer")
+    from ..reasoner.builtin import add_lm_head, add_vision_encoder
+
+    add_lm_head(folder / "transformer", seed + 3)
+    if world:
+        add_vision_encoder(folder, cfg.hidden_size, seed + 4)
     write_vae(folder / "vae", seed + 1)
     write_tokenizer(folder / "tokenizer")
     policy = {"format_version": _FORMAT_VERSION, "contract": "droid", "prompt_format": "json" if edge else "plain",

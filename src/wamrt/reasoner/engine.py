@@ -1,0 +1,238 @@
+"""The Reasoner's decode loop: prompts prefilled once into rows of a static K/V cache, then one token per live row
+per step (a CUDA graph on GPU, eager on CPU), each row sampled with its own settings and generator, its text
+streamed and cut at a stop string.
+
+`DecodeBatch` is the loop's state and its two moves, `admit` (prefill one prompt into a free row) and `step`: a
+server admits requests between steps (continuous batching) and gives the device to policy work between any two
+moves; `Reasoner.generate` is the plain driver (admit all, step until done).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..pipeline.errors import RequestError
+from .lm import DeepStack, KVCache, ReasonerLM
+from .prompt import PreparedPrompt, prepare_prompt
+from .sampling import SamplingParams, SequenceSampler, TextStream
+from .vision import VisionTower
+
+END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
+MIN_SPAN = 128  # smallest K/V span a step reads (spans are powers of two: few graphs, little waste)
+
+
+@dataclass
+class TokenEvent:
+    seq: DecodeSeq
+    token: int
+    text: str  # text that became final with this token (the held-back rest comes with the last event)
+    finish_reason: str | None = None  # "stop" | "length" on the sequence's last token
+
+
+@dataclass(eq=False)
+class DecodeSeq:
+    """One prompt being decoded in row `row`."""
+
+    prompt: PreparedPrompt
+    params: SamplingParams
+    sampler: SequenceSampler
+    stream: TextStream
+    row: int
+    max_tokens: int
+    tag: Any = None  # the caller's handle (a serving job)
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def index(self) -> int:
+        """Cache position of the last sampled token (fed at the next step)."""
+        return self.prompt.length + len(self.tokens) - 1
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
+
+
+class DecodeBatch:
+    """`rows` sequences at most, each up to `max_len` tokens (prompt and output) in the cache."""
+
+    def __init__(self, reasoner: Reasoner, rows: int, *, cuda_graphs: bool | None = None) -> None:
+        self.reasoner, self.lm = reasoner, reasoner.lm
+        # +1: the last cache position is the graphs' scratch space, never a sequence's.
+        self.cache = KVCache.empty(self.lm.transformer, rows, reasoner.max_len + 1)
+        self.rows: list[DecodeSeq | None] = [None] * rows
+        use_graphs = self.lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs = None
+        if use_graphs:
+            from .graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.lm, self.cache)
+
+    @property
+    def live(self) -> list[DecodeSeq]:
+        return [s for s in self.rows if s is not None]
+
+    @property
+    def free_rows(self) -> int:
+        return self.rows.count(None)
+
+    def admit(self, prompt: PreparedPrompt, params: SamplingParams, tag: Any = None) -> TokenEvent:
+        """Prefill `prompt` into the lowest free row and sample its first token."""
+        row = self.rows.index(None) if None in self.rows else -1
+        if row < 0:
+            raise RuntimeError("no free row")
+        room = self.reasoner.max_len - prompt.length
+        if room < 1:
+            raise RequestError(f"the prompt is {prompt.length} tokens; the context holds {self.reasoner.max_len}",
+                               field="messages")
+        lm = self.lm
+        seq = DecodeSeq(prompt, params, SequenceSampler(params, lm.vocab_size, lm.device, prompt.ids),
+                        TextStream(self.reasoner.tokenizer, params.stop), row, min(params.max_tokens, room), tag)
+        embeds, deepstack = self.reasoner.prompt_embeddings(prompt)
+        positions = prompt.positions[None].to(lm.device)
+        logits = lm.run_prompt(embeds, positions, cache=self.cache, row=row, deepstack=deepstack)[0]
+        self.rows[row] = seq
+        return self._accept([seq], [seq.sampler.pick(logits)])[0]
+
+    def step(self) -> list[TokenEvent]:
+        """One token for every live row."""
+        live = self.live
+        if not live:
+            return []
+        n = max(s.row for s in live) + 1
+        n = n if self.graphs is None else _bucket(n, 1, len(self.rows))
+        tokens, index, rope = [0] * n, [0] * n, [0.0] * n
+        for s in live:
+            tokens[s.row], index[s.row] = s.tokens[-1], s.index
+            rope[s.row] = float(s.prompt.next_position + len(s.tokens) - 1)
+        span = _bucket(max(index) + 1, MIN_SPAN, self.cache.length)
+        dev = self.lm.device
+        t = torch.tensor(tokens, device=dev)
+        i = torch.tensor(index, device=dev)
+        r = torch.tensor(rope, dtype=torch.float32, device=dev)
+        if self.graphs is not None:
+            logits = self.graphs.step(t, i, r, span)
+        else:
+            logits = self.lm.decode_step(self.cache, t, i, r, span)
+        return self._accept(live, [s.sampler.pick(logits[s.row]) for s in live])
+
+    def _accept(self, seqs: Sequence[DecodeSeq], picks: Sequence[torch.Tensor]) -> list[TokenEvent]:
+        tokens = torch.stack(list(picks)).tolist()  # the step's one host sync
+        events = []
+        for s, tok in zip(seqs, tokens, strict=True):
+            s.tokens.append(tok)
+            text = s.stream.push(tok)
+            reason = None
+            if not s.params.ignore_eos and (tok in self.reasoner.end_ids or tok in s.params.stop_token_ids):
+                reason = "stop"
+            elif s.stream.stopped:
+                reason = "stop"
+            elif len(s.tokens) >= s.max_tokens:
+                reason = "length"
+            if reason is not None:
+                text += s.stream.finish()
+                s.finish_reason = reason
+                self.rows[s.row] = None
+            events.append(TokenEvent(s, tok, text, reason))
+        return events
+
+    def cancel(self, seq: DecodeSeq) -> None:
+        if self.rows[seq.row] is seq:
+            self.rows[seq.row] = None
+            seq.finish_reason = seq.finish_reason or "cancelled"
+
+
+def _bucket(n: int, lo: int, hi: int) -> int:
+    size = lo
+    while size < n:
+        size *= 2
+    return min(size, hi)
+
+
+class Reasoner:
+    """The served checkpoint's Reasoner as a chat model: `ReasonerLM`, the checkpoint's tokenizer (with its chat
+    template) and, when the checkpoint ships one, the vision tower."""
+
+    def __init__(self, lm: ReasonerLM, tokenizer: Any, vision: VisionTower | None = None, *, max_len: int = 8192,
+                 name: str = "") -> None:
+        # tokenizer None: prompts come as ids (benchmarks), no text is streamed.
+        if tokenizer is not None and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the Reasoner needs a tokenizer with a chat template")
+        self.lm, self.tokenizer, self.vision, self.max_len, self.name = lm, tokenizer, vision, max_len, name
+        ends: set[int] = set()
+        if tokenizer is not None:
+            vocab = tokenizer.get_vocab()
+            ends = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+            ends |= {int(vocab[t]) for t in END_OF_TURN if t in vocab}
+        self.end_ids = frozenset(ends)
+
+    @property
+    def text_only(self) -> bool:
+        return self.vision is None
+
+    def describe(self) -> dict[str, Any]:
+        """What /v1/metadata says about the Reasoner."""
+        return {"chat": True, "vision": not self.text_only, "max_context_tokens": self.max_len,
+                "vocab_size": self.lm.vocab_size,
+                "note": "images and videos: vision_encoder/ loaded" if self.vision is not None else
+                "text only: the checkpoint has no vision_encoder/"}
+
+    def prepare(self, messages: Sequence[dict[str, Any]], *, max_prompt_tokens: int | None = None) -> PreparedPrompt:
+        return prepare_prompt(self.tokenizer, messages, self.vision,
+                              max_prompt_tokens=min(max_prompt_tokens or self.max_len, self.max_len - 1))
+
+    @torch.no_grad()
+    def prompt_embeddings(self, prompt: PreparedPrompt) -> tuple[torch.Tensor, DeepStack | None]:
+        """[1, U, h] input embeddings with the media's tower outputs in place, and their DeepStack features."""
+        lm = self.lm
+        embeds = lm.embed(torch.tensor([prompt.ids], device=lm.device))
+        if not prompt.media:
+            return embeds, None
+        assert self.vision is not None and prompt.media_mask is not None
+        outputs = {}
+        for kind in ("image", "video"):  # encoded per kind, as transformers does
+            group = [m for m in prompt.media if m.kind == kind]
+            if group:
+                outputs[kind] = self.vision.encode(group)
+        # Back into prompt order: the media of one kind keep their order, so each medium is a slice of its kind's.
+        merge, cursor = self.vision.merge, dict.fromkeys(outputs, 0)
+        rows, deep = [], []
+        for m in prompt.media:
+            e, ds = outputs[m.kind]
+            a = cursor[m.kind]
+            cursor[m.kind] = b = a + m.tokens(merge)
+            rows.append(e[a:b])
+            deep.append([d[a:b] for d in ds])
+        mask = prompt.media_mask.to(lm.device)
+        embeds = embeds.clone()
+        embeds[0, mask] = torch.cat(rows).to(embeds.dtype)
+        stacks = [torch.cat([d[layer] for d in deep]) for layer in range(len(deep[0]))]
+        return embeds, DeepStack(mask, stacks)
+
+    def generate(self, prompts: Sequence[PreparedPrompt], params: SamplingParams | Sequence[SamplingParams], *,
+                 on_step: Callable[[], None] | None = None, cuda_graphs: bool | None = None
+                 ) -> Iterator[list[TokenEvent]]:
+        """Decode `prompts` as one batch; yields the events of each prefill and each step (`on_step` runs between
+        any two of them: where a server gives the device to other work)."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        batch = DecodeBatch(self, len(prompts), cuda_graphs=cuda_graphs)
+        for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
+            if on_step is not None and i:
+                on_step()
+            yield [batch.admit(p, sp, tag=i)]
+        while batch.live:
+            if on_step is not None:
+                on_step()
+            yield batch.step()
+
+    def complete(self, messages: Sequence[dict[str, Any]], params: SamplingParams, **kw: Any) -> DecodeSeq:
+        """One conversation to its end; the finished sequence (text, tokens, finish reason)."""
+        seq = None
+        for events in self.generate([self.prepare(messages)], params, **kw):
+            seq = events[0].seq if events else seq
+        assert seq is not None
+        return seq

@@ -1,0 +1,155 @@
+"""The Reasoner as a causal language model over a static K/V cache.
+
+It is the served transformer's own Reasoner half (`MoTLayer.reasoner`, the Reasoner final `norm`) plus the
+checkpoint's `lm_head`, which the transformer never reads. Nothing of the model is copied or rewritten: the cache
+comes in through the attention function `MoTLayer.reasoner` takes, so the layer math is the model's.
+
+Positions are Qwen3-VL's 3-D MRoPE ids: text token i sits at (i, i, i) and a generated token continues after the
+largest position of its prompt, so text-only prompts run ordinary 1-D RoPE. DeepStack features (vision) are added
+to the hidden states of the media tokens after the first layers, one feature map per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model import Cosmos3Transformer, Rope, sdpa_attention
+
+
+@dataclass
+class KVCache:
+    """Per-layer Reasoner keys (after norm and RoPE) and values of up to `batch` sequences: [L, B, K, S, d]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def empty(cls, model: Cosmos3Transformer, batch: int, length: int) -> KVCache:
+        c = model.config
+        p = model.embed_tokens.weight
+        shape = (c.num_hidden_layers, batch, c.num_key_value_heads, length, c.head_dim)
+        return cls(torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
+
+    @property
+    def batch(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[3]
+
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+
+@dataclass
+class DeepStack:
+    """Vision features added after the first `len(features)` layers at the media tokens (`mask` [U] bool)."""
+
+    mask: torch.Tensor
+    features: list[torch.Tensor]  # each [n_media_tokens, hidden]
+
+
+class _PrefillAttention:
+    """A fresh prompt in cache row `row`: causal self-attention over its own K/V, which it writes to the cache."""
+
+    def __init__(self, cache: KVCache | None, layer: int, row: int) -> None:
+        self.cache, self.layer, self.row = cache, layer, row
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                 key_mask: torch.Tensor | None) -> torch.Tensor:
+        if self.cache is not None:
+            n = k.shape[2]
+            self.cache.keys[self.layer, self.row, :, :n] = k[0]
+            self.cache.values[self.layer, self.row, :, :n] = v[0]
+        return sdpa_attention(q, k, v, causal=True)
+
+
+class _DecodeAttention:
+    """One new token in each of the first B cache rows: its K/V goes to position `index[b]` of its row, its query
+    attends to the row's first `span` positions up to its own (`mask` [B, span])."""
+
+    def __init__(self, cache: KVCache, layer: int, index: torch.Tensor, mask: torch.Tensor) -> None:
+        self.cache, self.layer, self.index, self.mask = cache, layer, index, mask
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                 key_mask: torch.Tensor | None) -> torch.Tensor:
+        b, h, _, d = q.shape  # q [B, H, 1, d], k/v [B, K, 1, d]
+        kv_heads, span = k.shape[1], self.mask.shape[1]
+        rows = torch.arange(b, device=q.device)
+        keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]  # [B_max, K, S, d]
+        keys[rows, :, self.index] = k[:, :, 0]
+        values[rows, :, self.index] = v[:, :, 0]
+        # The query heads of one K/V head share its keys: attend as [B, K, group, d] instead of repeating the cache
+        # (a decode step would otherwise copy the whole cached span once per layer).
+        o = F.scaled_dot_product_attention(q.reshape(b, kv_heads, h // kv_heads, d), keys[:b, :, :span],
+                                           values[:b, :, :span], attn_mask=self.mask[:, None, None, :])
+        return o.reshape(b, h, 1, d)
+
+
+class ReasonerLM(nn.Module):
+    """The served transformer's Reasoner stream + `lm_head`: prefill a prompt into a cache row, decode one token per
+    row per step. `transformer` is shared, not copied (the Generator reads the same weights)."""
+
+    def __init__(self, transformer: Cosmos3Transformer, lm_head: nn.Linear) -> None:
+        super().__init__()
+        vocab, hidden = lm_head.weight.shape
+        if hidden != transformer.config.hidden_size:
+            raise ValueError(f"lm_head is [{vocab}, {hidden}], the transformer's hidden size is "
+                             f"{transformer.config.hidden_size}")
+        self.transformer, self.lm_head = transformer, lm_head
+
+    @property
+    def config(self):  # noqa: ANN201 - Cosmos3Config
+        return self.transformer.config
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.embed_tokens.weight.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.transformer.embed_tokens(ids)
+
+    def rope(self, positions: torch.Tensor) -> Rope:
+        return self.transformer.rope(positions)
+
+    def _logits(self, u: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.transformer.norm(u)).float()
+
+    def run_prompt(self, embeds: torch.Tensor, positions: torch.Tensor, *, cache: KVCache | None = None, row: int = 0,
+                   deepstack: DeepStack | None = None, all_logits: bool = False) -> torch.Tensor:
+        """embeds [1, U, h], positions [1, 3, U] -> logits [1, V] of the last token ([1, U, V] with `all_logits`),
+        writing the prompt's K/V to `cache` row `row` when a cache is given."""
+        u = embeds
+        rope = self.rope(positions)
+        for i, layer in enumerate(self.transformer.layers):
+            u, _, _ = layer.reasoner(u, rope, _PrefillAttention(cache, i, row))
+            if deepstack is not None and i < len(deepstack.features):
+                u = u.clone()
+                u[:, deepstack.mask] = u[:, deepstack.mask] + deepstack.features[i].to(u.dtype)
+        return self._logits(u) if all_logits else self._logits(u[:, -1:])[:, 0]
+
+    def decode_step(self, cache: KVCache, tokens: torch.Tensor, index: torch.Tensor, rope_pos: torch.Tensor,
+                    span: int) -> torch.Tensor:
+        """One token for each of the first B cache rows: tokens [B] long, index [B] long (its cache position),
+        rope_pos [B] float (its MRoPE position, equal on the three axes) -> logits [B, V]. Keys beyond `span` are
+        not read: pass the smallest span that covers every row's index."""
+        b = tokens.shape[0]
+        u = self.embed(tokens)[:, None]  # [B, 1, h]
+        rope = self.rope(rope_pos.float()[:, None, None].expand(b, 3, 1))
+        mask = torch.arange(span, device=tokens.device)[None] <= index[:, None]  # [B, span]
+        for i, layer in enumerate(self.transformer.layers):
+            u, _, _ = layer.reasoner(u, rope, _DecodeAttention(cache, i, index, mask))
+        return self._logits(u)[:, 0]

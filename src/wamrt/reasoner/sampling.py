@@ -1,0 +1,135 @@
+"""Next-token choice and the text a decode loop streams: sampling settings, the sampler, and the incremental
+detokenizer that cuts the text at a stop string.
+
+The sampler follows the conventions the Qwen3-VL / cosmos-framework / vLLM stacks share, so a request written for
+one of them means the same here: the repetition penalty divides positive and multiplies negative logits of every
+token seen in the prompt or the output so far (CTRL / Hugging Face); then temperature, top-k, top-p (the smallest
+set whose mass reaches p; at least one token) and a multinomial draw from a per-request seeded generator.
+`temperature == 0` is greedy (argmax, no draw).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..pipeline.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()  # cut the text before the first of these (not included)
+    stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's end-of-turn ids
+    seed: int | None = None
+    ignore_eos: bool = False  # run to max_tokens (parity tests, benchmarks)
+
+    def __post_init__(self) -> None:
+        checks = (("max_tokens", self.max_tokens >= 1, ">= 1"), ("temperature", 0 <= self.temperature <= 100, "in [0, 100]"),
+                  ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("top_k", self.top_k >= 0, ">= 0"),
+                  ("repetition_penalty", 0 < self.repetition_penalty <= 10, "in (0, 10]"))
+        for name, ok, want in checks:
+            if not ok:
+                raise RequestError(f"must be {want}, got {getattr(self, name)!r}", field=name)
+        if len(self.stop) > 4 or any(not isinstance(s, str) or not s or len(s) > 256 for s in self.stop):
+            raise RequestError("at most 4 non-empty strings of at most 256 characters", field="stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SequenceSampler:
+    """One sequence's sampling state: its settings, its generator and (with a repetition penalty) the tokens seen."""
+
+    params: SamplingParams
+    vocab: int
+    device: torch.device
+    prompt_ids: Sequence[int] = ()
+    generator: torch.Generator | None = field(init=False, default=None)
+    seen: torch.Tensor | None = field(init=False, default=None)  # [V] bool
+
+    def __post_init__(self) -> None:
+        if not self.params.greedy:
+            seed = self.params.seed if self.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        if self.params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(self.vocab, dtype=torch.bool, device=self.device)
+            ids = torch.tensor([i for i in self.prompt_ids if 0 <= i < self.vocab], dtype=torch.long,
+                               device=self.device)
+            self.seen[ids] = True
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] (fp32) -> the next token id, a 0-d long tensor on the logits' device (no host sync)."""
+        p = self.params
+        if self.seen is not None:
+            penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+            logits = torch.where(self.seen, penalised, logits)
+        if p.greedy:
+            token = torch.argmax(logits)
+        else:
+            logits = logits / p.temperature
+            if p.top_k and p.top_k < logits.shape[-1]:
+                kth = torch.topk(logits, p.top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            if p.top_p < 1.0:
+                ordered, order = torch.sort(logits, descending=True)
+                probs = torch.softmax(ordered, dim=-1)
+                drop = (torch.cumsum(probs, dim=-1) - probs) > p.top_p  # mass before this token already reaches p
+                logits = torch.empty_like(logits).scatter_(0, order, ordered.masked_fill(drop, float("-inf")))
+            token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=self.generator)[0]
+        if self.seen is not None:
+            self.seen[token] = True
+        return token
+
+
+class TextStream:
+    """Token ids -> text deltas, cut before the first stop string. Text that could still turn into a stop string
+    (a suffix that is a prefix of one) or into a character (an unfinished UTF-8 sequence decodes to U+FFFD) is
+    held back until it is decided."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the text already streamed
+        self.text = ""
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """Add one generated token; return the text that is now final (possibly "")."""
+        if self.stopped:
+            return ""
+        self.ids.append(int(token))
+        if self.tokenizer is None:
+            return ""
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            at = self.text.find(s)
+            if at >= 0:
+                self.text, self.stopped = self.text[:at], True
+        if self.stopped:
+            return self._emit(len(self.text))
+        hold = 1 if self.text.endswith("\ufffd") else 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        return self._emit(len(self.text) - hold)
+
+    def finish(self) -> str:
+        """The held-back rest, at the end of the sequence."""
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        upto = max(upto, self.sent)
+        delta, self.sent = self.text[self.sent:upto], upto
+        return delta
