@@ -50,7 +50,7 @@ def build_tiny_reasoner(folder: Path, *, seed: int = 5, vision: bool = True) -> 
             written = Qwen3VLVisionModel(Qwen3VLVisionConfig(**vision_cfg)).eval()
             # Default init leaves norms at 1 and biases at 0: randomise them too, so they are tested.
             with torch.no_grad():
-                for name, p in written.named_parameters():
+                for p in written.parameters():
                     if p.ndim == 1:
                         p.add_(0.1 * torch.randn_like(p))
         written.save_pretrained(str(folder / "vision_encoder"))

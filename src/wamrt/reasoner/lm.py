@@ -32,7 +32,7 @@ class KVCache:
         c = model.config
         p = model.embed_tokens.weight
         shape = (c.num_hidden_layers, batch, c.num_key_value_heads, length, c.head_dim)
-        return cls(torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
+        return cls(*(torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(2)))
 
     @property
     def batch(self) -> int:

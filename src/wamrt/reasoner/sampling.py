@@ -32,7 +32,8 @@ class SamplingParams:
     ignore_eos: bool = False  # run to max_tokens (parity tests, benchmarks)
 
     def __post_init__(self) -> None:
-        checks = (("max_tokens", self.max_tokens >= 1, ">= 1"), ("temperature", 0 <= self.temperature <= 100, "in [0, 100]"),
+        checks = (("max_tokens", self.max_tokens >= 1, ">= 1"),
+                  ("temperature", 0 <= self.temperature <= 100, "in [0, 100]"),
                   ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("top_k", self.top_k >= 0, ">= 0"),
                   ("repetition_penalty", 0 < self.repetition_penalty <= 10, "in (0, 10]"))
         for name, ok, want in checks:
