@@ -388,7 +388,7 @@ class MeddlingGate(DeviceGate):
         with torch.inference_mode():
             self.encoder.encode(torch.zeros(1, 3, 1, 32, 32))
         self.meddled += 1
-        self._generation_running = True
+        self._generation_holders += 1
 
 
 YIELD_FIELDS = {"prompt": "p", "size": "32x48", "num_frames": "13", "num_inference_steps": "2", "seed": "9",

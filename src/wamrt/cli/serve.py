@@ -51,6 +51,21 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="world generation's sampler: auto = the checkpoint's (the distilled few-step sampler when "
                          "the checkpoint folder declares a distilled schedule, else UniPC with CFG); unipc; distilled "
                          "(refused at startup on a checkpoint without a distilled schedule); see docs/serving.md")
+    chat = ap.add_argument_group("Reasoner chat (/v1/chat/completions) and prompt upsampling; see docs/reasoner.md")
+    chat.add_argument("--chat-max-batch", type=int, default=4, metavar="N",
+                      help="chat requests decoded together (rows of one K/V cache, allocated at the first request; "
+                           "0 = no chat)")
+    chat.add_argument("--chat-max-queue", type=int, default=64, metavar="N", help="waiting chat requests before busy")
+    chat.add_argument("--chat-context", type=int, default=8192, metavar="TOKENS",
+                      help="prompt + output tokens of one request (the K/V cache rows are this long)")
+    chat.add_argument("--chat-max-prompt-tokens", type=int, default=6144, metavar="TOKENS",
+                      help="longest prompt (text and media tokens)")
+    chat.add_argument("--chat-max-tokens", type=int, default=2048, metavar="TOKENS",
+                      help="cap (and default) of a request's max_tokens")
+    chat.add_argument("--chat-max-image-pixels", type=int, default=4096 * 4096, metavar="N",
+                      help="decoded pixels of one image, or of one video over all its frames")
+    chat.add_argument("--upsample-max-tokens", type=int, default=1024, metavar="TOKENS",
+                      help="tokens the Reasoner may write for one upsample_prompt caption")
     ap.add_argument("--safety", default=None, metavar="FILE",
                     help="action safety envelope (JSON or TOML; default: none)")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up requests before /readyz says ready")

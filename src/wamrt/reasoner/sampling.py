@@ -68,24 +68,31 @@ class SequenceSampler:
                                device=self.device)
             self.seen[ids] = True
 
-    def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [V] (fp32) -> the next token id, a 0-d long tensor on the logits' device (no host sync)."""
+    def filtered(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] fp32 -> what the draw samples from: penalised, tempered, top-k / top-p cut to -inf."""
         p = self.params
         if self.seen is not None:
             penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
             logits = torch.where(self.seen, penalised, logits)
         if p.greedy:
+            return logits
+        logits = logits / p.temperature
+        if p.top_k and p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1.0:
+            ordered, order = torch.sort(logits, descending=True)
+            probs = torch.softmax(ordered, dim=-1)
+            drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p  # the mass before this token already reaches p
+            logits = torch.empty_like(logits).scatter_(0, order, ordered.masked_fill(drop, float("-inf")))
+        return logits
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] (fp32) -> the next token id, a 0-d long tensor on the logits' device (no host sync)."""
+        logits = self.filtered(logits)
+        if self.params.greedy:
             token = torch.argmax(logits)
         else:
-            logits = logits / p.temperature
-            if p.top_k and p.top_k < logits.shape[-1]:
-                kth = torch.topk(logits, p.top_k).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            if p.top_p < 1.0:
-                ordered, order = torch.sort(logits, descending=True)
-                probs = torch.softmax(ordered, dim=-1)
-                drop = (torch.cumsum(probs, dim=-1) - probs) > p.top_p  # mass before this token already reaches p
-                logits = torch.empty_like(logits).scatter_(0, order, ordered.masked_fill(drop, float("-inf")))
             token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=self.generator)[0]
         if self.seen is not None:
             self.seen[token] = True

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
-from . import http_api, images, videos
+from . import chat, http_api, images, videos
 from .auth import ApiKeyMiddleware
 from .batcher import BatchPolicy
 from .config import ServeConfig
@@ -45,6 +45,8 @@ def build_app(policy: BatchPolicy, config: ServeConfig | None = None) -> ApiKeyM
         WebSocketRoute(VLLM_PATH, openpi_socket),
         Route("/v1/policy/infer", http_api.policy_infer, methods=["POST"]),
         Route("/v1/policy/metadata", http_api.policy_metadata, methods=["GET"]),
+        Route("/v1/metadata", http_api.policy_metadata, methods=["GET"]),
+        Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
         Route("/healthz", http_api.healthz, methods=["GET"]),
         Route("/health", http_api.healthz, methods=["GET"]),
         Route("/readyz", http_api.readyz, methods=["GET"]),

@@ -87,7 +87,8 @@ class DeviceGate:
         self._cond = threading.Condition()
         self.demand = 0  # policy-queue jobs queued or running
         self._policy_running = False
-        self._generation_running = False
+        # Segments held now: world generation and the Reasoner's decode thread (`chat_worker`) each hold at most one.
+        self._generation_holders = 0
         self.generation_waits = 0  # segments that waited for policy work (test / metrics hook)
 
     def add_demand(self, n: int) -> None:
@@ -99,7 +100,7 @@ class DeviceGate:
     @contextlib.contextmanager
     def policy(self) -> Iterator[None]:
         with self._cond:
-            while self._generation_running:
+            while self._generation_holders:
                 self._cond.wait()
             self._policy_running = True
         try:
@@ -121,12 +122,12 @@ class DeviceGate:
                 self._cond.wait(0.05)
             if cancelled():
                 raise GenerationCancelled("cancelled")
-            self._generation_running = True
+            self._generation_holders += 1
             self.generation_waits += waited
 
     def release_generation(self) -> None:
         with self._cond:
-            self._generation_running = False
+            self._generation_holders -= 1
             self._cond.notify_all()
 
 

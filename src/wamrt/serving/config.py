@@ -59,12 +59,30 @@ class ServeConfig:
     # (`generation_settings.resolve_sampler`).
     sampler: str = "auto"
     extra_metadata: dict[str, Any] = field(default_factory=dict)
+    # The Reasoner's chat (`/v1/chat/completions`, prompt upsampling; serving/chat.py): requests decoded at once (rows
+    # of one K/V cache, 0 = no chat), waiting requests before busy, the context (prompt + output tokens) of a row,
+    # limits of one request, and the tokens an upsampling run may write.
+    chat_max_batch: int = 4
+    chat_max_queue: int = 64
+    chat_context: int = 8192
+    chat_max_prompt_tokens: int = 6144
+    chat_max_tokens: int = 2048
+    chat_max_image_pixels: int = 4096 * 4096
+    upsample_max_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if self.max_video_pixels < 16 * 16:
             raise ServeConfigError(f"must be >= 256 pixels, got {self.max_video_pixels}", flag="--max-video-pixels")
         if self.max_generation_jobs < 1:
             raise ServeConfigError(f"must be >= 1, got {self.max_generation_jobs}", flag="--max-generation-jobs")
+        for flag, value, low in (("--chat-max-batch", self.chat_max_batch, 0),
+                                 ("--chat-context", self.chat_context, 16),
+                                 ("--chat-max-prompt-tokens", self.chat_max_prompt_tokens, 1),
+                                 ("--chat-max-tokens", self.chat_max_tokens, 1),
+                                 ("--chat-max-image-pixels", self.chat_max_image_pixels, 16 * 16),
+                                 ("--upsample-max-tokens", self.upsample_max_tokens, 16)):
+            if value < low:
+                raise ServeConfigError(f"must be >= {low}, got {value}", flag=flag)
         if self.generation_step_segments < 1:
             raise ServeConfigError(f"must be >= 1, got {self.generation_step_segments}",
                                    flag="--generation-step-segments")

@@ -79,6 +79,7 @@ class GenerationOutcome:
     timing: dict[str, float]
     stage_durations: dict[str, float]  # seconds
     notes: list[str]
+    upsampled: dict[str, Any] | None = None  # upsample_prompt: {prompt (the caption used), source, note}
 
 
 class GenerationJob:
@@ -98,10 +99,12 @@ class GenerationJob:
 class GenerationWorker:
     """The generation thread: jobs one at a time, each step holding the device only while no policy work waits."""
 
-    def __init__(self, world: WorldModel, gate: DeviceGate, *, max_jobs: int) -> None:
+    def __init__(self, world: WorldModel, gate: DeviceGate, *, max_jobs: int,
+                 upsampler: Callable[..., Any] | None = None) -> None:
         if max_jobs < 1:
             raise ValueError("max_jobs must be >= 1")
         self.world, self.gate, self.max_jobs = world, gate, max_jobs
+        self.upsampler = upsampler  # serving.upsampling.Upsampler: `upsample_prompt` jobs, None without a Reasoner
         self._pending: deque[GenerationJob] = deque()
         self._cond = threading.Condition()
         self._stopped = False
@@ -285,8 +288,16 @@ class GenerationWorker:
 
         if job.on_progress is not None:
             job.on_progress(0)  # started
+        upsampled, upsample_s = None, 0.0
+        if req.upsample and self.upsampler is not None:
+            # On the Reasoner's thread, which takes the device between policy batches as this job does; this job holds
+            # no segment meanwhile.
+            t_up = time.monotonic()
+            up = self.upsampler(req.kind, req.kwargs, job.cancelled)
+            req.kwargs["prompt"], upsampled = up.caption, up.as_dict()
+            upsample_s = time.monotonic() - t_up
         outputs: list[tuple[np.ndarray, np.ndarray | None]] = []
-        stages: dict[str, float] = {}
+        stages: dict[str, float] = {"upsample": upsample_s} if upsampled else {}
         run_notes: list[str] = []  # what the runs themselves report (a tiled decode), once each
         mode = "text2image"
         self._decode_yield = decode_yield if self._hook is not None else None
@@ -335,6 +346,7 @@ class GenerationWorker:
         total_ms = 1e3 * (time.monotonic() - job.enqueued)
         timing = {"queue_ms": 1e3 * (started - job.enqueued), "model_ms": 1e3 * model_s, "paused_ms": 1e3 * paused,
                   "postprocess_ms": post_ms, "total_ms": total_ms, "segment_max_ms": job_segment_max}
+        notes = list(req.notes) + run_notes + ([upsampled["note"]] if upsampled and "note" in upsampled else [])
         return GenerationOutcome(job.request_id, req.kind, mp4, pngs, list(frames.shape), req.fps, audio, seed, mode,
-                                 timing, stages, list(req.notes) + run_notes)
+                                 timing, stages, notes, upsampled)
 

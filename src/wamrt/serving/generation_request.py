@@ -57,6 +57,7 @@ class GenerationRequest:
     record: dict[str, Any]  # model, prompt, size, seconds for the job record
     sampling: dict[str, Any]  # sampler, steps, guidance, shift: what runs, for the reply's metadata
     notes: list[str] = field(default_factory=list)
+    upsample: bool = False  # upsample_prompt: the Reasoner rewrites the prompt as a structured caption first
 
     @property
     def fps(self) -> float:
@@ -297,4 +298,5 @@ def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: 
         del kwargs["negative_prompt"]  # run_world_distilled has none: no unconditional branch to caption
     record = {"model": fields.get("model") or None, "prompt": prompt, "size": f"{width}x{height}",
               "seconds": f"{num_frames / fps:g}"}
-    return GenerationRequest(kind, kwargs, seed, count, sound, record, sampling, notes)
+    upsample = _bool(fields["upsample_prompt"], "upsample_prompt") if _present(fields.get("upsample_prompt")) else False
+    return GenerationRequest(kind, kwargs, seed, count, sound, record, sampling, notes, upsample)

@@ -33,11 +33,12 @@ async def create_image(request: Request) -> Response:
         out = await until_disconnect(request, service.generate(req, surface="images"))
         rec = {"inference_time_s": out.timing["total_ms"] / 1e3, "peak_memory_mb": _peak_memory_mb()}
         body = {"created": int(time.time()),
-                "data": [{"b64_json": base64.b64encode(png).decode(), "url": None, "revised_prompt": None}
-                         for png in out.pngs],
+                "data": [{"b64_json": base64.b64encode(png).decode(), "url": None,
+                          "revised_prompt": out.upsampled["prompt"] if out.upsampled else None} for png in out.pngs],
                 "stage_durations": out.stage_durations, **rec, "timing": out.timing,
                 "metadata": {"seed": out.seed, **req.sampling, "size": req.record["size"],
-                             **({"notes": out.notes} if out.notes else {})}}
+                             **({"notes": out.notes} if out.notes else {}),
+                             **({"upsampled_prompt": out.upsampled} if out.upsampled else {})}}
         return JSONResponse(body, headers=_headers(service, f"image-{out.request_id}", rec, out.stage_durations))
 
     return await _guard(request, work())

@@ -32,6 +32,8 @@ _OBSERVATION = {
 
 _DISTILLED_STEPS = "on a distilled checkpoint: its schedule's step count (the default); any other is refused"
 _DISTILLED_FIXED = "on a distilled checkpoint: ignored (guidance 1, the schedule's sigmas), said in metadata.notes"
+_UPSAMPLE = ("generation: the Reasoner first rewrites the prompt as a structured JSON scene caption, which conditions "
+             "the generator; the reply's metadata.upsampled_prompt carries it (images: revised_prompt too)")
 
 
 _VIDEO_FORM = {
@@ -66,6 +68,7 @@ _VIDEO_FORM = {
                             "description": "image (policy, FD, image -> video) or video (ID, video -> video)"},
         "image_reference": {"type": "string", "description": 'JSON {"image_url": "data:..."}'},
         "video_reference": {"type": "string", "description": 'JSON {"video_url": "data:..."}'},
+        "upsample_prompt": {"type": "boolean", "description": _UPSAMPLE},
     },
 }
 _IMAGE_BODY = {
@@ -79,10 +82,41 @@ _IMAGE_BODY = {
         "guidance_scale": {"type": "number", "description": _DISTILLED_FIXED},
         "flow_shift": {"type": "number", "description": _DISTILLED_FIXED},
         "seed": {"type": "integer", "minimum": 0},
+        "upsample_prompt": {"type": "boolean", "description": _UPSAMPLE},
     },
 }
+_CHAT_PART = {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["text", "image_url", "video_url"]}, "text": {"type": "string"},
+    "image_url": {"type": "object", "properties": {"url": {"type": "string", "description": "a data: URL"}}},
+    "video_url": {"type": "object", "properties": {"url": {"type": "string", "description": "a data: URL"}}}}}
+_CHAT_BODY = {
+    "type": "object", "required": ["messages"],
+    "properties": {
+        "model": {"type": "string"},
+        "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"],
+                     "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
+                                    "content": {"oneOf": [{"type": "string"},
+                                                          {"type": "array", "items": _CHAT_PART}]}}}},
+        "max_tokens": {"type": "integer", "minimum": 1}, "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": -1}, "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+        "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
+        "seed": {"type": "integer"}, "stream": {"type": "boolean"}, "ignore_eos": {"type": "boolean"},
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    },
+}
+_OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": "string"}}}}}
 _VIDEO_BODY = {"multipart/form-data": {"schema": _VIDEO_FORM}, "application/json": {"schema": _VIDEO_FORM}}
 _MP4 = {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}
+
+
+def _openai_errors(*codes: int) -> dict[str, Any]:
+    return {str(c): {"description": "typed error (OpenAI's shape)",
+                     "content": {"application/json": {"schema": _OPENAI_ERROR}}} for c in codes}
 
 
 def _errors(*codes: int) -> dict[str, Any]:
@@ -103,6 +137,14 @@ def openapi_spec() -> dict[str, Any]:
                     "application/msgpack": {"schema": _OBSERVATION}}},
                 "responses": {"200": json_ok, **_errors(400, 401, 413, 415, 422, 429, 500, 503)}}},
             "/v1/policy/metadata": {"get": {"summary": "Handshake metadata", "responses": {"200": json_ok}}},
+            "/v1/metadata": {"get": {"summary": "Handshake metadata (with `reasoner`: chat, vision or text only)",
+                                     "responses": {"200": json_ok}}},
+            "/v1/chat/completions": {"post": {
+                "summary": "OpenAI chat completions on the Reasoner (stream: server-sent events)",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _CHAT_BODY}}},
+                "responses": {"200": {"description": "OK", "content": {
+                    **json_ok["content"], "text/event-stream": {"schema": {"type": "string"}}}},
+                    **_openai_errors(400, 401, 404, 413, 429, 499, 500, 503)}}},
             "/healthz": {"get": {"summary": "Liveness", "responses": {
                 "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/readyz": {"get": {"summary": "Readiness (after warm-up)",

@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import __version__
 from .batcher import Batcher, BatchPolicy, BatchResult, Job
+from .chat_worker import ChatWorker
 from .config import ServeConfig
 from .dynamics import DynamicsRequest, generic_runner
 from .errors import InvalidRequest, NotReady, ServingError, as_serving_error
@@ -24,6 +25,7 @@ from .generation_settings import warmup_fields
 from .metrics import Metrics
 from .observation import JOINTS, ParsedRequest
 from .safety import SafetyEnvelope
+from .upsampling import Upsampler
 from .world_model import world_model_of
 
 log = logging.getLogger("wamrt.serving")
@@ -80,6 +82,14 @@ class Service:
         self.world = world_model_of(policy, config.model_name, config.sampler,
                                     step_segments=config.generation_step_segments)
         self.generation: GenerationWorker | None = None
+        # The Reasoner as a chat model (lm_head, and the vision tower when the checkpoint ships one); None with the
+        # reason when the checkpoint cannot speak (no lm_head, no chat template) or chat is off (--chat-max-batch 0).
+        self.reasoner, self.reasoner_note = None, "chat is off (--chat-max-batch 0)"
+        if config.chat_max_batch:
+            from ..reasoner.load import reasoner_of
+
+            self.reasoner, self.reasoner_note = reasoner_of(policy, config.model_name, max_len=config.chat_context)
+        self.chat: ChatWorker | None = None
         self._tokenizer = getattr(policy, "tokenizer", None)
         self._token_counts: dict[str, int] = {}
 
@@ -87,9 +97,13 @@ class Service:
     def start(self) -> None:
         self.batcher = Batcher(self.policy, max_batch=self.config.max_batch, max_wait_ms=self.config.max_wait_ms,
                                max_queue=self.config.max_queue, observer=self.metrics)
+        if self.reasoner is not None:  # its own thread and queue, the device shared the same way
+            self.chat = ChatWorker(self.reasoner, self.batcher.gate, max_batch=self.config.chat_max_batch,
+                                   max_queue=self.config.chat_max_queue)
         if self.world is not None:  # its own thread and queue; the device is shared through the batcher's gate
             self.generation = GenerationWorker(self.world, self.batcher.gate,
-                                               max_jobs=self.config.max_generation_jobs)
+                                               max_jobs=self.config.max_generation_jobs,
+                                               upsampler=self.chat and Upsampler(self.chat, self.config))
             self.metrics.watch_generation(self.generation.stats)
 
     async def warm_up(self) -> None:
@@ -134,6 +148,8 @@ class Service:
     def stop(self) -> None:
         if self.generation:
             self.generation.stop()
+        if self.chat:
+            self.chat.stop()
         if self.batcher:
             self.batcher.stop()
 
@@ -156,7 +172,10 @@ class Service:
             "sampler": {"num_steps": d["steps"], "guidance": d["guidance"], "shift": d["shift"],
                         "guidance_interval": list(gi) if gi else None},
             "max_batch": self.config.max_batch, "max_frame_bytes": self.config.max_frame_bytes,
-            "safety_envelope": self.safety is not None, "policy": pm, **self.config.extra_metadata,
+            "safety_envelope": self.safety is not None, "policy": pm,
+            "reasoner": self.reasoner.describe() if self.reasoner is not None else {"chat": False,
+                                                                                   "note": self.reasoner_note},
+            **self.config.extra_metadata,
         }
 
     # --- inference ---------------------------------------------------------------------------------
@@ -269,6 +288,9 @@ class Service:
             if self.batcher is None:
                 raise NotReady("engine not started")
             raise InvalidRequest("this engine has no world-generation path", field="model")
+        if req.upsample and self.chat is None:
+            raise InvalidRequest(f"the served checkpoint cannot upsample prompts: {self.reasoner_note}",
+                                 field="upsample_prompt")
         job = GenerationJob(req, request_id or new_request_id("gen"), on_progress)
         self.generation.submit(job)
         return job

@@ -224,7 +224,8 @@ def generation_record(rec: dict[str, Any], out: GenerationOutcome, req: Generati
                file_name=f"{rec.get('id') or out.request_id}.mp4",
                video={"shape": out.shape, "fps": out.fps, "bytes": len(out.mp4 or b""), "audio": out.audio},
                metadata={"seed": out.seed, "mode": out.mode, "num_frames": kw["num_frames"], **req.sampling,
-                         "sound": req.sound, **({"notes": out.notes} if out.notes else {})})
+                         "sound": req.sound, **({"notes": out.notes} if out.notes else {}),
+                         **({"upsampled_prompt": out.upsampled} if out.upsampled else {})})
 
 
 def _headers(service: Service, rid: str, rec: dict[str, Any], stages: dict[str, float],

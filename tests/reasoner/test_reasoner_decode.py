@@ -1,0 +1,152 @@
+"""The decode loop's sampling (against transformers' logits processors), seeding, stop strings, batched rows, and
+loading the Reasoner's parts from the built-in checkpoints (hub layout with a vision tower; text only)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from oracle.reasoner import build_tiny_reasoner
+from transformers import AutoTokenizer
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from wamrt.pipeline.errors import RequestError
+from wamrt.reasoner.engine import DecodeBatch
+from wamrt.reasoner.sampling import SamplingParams, SequenceSampler, TextStream
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_reasoner(tmp_path_factory.mktemp("tiny_decode"), vision=False)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "penalty"),
+                         [(0.7, 0, 1.0, 1.0), (1.0, 20, 1.0, 1.0), (1.3, 0, 0.8, 1.0), (0.9, 50, 0.9, 1.3)])
+def test_filtered_logits_equal_transformers_processors(temperature, top_k, top_p, penalty) -> None:
+    vocab = 300
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(1)) * 3
+    prompt = [5, 17, 17, 250]
+    sp = SequenceSampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                        repetition_penalty=penalty, seed=0), vocab, torch.device("cpu"), prompt)
+    ours = sp.filtered(logits)
+    ids, ref = torch.tensor([prompt]), logits[None].clone()
+    chain = [RepetitionPenaltyLogitsProcessor(penalty)] if penalty != 1.0 else []
+    chain.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        chain.append(TopKLogitsWarper(top_k))
+    if top_p < 1:
+        chain.append(TopPLogitsWarper(top_p))
+    for proc in chain:
+        ref = proc(ids, ref)
+    kept = torch.isfinite(ref[0])
+    assert torch.equal(torch.isfinite(ours), kept) and 1 < int(kept.sum()) <= vocab
+    assert torch.allclose(ours[kept], ref[0][kept], rtol=1e-6, atol=1e-6)
+
+
+def test_seeded_sampling_repeats_and_seeds_differ(tiny) -> None:
+    r = tiny.reasoner
+    prompt = r.prepare([{"role": "user", "content": "Name a colour."}])
+
+    def run(seed: int) -> list[int]:
+        params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.95, seed=seed, ignore_eos=True)
+        return list(r.generate([prompt], params))[-1][0].seq.tokens
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_batched_rows_equal_solo_runs(tiny) -> None:
+    """Three prompts of different lengths decoded together give each the tokens it gets alone (greedy), and a row
+    that finishes early frees its row while the others go on."""
+    r = tiny.reasoner
+    prompts = [r.prepare([{"role": "user", "content": t}]) for t in ("Hi.", "Describe a kitchen.", "One two three")]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 5, 9)]
+    solo = [list(r.generate([p], sp))[-1][0].seq.tokens for p, sp in zip(prompts, params, strict=True)]
+    finished = {}
+    for events in r.generate(prompts, params):
+        for e in events:
+            if e.finish_reason:
+                finished[e.seq.tag] = e.seq.tokens
+    assert [finished[i] for i in range(3)] == solo
+    assert [len(t) for t in solo] == [12, 5, 9]
+
+
+def test_stop_strings_cut_the_text_and_hold_back_prefixes() -> None:
+    tok = _byte_tokenizer()
+    ids = tok("abc STOP def", add_special_tokens=False)["input_ids"]
+    stream = TextStream(tok, stop=("STOP",))
+    out = [stream.push(i) for i in ids]
+    # "S", "ST", "STO" were held back (they could have become the stop string); nothing after it is ever sent.
+    assert "".join(out) == "abc " and stream.stopped and stream.text == "abc "
+    stream = TextStream(tok, stop=("STOP",))
+    deltas = [stream.push(i) for i in tok("a ST b", add_special_tokens=False)["input_ids"]]
+    assert "".join(deltas) + stream.finish() == "a ST b" and not stream.stopped
+
+
+def test_stop_string_and_max_tokens_finish_reasons(tiny) -> None:
+    r = tiny.reasoner
+    prompt = r.prepare([{"role": "user", "content": "Say something."}])
+    free = list(r.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)))[-1][0].seq
+    assert free.finish_reason == "length" and len(free.tokens) == 30
+    # Pick a stop string out of what greedy decoding writes anyway: the run must stop right before it.
+    text = free.text
+    cut = next(i for i in range(3, len(text) - 2) if text[i:i + 2].strip() and text.find(text[i:i + 2]) == i)
+    stop = text[cut:cut + 2]
+    seq = list(r.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
+                                                   stop=(stop,))))[-1][0].seq
+    assert seq.finish_reason == "stop" and seq.text == text[:cut]
+
+
+def test_bad_sampling_settings_name_the_field() -> None:
+    for kw, name in (({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+                     ({"stop": ("",)}, "stop"), ({"repetition_penalty": 0}, "repetition_penalty")):
+        with pytest.raises(RequestError) as err:
+            SamplingParams(**kw)
+        assert err.value.field == name
+
+
+def test_prompt_over_the_context_is_refused(tiny) -> None:
+    r = tiny.reasoner
+    with pytest.raises(RequestError) as err:
+        r.prepare([{"role": "user", "content": "x" * 600}])  # byte-level tokens: > 512 - 1
+    assert err.value.field == "messages" and "limit" in str(err.value)
+    with pytest.raises(RequestError) as err:
+        r.prepare([{"role": "user", "content": [{"type": "image", "image": None}]}])
+    assert "no vision encoder" in str(err.value)
+    batch = DecodeBatch(r, 1)
+    assert batch.free_rows == 1
+
+
+def test_builtin_checkpoints_load_their_reasoner(tmp_path, monkeypatch) -> None:
+    """tiny-world is in the hub layout (root index over transformer/ and vision_encoder/): lm_head and the vision
+    tower load; tiny-droid has lm_head but no vision_encoder/: text only."""
+    import wamrt
+    from wamrt.reasoner import reasoner_of
+
+    monkeypatch.setenv("WAMRT_CACHE", os.environ.get("WAMRT_CACHE", str(tmp_path)))
+    world, why = reasoner_of(wamrt.load_policy("tiny-world", device="cpu"), "tiny-world")
+    assert world is not None, why
+    assert not world.text_only and world.describe()["vision"] is True
+    assert world.vision.deepstack_layers == 2
+    droid, why = reasoner_of(wamrt.load_policy("tiny-droid", device="cpu"), "tiny-droid")
+    assert droid is not None and droid.text_only and "text only" in droid.describe()["note"]
+    seq = droid.complete([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=4, temperature=0,
+                                                                               ignore_eos=True))
+    assert len(seq.tokens) == 4
+
+
+def _byte_tokenizer():
+    import tempfile
+    from pathlib import Path
+
+    from wamrt.pipeline.builtin import write_tokenizer
+
+    folder = Path(tempfile.mkdtemp()) / "tok"
+    write_tokenizer(folder)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
