@@ -150,3 +150,41 @@ def _byte_tokenizer():
     folder = Path(tempfile.mkdtemp()) / "tok"
     write_tokenizer(folder)
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def test_graph_bookkeeping_on_cpu(tiny, monkeypatch) -> None:
+    """The graph path's host side on CPU: rows padded to a power of two (at most the batch's rows), captures made
+    mid-run (writing only the cache's scratch position) leave live sequences intact; a stand-in replays eagerly."""
+    import wamrt.reasoner.graphs as graphs
+
+    captures = []
+
+    class EagerGraphs(graphs.DecodeGraphs):
+        def __init__(self, lm, cache) -> None:
+            self.lm, self.cache, self.entries = lm, cache, {}
+
+        def capture(self, rows: int, span: int):
+            index = torch.full((rows,), self.scratch, dtype=torch.long)
+            for _ in range(2):  # what warm-up and capture write
+                self.lm.decode_step(self.cache, torch.zeros(rows, dtype=torch.long), index, torch.zeros(rows), span)
+            captures.append((rows, span))
+            self.entries[(rows, span)] = True
+            return True
+
+        def step(self, tokens, index, rope_pos, span):
+            if (tokens.shape[0], span) not in self.entries:
+                self.capture(tokens.shape[0], span)
+            return self.lm.decode_step(self.cache, tokens, index, rope_pos, span)
+
+    monkeypatch.setattr(graphs, "DecodeGraphs", EagerGraphs)
+    r = tiny.reasoner
+    prompts = [r.prepare([{"role": "user", "content": t}]) for t in ("Hi.", "Describe a kitchen.", "Three")]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    solo = [list(r.generate([p], params, cuda_graphs=False))[-1][0].seq.tokens for p in prompts]
+    done = {}
+    for events in r.generate(prompts, params, cuda_graphs=True):
+        for e in events:
+            if e.finish_reason:
+                done[e.seq.tag] = e.seq.tokens
+    assert [done[i] for i in range(3)] == solo
+    assert {rows for rows, _ in captures} == {3} and all(span % 128 == 0 for _, span in captures)

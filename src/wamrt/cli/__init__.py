@@ -15,7 +15,7 @@ from .dispatch import Parser, lazy, missing_extra
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, demo, generate, infer, quantize, serve, sim, train
+    from . import bench, chat, demo, generate, infer, quantize, serve, sim, train
 
     ap = Parser(prog="wamrt", description="World-Action Model runtime for NVIDIA Cosmos 3: serve a policy to robots, "
                 "generate video, evaluate in simulation.")
@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "server extra: pip install 'wamrt[server]'.")
     generate.add_arguments(p)
     p.set_defaults(func=generate.run)
+
+    p = sub.add_parser("chat", help="a terminal conversation with the checkpoint's Reasoner (streamed)",
+                       description="Text (and images, with a vision_encoder/) in; the Reasoner's answer streamed out.")
+    chat.add_arguments(p)
+    p.set_defaults(func=chat.run)
 
     p = sub.add_parser("quantize", help="write a quantized, hash-verified artifact "
                        "(gen-fp8, gen-fp8+reasoner-w8, all-fp8)")

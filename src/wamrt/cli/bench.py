@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
 from typing import Any
 
 from ..bench.catalog import DEFAULT_ROWS, GENERATOR_TOKENS, MAX_LANES, MAX_SECONDS, ROWS, WORLD_MODES
@@ -28,6 +29,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         ("waterfall", _waterfall, "one chart from committed latency result files (rows of several runs, each "
                                   "labelled with its commit)"),
         ("timeline", _timeline, "a saved --trace request's GPU timeline: busy, idle, segments, gaps"),
+        ("decode", _decode, "the Reasoner's decode: prefill and decode tokens/s at batch 1 / 8 / 32 against "
+                            "transformers' generate and the HBM floor, random weights (GPU; --tiny: CPU dry run)"),
     ):
         ap = commands.add_parser(name, help=help_text, description=help_text)
         add(ap)
@@ -199,3 +202,16 @@ def _waterfall(ap: argparse.ArgumentParser) -> None:
 def _timeline(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("traces", nargs="+", help="Chrome traces written by `wamrt bench latency --trace`")
     ap.add_argument("--split-us", type=float, default=100.0, help="a gap at least this long starts a new segment")
+
+
+def _decode(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--size", default="nano", choices=MODELS, help="registered model size (random weights)")
+    ap.add_argument("--tiny", action="store_true", help="CPU dry run: tiny-qwen, fp32, few tokens, no graphs")
+    ap.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    ap.add_argument("--prompt-tokens", type=int, default=512, help="prompt length of every row")
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens each sequence decodes (timed pass)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
+    ap.add_argument("--prefill-reps", type=int, default=5, help="timed prefills (after one warm-up)")
+    ap.add_argument("--hf-tokens", type=int, default=64,
+                    help="transformers' generate baseline: tokens per timed run (0: skip it)")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/decode"), help="result folder")

@@ -42,6 +42,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shift", type=float, help="flow shift of the UniPC schedule (default 10)")
     ap.add_argument("--seed", type=int, default=0, help="noise seed")
     ap.add_argument("--sound", action="store_true", help="generate a sound track too (checkpoints with sound heads)")
+    ap.add_argument("--upsample-prompt", action="store_true",
+                    help="the Reasoner first rewrites the prompt as a structured JSON scene caption (docs/reasoner.md)")
+    ap.add_argument("--upsample-max-tokens", type=int, default=1024, help="tokens the Reasoner may write for it")
     ap.add_argument("--templates", action="store_true",
                     help="add the resolution and duration sentences to the prompts (diffusers' default)")
     ap.add_argument("--sampler", default="auto", choices=["auto", "unipc", "distilled"],
@@ -71,6 +74,8 @@ def _fields(args: argparse.Namespace) -> dict:
         if not reference.is_file():
             raise FileNotFoundError(f"no such file: {reference}")
         fields["input_reference"] = reference.read_bytes()
+    if args.upsample_prompt:
+        fields["upsample_prompt"] = "true"
     if args.templates:
         fields["extra_params"] = json.dumps({"use_resolution_template": True, "use_duration_template": True})
     return fields
@@ -124,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
             world = replace(world, engine=WorldEngine(policy.model, policy.encoder, policy.tokenizer,
                                                       name=str(policy.name)))
         req = build_generation(fields, world, kind=kind, max_pixels=2**62, model_name=args.model)
+        upsampled = _upsample(req, policy, args) if req.upsample else None
     except (RequestError, ServingError, ValueError, FileNotFoundError) as e:
         where = getattr(e, "field", None)
         print(f"error: {f'{where}: ' if where else ''}{e}", file=sys.stderr)
@@ -160,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
             "sample_rate": audio_rate(world.sound.sampling_rate), "seconds": wave.shape[1] / world.sound.sampling_rate},
         "engine": "WorldEngine" if world.engine is not None else "eager", "seconds": time.perf_counter() - t0,
         "timings_ms": {k: round(v, 1) for k, v in result.timings_ms.items() if not k.startswith("denoise_step")},
-        "notes": list(req.notes) + list(result.notes),
+        "notes": list(req.notes) + list(result.notes) + ([upsampled.note] if upsampled and upsampled.note else []),
+        "upsampled_prompt": upsampled.as_dict() if upsampled else None,
     }
     if args.json:
         print(json.dumps(summary))
@@ -170,6 +177,24 @@ def run(args: argparse.Namespace) -> int:
               + (f", sound {summary['sound']['seconds']:.2f} s" if wave is not None else "")
               + f" in {summary['seconds']:.1f} s ({summary['engine']}, {req.sampling.get('sampler')} sampler, "
               f"{req.steps} steps)")
+        if upsampled is not None:
+            print(f"caption ({upsampled.source}): {upsampled.caption}")
         for note in summary["notes"]:
             print(f"note: {note}")
     return 0
+
+
+def _upsample(req, policy, args: argparse.Namespace):  # noqa: ANN001, ANN202 - GenerationRequest, Policy -> Upsampled
+    """Run the Reasoner on the prompt first (in this process, on the loaded weights); the caption replaces it."""
+    from ..reasoner import SamplingParams, reasoner_of
+    from ..reasoner.upsample import upsample
+    from ..serving.upsampling import first_frame, task_of
+
+    reasoner, why = reasoner_of(policy, args.model)
+    if reasoner is None:
+        raise ValueError(f"--upsample-prompt: {args.model} has no Reasoner text ({why})")
+    params = SamplingParams(max_tokens=args.upsample_max_tokens, temperature=0, repetition_penalty=1.05)
+    image = first_frame(req.kwargs) if reasoner.vision is not None else None
+    out = upsample(task_of(req.kind, req.kwargs), lambda msgs: reasoner.complete(msgs, params).text, image)
+    req.kwargs["prompt"] = out.caption
+    return out

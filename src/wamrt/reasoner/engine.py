@@ -62,8 +62,10 @@ class DecodeBatch:
 
     def __init__(self, reasoner: Reasoner, rows: int, *, cuda_graphs: bool | None = None) -> None:
         self.reasoner, self.lm = reasoner, reasoner.lm
-        # +1: the last cache position is the graphs' scratch space, never a sequence's.
-        self.cache = KVCache.empty(self.lm.transformer, rows, reasoner.max_len + 1)
+        # +1: the last cache position is the graphs' scratch space, never a sequence's; a whole number of MIN_SPAN
+        # positions, so every span a step reads is one too (attention kernels want aligned key masks).
+        length = -(-(reasoner.max_len + 1) // MIN_SPAN) * MIN_SPAN
+        self.cache = KVCache.empty(self.lm.transformer, rows, length)
         self.rows: list[DecodeSeq | None] = [None] * rows
         use_graphs = self.lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = None
@@ -118,6 +120,9 @@ class DecodeBatch:
             logits = self.graphs.step(t, i, r, span)
         else:
             logits = self.lm.decode_step(self.cache, t, i, r, span)
+        if all(s.params.greedy and s.sampler.seen is None for s in live):  # one argmax for the batch
+            rows = torch.tensor([s.row for s in live], device=dev)
+            return self._accept(live, list(logits[rows].argmax(-1)))
         return self._accept(live, [s.sampler.pick(logits[s.row]) for s in live])
 
     def _accept(self, seqs: Sequence[DecodeSeq], picks: Sequence[torch.Tensor]) -> list[TokenEvent]:

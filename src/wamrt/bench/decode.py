@@ -1,0 +1,183 @@
+"""`wamrt bench decode`: the Reasoner's text decode at a real size on random weights.
+
+Rows (`kind: latency`, `mode: decode`): prefill tokens/s; decode tokens/s at batch 1 (CUDA-graph steps, and eager
+steps for comparison) and at the larger batches, each against the HBM floor of a step (the Reasoner's weight bytes,
+its layers' Reasoner halves + final norm + lm_head, read once per step at 4.8 TB/s; the K/V cache and the embedding
+row are left out, so the floor is a little optimistic); and transformers' `generate` on the same weights in the same
+process (`Qwen3VLForConditionalGeneration` via the issue's key mapping) as the baseline, with how many greedy tokens
+of the two agree. A decode row's time per token is the median step (warm-up pass excluded: it captures the graphs)
+with a bootstrap CI; a batch-B step makes B tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from ..provenance import environment, utc_now
+from .stats import summarize
+
+HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, the issue's figure
+
+
+def reasoner_weight_bytes(model: torch.nn.Module, head: torch.nn.Module) -> int:
+    """Bytes a decode step must read: every layer's Reasoner half, the Reasoner final norm, lm_head."""
+    total = sum(p.numel() * p.element_size() for p in head.parameters())
+    total += sum(p.numel() * p.element_size() for p in model.norm.parameters())
+    for layer in model.layers:
+        attn = layer.self_attn
+        for mod in (attn.to_q, attn.to_k, attn.to_v, attn.to_out, attn.norm_q, attn.norm_k, layer.mlp,
+                    layer.input_layernorm, layer.post_attention_layernorm):
+            total += sum(p.numel() * p.element_size() for p in mod.parameters())
+    return total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: float) -> dict:
+    from ..reasoner.engine import DecodeBatch
+    from ..reasoner.sampling import SamplingParams
+
+    dev = reasoner.lm.device
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    db = DecodeBatch(reasoner, batch, cuda_graphs=graphs)
+    steps_ms: list[float] = []
+    tokens: list[int] = []
+    for timed in (False, True):  # the first pass captures the graphs its spans need
+        seqs = [db.admit(prompt, params).seq for _ in range(batch)]
+        while db.live:
+            _sync(dev)
+            t0 = time.perf_counter()
+            db.step()  # ends in the step's host read of the sampled tokens
+            if timed:
+                steps_ms.append(1e3 * (time.perf_counter() - t0))
+        tokens = seqs[0].tokens
+    stats = summarize(steps_ms)
+    return {"kind": "latency", "mode": "decode", "batch": batch, "cuda_graph": graphs,
+            "tokens_per_s": batch * 1e3 / stats["p50_ms"], "step": stats,
+            "floor_fraction": floor_ms / stats["p50_ms"], "tokens": tokens}
+
+
+def _hf_baseline(model, head, ids: torch.Tensor, new: int) -> dict:
+    """transformers' Qwen3-VL on the same weights: ms per token = (generate(new) - generate(1)) / (new - 1)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from ..reasoner.keys import qwen3vl_config, qwen3vl_state_dict
+
+    cfg = model.config
+    vision = {"depth": 1, "hidden_size": 64, "num_heads": 2, "intermediate_size": 64,
+              "out_hidden_size": cfg.hidden_size, "deepstack_visual_indexes": [0]}
+    dev, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    with torch.device(dev):
+        hf = Qwen3VLForConditionalGeneration(qwen3vl_config(cfg, head.weight.shape[0], vision))
+    hf = hf.to(dtype).eval().requires_grad_(False)
+    state = qwen3vl_state_dict(model.state_dict(), head.weight)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.startswith("model.visual.") for k in missing), (missing, unexpected)
+    mask = torch.ones_like(ids)
+
+    def gen(n: int) -> tuple[float, torch.Tensor]:
+        _sync(dev)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        _sync(dev)
+        return 1e3 * (time.perf_counter() - t0), out[0, ids.shape[1]:]
+
+    gen(4)  # warm-up
+    one = min(gen(1)[0] for _ in range(2))
+    runs = [gen(new) for _ in range(2)]
+    full = min(r[0] for r in runs)
+    per_token = (full - one) / (new - 1)
+    return {"ms_per_token": per_token, "tokens_per_s": 1e3 / per_token, "generate_ms": full, "prefill_ms": one,
+            "tokens": runs[0][1].tolist()}
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..pipeline.random_weights import random_transformer
+    from ..reasoner.engine import Reasoner
+    from ..reasoner.lm import KVCache, ReasonerLM
+    from ..reasoner.load import random_lm_head
+    from ..reasoner.prompt import PreparedPrompt
+
+    size = "tiny-qwen" if args.tiny else args.size
+    device = torch.device(args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.tiny:
+        args.prompt_tokens, args.new_tokens = min(args.prompt_tokens, 48), min(args.new_tokens, 16)
+        args.hf_tokens, args.prefill_reps = min(args.hf_tokens, 8), min(args.prefill_reps, 2)
+    t_build = time.perf_counter()
+    model = random_transformer(size, device, dtype)
+    head = random_lm_head(model, seed=1)
+    lm = ReasonerLM(model, head)
+    reasoner = Reasoner(lm, None, max_len=args.prompt_tokens + args.new_tokens + 8)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, head.weight.shape[0], (args.prompt_tokens,), generator=gen).tolist()
+    positions = torch.arange(len(ids), dtype=torch.float32).expand(3, -1)
+    prompt = PreparedPrompt(ids, positions, len(ids), [], None)
+    build_s = time.perf_counter() - t_build
+    weight_bytes = reasoner_weight_bytes(model, head)
+    floor_ms = 1e3 * weight_bytes / HBM_BYTES_PER_S
+    graphs = device.type == "cuda"
+
+    with torch.no_grad():
+        cache = KVCache.empty(model, 1, len(ids) + 1)
+        embeds = lm.embed(torch.tensor([ids], device=device))
+        pos = positions[None].to(device)
+        prefill_ms = []
+        for i in range(args.prefill_reps + 1):
+            _sync(device)
+            t0 = time.perf_counter()
+            lm.run_prompt(embeds, pos, cache=cache)
+            _sync(device)
+            if i:
+                prefill_ms.append(1e3 * (time.perf_counter() - t0))
+        del cache
+        pre = summarize(prefill_ms)
+        rows = [_decode_row(reasoner, prompt, 1, min(args.new_tokens, 32), False, floor_ms)] if graphs else []
+        rows += [_decode_row(reasoner, prompt, b, args.new_tokens, graphs, floor_ms) for b in args.batches]
+        hf = _hf_baseline(model, head, torch.tensor([ids], device=device), args.hf_tokens) if args.hf_tokens > 1 \
+            else None
+    ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs)
+    if graphs:  # the graph replays compute what the eager steps do
+        eager = rows[0]["tokens"]
+        ours1["greedy_tokens_equal_eager"] = ours1["tokens"][:len(eager)] == eager
+    if hf is not None:
+        agree = next((i for i, (a, b) in enumerate(zip(ours1["tokens"], hf["tokens"], strict=False)) if a != b),
+                     min(len(ours1["tokens"]), len(hf["tokens"])))
+        hf["greedy_tokens_agreeing"] = agree
+        hf["speedup_ours_batch1"] = ours1["tokens_per_s"] / hf["tokens_per_s"]
+    for r in rows:
+        del r["tokens"]
+    if hf is not None:
+        del hf["tokens"]
+    result = {
+        "kind": "latency", "mode": "decode", "model": size, "weights": "random", "dtype": str(dtype),
+        "command": "wamrt bench decode " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                                                    if k in ("size", "prompt_tokens", "new_tokens", "hf_tokens")),
+        **environment(), "build_s": build_s, "reasoner_weight_bytes": weight_bytes,
+        "hbm_floor": {"bytes_per_s": HBM_BYTES_PER_S, "step_ms": floor_ms, "batch1_tokens_per_s": 1e3 / floor_ms},
+        "prefill": {"kind": "latency", "mode": "prefill", "batch": 1, "prompt_tokens": len(ids),
+                    "tokens_per_s": len(ids) * 1e3 / pre["p50_ms"], **pre},
+        "rows": rows, "transformers_generate": hf,
+    }
+    print(f"{size} Reasoner ({weight_bytes / 1e9:.2f} GB, floor {floor_ms:.2f} ms/step) on {result['gpu']}")
+    print(f"prefill {len(ids)} tokens: {result['prefill']['tokens_per_s']:.0f} tokens/s ({pre['p50_ms']:.1f} ms)")
+    for r in rows:
+        print(f"decode batch {r['batch']:>2} {'graph' if r['cuda_graph'] else 'eager'}: {r['tokens_per_s']:8.1f} "
+              f"tokens/s, step {r['step']['p50_ms']:.2f} ms (CI {r['step']['ci95_p50_ms'][0]:.2f}-"
+              f"{r['step']['ci95_p50_ms'][1]:.2f}), floor fraction {r['floor_fraction']:.2f}")
+    if hf is not None:
+        print(f"transformers generate batch 1: {hf['tokens_per_s']:.1f} tokens/s ({hf['ms_per_token']:.2f} ms/token); "
+              f"ours x{hf['speedup_ours_batch1']:.2f}; greedy tokens agreeing: {hf['greedy_tokens_agreeing']}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{utc_now()[:10]}-{result['git_sha'][:7]}-decode-{size}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"out": str(path), "batch1_tokens_per_s": ours1["tokens_per_s"],
+                      "batch1_floor_fraction": ours1["floor_fraction"]}))
+    return 0
