@@ -19,6 +19,7 @@
 #          fp8-engine-tests (a gen-fp8 engine's graph replay against its compiled self; the VAE encode's GPU tests and
 #          its per-pixel kernels')
 #          kernel-tests (the Triton kernels' GPU tests: q/k/v head epilogue, fp8 fusion)
+#          decode (issue 42: `wamrt bench decode` at DECODE_SIZE, default nano, and the Reasoner's graph-vs-eager test)
 #          attn-probe (8-bit attention kernels vs flash-attn-4 bf16: time and SQNR; MODELS, default edge,nano;
 #          TRITON_CONFIGS, FA4_SWEEP, TMA_CONFIGS: how many configs of each family to time)
 #          world (issue 15: WorldEngine t2i / i2v vs diffusers; MODES, RUNS, PEER_RUNS, WORLD_MODEL, WORLD_ARGS)
@@ -268,6 +269,13 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              tests/ops/test_channels_last.py \
              tests/engine/test_fp8_fusion.py::test_gen_fp8_engine_replays_its_compiled_self_with_fast_accumulation \
              2>&1 | tee "$res/log.txt" ;;
+    decode) # Issue 42: the Reasoner's text decode at DECODE_SIZE (default nano), random weights: prefill tokens/s,
+          # batch 1 (eager and CUDA-graph steps) / 8 / 32 decode tokens/s against the HBM floor, transformers' generate
+          # on the same weights as the baseline; then the graph-vs-eager GPU test. ~2 min at Nano.
+          wamrt bench decode --size "${DECODE_SIZE:-nano}" --prompt-tokens "${PROMPT_TOKENS:-512}" \
+             --new-tokens "${NEW_TOKENS:-128}" --hf-tokens "${HF_TOKENS:-64}" --out "$res" 2>&1 | tee "$res/log.txt"
+          timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/reasoner/test_reasoner_gpu.py 2>&1 \
+             | tail -5 | tee -a "$res/log.txt" ;;
     kernel-tests) # the Triton kernels against their references (head epilogue, fp8 fusion), in graphs, timed
           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_qkv_epilogue.py \
              tests/engine/test_fp8_fusion.py tests/ops/test_quantized_attention.py tests/ops/test_fp8_gemm.py 2>&1 \

@@ -170,13 +170,16 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def test_policy_latency_while_a_long_chat_streams(server: ServerThread, client: openai.OpenAI) -> None:
-    """Closed-loop policy requests alone, then while one chat stream decodes continuously (ignore_eos, thousands of
-    tokens). The chat thread takes the device one decode step at a time and only while no policy work waits, so a
-    policy request waits at most one step: its p99 stays within 1.25x of the solo p99."""
-    n = int(os.environ.get("WAMRT_LATENCY_N", "24"))
-    obs = sample_observation(0)
-    blob = packb(obs)
+    """Closed-loop policy requests alone and while one chat stream decodes continuously (ignore_eos, thousands of
+    tokens), in alternating blocks so the shared box's drifting load hits both alike. The chat thread takes the
+    device one decode step at a time and only while no policy work waits, so a policy request waits at most one
+    step: its p99 stays within 1.25x of the solo p99."""
+    n, rounds = int(os.environ.get("WAMRT_LATENCY_N", "8")), 3
+    blob = packb(sample_observation(0))
     chat = server.service.chat
+    quiet: list[float] = []
+    busy: list[float] = []
+    steps = 0
     with httpx.Client(base_url=server.http_url, timeout=60) as http:
         def policy_ms() -> float:
             t0 = time.perf_counter()
@@ -187,37 +190,37 @@ def test_policy_latency_while_a_long_chat_streams(server: ServerThread, client: 
 
         for _ in range(3):
             policy_ms()
-        quiet = [policy_ms() for _ in range(n)]
-        stop, streamed = threading.Event(), []
+        for _ in range(rounds):
+            quiet += [policy_ms() for _ in range(n)]
+            stop = threading.Event()
 
-        def chat_lane() -> None:
-            stream = client.chat.completions.create(model="tiny-world", stream=True, max_tokens=4000,
-                                                    messages=[{"role": "user", "content": "Tell a long story."}],
-                                                    extra_body={"ignore_eos": True})
-            for chunk in stream:
-                streamed.append(chunk)
-                if stop.is_set():
-                    break
-            stream.close()  # hang up: the server frees the row
+            def chat_lane(stop: threading.Event = stop) -> None:
+                stream = client.chat.completions.create(model="tiny-world", stream=True, max_tokens=4000,
+                                                        messages=[{"role": "user", "content": "Tell a long story."}],
+                                                        extra_body={"ignore_eos": True})
+                for _chunk in stream:
+                    if stop.is_set():
+                        break
+                stream.close()  # hang up: the server frees the row
 
-        lane = threading.Thread(target=chat_lane)
-        steps_before = chat.steps
-        lane.start()
-        deadline = time.monotonic() + 30
-        while chat.running == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        busy = [policy_ms() for _ in range(n)]
-        assert chat.running == 1  # the stream was decoding the whole time
-        stop.set()
-        lane.join(60)
-    steps = chat.steps - steps_before
-    deadline = time.monotonic() + 10
-    while chat.running and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert chat.running == 0  # the hung-up stream's row was freed
+            lane = threading.Thread(target=chat_lane)
+            before = chat.steps
+            lane.start()
+            deadline = time.monotonic() + 30
+            while chat.running == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            busy += [policy_ms() for _ in range(n)]
+            assert chat.running == 1  # the stream was decoding the whole time
+            steps += chat.steps - before
+            stop.set()
+            lane.join(60)
+            deadline = time.monotonic() + 10
+            while chat.running and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert chat.running == 0  # the hung-up stream's row was freed
     q50, q99 = statistics.median(quiet), _percentile(quiet, 99)
     b50, b99 = statistics.median(busy), _percentile(busy, 99)
     print(f"\npolicy latency ms: solo p50 {q50:.1f} p99 {q99:.1f} | with a chat stream p50 {b50:.1f} p99 {b99:.1f} "
           f"| chat decode steps meanwhile {steps}, longest segment {chat.segment_max_ms:.1f} ms")
-    assert steps >= n // 2  # chat really decoded in the gaps between the policy requests
+    assert steps >= len(busy) // 2  # chat really decoded in the gaps between the policy requests
     assert b99 <= 1.25 * q99, (quiet, busy)

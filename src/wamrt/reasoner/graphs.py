@@ -59,7 +59,7 @@ class DecodeGraphs:
                 self.lm.decode_step(self.cache, tokens, index, rope_pos, span)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self.lm.decode_step(self.cache, tokens, index, rope_pos, span)
         entry = _Graph(graph, tokens, index, rope_pos, logits)
         self.entries[(rows, span)] = entry

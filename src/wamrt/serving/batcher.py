@@ -81,13 +81,17 @@ class DeviceGate:
     and does not start another while any policy job is queued or running (`demand`). A policy request
     therefore waits at most one generation segment, and generation uses the device only when the queue is
     empty: under saturating policy traffic it makes no progress (by design; its own queue is bounded).
+    The Reasoner's decode thread (`chat_worker`) takes its segments (a prefill, a decode step) the same way; it and
+    generation take turns.
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self.demand = 0  # policy-queue jobs queued or running
         self._policy_running = False
-        # Segments held now: world generation and the Reasoner's decode thread (`chat_worker`) each hold at most one.
+        # Background segments held now (0 or 1): world generation and the Reasoner's decode thread (`chat_worker`) take
+        # turns, so the device runs one of the three kinds of work at a time (a CUDA-graph capture on one thread
+        # never meets another thread's kernels).
         self._generation_holders = 0
         self.generation_waits = 0  # segments that waited for policy work (test / metrics hook)
 
@@ -115,7 +119,7 @@ class DeviceGate:
         `GenerationCancelled` as soon as `cancelled()` turns true while waiting."""
         with self._cond:
             waited = False
-            while self.demand > 0 or self._policy_running:
+            while self.demand > 0 or self._policy_running or self._generation_holders:
                 if cancelled():
                     raise GenerationCancelled("cancelled while waiting for the device")
                 waited = True
