@@ -18,12 +18,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--system", help="a system message (the checkpoints have none by default)")
     ap.add_argument("--prompt", help="answer this one message and exit")
     ap.add_argument("--image", type=Path, help="attach an image to the first message")
-    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=512, help="longest answer, in tokens")
     ap.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=0.9)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--repetition-penalty", type=float, default=1.05)
-    ap.add_argument("--seed", type=int)
+    ap.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (1: off)")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.05,
+                    help="divides (multiplies) the positive (negative) logits of tokens already seen (1: off)")
+    ap.add_argument("--seed", type=int, help="sampling seed (default: a random one)")
     ap.add_argument("--context", type=int, default=8192, help="prompt + answer tokens")
 
 
