@@ -80,7 +80,7 @@ def test_bad_arguments_exit_2_naming_what_is_wrong(tmp_path, capsys, argv, messa
 
 def test_a_cpu_picks_small_defaults_and_says_so(tmp_path, capsys, monkeypatch):
     from wamrt.cli import generate
-    from wamrt.serving.generation import VIDEO_DEFAULTS
+    from wamrt.serving.generation_request import VIDEO_DEFAULTS
 
     # The shipped CPU defaults are a small fraction of the GPU (vLLM-Omni) job ...
     cpu = generate.CPU_DEFAULTS["video"]
