@@ -46,6 +46,7 @@ from ..pipeline.droid import (
 from ..pipeline.errors import RequestError
 from ..pipeline.noise import GaussianPrefetcher
 from ..pipeline.policy import Policy, device_name, validate_options
+from ..pipeline.prefix import ActionAnchor, apply_anchor, empty_anchor
 from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
 from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
@@ -227,7 +228,8 @@ class Engine(GraphCapture):
                     if not np.isfinite(actions).all():
                         results[i] = FloatingPointError("the model produced non-finite actions")
                         continue
-                    results[i] = ActionChunk(actions, prep.seed, prep.prompt, {**prep.timings_ms, **timings})
+                    results[i] = ActionChunk(actions, prep.seed, prep.prompt, {**prep.timings_ms, **timings},
+                                             prep.prefix_rows, prep.prefix_mode)
                 post = 1e3 * (time.perf_counter() - t0)
                 for i, _ in batch:
                     if isinstance(results[i], ActionChunk):
@@ -310,10 +312,15 @@ class Engine(GraphCapture):
         clock.start("denoise")
         x_v = torch.cat([inp.vision for inp in inputs])
         x_a = torch.cat([inp.action for inp in inputs])
+        # Per-request device data a captured graph reads from its static inputs, refreshed on every replay: which
+        # action rows are clean and the rows put back every step (a committed prefix; zeros without one), so one
+        # graph serves every prefix length d and mode.
+        anchor = ActionAnchor.cat([inp.action_anchor or empty_anchor(*x_a.shape[1:], self.device) for inp in inputs])
         static = dict(
             vision_noisy=torch.cat([inp.vision_noisy for inp in inputs]),
             action_noisy=torch.cat([inp.action_noisy for inp in inputs]),
             domain_ids=torch.cat([inp.domain_ids for inp in inputs]),
+            anchor_value=anchor.value, anchor_delta=anchor.delta, anchor_mask=anchor.mask,
         )
         raw_dim = inputs[0].raw_action_dim
         plan = self._plan(opts)
@@ -480,9 +487,13 @@ class Engine(GraphCapture):
         kinds = self._step_batches(conds, unconds, n)
         hist_v, hist_a = plan.init_history(), plan.init_history()
         last = len(timesteps) - 1
+        masks = {k: static[k] for k in ("vision_noisy", "action_noisy", "domain_ids")}
+        anchor = ActionAnchor(static["anchor_value"], static["anchor_delta"], static["anchor_mask"])
+        sigmas = plan.schedule.sigmas.tolist()  # host floats (the schedule lives on the CPU)
+        x_a = apply_anchor(x_a, anchor, sigmas[0])
         for i, t in enumerate(timesteps):
             tok = GeneratorTokens(timesteps=torch.full((n,), float(t), device=self.device), vision=x_v.to(dtype),
-                                  action=x_a.to(dtype), **static)
+                                  action=x_a.to(dtype), **masks)
             rows = "all" if not self.config.last_layer_read_rows else "action" if i == last else "noisy"
             vel = self._velocities(kinds[cfg_steps[i]], tok, raw_dim, last_layer_rows=rows)
             v_vis, v_act = vel.vision, vel.action
@@ -495,6 +506,7 @@ class Engine(GraphCapture):
             x_a, hist_a = plan.step(i, x_a, v_act, hist_a)
             if raw_dim is not None:
                 x_a = torch.where(torch.arange(x_a.shape[-1], device=x_a.device) < raw_dim, x_a, 0.0)
+            x_a = apply_anchor(x_a, anchor, sigmas[i + 1])
         return x_v, x_a
 
     # E0/E1: the reference call pattern (full forward per branch per step) --------------------------
@@ -504,6 +516,9 @@ class Engine(GraphCapture):
         plan = self._plan(opts)
         x_v, x_a = inp.vision, inp.action
         hist_v, hist_a = plan.init_history(), plan.init_history()
+        anchor, sigmas = inp.action_anchor, plan.schedule.sigmas.tolist()
+        if anchor is not None:
+            x_a = apply_anchor(x_a, anchor, sigmas[0])
         for i, t in enumerate(timesteps):
             tok = GeneratorTokens(timesteps=torch.full((1,), float(t), device=self.device), vision=x_v.to(dtype),
                                   vision_noisy=inp.vision_noisy, action=x_a.to(dtype), action_noisy=inp.action_noisy,
@@ -520,6 +535,8 @@ class Engine(GraphCapture):
             x_v, hist_v = plan.step(i, x_v, v_vis, hist_v)
             x_a, hist_a = plan.step(i, x_a, v_act, hist_a)
             x_a = torch.where(cols, x_a, 0.0)
+            if anchor is not None:
+                x_a = apply_anchor(x_a, anchor, sigmas[i + 1])
         return x_v, x_a
 
 

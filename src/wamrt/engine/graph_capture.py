@@ -40,8 +40,8 @@ class GraphCapture:
             self.reuse_compatible_graphs = saved
 
     def _graph_key(self, x_v, x_a, conds, unconds, timesteps, cfg_steps, opts, raw_dim) -> GraphKey:
-        # Masks and domain ids are fixed by the contract, so the contract (not tensor values, which would
-        # need a host sync) identifies them.
+        # Masks, domain ids and prefix anchors are static inputs refreshed on every replay (their shapes are the
+        # contract's), so neither their values nor a request's prefix length are part of the key.
         return GraphKey(x_v.shape[0], tuple(x_v.shape[1:]), tuple(x_a.shape[1:]), self._bucket_lengths(conds, unconds),
                         (tuple(timesteps), tuple(cfg_steps), opts.guidance, opts.solver, raw_dim, self.contract),
                         bucketed=bool(self.config.prompt_bucket))
@@ -55,7 +55,7 @@ class GraphCapture:
         if entry is None and self.reuse_compatible_graphs and exact is not None and not self.config.isolate_requests:
             larger = self.graphs.compatible(key)
             if larger is not None:
-                x_v, x_a, conds, unconds = self._fit_rows(larger, x_v, x_a, *exact)
+                x_v, x_a, static, conds, unconds = self._fit_rows(larger, x_v, x_a, static, *exact)
                 key, entry = larger, self.graphs.get(larger)
         if entry is None:
             with CaptureTimer(self.device) as timer:
@@ -65,6 +65,7 @@ class GraphCapture:
         ins = entry.inputs
         ins["x_v"].copy_(x_v)
         ins["x_a"].copy_(x_a)
+        torch._foreach_copy_(list(ins["static"].values()), [static[k] for k in ins["static"]])
         for dst, src in zip(ins["seqs"], conds + unconds, strict=True):
             out, into = copy_lists(dst.kv, src.kv)
             torch._foreach_copy_(out + [dst.rope.cos, dst.rope.sin], into + [src.rope.cos, src.rope.sin])
@@ -72,10 +73,9 @@ class GraphCapture:
         assert entry.outputs is not None
         return entry.outputs[0][:n].clone(), entry.outputs[1][:n].clone()
 
-    def _fit_rows(self, key: GraphKey, x_v, x_a, conds: list[BatchBranch], unconds: list[BatchBranch]):
+    def _fit_rows(self, key: GraphKey, x_v, x_a, static: dict, conds: list[BatchBranch], unconds: list[BatchBranch]):
         """A batch grown to `key`'s rows (copies of its last request; their results are dropped) with its exact
-        prefixes padded to `key`'s width. Only what a replay copies in: the captured static inputs (noisy masks,
-        domain ids) are the contract's, the same for every row."""
+        prefixes padded to `key`'s width: what a replay copies in (latents, masks, anchors, K/V, rope)."""
         n, m = x_v.shape[0], key.batch
 
         def grow(t: torch.Tensor) -> torch.Tensor:
@@ -85,7 +85,7 @@ class GraphCapture:
             return seqs + [BatchBranch(r, seqs[-1].kv, seqs[-1].rope) for r in range(n, m)] if seqs else seqs
 
         conds, unconds = self._pad_prefixes(grow_seqs(conds), grow_seqs(unconds), width=key.width)
-        return grow(x_v), grow(x_a), conds, unconds
+        return grow(x_v), grow(x_a), {k: grow(v) for k, v in static.items()}, conds, unconds
 
     def _capture(self, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim) -> CapturedGraph:
         log.info("capturing a CUDA graph for bucket vision %s, prefixes %s", tuple(x_v.shape),

@@ -23,6 +23,7 @@ from ..sampler import (
     guidance_active,
     unipc_plan,
 )
+from .prefix import ActionAnchor, apply_anchor
 
 ScheduleName = Literal["framework", "diffusers", "native"]
 SolverName = Literal["unipc", "euler"]
@@ -71,6 +72,8 @@ class DenoiseInputs:
     raw_action_dim: int | None = None  # velocity columns >= this are zeroed
     sound: torch.Tensor | None = None  # [1, S, Ts] fp32 (world modes with sound)
     sound_noisy: torch.Tensor | None = None  # [1, Ts] bool
+    # Action rows put back before and after every step (a request's committed prefix; wamrt.pipeline.prefix)
+    action_anchor: ActionAnchor | None = None
 
 
 @dataclass
@@ -133,6 +136,9 @@ def denoise(
 
     x_v, x_a, x_s = inp.vision, inp.action, inp.sound
     steps_action = inp.action is not None and inp.action_noisy is not None and bool(inp.action_noisy.any())
+    anchor, sigmas = inp.action_anchor, schedule.sigmas.tolist()
+    if anchor is not None and x_a is not None:
+        x_a = apply_anchor(x_a, anchor, sigmas[0])
     hist_v = plan.init_history()
     hist_a = plan.init_history()
     hist_s = plan.init_history()  # each modality keeps its own multistep history, as diffusers' copies do
@@ -177,6 +183,8 @@ def denoise(
                 # Padded columns start at 0 and get velocity 0, so they stay 0; diffusers re-zeroes them
                 # anyway, which also normalises signed zeros.
                 x_a = torch.where(torch.arange(x_a.shape[-1], device=device) < inp.raw_action_dim, x_a, 0.0)
+            if anchor is not None:
+                x_a = apply_anchor(x_a, anchor, sigmas[i + 1])
         if record:
             for name, value in (("vision_v", v_v), ("action_v", v_a), ("action_v_cond", cond.action),
                                 ("action_v_uncond", None if unc is None else unc.action),

@@ -30,6 +30,7 @@ from .denoise import Branch, DenoiseInputs, DenoiseResult, SamplingOptions, deno
 from .errors import RequestError
 from .noise import GaussianPrefetcher, initial_action, state_row_from_observation, vision_noise
 from .normalization import ActionNormalization
+from .prefix import ActionPrefix, model_space_prefix, parse_action_prefix, prefix_anchor, prefix_metadata
 from .prompts import droid_prompt
 from .tokens import CaptionTokenizer
 from .vae import FrameEncoder, unit_pixels
@@ -51,6 +52,9 @@ class DroidContract:
     # None (the released checkpoints): raw state row in, raw joint targets out. A checkpoint trained here
     # may store statistics (wamrt.json "action_normalization"; see wamrt.pipeline.normalization).
     normalization: ActionNormalization | None = None
+    # wamrt.json "trained_with_action_prefix": trained with random clean prefixes, so a request's `action_prefix`
+    # is read as clean rows by default (else inpainted; see wamrt.pipeline.prefix).
+    trained_with_action_prefix: bool = False
 
 
 @dataclass
@@ -64,6 +68,8 @@ class PreparedDroid:
     image_size: tuple[int, int, int, int]  # canvas h, w, content h, w
     timings_ms: dict[str, float] = field(default_factory=dict)
     state: np.ndarray | None = None  # [raw_dim] the raw model-space state row (what relative actions add to)
+    prefix_rows: int = 0  # d: the committed rows the request carried (`action_prefix`)
+    prefix_mode: str | None = None  # how they conditioned the chunk: "clean" or "inpaint"
 
 
 @dataclass
@@ -74,6 +80,8 @@ class ActionChunk:
     seed: int
     prompt: str
     timings_ms: dict[str, float]
+    prefix_rows: int = 0  # the request's committed rows, which rows 0..d-1 repeat (wamrt.pipeline.prefix)
+    prefix_mode: str | None = None
 
     def __repr__(self) -> str:
         total = self.timings_ms.get("total", float("nan"))
@@ -90,6 +98,7 @@ class DroidHostInputs:
     canvas: np.ndarray  # [540, 640, 3] uint8
     padded: PaddedCanvas
     timings_ms: dict[str, float]
+    prefix: ActionPrefix | None = None  # the committed rows (`action_prefix`), robot space
 
 
 def droid_host_inputs(obs: Mapping[str, Any], contract: DroidContract) -> DroidHostInputs:
@@ -103,7 +112,9 @@ def droid_host_inputs(obs: Mapping[str, Any], contract: DroidContract) -> DroidH
     state = state_row_from_observation(obs)  # validates joints/gripper (NaN, shapes)
     canvas = compose_droid_canvas(obs)  # [540, 640, 3] uint8
     padded = pad_to_bucket(canvas, contract.tier)
-    return DroidHostInputs(instruction, state, canvas, padded, {"preprocess": 1e3 * (time.perf_counter() - t0)})
+    prefix = parse_action_prefix(obs, raw_dim=contract.raw_action_dim, max_rows=min(16, contract.chunk - 1))
+    return DroidHostInputs(instruction, state, canvas, padded, {"preprocess": 1e3 * (time.perf_counter() - t0)},
+                           prefix)
 
 
 def encode_canvases(encoder: FrameEncoder, padded: list[PaddedCanvas], device: torch.device,
@@ -188,19 +199,28 @@ def finish_droid(
     act = initial_action(model_state, seed, rows=rows, max_action_dim=model.config.action_dim or 0, stream=stream)
     vision = torch.from_numpy(stream).to(device, copy=True)  # copy: frame 0 is overwritten below
     action = torch.from_numpy(act.init).to(device)[None]  # [1, 33, 64]
+    action_noisy, anchor, mode = droid_action_noisy(contract, device), None, None
+    if host.prefix is not None:  # the committed rows: clean rows after the state row, or inpainted ones
+        mode = host.prefix.resolve(contract.trained_with_action_prefix)
+        rows_model = model_space_prefix(host.prefix.rows, state, contract.normalization)
+        anchor = prefix_anchor(rows_model, act.init, history=contract.history, mode=mode, device=device)
+        if mode == "clean":
+            action_noisy = _action_noisy(rows, contract.history + len(rows_model), device)
 
     inputs = DenoiseInputs(
         cond=droid_branch(model.config, cond_ids, (lat_t, lat_h, lat_w), contract, device),
         uncond=droid_branch(model.config, uncond_ids, (lat_t, lat_h, lat_w), contract, device), vision=vision,
         vision_noisy=droid_vision_noisy(lat_t, device),
-        action=action, action_noisy=droid_action_noisy(contract, device),
+        action=action, action_noisy=action_noisy,
         domain_ids=_domain_ids(contract.domain_id, device), raw_action_dim=contract.raw_action_dim,
+        action_anchor=anchor,
     )
     if latent_ready is not None:
         latent_ready()
     vision[:, :, :1] = latent0
     timings["pack"] = 1e3 * (time.perf_counter() - t0)
-    return PreparedDroid(inputs, prompt, seed, host.canvas, host.padded.image_size, timings, state)
+    return PreparedDroid(inputs, prompt, seed, host.canvas, host.padded.image_size, timings, state,
+                         0 if host.prefix is None else len(host.prefix.rows), mode)
 
 
 def prepare_droid(
@@ -292,6 +312,7 @@ def droid_metadata(name: str, contract: DroidContract, options: SamplingOptions)
         "action_normalization": None if contract.normalization is None else
         ("per-row statistics, joints relative to the state" if any(contract.normalization.relative)
          else "per-row statistics"),
+        "action_prefix": prefix_metadata(contract.trained_with_action_prefix),
     }
 
 
@@ -330,4 +351,4 @@ def run_droid(
     actions = droid_actions(result, contract, prep.state)
     timings = {**prep.timings_ms, **result.timings_ms, "postprocess": 1e3 * (time.perf_counter() - t0)}
     timings["total"] = 1e3 * (time.perf_counter() - t_start)
-    return ActionChunk(actions, seed, prep.prompt, timings), prep, result
+    return ActionChunk(actions, seed, prep.prompt, timings, prep.prefix_rows, prep.prefix_mode), prep, result

@@ -69,9 +69,14 @@ class ActionNormalization:
 
     def actions_in(self, chunk: np.ndarray, state: np.ndarray) -> np.ndarray:
         """Raw model-space chunk [chunk, raw_dim] and the raw state row it starts from -> normalized."""
-        a = self._arrays
+        return self.rows_in(chunk, state)
+
+    def rows_in(self, rows: np.ndarray, state: np.ndarray) -> np.ndarray:
+        """The first d chunk rows [..., d, raw_dim] (a request's committed prefix, or the whole chunk) -> normalized
+        with the statistics of chunk rows 0..d-1."""
+        a, d = self._arrays, np.shape(rows)[-2]
         base = np.asarray(state, np.float32)[..., None, :] * a["relative"]
-        return ((np.asarray(chunk, np.float32) - base - a["action_mean"]) / a["action_std"]).astype(np.float32)
+        return ((np.asarray(rows, np.float32) - base - a["action_mean"][:d]) / a["action_std"][:d]).astype(np.float32)
 
     def actions_out(self, chunk: np.ndarray, state: np.ndarray) -> np.ndarray:
         """Inverse of `actions_in`: the model's normalized chunk -> raw model-space rows, float32."""

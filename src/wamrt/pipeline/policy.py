@@ -22,6 +22,7 @@ from .generic import GenericResult, run_generic
 from .geometry import FRAMEWORK_VIDEO_RES_SIZE_INFO
 from .normalization import KEY as NORM_KEY
 from .normalization import ActionNormalization
+from .prefix import TRAINED_KEY
 from .random_weights import random_tokenizer, random_transformer, random_vae
 from .tokens import CaptionTokenizer
 from .vae import FrameEncoder, load_vae
@@ -57,8 +58,9 @@ class Policy:
         return int(self._seeds.integers(0, 2**31))
 
     def infer(self, observation: Mapping[str, Any], *, seed: int | None = None, **overrides: Any) -> ActionChunk:
-        """observation (openpi DROID keys) -> ActionChunk [chunk, 8]. `overrides` replace sampling
-        options for this call (steps, guidance, shift, guidance_interval)."""
+        """observation (openpi DROID keys; optionally `action_prefix` [d, 8] and `action_prefix_mode`, see
+        wamrt.pipeline.prefix) -> ActionChunk [chunk, 8]. `overrides` replace sampling options for this call
+        (steps, guidance, shift, guidance_interval)."""
         opts = replace(self.options, **overrides) if overrides else self.options
         validate_options(opts)
         chunk, _, _ = run_droid(observation, model=self.model, encoder=self.encoder, tokenizer=self.tokenizer,
@@ -117,7 +119,8 @@ def device_name(device: torch.device) -> str:
 
 def contract_from_config(extra: Mapping[str, Any], *, prompt_format: str | None = None,
                          source: str = POLICY_CONFIG) -> DroidContract:
-    """The DROID contract a checkpoint's wamrt.json asks for (prompt format, tier, normalization)."""
+    """The DROID contract a checkpoint's wamrt.json asks for (prompt format, tier, normalization, whether it was
+    trained with action prefixes)."""
     fmt = prompt_format or extra.get("prompt_format", "plain")
     if fmt not in ("plain", "json"):
         raise RequestError(f"must be 'plain' or 'json', got {fmt!r}", field="prompt_format")
@@ -128,7 +131,11 @@ def contract_from_config(extra: Mapping[str, Any], *, prompt_format: str | None 
     base = DroidContract()
     normalization = (ActionNormalization.from_json(norm, raw_dim=base.raw_action_dim, chunk=base.chunk, source=source)
                      if norm is not None else None)
-    return DroidContract(prompt_format=fmt, tier=tier, normalization=normalization)  # type: ignore[arg-type]
+    trained = extra.get(TRAINED_KEY, False)
+    if not isinstance(trained, bool):
+        raise RequestError(f"must be true or false in {POLICY_CONFIG}, got {trained!r}", field=TRAINED_KEY)
+    return DroidContract(prompt_format=fmt, tier=tier, normalization=normalization,  # type: ignore[arg-type]
+                         trained_with_action_prefix=trained)
 
 
 def validate_options(opts: SamplingOptions) -> None:
