@@ -419,3 +419,41 @@ def test_last_layer_runs_the_rows_whose_output_is_read(policy, config):
             else:
                 assert got.vision.shape == want.vision.shape and (got.vision - want.vision).abs().max() <= TOL
                 assert not got.vision[:, :, 0].any() and want.vision[:, :, 1:].abs().max() > 0
+
+
+PREFIX_TOL = 1e-5  # a reply's prefix rows vs the request's (float32 rounding)
+
+
+def test_one_graph_serves_every_prefix_length_and_mode(policy):
+    """`action_prefix` requests with d = 0, 3, 10, clean and inpainted, on one engine: one capture (the clean mask and
+    the anchored rows are static inputs refreshed on every replay, not part of the key), every reply equal to the
+    eager reference's and starting with its prefix."""
+    graphs = _graph_engine(policy)
+    obs = sample_observation(1)
+    plain = policy.infer(obs, seed=4, steps=2).actions
+    for d, mode in ((0, None), (3, "inpaint"), (10, "clean"), (3, "clean"), (10, "inpaint"), (0, None)):
+        req = obs if d == 0 else dict(obs, action_prefix=plain[:d] + 0.05, action_prefix_mode=mode)
+        want = policy.infer(req, seed=4, steps=2).actions
+        got = graphs.infer(req, seed=4, steps=2)
+        assert np.abs(got.actions - want).max() <= TOL, (d, mode)
+        assert (got.prefix_rows, got.prefix_mode) == (d, mode)
+        if d:
+            assert np.abs(got.actions[:d] - req["action_prefix"]).max() <= PREFIX_TOL
+    assert graphs.graphs.captures == 1
+
+
+def test_prefixed_and_plain_requests_share_a_batch_and_a_larger_graph(policy):
+    """Requests with different d (and none) in one batch, and a single prefixed request replaying the larger batch
+    graph (its spare row grown from the request, masks and anchors included), each equal to the eager reference."""
+    graphs = _graph_engine(policy, prompt_bucket=64)
+    a, b = _prompted(0, LONG), _prompted(1, SHORT)
+    a.update(action_prefix=np.full((5, 8), 0.1, np.float32), action_prefix_mode="clean")
+    with graphs.capturing_exact_buckets():
+        got = graphs.infer_batch([a, b], seeds=[1, 2], steps=2)
+    for g, req, seed in zip(got, (a, b), (1, 2), strict=True):
+        assert np.abs(g.actions - policy.infer(req, seed=seed, steps=2).actions).max() <= TOL
+    c = dict(_prompted(2, SHORT), action_prefix=np.full((12, 8), -0.1, np.float32), action_prefix_mode="inpaint")
+    single = graphs.infer(c, seed=6, steps=2).actions
+    assert np.abs(single - policy.infer(c, seed=6, steps=2).actions).max() <= TOL
+    assert np.abs(single[:12] - c["action_prefix"]).max() <= PREFIX_TOL
+    assert graphs.graphs.captures == 1 and graphs.graphs.compatible_hits == 1
