@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..pipeline.noise import droid_state_row
+from ..pipeline.prefix import PREFIX_KEY, PREFIX_MODE_KEY, parse_action_prefix
 from .errors import InvalidRequest, StaleObservation
 
 PROMPT = "prompt"
@@ -25,7 +26,9 @@ EXT1, EXT2 = "observation/exterior_image_1_left", "observation/exterior_image_2_
 EXT0 = "observation/exterior_image_0_left"  # 0-indexed wrappers (DreamZero / AR_droid)
 JOINTS, GRIPPER = "observation/joint_position", "observation/gripper_position"
 IMAGE_KEYS = (IMAGE, WRIST, EXT1, EXT2)
-POLICY_KEYS = frozenset({PROMPT, *IMAGE_KEYS, JOINTS, GRIPPER})
+# Optional: the rows the robot committed while this request is in flight (wamrt.pipeline.prefix).
+PREFIX_KEYS = (PREFIX_KEY, PREFIX_MODE_KEY)
+POLICY_KEYS = frozenset({PROMPT, *IMAGE_KEYS, JOINTS, GRIPPER, *PREFIX_KEYS})
 # Sent by real clients but not used by this contract: accepted and dropped.
 IGNORED_KEYS = frozenset({
     "observation/cartesian_position", "observation/eef_pos", "observation/eef_quat",
@@ -234,8 +237,12 @@ def _observation(msg: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
         if key not in msg:
             raise InvalidRequest("is missing", field=key)
         obs[key] = msg[key]
+    for key in PREFIX_KEYS:
+        if key in msg:
+            obs[key] = msg[key]
     try:
         droid_state_row(obs[JOINTS], obs[GRIPPER])  # NaN/inf and shape checks, tiny arrays
+        parse_action_prefix(obs)  # shape, d <= 16, finite, mode
     except ValueError as exc:
         raise InvalidRequest(str(exc), field=getattr(exc, "field", None)) from exc
     return obs

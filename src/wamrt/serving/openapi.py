@@ -23,6 +23,11 @@ _OBSERVATION = {
         "session_id": {"type": "string"}, "seed": {"type": "integer", "minimum": 0},
         "endpoint": {"enum": ["infer", "reset"]}, "reset": {"type": "boolean"},
         "timestamp": {"type": "number"}, "max_age_ms": {"type": "number"}, "embodiment": {"type": "string"},
+        "action_prefix": {"type": "array", "maxItems": 16, "description": "[d, 8] rows the robot executes while "
+                          "this request is in flight (robot space, as the reply's rows); the reply's rows 0..d-1 "
+                          "repeat them and the rest continue from them"},
+        "action_prefix_mode": {"enum": ["auto", "clean", "inpaint"], "description": "auto: clean when the checkpoint "
+                               "was trained with action prefixes, else inpaint"},
         "params": {"type": "object", "properties": {
             "num_steps": {"type": "integer", "minimum": 1, "maximum": 1000}, "guidance": {"type": "number"},
             "shift": {"type": "number"}, "structured": {"type": "boolean"}}},
@@ -40,7 +45,8 @@ _VIDEO_FORM = {
     "type": "object", "required": ["prompt"],
     "description": "A policy / forward-dynamics / inverse-dynamics job when extra_params.action_mode says so or "
                    "extra_params carries a policy input (robot_obs, observation, action, session_id, domain_name, "
-                   "domain_id, raw_action_dim, action_chunk_size, guidance_interval); otherwise world generation "
+                   "domain_id, raw_action_dim, action_chunk_size, guidance_interval, action_prefix, action_prefix_mode); "
+                   "otherwise world generation "
                    "(text / image / video -> video, optionally with sound).",
     "properties": {
         "prompt": {"type": "string"}, "model": {"type": "string"}, "negative_prompt": {"type": "string"},
@@ -60,7 +66,7 @@ _VIDEO_FORM = {
         "extra_params": {"type": "string", "description": "JSON object. Action jobs: action_mode (policy | "
                          "forward_dynamics | inverse_dynamics), domain_name/domain_id, action_chunk_size, "
                          "raw_action_dim, robot_obs/observation, action, video, image_size, view_point, num_steps, "
-                         "guidance, shift, guidance_interval, session_id. Generation: use_resolution_template, "
+                         "guidance, shift, guidance_interval, session_id, action_prefix ([d, 8]), action_prefix_mode. Generation: use_resolution_template, "
                          "use_duration_template, use_system_prompt (booleans), condition_frame_indexes_vision "
                          "(latent frame indexes), condition_video_keep (first | last), guardrails, flow_shift, "
                          "max_sequence_length, video"},

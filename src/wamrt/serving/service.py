@@ -221,6 +221,8 @@ class Service:
             meta["prompt_tokens"] = tokens
         if req.notes:
             meta["notes"] = list(req.notes)
+        if getattr(chunk, "prefix_rows", 0):  # rows 0..d-1 repeat the committed rows the request carried
+            meta["action_prefix"] = {"rows": chunk.prefix_rows, "mode": chunk.prefix_mode}
         if self.safety is not None:
             state = np.asarray(req.observation[JOINTS], dtype=np.float64).reshape(-1, 7)[-1]
             try:

@@ -9,7 +9,8 @@ forward-dynamics jobs serve their predicted frames there as an MP4).
 
 The observation comes from `extra_params.robot_obs` (alias `observation`; openpi keys, arrays as
 nested lists or `{"b64", "dtype", "shape"}`), or from an `input_reference` image (the 540x640
-composite) plus `extra_params.action` = the current [7 joints, gripper] state.
+composite) plus `extra_params.action` = the current [7 joints, gripper] state. `extra_params.action_prefix` [d, 8] and
+`action_prefix_mode` (or the same keys in robot_obs) carry a moving robot's committed rows (wamrt.pipeline.prefix).
 
 `extra_params.action_mode` `forward_dynamics` / `inverse_dynamics` run the generic contracts instead
 (`dynamics.py`): FD answers an MP4 of the predicted frames at `/content`, ID the actions in `action`.
@@ -44,7 +45,8 @@ from .generation import GenerationOutcome
 from .generation_request import GenerationRequest, build_generation
 from .http_api import service_of, until_disconnect
 from .media import encode_mp4
-from .observation import GRIPPER, IMAGE, JOINTS, PROMPT, parse_params, parse_request
+from ..pipeline.prefix import PREFIX_KEY, parse_action_prefix
+from .observation import GRIPPER, IMAGE, JOINTS, PREFIX_KEYS, PROMPT, parse_params, parse_request
 from .service import DynamicsOutcome, InferOutcome, Service
 
 DROID_DOMAIN = ("droid_lerobot", 8)
@@ -52,7 +54,7 @@ GENERATE = "generate"  # the routing mode of world-generation requests (they car
 # extra_params keys that only a policy request carries: with any of them (and no action_mode) a request is a
 # policy request, as before world generation existed; without, and without action_mode, it is generation.
 POLICY_KEYS = ("robot_obs", "observation", "action", "session_id", "domain_name", "domain_id", "raw_action_dim",
-               "action_chunk_size", "guidance_interval")
+               "action_chunk_size", "guidance_interval", *PREFIX_KEYS)
 UNFINISHED = ("queued", "in_progress")
 MAX_CONTENT_BYTES = 2 * 2**30  # MP4s kept for /content (a 720p Nano clip is tens of MB): beyond, oldest jobs go
 _TOP_LEVEL_PARAMS = {"num_inference_steps": "steps", "guidance_scale": "guidance", "flow_shift": "shift"}
@@ -172,6 +174,17 @@ def build_request(fields: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             raise InvalidRequest("must be the 8-value state [7 joints, gripper]", field="extra_params.action")
         obs[JOINTS], obs[GRIPPER] = state[:7], state[7:]
     obs.setdefault(PROMPT, prompt)
+    # The committed rows of a robot that keeps moving (wamrt.pipeline.prefix): extra_params.action_prefix [d, 8]
+    # and action_prefix_mode, or the same keys inside robot_obs.
+    given = [k for k in PREFIX_KEYS if k in extra and k not in obs]
+    for key in given:
+        obs[key] = json_array(extra[key], key) if key == PREFIX_KEY else extra[key]
+    if given:
+        try:
+            parse_action_prefix(obs)
+        except ValueError as exc:
+            field = getattr(exc, "field", None)
+            raise InvalidRequest(str(exc).removeprefix(f"{field}: "), field=f"extra_params.{field}") from exc
     if "session_id" in extra:
         obs["session_id"] = extra["session_id"]
     params: dict[str, Any] = {}
