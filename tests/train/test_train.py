@@ -212,13 +212,7 @@ def test_normalized_training_targets_are_what_the_served_contract_undoes(tmp_pat
     from wamrt.pipeline.denoise import DenoiseResult
     from wamrt.pipeline.droid import droid_actions
 
-    rng = np.random.default_rng(3)
-    eps = []
-    for e in range(3):  # actions that move away from the state by a different offset per frame
-        joints = rng.uniform(-1, 1, 7)
-        obs = _obs(rng, joints, 0.2 * e)
-        actions = np.concatenate([joints + rng.normal(0, 0.1, (5, 7)), rng.integers(0, 2, (5, 1))], axis=1)
-        eps.append(episode_from_observations([obs] * 5, actions))
+    eps, _ = _moving_episodes(length=5)
     tr = PolicyTrainer(TrainConfig(size="tiny-qwen", batch=4, aug_shift_px=0, aug_colour=0.0, log_every=1000),
                        demo_set_from_episodes(eps), tmp_path / "ckpt", device="cpu")
     norm = tr.contract.normalization
@@ -300,3 +294,91 @@ def test_open_loop_reproduces_the_served_request(tmp_path):
     chunks = open_loop_chunks(policy, tr.ds, frames, seed=11)
     for n, (obs, _) in enumerate(obs0[:2]):
         np.testing.assert_allclose(chunks[n], policy.infer(obs, seed=11 + n).actions, rtol=0, atol=1e-4)
+
+
+def _moving_episodes(n_episodes: int = 3, length: int = 6, seed: int = 3):
+    """Actions that move away from the state by a different offset per frame, gripper flipping; also each
+    episode's observation (every frame of an episode shows the same one)."""
+    rng = np.random.default_rng(seed)
+    eps, observations = [], []
+    for e in range(n_episodes):
+        joints = rng.uniform(-1, 1, 7)
+        obs = _obs(rng, joints, 0.2 * e)
+        actions = np.concatenate([joints + rng.normal(0, 0.1, (length, 7)), rng.integers(0, 2, (length, 1))], axis=1)
+        eps.append(episode_from_observations([obs] * length, actions))
+        observations.append(obs)
+    return eps, observations
+
+
+def test_prefix_training_packing_equals_served_prefix_packing(tmp_path):
+    """--prefix-max: a sample with prefix length d is packed as a served request whose `action_prefix` holds the same
+    d ground-truth rows (clean mode): the same clean rows after the state row (normalized alike), the same
+    generated-row mask, the same velocities; those rows are out of the loss; the checkpoint says it was trained so,
+    and a loaded policy then reads prefixes as clean rows by default."""
+    import json
+
+    import wamrt
+    from wamrt.model.transformer import GeneratorTokens
+    from wamrt.pipeline.denoise import _prefill
+    from wamrt.train.trainer import prefix_action_noisy
+
+    eps, observations = _moving_episodes()
+    tr = PolicyTrainer(TrainConfig(size="tiny-qwen", batch=4, aug_shift_px=0, aug_colour=0.0, log_every=1000,
+                                   prefix_max=14), demo_set_from_episodes(eps), tmp_path / "ckpt", device="cpu")
+    tr.cache_latents()
+    tr.model.eval()
+    i, d, obs = 7, 4, observations[1]  # episode 1, frame 1: its next 4 actions are the committed rows
+    prefix = tr.ds.actions[i:i + d]  # robot space: the expert's actions, as a reply's rows are
+    prep = prepare_droid(dict(obs, action_prefix=prefix, action_prefix_mode="clean"), model=tr.model,
+                         encoder=tr.encoder, tokenizer=tr.tokenizer, contract=tr.contract, seed=11, device=tr.device)
+    inp = prep.inputs
+    batch = tr.clean_batch(np.array([i]), augment_images=False)
+    a0 = batch["action"]
+    torch.testing.assert_close(inp.action[:, 0], a0[:, 0], rtol=0, atol=0)  # the state row
+    torch.testing.assert_close(inp.action[:, 1:1 + d], a0[:, 1:1 + d], rtol=0, atol=2e-6)  # the committed rows
+    train_noisy = prefix_action_noisy(torch.tensor([d]), a0.shape[1], tr.contract.history)
+    assert torch.equal(train_noisy, inp.action_noisy)
+    torch.testing.assert_close(batch["vision"][:, :, :1], inp.vision[:, :, :1], rtol=0, atol=2e-5)
+
+    sigma = torch.tensor([0.833])
+    with torch.no_grad():
+        out = tr.velocity([obs["prompt"]], sigma, inp.vision, inp.action, train_noisy)
+        kv, rope = _prefill(tr.model, inp.cond)
+        ref = tr.model.generator_step(GeneratorTokens(
+            timesteps=sigma * 1000, vision=inp.vision, vision_noisy=inp.vision_noisy, action=inp.action,
+            action_noisy=inp.action_noisy, domain_ids=inp.domain_ids), rope, kv)
+    torch.testing.assert_close(out.action, ref.action, rtol=1e-4, atol=1e-5)
+    assert float(out.action[:, : 1 + d].abs().max()) == 0.0  # clean rows: zero velocity
+
+    # The committed rows are out of the loss: garbage velocities there change nothing, elsewhere they do.
+    velocity = tr.velocity
+
+    def spoiled(rows):
+        def run(*args, **kw):
+            o = velocity(*args, **kw)
+            o.action[:, rows] += 100.0
+            return o
+        return run
+
+    def loss(rows, d_batch):
+        tr.velocity = spoiled(rows) if rows is not None else velocity
+        tr.gen.manual_seed(5)
+        with torch.no_grad():
+            return float(tr.loss({**batch, "prefix_rows": torch.tensor([d_batch])}, text_dropout=False)["action"])
+
+    base = loss(None, d)
+    assert loss(slice(1, 1 + d), d) == base and loss(slice(1 + d, 2 + d), d) > base + 1.0
+    assert loss(slice(1, 1 + d), 0) > base + 1.0
+    tr.velocity = velocity
+
+    drawn = torch.cat([tr.prefix_rows(64, tr.gen) for _ in range(20)])
+    assert int(drawn.min()) == 0 and int(drawn.max()) == 14 and 0.1 < float((drawn == 0).float().mean()) < 0.4
+    for _ in range(3):
+        assert np.isfinite(tr.train_step(0.0)["loss"])
+    folder = tr.save()
+    meta = json.loads((folder / "wamrt.json").read_text())
+    assert meta["trained_with_action_prefix"] is True and meta["action_prefix"]["max_rows"] == 14
+    pol = wamrt.load_policy(folder, device="cpu")
+    assert pol.contract.trained_with_action_prefix
+    got = pol.infer(dict(obs, action_prefix=prefix), seed=1, steps=2)
+    assert got.prefix_mode == "clean" and np.abs(got.actions[:d] - prefix).max() <= 1e-5

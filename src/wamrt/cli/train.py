@@ -61,6 +61,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                           "(OUT/snapshots/<m>min)")
     fit.add_argument("--init-from", metavar="CKPT",
                      help="continue a trained checkpoint (its weights, VAE and normalization; fresh optimiser)")
+    fit.add_argument("--prefix-max", type=int, default=0, metavar="D",
+                     help="training-time real-time chunking: per sample, the first d in 0..D chunk rows stay clean "
+                          "(ground truth) and out of the loss, as a served `action_prefix` packs them; the "
+                          "checkpoint then reads prefixes as clean rows (default 0: off; at most 16)")
+    fit.add_argument("--prefix-zero-share", type=float, default=0.25, metavar="P",
+                     help="share of samples with no prefix when --prefix-max is on (default 0.25)")
     fit.add_argument("--seed", type=int, default=0, help="initialization and sampling seed")
     fit.add_argument("--log-every", type=int, default=50, help="optimizer steps between log lines")
     fit.add_argument("--device", help="cpu or cuda (default: cuda if available)")
@@ -109,10 +115,11 @@ def run_fit(args: argparse.Namespace) -> int:
                       aug_colour=args.aug_colour, aug_future=args.aug_future, val_episodes=args.val_episodes,
                       seed=args.seed, log_every=args.log_every, normalization=args.normalization,
                       prompt_batches=not args.mixed_prompts, snapshot_minutes=tuple(args.snapshot_minutes),
-                      init_from=str(args.init_from) if args.init_from else None)
+                      init_from=str(args.init_from) if args.init_from else None, prefix_max=args.prefix_max,
+                      prefix_zero_share=args.prefix_zero_share)
     try:
         trainer = PolicyTrainer(cfg, ds, args.out, device=args.device, log_path=args.log)
-    except ValueError as e:  # tier mismatch, held-out count
+    except ValueError as e:  # tier mismatch, held-out count, prefix range
         print(f"error: {e}", file=sys.stderr)
         return 2
     if trainer.uses_latent_cache:

@@ -197,15 +197,18 @@ def finish_droid(
     state = host.state
     model_state = contract.normalization.state_in(state) if contract.normalization is not None else state
     act = initial_action(model_state, seed, rows=rows, max_action_dim=model.config.action_dim or 0, stream=stream)
-    vision = torch.from_numpy(stream).to(device, copy=True)  # copy: frame 0 is overwritten below
-    action = torch.from_numpy(act.init).to(device)[None]  # [1, 33, 64]
+    init = act.init
     action_noisy, anchor, mode = droid_action_noisy(contract, device), None, None
     if host.prefix is not None:  # the committed rows: clean rows after the state row, or inpainted ones
         mode = host.prefix.resolve(contract.trained_with_action_prefix)
         rows_model = model_space_prefix(host.prefix.rows, state, contract.normalization)
-        anchor = prefix_anchor(rows_model, act.init, history=contract.history, mode=mode, device=device)
-        if mode == "clean":
+        anchor = prefix_anchor(rows_model, init, history=contract.history, mode=mode, device=device)
+        if mode == "clean":  # clean rows hold their value from the start, as in training (wamrt.train)
             action_noisy = _action_noisy(rows, contract.history + len(rows_model), device)
+            init = init.copy()
+            init[contract.history:contract.history + len(rows_model), :contract.raw_action_dim] = rows_model
+    vision = torch.from_numpy(stream).to(device, copy=True)  # copy: frame 0 is overwritten below
+    action = torch.from_numpy(init).to(device)[None]  # [1, 33, 64]
 
     inputs = DenoiseInputs(
         cond=droid_branch(model.config, cond_ids, (lat_t, lat_h, lat_w), contract, device),

@@ -14,6 +14,11 @@ the model predicts v = noise - x0 at timestep 1000 sigma (UniPC's x0 = x - sigma
 drawn as shift*u / (1 + (shift - 1) u) so training concentrates where the shifted 4-step schedule evaluates.
 Loss: masked velocity MSE over the noisy vision frames + action_weight x masked MSE over the noisy action
 rows' real columns.
+
+With `prefix_max` > 0 (training-time real-time chunking, arXiv 2512.05964) every sample also draws a prefix length
+d (0 with probability `prefix_zero_share`, else uniform in 1..prefix_max): its first d chunk rows stay clean (the
+ground truth, no noise, no time embedding), right after the state row, and are left out of the loss -- the packing
+a served request with `action_prefix` of d committed rows gets in "clean" mode (`wamrt.pipeline.prefix`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from ..pipeline.denoise import Branch
 from ..pipeline.droid import DroidContract, prepare_droid
 from ..pipeline.normalization import KEY as NORM_KEY
 from ..pipeline.normalization import ActionNormalization
+from ..pipeline.prefix import MAX_PREFIX_ROWS, TRAINED_KEY
 from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder, load_vae
 from ..provenance import environment
@@ -92,6 +98,10 @@ class TrainConfig:
     # A trained checkpoint to continue from (its weights, VAE and normalization statistics; a fresh optimiser
     # with warm-up), so training can span several GPU jobs.
     init_from: str | None = None
+    # Random clean action prefixes (see the module docstring): the largest d drawn (0: off) and the share of samples
+    # that get none. A checkpoint trained with them says so in wamrt.json (`trained_with_action_prefix`).
+    prefix_max: int = 0
+    prefix_zero_share: float = 0.25
 
 
 @dataclass
@@ -135,6 +145,20 @@ def training_init_(model: Cosmos3Transformer, seed: int) -> Cosmos3Transformer:
         model.proj_out.weight.mul_(0.1)
         model.action_proj_out.fc.weight.mul_(0.1)
     return model
+
+
+def sample_prefix_rows(n: int, max_rows: int, zero_share: float, gen: torch.Generator,
+                       device: torch.device) -> torch.Tensor:
+    """[n] long prefix lengths: 0 with probability zero_share, else uniform in 1..max_rows."""
+    d = torch.randint(1, max_rows + 1, (n,), generator=gen, device=device)
+    none = torch.rand(n, generator=gen, device=device) < zero_share
+    return torch.where(none, torch.zeros_like(d), d)
+
+
+def prefix_action_noisy(prefix_rows: torch.Tensor, rows: int, history: int) -> torch.Tensor:
+    """[B, rows] bool: the rows a sample generates -- all but its state row(s) and its d clean prefix rows (what a
+    served request with `action_prefix` in clean mode marks; `droid._action_noisy(rows, history + d)`)."""
+    return torch.arange(rows, device=prefix_rows.device)[None] >= history + prefix_rows[:, None]
 
 
 def sample_sigmas(n: int, shift: float, gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -200,6 +224,9 @@ class PolicyTrainer:
             self.val_idx = np.sort(pool[pick])
         if cfg.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {cfg.normalization!r}")
+        if not 0 <= cfg.prefix_max <= MAX_PREFIX_ROWS or not 0.0 <= cfg.prefix_zero_share <= 1.0:
+            raise ValueError(f"prefix_max must be in [0, {MAX_PREFIX_ROWS}] and prefix_zero_share in [0, 1], got "
+                             f"{cfg.prefix_max}, {cfg.prefix_zero_share}")
         torch.manual_seed(cfg.seed)
         self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.np_rng = np.random.default_rng(cfg.seed)
@@ -347,9 +374,11 @@ class PolicyTrainer:
         return {"vision": vision, "action": action, "prompts": list(prompts)}
 
     # ---- forward / loss ------------------------------------------------------------------------------------
-    def velocity(self, prompts: list[str], sigma: torch.Tensor, x_v: torch.Tensor, x_a: torch.Tensor):
+    def velocity(self, prompts: list[str], sigma: torch.Tensor, x_v: torch.Tensor, x_a: torch.Tensor,
+                 action_noisy: torch.Tensor | None = None):
         """The Generator's velocities for a batch, each sample against its own branch (cond or uncond),
-        exactly as the denoising loop calls it: Reasoner K/V per prompt, then one Generator pass."""
+        exactly as the denoising loop calls it: Reasoner K/V per prompt, then one Generator pass. action_noisy
+        [B, rows]: the generated action rows (default: all but the state row)."""
         model = self.model
         kvs: dict[str, Any] = {}
         ropes: dict[str, Rope] = {}
@@ -364,13 +393,21 @@ class PolicyTrainer:
         b = len(prompts)
         tok = GeneratorTokens(
             timesteps=sigma * 1000.0, vision=x_v, vision_noisy=lay.vision_noisy.expand(b, -1),
-            action=x_a, action_noisy=lay.action_noisy.expand(b, -1),
+            action=x_a, action_noisy=lay.action_noisy.expand(b, -1) if action_noisy is None else action_noisy,
             domain_ids=torch.full((b,), lay.domain_id, device=self.device, dtype=torch.long),
         )
         return model.generator_step(tok, rope, kv)
 
+    def prefix_rows(self, b: int, gen: torch.Generator) -> torch.Tensor:
+        """[b] prefix lengths of a training batch (all 0 without `prefix_max`; no draw then, so a run without
+        prefixes consumes its random stream as before)."""
+        if not self.cfg.prefix_max:
+            return torch.zeros(b, dtype=torch.long, device=self.device)
+        return sample_prefix_rows(b, self.cfg.prefix_max, self.cfg.prefix_zero_share, gen, self.device)
+
     def loss(self, batch: dict[str, Any], sigma: torch.Tensor | None = None, *, gen: torch.Generator | None = None,
              text_dropout: bool = True) -> dict[str, torch.Tensor]:
+        """`batch["prefix_rows"]` [B] (optional) fixes the samples' prefix lengths; else they are drawn."""
         cfg = self.cfg
         gen = gen or self.gen
         v0, a0 = batch["vision"], batch["action"]
@@ -384,14 +421,17 @@ class PolicyTrainer:
             prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
         vn = lay.vision_noisy[0][None, None, :, None, None]  # [1, 1, T, 1, 1]
         cols = torch.arange(a0.shape[-1], device=self.device) < lay.raw_action_dim
-        an = (lay.action_noisy[0][:, None] & cols[None, :])[None]  # [1, rows, A]
+        d = batch.get("prefix_rows")
+        d = self.prefix_rows(b, gen) if d is None else d
+        action_noisy = prefix_action_noisy(d, a0.shape[1], self.contract.history)  # [B, rows]
+        an = action_noisy[:, :, None] & cols[None, None, :]  # [B, rows, A]: noised, and in the loss
         eps_v = torch.randn(v0.shape, generator=gen, device=self.device)
         eps_a = torch.randn(a0.shape, generator=gen, device=self.device)
         s_v, s_a = sigma.view(b, 1, 1, 1, 1), sigma.view(b, 1, 1)
         x_v = torch.where(vn, (1 - s_v) * v0 + s_v * eps_v, v0)
         x_a = torch.where(an, (1 - s_a) * a0 + s_a * eps_a, a0)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = self.velocity(prompts, sigma, x_v, x_a)
+            out = self.velocity(prompts, sigma, x_v, x_a, action_noisy)
         assert out.vision is not None and out.action is not None
         mv = vn.expand_as(v0).float()
         ma = an.expand_as(a0).float()
@@ -529,8 +569,11 @@ class PolicyTrainer:
                 shutil.copytree(self.out / part, out / part, dirs_exist_ok=True)
         model = self.ema_model().to(torch.bfloat16)
         save_transformer(model, out / "transformer")
+        prefix = {TRAINED_KEY: True, "action_prefix": {"max_rows": self.cfg.prefix_max,
+                                                       "zero_share": self.cfg.prefix_zero_share}} \
+            if self.cfg.prefix_max else {}
         meta = {"format_version": FORMAT_VERSION, "contract": "droid", "prompt_format": "plain",
-                "tier": self.cfg.tier, "guidance_interval": None,
+                "tier": self.cfg.tier, "guidance_interval": None, **prefix,
                 **({NORM_KEY: self.normalization.to_json()} if self.normalization is not None else {}),
                 "weights": f"trained by wamrt.train (EMA {self.cfg.ema}), {self.state.step} steps, "
                            f"{self.state.samples} samples",
