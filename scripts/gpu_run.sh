@@ -30,6 +30,10 @@
 #          rows-edge rows-nano (E5 and its alternatives timed in one process; ROWS, default E5,E5-bucket,E5-bucket-mask
 #          (issue 13: prompt buckets against exact lengths); E5-mask, E5-autotune on request -- autotuning can take
 #          minutes at Nano, so give it a part of its own, e.g. rows-nano:560)
+#          prefix-train (issue 41: panda-droid continued with random clean action prefixes on pick_place and the moving
+#          task, demos recorded on the host cores while it trains, then synchronous pick_place on seeds 0-199 through
+#          `wamrt serve`: scripts/prefix_train.sh, ~8 min, carry .whl and .gl; the checkpoint comes back as
+#          $OUT/prefix-ckpt.tgz and stays at /tmp/wamrt-prefix/ckpt for later parts)
 # `load` also needs the server stack as wheels in .whl/ (starlette, uvicorn, websockets, python-multipart);
 #   LOAD_REQUESTS (default 100) sizes each of its rows (1, 4, 8 lanes, mixed instructions).
 # `world-serve` (same wheels, plus PyAV for the MP4 replies): policy lanes with and without back-to-back i2v jobs
@@ -276,6 +280,8 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              --new-tokens "${NEW_TOKENS:-128}" --hf-tokens "${HF_TOKENS:-64}" --out "$res" 2>&1 | tee "$res/log.txt"
           timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/reasoner/test_reasoner_gpu.py 2>&1 \
              | tail -5 | tee -a "$res/log.txt" ;;
+    prefix-train) # Issue 41: training-time RTC fine-tune of panda-droid + its synchronous pick_place evaluation
+          RES=$res timeout "$limit" bash scripts/prefix_train.sh 2>&1 | tee "$res/log.txt" ;;
     kernel-tests) # the Triton kernels against their references (head epilogue, fp8 fusion), in graphs, timed
           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_qkv_epilogue.py \
              tests/engine/test_fp8_fusion.py tests/ops/test_quantized_attention.py tests/ops/test_fp8_gemm.py 2>&1 \
