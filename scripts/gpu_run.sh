@@ -34,6 +34,8 @@
 #          task, demos recorded on the host cores while it trains, then synchronous pick_place on seeds 0-199 through
 #          `wamrt serve`: scripts/prefix_train.sh, ~8 min, carry .whl and .gl; the checkpoint comes back as
 #          $OUT/prefix-ckpt.tgz and stays at /tmp/wamrt-prefix/ckpt for later parts)
+#          lever-gates (issue 41: 2 steps, CFG on the first step, gen-fp8 gated against bf16 4 steps, each at its own d at
+#          15 Hz: scripts/lever_gates.sh; SIZES, TASKS, LEVERS split the ~50 min of rollouts over calls)
 # `load` also needs the server stack as wheels in .whl/ (starlette, uvicorn, websockets, python-multipart);
 #   LOAD_REQUESTS (default 100) sizes each of its rows (1, 4, 8 lanes, mixed instructions).
 # `world-serve` (same wheels, plus PyAV for the MP4 replies): policy lanes with and without back-to-back i2v jobs
@@ -282,6 +284,8 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              | tail -5 | tee -a "$res/log.txt" ;;
     prefix-train) # Issue 41: training-time RTC fine-tune of panda-droid + its synchronous pick_place evaluation
           RES=$res timeout "$limit" bash scripts/prefix_train.sh 2>&1 | tee "$res/log.txt" ;;
+    lever-gates) # Issue 41: the lossy levers at each configuration's own delay (needs the delay mode of eval gate)
+          RES=$res timeout "$limit" bash scripts/lever_gates.sh 2>&1 | tee "$res/log.txt" ;;
     kernel-tests) # the Triton kernels against their references (head epilogue, fp8 fusion), in graphs, timed
           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_qkv_epilogue.py \
              tests/engine/test_fp8_fusion.py tests/ops/test_quantized_attention.py tests/ops/test_fp8_gemm.py 2>&1 \

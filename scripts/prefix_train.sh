@@ -85,6 +85,8 @@ for t in "${tasks[@]}"; do
   done
 done
 sleep "$HEAD_S"
+recording() { local p; for p in "${rec_pids[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
+while [ "$(count_demos "${dirs[@]}")" -eq 0 ] && recording; do sleep 2; done  # a slow host: wait for the first
 
 train() {  # train PHASE MINUTES INIT_FROM: one `wamrt train fit` over every demo folder so far
   local n val
@@ -102,7 +104,7 @@ train() {  # train PHASE MINUTES INIT_FROM: one `wamrt train fit` over every dem
 }
 
 stop_recorders() { kill "${rec_pids[@]}" 2>/dev/null; wait "${rec_pids[@]}" 2>/dev/null; }
-[ "$(count_demos "${dirs[@]}")" -gt 0 ] || { log "FATAL: no demos after $HEAD_S s"; tail -n 3 "$RES"/demos-*.txt; stop_recorders; exit 1; }
+[ "$(count_demos "${dirs[@]}")" -gt 0 ] || { log "FATAL: the recorders wrote no demos"; tail -n 3 "$RES"/demos-*.txt; stop_recorders; exit 1; }
 train A "$MIN_A" "$INIT" || { stop_recorders; exit 1; }
 wait "${rec_pids[@]}"
 for t in "${tasks[@]}"; do
