@@ -87,7 +87,8 @@ def test_clean_prefix_packing(normalized):
     obs = sample_observation(2)
     prefix = np.random.default_rng(1).normal(0, 0.3, (4, 8)).astype(np.float32)
     prep = prepare_droid(dict(obs, action_prefix=prefix, action_prefix_mode="clean"), model=pol.model,
-                         encoder=pol.encoder, tokenizer=pol.tokenizer, contract=pol.contract, seed=2, device=torch.device("cpu"))
+                         encoder=pol.encoder, tokenizer=pol.tokenizer, contract=pol.contract, seed=2,
+                         device=torch.device("cpu"))
     inp = prep.inputs
     assert inp.action_noisy.tolist() == [[False] * 5 + [True] * 28]
     model_rows = prefix.copy()

@@ -45,9 +45,9 @@ _VIDEO_FORM = {
     "type": "object", "required": ["prompt"],
     "description": "A policy / forward-dynamics / inverse-dynamics job when extra_params.action_mode says so or "
                    "extra_params carries a policy input (robot_obs, observation, action, session_id, domain_name, "
-                   "domain_id, raw_action_dim, action_chunk_size, guidance_interval, action_prefix, action_prefix_mode); "
-                   "otherwise world generation "
-                   "(text / image / video -> video, optionally with sound).",
+                   "domain_id, raw_action_dim, action_chunk_size, guidance_interval, action_prefix, "
+                   "action_prefix_mode); otherwise world generation (text / image / video -> video, optionally with "
+                   "sound).",
     "properties": {
         "prompt": {"type": "string"}, "model": {"type": "string"}, "negative_prompt": {"type": "string"},
         "seed": {"type": "integer", "minimum": 0},
@@ -66,7 +66,8 @@ _VIDEO_FORM = {
         "extra_params": {"type": "string", "description": "JSON object. Action jobs: action_mode (policy | "
                          "forward_dynamics | inverse_dynamics), domain_name/domain_id, action_chunk_size, "
                          "raw_action_dim, robot_obs/observation, action, video, image_size, view_point, num_steps, "
-                         "guidance, shift, guidance_interval, session_id, action_prefix ([d, 8]), action_prefix_mode. Generation: use_resolution_template, "
+                         "guidance, shift, guidance_interval, session_id, action_prefix ([d, 8]), action_prefix_mode. "
+                         "Generation: use_resolution_template, "
                          "use_duration_template, use_system_prompt (booleans), condition_frame_indexes_vision "
                          "(latent frame indexes), condition_video_keep (first | last), guardrails, flow_shift, "
                          "max_sequence_length, video"},

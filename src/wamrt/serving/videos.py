@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..client.wire import _decode_image, json_array, to_jsonable
+from ..pipeline.prefix import PREFIX_KEY, parse_action_prefix
 from .dynamics import DYNAMICS_MODES, DynamicsRequest, build_dynamics
 from .errors import Busy, Cancelled, Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from .fields import as_float, as_int
@@ -45,7 +46,6 @@ from .generation import GenerationOutcome
 from .generation_request import GenerationRequest, build_generation
 from .http_api import service_of, until_disconnect
 from .media import encode_mp4
-from ..pipeline.prefix import PREFIX_KEY, parse_action_prefix
 from .observation import GRIPPER, IMAGE, JOINTS, PREFIX_KEYS, PROMPT, parse_params, parse_request
 from .service import DynamicsOutcome, InferOutcome, Service
 
