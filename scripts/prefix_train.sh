@@ -10,9 +10,9 @@
 # out synchronously (200 episodes, 16 lanes). Training time MIN_A + MIN_B = 4 min.
 #
 # Writes: $RES/{summary.txt, train-*.txt, train_log-*.txt, demos-*.txt, stats-*.json, server.txt, eval.txt,
-#   rollout-pick_place-<N>.json, ckpt-wamrt.json, vae-sha256.txt}, and $OUT/prefix-ckpt.tgz: transformer/ +
-#   wamrt.json + train_log.txt of the result (the vae/ is panda-droid's, copied by --init-from: its sha256 is in
-#   vae-sha256.txt; the tokenizer is the builtin one), to commit as src/wamrt/assets/panda-droid-rt. The checkpoint
+#   rollout-pick_place-<N>.json, ckpt-wamrt.json, vae-sha256.txt}, and $OUT/prefix-ckpt.tgz: the complete checkpoint
+#   folder (~14 MB: transformer/, vae/ -- panda-droid's, copied by --init-from, sha256s in vae-sha256.txt --,
+#   tokenizer/, wamrt.json, train_log.txt), to unpack as src/wamrt/assets/panda-droid-rt. The checkpoint
 #   also stays at $CKPT (default /tmp/wamrt-prefix/ckpt) for later parts of the same call (the strategy x d grid's
 #   prefix-trained cells: `--policy $CKPT` or a server on it).
 #
@@ -117,7 +117,7 @@ train B "$MIN_B" "$WORK/ckpt-A" || exit 1
 rm -rf "$CKPT"; mv "$WORK/ckpt-B" "$CKPT"
 cp "$CKPT/wamrt.json" "$RES/ckpt-wamrt.json"
 sha256sum "$CKPT"/vae/* "$INIT"/vae/* > "$RES/vae-sha256.txt"
-tar czf "$OUT/prefix-ckpt.tgz" -C "$CKPT" --exclude=snapshots transformer wamrt.json train_log.txt
+tar czf "$OUT/prefix-ckpt.tgz" -C "$CKPT" --exclude=snapshots transformer vae tokenizer wamrt.json train_log.txt
 log "checkpoint: $(du -b "$OUT/prefix-ckpt.tgz" | cut -f1) bytes in prefix-ckpt.tgz; kept at $CKPT"
 
 # ---- synchronous pick_place on seeds 0.., isolated requests (replayable), as the 89-90.5 % runs were measured ----

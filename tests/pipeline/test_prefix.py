@@ -110,3 +110,13 @@ def test_auto_mode_follows_the_checkpoint(policy):
     assert trained.metadata()["action_prefix"]["auto"] == "clean"
     assert policy.metadata()["action_prefix"] == {"max_rows": 16, "modes": ["auto", "clean", "inpaint"],
                                                   "auto": "inpaint", "trained_with_action_prefix": False}
+
+
+def test_checkpoint_flag_is_read_and_checked():
+    from wamrt.pipeline.policy import contract_from_config
+
+    assert contract_from_config({"trained_with_action_prefix": True}).trained_with_action_prefix
+    assert not contract_from_config({}).trained_with_action_prefix
+    with pytest.raises(RequestError) as err:
+        contract_from_config({"trained_with_action_prefix": "yes"})
+    assert err.value.field == "trained_with_action_prefix"

@@ -152,15 +152,19 @@ def validate_options(opts: SamplingOptions) -> None:
 
 # Policies trained in-repo (`wamrt train`, scripts/gpu_pipeline.sh) and committed as package data. An
 # environment variable WAMRT_<NAME> (e.g. WAMRT_PANDA_DROID) points a name at another folder (tests).
-TRAINED_MODELS = {"panda-droid": Path(__file__).resolve().parents[1] / "assets" / "panda-droid"}
+# panda-droid-rt: panda-droid continued with random clean action prefixes (gpu_run.sh prefix-train; docs/prefix.md).
+TRAINED_MODELS = {name: Path(__file__).resolve().parents[1] / "assets" / name
+                  for name in ("panda-droid", "panda-droid-rt")}
 
 
 def trained_path(name: str) -> Path:
     override = os.environ.get("WAMRT_" + name.upper().replace("-", "_"))
     folder = Path(override) if override else TRAINED_MODELS[name]
     if not (folder / POLICY_CONFIG).is_file():
-        raise RequestError(f"the trained model {name!r} is not present at {folder} (train it with "
-                           f"scripts/gpu_pipeline.sh and unpack its checkpoint-<variant>.tgz there)", field="model")
+        how = ("scripts/gpu_run.sh prefix-train and unpack its prefix-ckpt.tgz there" if name == "panda-droid-rt" else
+               "scripts/gpu_pipeline.sh and unpack its checkpoint-<variant>.tgz there")
+        raise RequestError(f"the trained model {name!r} is not present at {folder} (train it with {how})",
+                           field="model")
     return folder
 
 
