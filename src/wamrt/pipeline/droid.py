@@ -30,7 +30,14 @@ from .denoise import Branch, DenoiseInputs, DenoiseResult, SamplingOptions, deno
 from .errors import RequestError
 from .noise import GaussianPrefetcher, initial_action, state_row_from_observation, vision_noise
 from .normalization import ActionNormalization
-from .prefix import ActionPrefix, model_space_prefix, parse_action_prefix, prefix_anchor, prefix_metadata
+from .prefix import (
+    MAX_PREFIX_ROWS,
+    ActionPrefix,
+    model_space_prefix,
+    parse_action_prefix,
+    prefix_anchor,
+    prefix_metadata,
+)
 from .prompts import droid_prompt
 from .tokens import CaptionTokenizer
 from .vae import FrameEncoder, unit_pixels
@@ -112,7 +119,7 @@ def droid_host_inputs(obs: Mapping[str, Any], contract: DroidContract) -> DroidH
     state = state_row_from_observation(obs)  # validates joints/gripper (NaN, shapes)
     canvas = compose_droid_canvas(obs)  # [540, 640, 3] uint8
     padded = pad_to_bucket(canvas, contract.tier)
-    prefix = parse_action_prefix(obs, raw_dim=contract.raw_action_dim, max_rows=min(16, contract.chunk - 1))
+    prefix = parse_action_prefix(obs, raw_dim=contract.raw_action_dim, max_rows=min(MAX_PREFIX_ROWS, contract.chunk - 1))
     return DroidHostInputs(instruction, state, canvas, padded, {"preprocess": 1e3 * (time.perf_counter() - t0)},
                            prefix)
 
