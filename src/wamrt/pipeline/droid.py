@@ -119,7 +119,8 @@ def droid_host_inputs(obs: Mapping[str, Any], contract: DroidContract) -> DroidH
     state = state_row_from_observation(obs)  # validates joints/gripper (NaN, shapes)
     canvas = compose_droid_canvas(obs)  # [540, 640, 3] uint8
     padded = pad_to_bucket(canvas, contract.tier)
-    prefix = parse_action_prefix(obs, raw_dim=contract.raw_action_dim, max_rows=min(MAX_PREFIX_ROWS, contract.chunk - 1))
+    prefix = parse_action_prefix(obs, raw_dim=contract.raw_action_dim,
+                                 max_rows=min(MAX_PREFIX_ROWS, contract.chunk - 1))
     return DroidHostInputs(instruction, state, canvas, padded, {"preprocess": 1e3 * (time.perf_counter() - t0)},
                            prefix)
 
