@@ -106,3 +106,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "(default: no autoscaling)")
     ap.add_argument("--log-level", default="info", type=str.lower,
                     choices=["debug", "info", "warning", "error", "critical"], help="server and access log level")
+    ap.add_argument("--log-format", default="text", choices=["text", "json"],
+                    help="json: one JSON object per line (ts, level, logger, message; request lines add surface, "
+                         "request_id, model, batch_size, latency_ms, outcome, status)")

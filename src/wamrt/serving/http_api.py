@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from ..client.wire import WireError, json_array, packb, to_jsonable, unpackb
 from .errors import Cancelled, InvalidRequest, PayloadTooLarge, ServingError, UnsupportedMediaType
+from .logs import log_request
 from .observation import parse_request
 from .service import InferOutcome, Service, new_request_id
 
@@ -101,12 +102,16 @@ async def policy_infer(request: Request) -> Response:
         msg = unpackb(body) if use_msgpack else decode_json_observation(body)
         req = parse_request(msg)
         if req.endpoint == "reset":
+            log_request(service, "http", rid, received, outcome="reset")
             reply: dict[str, Any] = {"status": "reset successful", "request_id": rid}
             return Response(packb(reply), media_type=MSGPACK_TYPES[0]) if use_msgpack else JSONResponse(reply)
         out = await until_disconnect(request, service.infer(req, surface="http", received=received,
                                                             request_id=rid))
     except Exception as exc:  # noqa: BLE001  # every failure becomes a typed error reply
-        return error_response(service.count_error(exc), msgpack=use_msgpack, request_id=rid)
+        err = service.count_error(exc)
+        log_request(service, "http", rid, received, error=err)
+        return error_response(err, msgpack=use_msgpack, request_id=rid)
+    log_request(service, "http", rid, received, batch_size=out.timing["batch_size"])
     headers = {"X-Request-Id": rid, "X-Inference-Time-S": f"{out.timing['total_ms'] / 1e3:.6f}"}
     if use_msgpack:
         return Response(packb(outcome_body(out)), media_type=MSGPACK_TYPES[0], headers=headers)

@@ -20,12 +20,13 @@ from starlette.responses import JSONResponse, Response
 
 from .generation_request import build_generation
 from .http_api import service_of, until_disconnect
+from .logs import logged_reply
 from .videos import _guard, _headers, _peak_memory_mb, _read_fields
 
 
 async def create_image(request: Request) -> Response:
     async def work() -> Response:
-        service = service_of(request)
+        service, received = service_of(request), time.monotonic()
         cfg = service.config
         fields = await _read_fields(request, cfg.max_frame_bytes)
         req = await asyncio.to_thread(build_generation, fields, service.world, kind="image",
@@ -39,6 +40,8 @@ async def create_image(request: Request) -> Response:
                 "metadata": {"seed": out.seed, **req.sampling, "size": req.record["size"],
                              **({"notes": out.notes} if out.notes else {}),
                              **({"upsampled_prompt": out.upsampled} if out.upsampled else {})}}
-        return JSONResponse(body, headers=_headers(service, f"image-{out.request_id}", rec, out.stage_durations))
+        return logged_reply(service, "images", received,
+                            JSONResponse(body, headers=_headers(service, f"image-{out.request_id}", rec,
+                                                                out.stage_durations)))
 
-    return await _guard(request, work())
+    return await _guard(request, work(), "images")

@@ -1,15 +1,29 @@
-"""Prometheus metrics, one registry per app (tests run several servers in one process)."""
+"""Prometheus metrics, one registry per app (tests run several servers in one process): request and engine metrics,
+`wamrt_build_info`, and the process metrics (memory, CPU, open files) prometheus_client's collectors read."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..provenance import git_sha
+
 _CAPTURE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_git_sha = functools.cache(git_sha)  # a subprocess: once per process, not per app
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -30,6 +44,13 @@ class Metrics:
         self.requests = Counter("wamrt_requests", "Requests answered", ["surface"], registry=r)
         self.errors = Counter("wamrt_errors", "Errors returned, by type", ["code"], registry=r)
         self.safety = Counter("wamrt_safety_interventions", "Chunks clamped or rejected", ["mode"], registry=r)
+        self.build = Info("wamrt_build", "What this server runs: wamrt version, git commit, model, quantization recipe",
+                          registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ... (Linux /proc)
+        PlatformCollector(registry=r)  # python_info
+
+    def build_info(self, *, version: str, model: str, recipe: str | None) -> None:
+        self.build.info({"version": version, "git_sha": _git_sha(), "model": model, "recipe": recipe or "none"})
 
     # BatchObserver (called from the engine thread; prometheus_client is thread-safe)
     def queue_depth(self, depth: int) -> None:

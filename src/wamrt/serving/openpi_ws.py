@@ -25,6 +25,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..client.wire import packb, unpackb
 from .errors import InvalidRequest, ServingError
+from .logs import log_request
 from .observation import ParsedRequest, parse_request
 from .service import InferOutcome, Service, new_request_id
 
@@ -86,6 +87,7 @@ async def openpi_socket(ws: WebSocket) -> None:
                     conn.fresh, conn.session_id = True, req.session_id or conn.session_id
                 if req.endpoint == "reset":
                     await _send_reset(ws, conn)
+                    log_request(service, "ws", rid, received, outcome="reset")
                     continue
                 if req.session_id is not None and req.session_id != conn.session_id:
                     conn.fresh, conn.session_id = True, req.session_id
@@ -103,10 +105,13 @@ async def openpi_socket(ws: WebSocket) -> None:
                 conn.fresh = False
                 await ws.send_bytes(packb(_reply(conn, req, out)))
                 conn.prev_total_ms = 1e3 * (time.monotonic() - received)
+                log_request(service, "ws", rid, received, batch_size=out.timing["batch_size"])
             except (WebSocketDisconnect, asyncio.CancelledError):
                 raise
             except Exception as exc:  # noqa: BLE001  # typed error frame; the socket lives on
-                await _send_error(ws, conn, service.count_error(exc), rid)
+                err = service.count_error(exc)
+                log_request(service, "ws", rid, received, error=err)
+                await _send_error(ws, conn, err, rid)
     except WebSocketDisconnect:
         return
     finally:

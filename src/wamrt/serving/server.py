@@ -4,7 +4,6 @@ loopback server for tests and bench)."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import threading
 import time
@@ -17,6 +16,7 @@ from ..net import free_port
 from .app import build_app
 from .batcher import BatchPolicy
 from .config import ServeConfig, ServeConfigError
+from .logs import configure_logging
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -36,17 +36,20 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     )
 
 
-def uvicorn_config(app: Any, config: ServeConfig, *, log_level: str = "info") -> uvicorn.Config:
-    # ws_max_size bounds inbound frames (over it: close 1009); h11 keeps the dependency set small.
+def uvicorn_config(app: Any, config: ServeConfig, *, log_level: str = "info",
+                   log_format: str = "text") -> uvicorn.Config:
+    # ws_max_size bounds inbound frames (over it: close 1009); h11 keeps the dependency set small. JSON logs: uvicorn
+    # leaves its loggers to the root handler (logs.configure_logging) instead of its own text handlers.
+    own_logging = {"log_config": None} if log_format == "json" else {}
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, ws="websockets-sansio",
                           ws_max_size=config.max_frame_bytes, ws_ping_interval=None, lifespan="on",
-                          timeout_graceful_shutdown=5)
+                          timeout_graceful_shutdown=5, **own_logging)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..pipeline.policy import load_policy
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         config = config_from_args(args)
     except ServeConfigError as exc:
@@ -74,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wamrt serve: {flag}: applies to the fast engine (--engine fast, or auto on CUDA); this server runs "
               f"the eager reference on {policy.device}", file=sys.stderr)
         return 2
-    uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level)).run()
+    uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level,
+                                  log_format=args.log_format)).run()
     return 0
 
 
@@ -86,7 +90,8 @@ def _run_parallel(args: argparse.Namespace, config: ServeConfig) -> int:
     policy = start(ParallelSpec(args.parallel, str(args.model), world=args.gpus, device=device,
                                 engine=config.engine_settings(device), tokenizer="variable"))
     try:
-        uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level)).run()
+        uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level,
+                                      log_format=args.log_format)).run()
     finally:
         policy.close()
     return 0

@@ -74,6 +74,8 @@ class Service:
         self.ready = False
         self.warmup_error: str | None = None
         self._policy_meta = policy.metadata()
+        self.metrics.build_info(version=__version__, model=config.model_name,
+                                recipe=self._policy_meta.get("quantization"))
         self.connections: set[Any] = set()  # open websocket connections (openpi_ws registers them)
         self.generic = generic_runner(policy)  # forward/inverse dynamics; None if the engine has no generic path
         # World generation (text/image/video -> video, text -> image) on the served checkpoint; None if the

@@ -45,9 +45,10 @@ from .fields import as_float, as_int
 from .generation import GenerationOutcome
 from .generation_request import GenerationRequest, build_generation
 from .http_api import service_of, until_disconnect
+from .logs import log_request, logged_reply
 from .media import encode_mp4
 from .observation import GRIPPER, IMAGE, JOINTS, PREFIX_KEYS, PROMPT, parse_params, parse_request
-from .service import DynamicsOutcome, InferOutcome, Service
+from .service import DynamicsOutcome, InferOutcome, Service, new_request_id
 
 DROID_DOMAIN = ("droid_lerobot", 8)
 GENERATE = "generate"  # the routing mode of world-generation requests (they carry no action_mode)
@@ -337,7 +338,7 @@ class VideoJobs:
         return post
 
     async def _run(self, vid: str, req: Any, future: Any) -> None:
-        rec = self.records[vid]
+        rec, started, batch_size = self.records[vid], time.monotonic(), 1.0
         if not isinstance(req, GenerationRequest):  # a generation job says when it starts (progress 0)
             rec["status"] = "in_progress"
         try:
@@ -356,17 +357,22 @@ class VideoJobs:
                 out = await self.service.infer(req, surface="videos", received=time.monotonic(), request_id=vid,
                                                future=future)
                 self.fill(rec, out)
+                batch_size = out.timing["batch_size"]
+            log_request(self.service, "videos", vid, started, batch_size=batch_size)
         except asyncio.CancelledError:
             if rec["status"] in UNFINISHED:
                 rec.update(status="cancelled", completed_at=int(time.time()),
                            error={"code": "cancelled", "message": "cancelled"})
+            log_request(self.service, "videos", vid, started, error=Cancelled("cancelled"))
             raise
         except Cancelled as exc:
             rec.update(status="cancelled", completed_at=int(time.time()),
                        error={"code": exc.code, "message": exc.message})
+            log_request(self.service, "videos", vid, started, error=exc)
         except Exception as exc:  # noqa: BLE001  # recorded on the job as a typed error
             err = self.service.count_error(exc)
             rec.update(status="failed", completed_at=int(time.time()), error={"code": err.code, "message": err.message})
+            log_request(self.service, "videos", vid, started, error=err)
         finally:
             self.tasks.pop(vid, None)
 
@@ -386,13 +392,14 @@ def jobs_of(request: Request) -> VideoJobs:
     return request.app.state.video_jobs
 
 
-async def _guard(request: Request, work: Any) -> Response:
-    service = service_of(request)
+async def _guard(request: Request, work: Any, surface: str) -> Response:
+    service, received = service_of(request), time.monotonic()
     try:
         return await work
     except Exception as exc:  # noqa: BLE001  # typed (4xx) or internal_error, never a traceback
-        err = service.count_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
+        err, rid = service.count_error(exc), new_request_id(surface)
+        log_request(service, surface, rid, received, error=err)
+        return JSONResponse(err.body(rid), status_code=err.status, headers={"X-Request-Id": rid})
 
 
 async def create_video(request: Request) -> Response:
@@ -400,17 +407,17 @@ async def create_video(request: Request) -> Response:
         service = service_of(request)
         req, extras = await parse_job(await _read_fields(request, service.config.max_frame_bytes), service)
         return JSONResponse(jobs_of(request).create(req, extras))
-    return await _guard(request, work())
+    return await _guard(request, work(), "videos")
 
 
 async def create_video_sync(request: Request) -> Response:
     async def work() -> Response:
-        service = service_of(request)
+        service, received = service_of(request), time.monotonic()
         req, _extras = await parse_job(await _read_fields(request, service.config.max_frame_bytes), service)
         if isinstance(req, DynamicsRequest):
-            return await _dynamics_sync(request, service, req)
+            return logged_reply(service, "videos_sync", received, await _dynamics_sync(request, service, req))
         if isinstance(req, GenerationRequest):
-            return await _generation_sync(request, service, req)
+            return logged_reply(service, "videos_sync", received, await _generation_sync(request, service, req))
         out = await until_disconnect(request, service.infer(req, surface="videos_sync", received=time.monotonic()))
         rec: dict[str, Any] = {}
         VideoJobs.fill(rec, out)
@@ -423,8 +430,9 @@ async def create_video_sync(request: Request) -> Response:
                 "stage_durations": out.stage_durations, "peak_memory_mb": rec["peak_memory_mb"],
                 "inference_time_s": rec["inference_time_s"], "timing": out.timing,
                 "metadata": rec["metadata"]}
-        return JSONResponse(body, headers=headers)
-    return await _guard(request, work())
+        return logged_reply(service, "videos_sync", received, JSONResponse(body, headers=headers),
+                            batch_size=out.timing["batch_size"])
+    return await _guard(request, work(), "videos_sync")
 
 
 async def _dynamics_sync(request: Request, service: Service, req: DynamicsRequest) -> Response:
