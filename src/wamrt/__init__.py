@@ -2,7 +2,8 @@
 
 from typing import Any
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__  # re-exported: the one source is _version.py
+
 __all__ = ["ActionChunk", "Policy", "RequestError", "SamplingOptions", "load_policy"]
 
 
