@@ -157,3 +157,25 @@ def test_wamrt_serve_log_format_json_writes_only_json_lines(tmp_path: Any, obs: 
     mine = [r for r in records if r.get("request_id") == reply["request_id"]]
     assert len(mine) == 1 and mine[0]["surface"] == "http" and mine[0]["outcome"] == "ok"
     assert mine[0]["model"] == "tiny-droid" and mine[0]["batch_size"] == 1 and mine[0]["level"] == "info"
+
+
+def test_chat_logs_one_line_per_completion(json_log: io.StringIO, tmp_path_factory: pytest.TempPathFactory) -> None:
+    import openai
+
+    import wamrt
+
+    os.environ.setdefault("WAMRT_CACHE", str(tmp_path_factory.mktemp("wamrt_cache")))
+    cfg = ServeConfig(model_name="tiny-world", steps=1, max_batch=2, warmup_requests=0)
+    with ServerThread(wamrt.load_policy("tiny-world", device="cpu"), cfg) as server:
+        client = openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "Hello robot"}]
+        out = client.chat.completions.create(model="tiny-world", messages=messages, max_tokens=4)
+        one_line(json_log, out.id, "chat", model="tiny-world", outcome="ok", status=200, batch_size=None)
+        chunks = list(client.chat.completions.create(model="tiny-world", messages=messages, max_tokens=4,
+                                                     stream=True))
+        one_line(json_log, chunks[0].id, "chat", model="tiny-world", outcome="ok")
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="tiny-world", messages=[], max_tokens=4)
+        errors = [r for r in (json.loads(line) for line in json_log.getvalue().splitlines())
+                  if r["surface"] == "chat" and r["outcome"] == "invalid_request"]
+        assert len(errors) == 1 and errors[0]["status"] == 400 and errors[0]["request_id"].startswith("chatcmpl-")

@@ -30,9 +30,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..pipeline.errors import RequestError
 from .chat_worker import ChatJob, ChatUpdate
-from .errors import InvalidRequest, NotFound, ServingError
+from .errors import Cancelled, InvalidRequest, NotFound, ServingError
 from .fields import as_float, as_int
 from .http_api import read_body, service_of, until_disconnect
+from .logs import log_request
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
@@ -204,9 +205,15 @@ def _chunk(rid: str, created: int, model: str, delta: dict[str, Any], finish: st
 
 
 async def chat_completions(request: Request) -> Response:
-    service = service_of(request)
+    service, received = service_of(request), time.monotonic()
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     loop = asyncio.get_running_loop()
+
+    def failed(exc: BaseException) -> ServingError:  # counted and logged; rows of one batch: no batch size
+        err = service.count_error(exc)
+        log_request(service, "chat", rid, received, error=err)
+        return err
+
     updates: asyncio.Queue[ChatUpdate] = asyncio.Queue()
     try:
         if service.chat is None:
@@ -219,7 +226,7 @@ async def chat_completions(request: Request) -> Response:
         job = ChatJob(prompt, params, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u), rid)
         service.chat.submit(job)
     except Exception as exc:  # noqa: BLE001  # typed, in OpenAI's shape
-        return openai_error(service.count_error(exc), rid)
+        return openai_error(failed(exc), rid)
     created, model = int(time.time()), service.config.model_name
     usage = lambda n: {"prompt_tokens": prompt.length, "completion_tokens": n,  # noqa: E731
                        "total_tokens": prompt.length + n}
@@ -232,7 +239,7 @@ async def chat_completions(request: Request) -> Response:
                 while True:
                     u = await updates.get()
                     if u.error is not None:
-                        err = service.count_error(u.error)
+                        err = failed(u.error)
                         yield f"data: {json.dumps(json.loads(openai_error(err).body))}\n\n"
                         break
                     if u.text:
@@ -245,10 +252,13 @@ async def chat_completions(request: Request) -> Response:
                             yield f"data: {json.dumps(body)}\n\n"
                         break
                 finished = True
+                if u.error is None:
+                    log_request(service, "chat", rid, received)
                 yield "data: [DONE]\n\n"
             finally:
                 if not finished:  # the client left mid-stream: its row is freed at the next step
                     service.chat.cancel(job)
+                    log_request(service, "chat", rid, received, error=Cancelled("client left mid-stream"))
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
@@ -266,9 +276,10 @@ async def chat_completions(request: Request) -> Response:
         final = await until_disconnect(request, collect())
     except Exception as exc:  # noqa: BLE001  # the client left (Cancelled): its row is freed at the next step
         service.chat.cancel(job)
-        return openai_error(service.count_error(exc), rid)
+        return openai_error(failed(exc), rid)
     if final.error is not None:
-        return openai_error(service.count_error(final.error), rid)
+        return openai_error(failed(final.error), rid)
+    log_request(service, "chat", rid, received)
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": final.text},
                          "logprobs": None, "finish_reason": final.finish_reason}],
