@@ -17,7 +17,6 @@ from typing import Any
 from .errors import ServingError
 
 request_log = logging.getLogger("wamrt.requests")
-LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 

@@ -23,8 +23,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from ..provenance import git_sha
 
 _CAPTURE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-_git_sha = functools.cache(git_sha)  # a subprocess: once per process, not per app
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
+_git_sha = functools.cache(git_sha)  # a subprocess: once per process, not per app
 
 
 class Metrics:
