@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import AttentionFn
+from .attention import AttentionFn, ControlSegments, control_attention
 from .config import Cosmos3Config
 from .norms import RMSNorm
 from .rope import Rope, apply_rope
@@ -131,8 +131,10 @@ class MoTLayer(nn.Module):
         und_v: torch.Tensor,
         attn: AttentionFn,
         und_key_mask: torch.Tensor | None = None,
+        controls: ControlSegments | None = None,
     ) -> torch.Tensor:
-        """Generator half: g [B, G, h] attends to [Reasoner K/V ; own K/V] with no mask (bar padding)."""
+        """Generator half: g [B, G, h] attends to [Reasoner K/V ; own K/V] with no mask (bar padding); a transfer
+        sequence with several controls (`controls`) attends in one pass per control (`control_attention`)."""
         q, k, v = self.generator_pre(g, rope)
         keys = torch.cat((und_k, k), dim=2)  # [B, K, U+G, d]
         values = torch.cat((und_v, v), dim=2)
@@ -140,7 +142,10 @@ class MoTLayer(nn.Module):
         if und_key_mask is not None:
             gen_ones = und_key_mask.new_ones(und_key_mask.shape[0], k.shape[2])
             key_mask = torch.cat((und_key_mask, gen_ones), dim=1)
-        o = attn(q, keys, values, causal=False, key_mask=key_mask)
+        if controls is not None and controls.count > 1:
+            o = control_attention(attn, q, keys, values, gen_at=und_k.shape[2], seg=controls, key_mask=key_mask)
+        else:
+            o = attn(q, keys, values, causal=False, key_mask=key_mask)
         return self.generator_post(g, o)
 
     # The Generator half around its attention op, as two pieces an engine can compile on their own.

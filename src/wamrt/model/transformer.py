@@ -1,7 +1,8 @@
 """The Cosmos 3 Mixture-of-Transformers (Reasoner + Generator) as plain nn.Modules.
 
 Batched layout: every tensor has a leading batch dim B. A Generator sequence is
-[vision patches | sound frames | action rows]; its Reasoner prefix is text only. Sequences of one
+[vision patches | sound frames | action rows], or for video transfer [control_1 | ... | control_N | vision]
+(each control a clean video on the target's own (t, h, w) grid); its Reasoner prefix is text only. Sequences of one
 batch share the Generator geometry; their Reasoner prefixes may differ in length (padded, with a
 key mask), which is how the two classifier-free-guidance branches run as one batch.
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .attention import AttentionFn, sdpa_attention
+from .attention import AttentionFn, ControlSegments, sdpa_attention
 from .config import Cosmos3Config
 from .embeddings import DomainLinear, TimestepMLP, patchify, timestep_features, unpatchify
 from .layer import MoTLayer
@@ -52,9 +53,21 @@ class GeneratorTokens:
     action: torch.Tensor | None = None  # [B, Ta, A] (zero-padded to action_dim)
     action_noisy: torch.Tensor | None = None  # [B, Ta] bool
     domain_ids: torch.Tensor | None = None  # [B] long
+    # Video transfer: N clean control videos [B, N, C, T, H, W] (vision's shape), packed before the vision tokens:
+    # no time embedding, no velocity; and each control's weight in the target's attention, [B, N] summing to 1.
+    controls: torch.Tensor | None = None
+    control_weights: torch.Tensor | None = None
+
+    def control_segments(self, patch: int) -> ControlSegments | None:
+        return ControlSegments.of(self.controls, self.control_weights, patch)
+
+    def control_tokens(self, patch: int) -> int:
+        """Tokens of the controls in front of the vision tokens (0 without controls)."""
+        seg = self.control_segments(patch)
+        return 0 if seg is None else seg.count * seg.tokens
 
     def counts(self, patch: int) -> tuple[int, int, int]:
-        """Number of (vision, sound, action) tokens."""
+        """Number of (vision, sound, action) tokens (the controls in front of them not counted)."""
         nv = 0
         if self.vision is not None:
             _, _, t, h, w = self.vision.shape
@@ -141,6 +154,12 @@ class Cosmos3Transformer(nn.Module):
         c, dt = self.config, self.dtype
         temb = self.time_embedding(tok.timesteps)[:, None, :]  # [B, 1, h]
         parts = []
+        if tok.controls is not None:  # clean, so no time embedding; the same projection as the target
+            if tok.vision is None or tok.controls.shape[:1] + tok.controls.shape[2:] != tok.vision.shape:
+                raise ValueError("controls must be [B, N, *vision's C, T, H, W]")
+            b, n = tok.controls.shape[:2]
+            x = self.proj_in(patchify(tok.controls.flatten(0, 1).to(dt), c.latent_patch_size))  # [B*N, Nv, h]
+            parts.append(x.unflatten(0, (b, n)).flatten(1, 2))  # [B, N*Nv, h]
         if tok.vision is not None:
             assert tok.vision_noisy is not None
             _, _, t, hl, wl = tok.vision.shape
@@ -161,15 +180,17 @@ class Cosmos3Transformer(nn.Module):
             raise ValueError("a Generator sequence needs at least one of vision, sound, action")
         return torch.cat(parts, dim=1)
 
-    def run_generator(self, g: torch.Tensor, rope: Rope, kv: ReasonerKV) -> torch.Tensor:
+    def run_generator(self, g: torch.Tensor, rope: Rope, kv: ReasonerKV,
+                      controls: ControlSegments | None = None) -> torch.Tensor:
         """g [B, G, h] through every layer against cached Reasoner K/V -> final-normed [B, G, h]."""
         for layer, k, v in zip(self.layers, kv.keys, kv.values, strict=True):
-            g = layer.generator(g, rope, k, v, self.attention, kv.key_mask)
+            g = layer.generator(g, rope, k, v, self.attention, kv.key_mask, controls)
         return self.norm_moe_gen(g)
 
     def decode_generator(self, g: torch.Tensor, tok: GeneratorTokens) -> GeneratorOutput:
-        """Final Generator hidden states -> velocities, exactly zero on clean frames/rows."""
+        """Final Generator hidden states -> velocities, exactly zero on clean frames/rows (controls have none)."""
         c = self.config
+        g = g[:, tok.control_tokens(c.latent_patch_size):]
         nv, ns, na = tok.counts(c.latent_patch_size)
         vision = sound = action = None
         if tok.vision is not None:
@@ -189,13 +210,15 @@ class Cosmos3Transformer(nn.Module):
 
     def generator_step(self, tok: GeneratorTokens, rope: Rope, kv: ReasonerKV) -> GeneratorOutput:
         """One Generator pass (one denoising step) against cached Reasoner K/V."""
-        return self.decode_generator(self.run_generator(self.embed_generator(tok), rope, kv), tok)
+        g = self.run_generator(self.embed_generator(tok), rope, kv, tok.control_segments(self.config.latent_patch_size))
+        return self.decode_generator(g, tok)
 
     # Full forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, tok: GeneratorTokens) -> GeneratorOutput:
         """Both streams layer by layer. input_ids [B, U]; positions [B, 3, U + G] for the packed
-        sequence [text | vision | sound | action]."""
+        sequence [text | controls | vision | sound | action]."""
         und_len = input_ids.shape[1]
+        controls = tok.control_segments(self.config.latent_patch_size)
         rope_und, rope_gen = self.rope(positions).split(und_len)
         u: torch.Tensor | None = self.embed_tokens(input_ids)
         g = self.embed_generator(tok)
@@ -203,7 +226,7 @@ class Cosmos3Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             assert u is not None
             u, k, v = layer.reasoner(u, rope_und, self.attention, need_output=i < last)
-            g = layer.generator(g, rope_gen, k, v, self.attention)
+            g = layer.generator(g, rope_gen, k, v, self.attention, controls=controls)
         return self.decode_generator(self.norm_moe_gen(g), tok)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -39,9 +39,20 @@ class SamplingOptions:
     solver: SolverName = "unipc"
     # The framework combines CFG in the model dtype (bf16 on GPU); diffusers upcasts to fp32 first.
     cfg_in_model_dtype: bool = True
+    # Video transfer: a third pass with the conditional text and no controls (`DenoiseInputs.nocontrol`) where
+    # control guidance != 1, only where lo < t < hi; v_c = v_nc + cg (v_cond - v_nc) before CFG.
+    control_guidance: float = 1.0
+    control_guidance_interval: tuple[float, float] | None = None
 
     def make_schedule(self) -> FlowSchedule:
         return flow_schedule(self.schedule, self.steps, self.shift)
+
+    def step_kinds(self, timesteps: list[float]) -> list[tuple[bool, bool]]:
+        """Per step: (CFG on, control guidance on)."""
+        cfg = guidance_active(timesteps, self.guidance_interval) if self.guidance != 1.0 else [False] * len(timesteps)
+        cg = (guidance_active(timesteps, self.control_guidance_interval) if self.control_guidance != 1.0
+              else [False] * len(timesteps))
+        return list(zip(cfg, cg, strict=True))
 
 
 @dataclass
@@ -74,6 +85,12 @@ class DenoiseInputs:
     sound_noisy: torch.Tensor | None = None  # [1, Ts] bool
     # Action rows put back before and after every step (a request's committed prefix; wamrt.pipeline.prefix)
     action_anchor: ActionAnchor | None = None
+    # Video transfer: clean control latents [1, N, C, T, H, W] (vision's grid) and their weights [1, N] (sum 1); the
+    # `cond` and `uncond` branches' positions cover them. `nocontrol`: the conditional text without the controls
+    # (positions of [text | vision]), for control guidance.
+    controls: torch.Tensor | None = None
+    control_weights: torch.Tensor | None = None
+    nocontrol: Branch | None = None
 
 
 @dataclass
@@ -118,10 +135,12 @@ def denoise(
     schedule = opts.make_schedule()
     plan = (unipc_plan(schedule, device=device) if opts.solver == "unipc" else euler_plan(schedule))
     timesteps = schedule.timesteps.tolist()
-    cfg_steps = guidance_active(timesteps, opts.guidance_interval) if opts.guidance != 1.0 else [False] * len(
-        timesteps)
+    kinds = opts.step_kinds(timesteps)
+    cfg_steps = [k[0] for k in kinds]
     if any(cfg_steps) and inp.uncond is None:
         raise ValueError("guidance != 1 needs an unconditional branch")
+    if any(k[1] for k in kinds) and (inp.nocontrol is None or inp.controls is None):
+        raise ValueError("control guidance != 1 needs controls and a branch without them")
     timings: dict[str, float] = {}
 
     _sync(device)
@@ -131,6 +150,10 @@ def denoise(
     if any(cfg_steps):
         assert inp.uncond is not None
         kv_u, rope_u = _prefill(model, inp.uncond)
+    rope_n = None
+    if any(k[1] for k in kinds):  # same text as the conditional branch (same K/V), positions without the controls
+        assert inp.nocontrol is not None
+        rope_n = model.rope(inp.nocontrol.positions).split(inp.nocontrol.input_ids.shape[1])[1]
     _sync(device)
     timings["reasoner_prefill"] = 1e3 * (clock() - t0)
 
@@ -151,8 +174,16 @@ def denoise(
             action=None if x_a is None else x_a.to(dtype), action_noisy=inp.action_noisy,
             domain_ids=inp.domain_ids,
             sound=None if x_s is None else x_s.to(dtype), sound_noisy=inp.sound_noisy,
+            controls=inp.controls, control_weights=inp.control_weights,
         )
         cond = _mask_action_columns(model.generator_step(tok, rope_c, kv_c), inp.raw_action_dim)
+        if kinds[i][1]:
+            assert rope_n is not None
+            free = model.generator_step(replace(tok, controls=None, control_weights=None), rope_n, kv_c)
+            v_c, v_n = cond.vision, free.vision
+            if not opts.cfg_in_model_dtype:
+                v_c, v_n = v_c.float(), v_n.float()
+            cond = GeneratorOutput(cfg_combine(v_c, v_n, opts.control_guidance), cond.sound, cond.action)
         if cfg_steps[i]:
             assert kv_u is not None and rope_u is not None
             unc = _mask_action_columns(model.generator_step(tok, rope_u, kv_u), inp.raw_action_dim)

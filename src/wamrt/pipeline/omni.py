@@ -86,14 +86,14 @@ def packed_branch(
     *,
     sound_frames: int = 0,
     action_rows: int = 0,
+    controls: int = 0,
 ) -> Branch:
-    """Token ids and positions of one CFG branch packed as [text | vision | sound | action]."""
+    """Token ids and positions of one CFG branch packed as [text | vision | sound | action], or for video transfer
+    [text | control_1 ... control_N | vision]: every control on the vision's own (t, h, w) grid."""
     u, p = len(ids), cfg.latent_patch_size
     offset = generator_offset(cfg, u)  # vision, sound and action are temporal siblings at one offset
-    parts = [
-        text_positions(u),
-        vision_positions(cfg, latent.latent_t, -(-latent.latent_h // p), -(-latent.latent_w // p), offset, fps),
-    ]
+    vision = vision_positions(cfg, latent.latent_t, -(-latent.latent_h // p), -(-latent.latent_w // p), offset, fps)
+    parts = [text_positions(u), *[vision] * (controls + 1)]
     if sound_frames:
         parts.append(sound_positions(cfg, sound_frames, offset, float(cfg.sound_latent_fps)))
     if action_rows:

@@ -6,7 +6,10 @@
   `condition_frame_indexes_vision`, default [0, 1]) are the video's first (or last,
   `condition_video_keep="last"`) 4 * max + 1 frames, each stretched to the output size;
 and each of them optionally with sound: [sound_dim, T] latents, all noisy, denoised jointly with the
-video and decoded by the checkpoint's sound tokenizer.
+video and decoded by the checkpoint's sound tokenizer. Beyond diffusers (which has neither):
+* video transfer (`controls`): the target generated beside clean control videos (`transfer.py`);
+* long videos in chunks (`num_video_frames_per_chunk`): each later chunk conditioned on the last generated
+  frames (`chunks.py`).
 
 One CFG branch is packed as [text | vision | sound]. The caption is the prompt plus a duration/FPS
 sentence (videos) and a resolution sentence; the negative prompt gets the negated sentences.
@@ -26,8 +29,9 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -50,9 +54,12 @@ from .omni import (
     pixels_to_uint8,
     tokenize_branches,
 )
+from .chunks import ChunkPlan, chunk_plan, run_chunks
+from .controls import SYSTEM_PROMPT_TRANSFER, control_directive
 from .prompts import diffusers_system_prompt, diffusers_world_caption
 from .sound import SoundDecoder
 from .tokens import CaptionTokenizer, as_caption_tokenizer
+from .transfer import TransferSpec, encode_controls, transfer_spec
 from .vae import FrameEncoder
 
 WorldMode = Literal["text2image", "text2video", "image2video", "video2video"]
@@ -87,6 +94,8 @@ class WorldRequest:
     use_system_prompt: bool
     use_resolution_template: bool
     use_duration_template: bool
+    transfer: TransferSpec | None = None  # video transfer: the controls and their guidance
+    chunks: ChunkPlan | None = None  # a long video generated in chunks (None: in one go)
 
     @property
     def mode(self) -> WorldMode:
@@ -102,7 +111,9 @@ class WorldRequest:
 
     @property
     def system_prompt(self) -> str | None:
-        return diffusers_system_prompt(self.num_frames) if self.use_system_prompt else None
+        if not self.use_system_prompt:
+            return None
+        return SYSTEM_PROMPT_TRANSFER if self.transfer is not None else diffusers_system_prompt(self.num_frames)
 
     def captions(self) -> tuple[str, str]:
         """(cond, uncond): prompt and negative prompt, each with its (negated) metadata sentences."""
@@ -111,10 +122,10 @@ class WorldRequest:
             use_duration_template=self.use_duration_template,
             use_resolution_template=self.use_resolution_template,
         )
-        return (
-            diffusers_world_caption(self.prompt, negative=False, **common),
-            diffusers_world_caption(self.negative_prompt, negative=True, **common),
-        )
+        cond = diffusers_world_caption(self.prompt, negative=False, **common)
+        if self.transfer is not None and self.transfer.emphasize:
+            cond = f"{cond.rstrip()} {control_directive(self.transfer.keys)}"
+        return cond, diffusers_world_caption(self.negative_prompt, negative=True, **common)
 
     def conditioning_clip(self) -> torch.Tensor | None:
         """Pixels of the frames that become clean latents -> float32 [1, 3, n, height, width] in [-1, 1]
@@ -142,8 +153,10 @@ class WorldRequest:
         sound_decoder: SoundDecoder | None = None,
         generator: torch.Generator | None = None,
         device: torch.device | str = "cpu",
+        control_videos: list | None = None,
     ) -> PreparedWorld:
-        """Tokenize both branches, encode the conditioning, draw the noise as the reference does."""
+        """Tokenize both branches, encode the conditioning (and a transfer's controls: `control_videos`, uint8
+        [num_frames, height, width, 3] each, made here when not given), draw the noise as the reference does."""
         check_vae(cfg, encoder)
         sound_frames = self._sound_frames(cfg, sound_decoder)
         device = torch.device(device)
@@ -160,6 +173,15 @@ class WorldRequest:
         t0 = time.perf_counter()
         x0 = None if clip is None else encoder.encode(clip).to(device)  # [1, C, max(clean) + 1, h, w]
         timings["vae_encode"] = 1e3 * (time.perf_counter() - t0)
+        controls = None
+        if self.transfer is not None:
+            t0 = time.perf_counter()
+            if control_videos is None:
+                control_videos = self.transfer.videos(self.height, self.width, self.num_frames)
+            timings["controls"] = 1e3 * (time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            controls = encode_controls(self.transfer, control_videos, encoder, device)
+            timings["control_encode"] = 1e3 * (time.perf_counter() - t0)
 
         # One generator, vision first, then sound, vision drawn whole even where it is overwritten.
         vision = draw_noise((1, cfg.latent_channel, lat.latent_t, lat.latent_h, lat.latent_w), generator, device)
@@ -173,13 +195,20 @@ class WorldRequest:
             sound = draw_noise((cfg.sound_dim, sound_frames), generator, device)[None]  # [1, S, Ts]
             sound_noisy = torch.ones(1, sound_frames, dtype=torch.bool, device=device)
 
+        n = 0 if controls is None else controls.latents.shape[1]
+        nocontrol = None
+        if self.transfer is not None and self.transfer.control_guidance != 1.0:
+            nocontrol = packed_branch(cfg, cond_ids, lat, self.fps, device)
         inputs = DenoiseInputs(
-            cond=packed_branch(cfg, cond_ids, lat, self.fps, device, sound_frames=sound_frames),
-            uncond=packed_branch(cfg, uncond_ids, lat, self.fps, device, sound_frames=sound_frames),
+            cond=packed_branch(cfg, cond_ids, lat, self.fps, device, sound_frames=sound_frames, controls=n),
+            uncond=packed_branch(cfg, uncond_ids, lat, self.fps, device, sound_frames=sound_frames, controls=n),
             vision=vision,
             vision_noisy=vision_noisy,
             sound=sound,
             sound_noisy=sound_noisy,
+            controls=None if controls is None else controls.latents,
+            control_weights=None if controls is None else controls.weights,
+            nocontrol=nocontrol,
         )
         return PreparedWorld(self, inputs, lat, tuple(cond_ids), tuple(uncond_ids), sound_frames, timings)
 
@@ -251,9 +280,16 @@ def world_request(
     use_system_prompt: bool = True,
     use_resolution_template: bool = True,
     use_duration_template: bool = True,
+    controls: Mapping[str, Any] | None = None,
+    control_source: VideoInput | None = None,
+    control_guidance: float | None = None,
+    control_guidance_interval: Sequence[float] | None = None,
+    emphasize_control: bool = True,
+    num_video_frames_per_chunk: int | None = None,
+    num_conditional_frames: int = 1,
 ) -> WorldRequest:
     """Validate a world request (RequestError naming the field for anything the reference would refuse,
-    ignore or mis-handle). Defaults are the reference's."""
+    ignore or mis-handle). Defaults are the reference's; the transfer and chunk options are cosmos-framework's."""
     text_field(prompt, "prompt")
     text_field(negative_prompt, "negative_prompt", optional=True)
     frames = positive_int(num_frames, "num_frames")
@@ -276,12 +312,16 @@ def world_request(
         raise RequestError("condition frames select frames of a video; no video was given",
                            field="condition_latent_frames")
 
+    sound = bool_field(enable_sound, "enable_sound")
+    transfer = transfer_spec(controls, control_source, control_guidance, control_guidance_interval,
+                             emphasize_control, enable_sound=sound, num_frames=frames)
+    chunks = chunk_plan(frames, num_video_frames_per_chunk, num_conditional_frames, enable_sound=sound)
     cond_image = None if image is None else rgb_image(image, "image")
     cond_video = None if video is None else rgb_frames(video, "video")
     if cond_video is not None:
-        clean = _condition_latent_frames(
+        clean = _condition_latent_frames(  # frames of the first chunk when in chunks
             DEFAULT_CONDITION_LATENT_FRAMES if condition_latent_frames is None else condition_latent_frames,
-            latent_geometry(frames, h, w).latent_t,
+            latent_geometry(frames if chunks is None else chunks.frames, h, w).latent_t,
         )
     else:
         clean = (0,) if cond_image is not None else ()
@@ -296,10 +336,12 @@ def world_request(
         video=cond_video,
         clean_latent_frames=clean,
         condition_video_keep=condition_video_keep,
-        enable_sound=bool_field(enable_sound, "enable_sound"),
+        enable_sound=sound,
         use_system_prompt=bool_field(use_system_prompt, "use_system_prompt"),
         use_resolution_template=bool_field(use_resolution_template, "use_resolution_template"),
         use_duration_template=bool_field(use_duration_template, "use_duration_template"),
+        transfer=transfer,
+        chunks=chunks,
     )
 
 
@@ -315,6 +357,8 @@ class WorldResult:
     sound: torch.Tensor | None  # float32 [channels, samples] in [-1, 1] with sound, when decoded
     timings_ms: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what the caller should know (e.g. a tiled decode)
+    # A clip made in chunks: each chunk's final latents (`video_latents` is the last one's; frames are stitched).
+    chunk_latents: list[torch.Tensor] = field(default_factory=list)
 
 
 def decode_to_frames(decoder: PixelDecoder, encoder: FrameEncoder, latents: torch.Tensor, timings: dict[str, float],
@@ -348,12 +392,20 @@ def run_world(
     use_system_prompt: bool = True,
     use_resolution_template: bool = True,
     use_duration_template: bool = True,
+    controls: Mapping[str, Any] | None = None,
+    control_source: VideoInput | None = None,
+    control_guidance: float | None = None,
+    control_guidance_interval: Sequence[float] | None = None,
+    emphasize_control: bool = True,
+    num_video_frames_per_chunk: int | None = None,
+    num_conditional_frames: int = 1,
     steps: int = 35,
     guidance: float = 6.0,
     shift: float = 10.0,
     generator: torch.Generator | None = None,
     decode: bool = True,
     on_step: Callable[[int, int], None] | None = None,
+    on_chunk: Callable[[int, int], None] | None = None,
     denoiser: Denoiser = denoise,
     decoder: PixelDecoder = decode_pixels,
 ) -> WorldResult:
@@ -364,6 +416,13 @@ def run_world(
     each denoising step (see `denoise`); an exception it raises stops the request there.
     `denoiser` and `decoder` are where speed comes in from outside (`wamrt.engine.world.WorldEngine`): the
     eager loop and VAE decode by default.
+
+    Video transfer (`transfer.py`): `controls` maps hints ("edge", "blur", "depth", "seg") to True or options
+    (`control_weight`, `preset_edge_threshold` / `preset_blur_strength`, `video`: the control video itself); edge
+    and blur without a video are computed from `control_source`. `control_guidance` None: the single hint's recipe
+    value. Long videos (`chunks.py`): with `num_video_frames_per_chunk` below `num_frames` the clip is made in
+    chunks, `on_chunk(k, chunks)` called before chunk k (its steps then report through `on_step`); chunk k > 0
+    draws from a generator seeded `generator.initial_seed() + k`.
     """
     t_start = time.perf_counter()
     opts = diffusers_sampling(steps, guidance, shift)
@@ -382,24 +441,44 @@ def run_world(
         use_system_prompt=use_system_prompt,
         use_resolution_template=use_resolution_template,
         use_duration_template=use_duration_template,
+        controls=controls,
+        control_source=control_source,
+        control_guidance=control_guidance,
+        control_guidance_interval=control_guidance_interval,
+        emphasize_control=emphasize_control,
+        num_video_frames_per_chunk=num_video_frames_per_chunk,
+        num_conditional_frames=num_conditional_frames,
     )
+    if req.transfer is not None:
+        opts = replace(opts, control_guidance=req.transfer.control_guidance,
+                       control_guidance_interval=req.transfer.control_guidance_interval)
     tokenizer = as_caption_tokenizer(tokenizer)
     if isinstance(sound_decoder, Cosmos3AVAEAudioTokenizer):
         sound_decoder = SoundDecoder(sound_decoder)
-    prepared = req.prepare(model.config, encoder, tokenizer, sound_decoder=sound_decoder, generator=generator,
-                           device=model_device(model))
-    out = denoiser(model, prepared.inputs, opts, on_step=on_step)
-    timings = {**prepared.timings_ms, **out.timings_ms}
 
-    sound_latents = None if out.sound is None else out.sound[0].float()
-    frames = sound = None
-    notes: list[str] = []
-    if decode:
-        frames = decode_to_frames(decoder, encoder, out.vision, timings, notes)
-        if sound_latents is not None:
-            assert sound_decoder is not None
-            t0 = time.perf_counter()
-            sound = sound_decoder.decode(sound_latents)
-            timings["sound_decode"] = 1e3 * (time.perf_counter() - t0)
-    timings["total"] = 1e3 * (time.perf_counter() - t_start)
-    return WorldResult(out.vision.float(), frames, sound_latents, sound, timings, notes)
+    def run_one(sub: WorldRequest, gen: torch.Generator | None, control_videos: list | None = None,
+                keep_frames: bool = decode) -> WorldResult:
+        prepared = sub.prepare(model.config, encoder, tokenizer, sound_decoder=sound_decoder, generator=gen,
+                               device=model_device(model), control_videos=control_videos)
+        out = denoiser(model, prepared.inputs, opts, on_step=on_step)
+        timings = {**prepared.timings_ms, **out.timings_ms}
+        sound_latents = None if out.sound is None else out.sound[0].float()
+        frames = sound = None
+        notes: list[str] = []
+        if keep_frames:
+            frames = decode_to_frames(decoder, encoder, out.vision, timings, notes)
+            if sound_latents is not None:
+                assert sound_decoder is not None
+                t0 = time.perf_counter()
+                sound = sound_decoder.decode(sound_latents)
+                timings["sound_decode"] = 1e3 * (time.perf_counter() - t0)
+        return WorldResult(out.vision.float(), frames, sound_latents, sound, timings, notes)
+
+    if req.chunks is None:
+        result = run_one(req, generator)
+    else:  # later chunks start from generated frames: every chunk is decoded
+        result = run_chunks(partial(run_one, keep_frames=True), req, generator, on_chunk)
+        if not decode:
+            result.frames = None
+    result.timings_ms["total"] = 1e3 * (time.perf_counter() - t_start)
+    return result
