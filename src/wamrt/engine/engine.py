@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..model import Cosmos3Transformer, GeneratorOutput, GeneratorTokens, Rope
+from ..model.attention import control_attention
 from ..ops.attention import (
     BackendAttention,
     diffusers_gqa_attention,
@@ -428,15 +429,25 @@ class Engine(GraphCapture):
         hand the device to a policy request within a step (`WorldEngine(step_segments=...)`). `last_layer_rows`:
         which rows the last layer runs after its K/V stores, "all", "noisy" (not the `clean_frames` leading clean
         latent frames, whose velocity is zero: returned as zeros; a policy's observation, a world request's
-        conditioning frames) or "action" (the output's vision is None); see `EngineConfig.last_layer_read_rows`."""
+        conditioning frames) or "action" (the output's vision is None); see `EngineConfig.last_layer_read_rows`.
+        A transfer batch with several controls attends in one pass per control (`control_attention` over `attn`'s
+        `per_pass` op: a `kv_buffers.ControlPassAttention`)."""
         g, update = self._embed(tok), None
         last, out_tok, clean = len(self.model.layers) - 1, tok, 0
+        controls = tok.control_segments(self.model.config.latent_patch_size)
+        if controls is not None and controls.count < 2:
+            controls = None  # one control: ordinary attention
         for index, (layer, kbuf, vbuf) in enumerate(zip(self.model.layers, bufs.keys, bufs.values, strict=True)):
             q, g = self._pre(layer, g, update, rope, kbuf, vbuf, bufs.start)
             if index == last and last_layer_rows != "all":
                 q, g, out_tok, clean = read_rows(q, g, tok, last_layer_rows, self.model.config.latent_patch_size,
                                                  clean_frames)
-            g, update = self._post(layer, g, attn(q, kbuf, vbuf, causal=False))
+            if controls is not None:
+                o = control_attention(attn.per_pass, q, kbuf, vbuf, gen_at=bufs.start, seg=controls,
+                                      control_queries=out_tok.controls is not None)
+            else:
+                o = attn(q, kbuf, vbuf, causal=False)
+            g, update = self._post(layer, g, o)
             if index in pause_after:
                 yield
         out = self._finish(g, update, out_tok)

@@ -38,6 +38,18 @@ class BatchBranch:
 
 
 @dataclass
+class ControlPassAttention:
+    """The attention op of a transfer batch with several controls: `whole` over every key (the op's usual contract),
+    `per_pass` over the keys of one control pass (`model.attention.control_attention`), (N - 1) controls fewer."""
+
+    whole: Any
+    per_pass: Any
+
+    def __call__(self, q, k, v, *, causal: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.whole(q, k, v, causal=causal, key_mask=key_mask)
+
+
+@dataclass
 class KVBuffers:
     keys: list[torch.Tensor]  # per layer [S, H, start + G, d]
     values: list[torch.Tensor]
@@ -70,9 +82,8 @@ class KVBufferArena:
 
     def elements(self, kinds: list[list[BatchBranch]]) -> int:
         """The arena elements (per layer and per k or v) of one loop's batches `kinds`."""
-        g_len = kinds[0][0].rope.cos.shape[1]
-        return sum(len(seqs) * self.heads(seqs) * (max(s.kv.length for s in seqs) + g_len) * self.config.head_dim
-                   for seqs in kinds)
+        return sum(len(seqs) * self.heads(seqs) * (max(s.kv.length for s in seqs) + seqs[0].rope.cos.shape[1])
+                   * self.config.head_dim for seqs in kinds)
 
     def reserve(self, kinds: list[list[BatchBranch]]) -> torch.Tensor:
         """The arena, grown (replaced) when `kinds` need more than it holds. Graphs captured on the old one keep it
@@ -98,8 +109,10 @@ class KVBufferArena:
         if self._cursor is not None:
             self._cursor = 0
 
-    def buffers(self, seqs: list[BatchBranch]) -> tuple[KVBuffers, Rope, Any]:
-        """The batch's K/V buffers with its Reasoner prefixes written, its Generator RoPE, its attention op."""
+    def buffers(self, seqs: list[BatchBranch], control_pass_drop: int = 0) -> tuple[KVBuffers, Rope, Any]:
+        """The batch's K/V buffers with its Reasoner prefixes written, its Generator RoPE, its attention op (a
+        `ControlPassAttention` when `control_pass_drop` > 0: a transfer batch whose control passes attend over that
+        many keys fewer)."""
         g_len = seqs[0].rope.cos.shape[1]
         masks = [s.kv.key_mask for s in seqs]
         bucketed = any(m is not None for m in masks)
@@ -125,21 +138,27 @@ class KVBufferArena:
                 both[:, :, row, :, zeros].zero_()
         bufs = KVBuffers(list(both[:, 0].unbind(0)), list(both[:, 1].unbind(0)), 0 if generator_first else umax)
         rope = Rope(torch.cat([s.rope.cos for s in seqs]), torch.cat([s.rope.sin for s in seqs]))
-        if bucketed:  # prompt buckets: equal padded widths, validity as data
+        attn = self._attention(masks, pads, umax, g_len, generator_first)
+        if control_pass_drop:
+            attn = ControlPassAttention(attn, self._attention(masks, pads, umax, g_len - control_pass_drop,
+                                                              generator_first))
+        return bufs, rope, attn
+
+    def _attention(self, masks: list, pads: list[int], umax: int, g_len: int, generator_first: bool) -> Any:
+        """The attention op over [prefixes (padded to umax: `masks` or `pads`) ; g_len Generator keys] in this
+        layout."""
+        if any(m is not None for m in masks):  # prompt buckets: equal padded widths, validity as data
             assert all(m is not None for m in masks) and not any(pads)
             valid = torch.cat(masks)  # type: ignore[arg-type]
-            valid = torch.cat([valid, valid.new_ones(len(seqs), g_len)], dim=1)
+            valid = torch.cat([valid, valid.new_ones(len(masks), g_len)], dim=1)
             if self.bucket_attention == "lse":
-                attn = ZeroKeyAttention(valid, backend=self.backend, rescale=self.rescale)
-            else:
-                attn = KeyMaskAttention(valid, backend=self.backend)
-        elif generator_first:
-            attn = KeyLengthAttention([g_len + umax - p for p in pads], self.device, backend=self.backend)
-        elif self.layout == "mask" and any(pads):
-            attn = MaskedBatchAttention(pads, umax + g_len, self.device, backend=self.backend)
-        else:
-            attn = PrefixOffsetAttention(pads, backend=self.backend)
-        return bufs, rope, attn
+                return ZeroKeyAttention(valid, backend=self.backend, rescale=self.rescale)
+            return KeyMaskAttention(valid, backend=self.backend)
+        if generator_first:
+            return KeyLengthAttention([g_len + umax - p for p in pads], self.device, backend=self.backend)
+        if self.layout == "mask" and any(pads):
+            return MaskedBatchAttention(pads, umax + g_len, self.device, backend=self.backend)
+        return PrefixOffsetAttention(pads, backend=self.backend)
 
     def _region(self, n: int) -> slice | None:
         """The next n elements of the arena while allocating, else None."""

@@ -28,15 +28,16 @@ from typing import Any
 import torch
 
 from ..model import GeneratorTokens
+from ..model.attention import ControlSegments
 from ..pipeline.denoise import DenoiseInputs, DenoiseResult, SamplingOptions
 from ..pipeline.omni import decode_pixels
 from ..pipeline.tokens import CaptionTokenizer, as_caption_tokenizer
 from ..pipeline.vae import FrameEncoder
 from ..pipeline.world import WorldResult, run_world
-from ..sampler import Anchor, DistilledPlan, cfg_combine, guidance_active, make_anchor
+from ..sampler import Anchor, DistilledPlan, cfg_combine, make_anchor
 from .config import EngineConfig
 from .engine import Engine
-from .generator_pass import run_to_end
+from .generator_pass import run_to_end, select_requests
 from .graph_cache import CapturedGraph, CaptureTimer, GraphKey
 from .graph_capture import clone_branch
 from .kv_buffers import BatchBranch
@@ -73,15 +74,32 @@ class _LoopSpec:
     sampler's pre-drawn noise, is a captured graph's input)."""
 
     timesteps: tuple[float, ...]
-    cfg_steps: tuple[bool, ...]
+    kinds: tuple[tuple[bool, bool], ...]  # per step: (CFG on, control guidance on)
     guidance: float
     upcast: bool  # velocities to fp32 before CFG and the solver (diffusers' order)
     solver: Callable[[dict], Any]  # static buffers -> a SamplerPlan (steps / init_history / step)
     key: tuple  # what identifies the sampler in a graph key
     # Leading latent frames the request holds clean (an image / video's conditioning), which the last layer skips
-    # after its K/V stores (`EngineConfig.last_layer_read_rows`; their velocity is zero); 0: every row. Part of
-    # the graph key: a text -> video request's frame 0 is noisy.
+    # after its K/V stores (`EngineConfig.last_layer_read_rows`, `read_rows`; their velocity is zero), as it skips
+    # a transfer request's control rows. Part of the graph key: a text -> video request's frame 0 is noisy.
     clean_frames: int = 0
+    read_rows: bool = False
+    control_guidance: float = 1.0
+    controls: tuple[int, int] = (0, 0)  # a transfer request's (controls, tokens per control)
+
+
+@dataclass(frozen=True, eq=False)
+class _Branches:
+    """A request's CFG branches as the engine runs them: conditional, unconditional (when CFG runs) and, for a
+    transfer request with control guidance, the conditional text without the controls."""
+
+    conds: list[BatchBranch]
+    unconds: list[BatchBranch]
+    nocontrols: list[BatchBranch]
+
+    @property
+    def all(self) -> list[BatchBranch]:
+        return self.conds + self.unconds + self.nocontrols
 
 
 class _WorldLoop:
@@ -91,9 +109,9 @@ class _WorldLoop:
     replay of segment 0 reads whatever prefixes were copied into the static inputs."""
 
     def __init__(self, engine: WorldEngine, x_v: torch.Tensor, x_s: torch.Tensor | None, static: dict,
-                 conds: list[BatchBranch], unconds: list[BatchBranch], spec: _LoopSpec) -> None:
+                 branches: _Branches, spec: _LoopSpec) -> None:
         self.engine, self.static, self.spec = engine, static, spec
-        self.conds, self.unconds = conds, unconds
+        self.branches = branches
         self.plan = spec.solver(static)
         self.x_v, self.x_s = x_v, x_s
         self.hist_v, self.hist_s = self.plan.init_history(), self.plan.init_history()
@@ -105,30 +123,39 @@ class _WorldLoop:
 
     def pieces(self, i: int) -> Generator[None, None, None]:
         """Step `i`, pausing (yielding) where the engine splits a step into segments."""
-        engine, spec = self.engine, self.spec
+        engine, spec, static = self.engine, self.spec, self.static
         if self.kinds is None:
-            engine._kinds_needed = set(spec.cfg_steps)
-            self.kinds = engine._step_batches(self.conds, self.unconds, 1)
+            self.kinds = engine._world_batches(self.branches, spec)
         dtype = engine.model.dtype
         tok = GeneratorTokens(
             timesteps=torch.full((1,), float(spec.timesteps[i]), device=engine.device),
-            vision=self.x_v.to(dtype), vision_noisy=self.static["vision_noisy"],
-            sound=None if self.x_s is None else self.x_s.to(dtype), sound_noisy=self.static.get("sound_noisy"),
+            vision=self.x_v.to(dtype), vision_noisy=static["vision_noisy"],
+            sound=None if self.x_s is None else self.x_s.to(dtype), sound_noisy=static.get("sound_noisy"),
+            controls=static.get("controls"), control_weights=static.get("control_weights"),
         )
-        vel = yield from engine._velocity_pieces(self.kinds[spec.cfg_steps[i]], tok, None, engine.pause_after,
-                                                 last_layer_rows="noisy" if spec.clean_frames else "all",
-                                                 clean_frames=spec.clean_frames)
+        outs = []
+        for rows, bufs, rope, attn, drop_controls in self.kinds[spec.kinds[i]]:
+            sel = select_requests(tok, rows)
+            if drop_controls:
+                sel = replace(sel, controls=None, control_weights=None)
+            read = spec.read_rows and (spec.clean_frames > 0 or sel.controls is not None)
+            outs.append((yield from engine._generator_pieces(sel, bufs, rope, attn, engine.pause_after,
+                                                             "noisy" if read else "all", spec.clean_frames)))
+        cfg_on, cg_on = spec.kinds[i]
 
-        def combine(v: torch.Tensor) -> torch.Tensor:  # rows [cond; uncond] -> guided velocity (pipeline.denoise)
+        def combine(v: torch.Tensor, controls: bool) -> torch.Tensor:
+            """rows [cond; uncond if CFG; no-control if control guidance] -> the guided velocity, as
+            `pipeline.denoise` forms it."""
             if spec.upcast:
                 v = v.float()
-            return cfg_combine(v[:1], v[1:], spec.guidance) if spec.cfg_steps[i] else v
+            c = cfg_combine(v[:1], v[-1:], spec.control_guidance) if controls and cg_on else v[:1]
+            return cfg_combine(c, v[1:2], spec.guidance) if cfg_on else c
 
-        assert vel.vision is not None
-        self.x_v, self.hist_v = self.plan.step(i, self.x_v, combine(vel.vision), self.hist_v)
+        vision = torch.cat([o.vision for o in outs])
+        self.x_v, self.hist_v = self.plan.step(i, self.x_v, combine(vision, True), self.hist_v)
         if self.x_s is not None:
-            assert vel.sound is not None
-            self.x_s, self.hist_s = self.plan.step(i, self.x_s, combine(vel.sound), self.hist_s)
+            sound = torch.cat([o.sound for o in outs])
+            self.x_s, self.hist_s = self.plan.step(i, self.x_s, combine(sound, False), self.hist_s)
 
 
 class WorldEngine(Engine):
@@ -182,15 +209,26 @@ class WorldEngine(Engine):
         """`pipeline.denoise.denoise` on the fast path (same signature; `record` and `clock` are not offered)."""
         self._check_inputs(model, inp)
         timesteps = tuple(opts.make_schedule().timesteps.tolist())
-        cfg_steps = tuple(guidance_active(list(timesteps), opts.guidance_interval) if opts.guidance != 1.0
-                          else [False] * len(timesteps))
-        if any(cfg_steps) and inp.uncond is None:
+        kinds = tuple(opts.step_kinds(list(timesteps)))
+        if any(k[0] for k in kinds) and inp.uncond is None:
             raise ValueError("guidance != 1 needs an unconditional branch")
+        if any(k[1] for k in kinds) and (inp.nocontrol is None or inp.controls is None):
+            raise ValueError("control guidance != 1 needs controls and a branch without them")
+        extra: dict[str, torch.Tensor] = {}
+        controls = (0, 0)
+        if inp.controls is not None:
+            assert inp.control_weights is not None
+            extra = {"controls": inp.controls.to(self.model.dtype), "control_weights": inp.control_weights}
+            seg = ControlSegments.of(inp.controls, inp.control_weights, self.model.config.latent_patch_size)
+            assert seg is not None
+            controls = (seg.count, seg.tokens)
         plan = self._plan(opts)
-        spec = _LoopSpec(timesteps, cfg_steps, opts.guidance, upcast=not opts.cfg_in_model_dtype,
+        spec = _LoopSpec(timesteps, kinds, opts.guidance, upcast=not opts.cfg_in_model_dtype,
                          solver=lambda _static: plan,
-                         key=("unipc", timesteps, cfg_steps, opts.guidance, opts.solver, opts.cfg_in_model_dtype))
-        return self._denoise_world(inp, {}, spec, on_step, on_segment)
+                         key=("unipc", timesteps, kinds, opts.guidance, opts.control_guidance, opts.solver,
+                              opts.cfg_in_model_dtype),
+                         control_guidance=opts.control_guidance, controls=controls)
+        return self._denoise_world(inp, extra, spec, on_step, on_segment)
 
     def denoise_distilled(self, model, inp: DenoiseInputs, plan: DistilledPlan, noise: torch.Tensor | None, *,
                           on_step: Callable[[int, int], None] | None = None,
@@ -214,7 +252,7 @@ class WorldEngine(Engine):
             return plan.bind(static.get("step_noise"), bound_anchor)
 
         steps = plan.steps
-        spec = _LoopSpec(tuple(plan.timesteps), (False,) * steps, 1.0, upcast=True, solver=solver,
+        spec = _LoopSpec(tuple(plan.timesteps), ((False, False),) * steps, 1.0, upcast=True, solver=solver,
                          key=("distilled", tuple(plan.timesteps), tuple(plan.sigmas.tolist()), plan.stochastic,
                               anchored))
         return self._denoise_world(inp, extra, spec, on_step, on_segment, need_uncond=False)
@@ -224,19 +262,28 @@ class WorldEngine(Engine):
             raise ValueError("WorldEngine runs the engine's own model")
         if inp.action is not None:
             raise ValueError("WorldEngine runs world generation; action modes go through Engine / the pipeline")
+        if inp.controls is not None and inp.sound is not None:
+            raise ValueError("video transfer generates no sound")
 
     def _denoise_world(self, inp: DenoiseInputs, extra: dict[str, torch.Tensor], spec: _LoopSpec,
                        on_step: Callable[[int, int], None] | None, on_segment: Callable[[], None] | None,
                        need_uncond: bool | None = None) -> DenoiseResult:
         timings: dict[str, float] = {}
         if self.config.last_layer_read_rows:
-            spec = replace(spec, clean_frames=leading_clean_frames(inp.vision_noisy))
+            spec = replace(spec, clean_frames=leading_clean_frames(inp.vision_noisy), read_rows=True)
         with torch.inference_mode():
             self._sync()
             t0 = time.perf_counter()
-            conds, unconds = self._sequences([inp], any(spec.cfg_steps) if need_uncond is None else need_uncond)
+            conds, unconds = self._sequences([inp], any(k[0] for k in spec.kinds) if need_uncond is None
+                                             else need_uncond)
+            nocontrols = []
+            if any(k[1] for k in spec.kinds):  # the conditional text (its cached K/V), positions without controls
+                assert inp.nocontrol is not None
+                nocontrols = [self._branch(0, inp.nocontrol)]
             if self.config.prompt_bucket:
-                conds, unconds = self._pad_prefixes(conds, unconds)
+                conds, rest = self._pad_prefixes(conds, unconds + nocontrols)
+                unconds, nocontrols = rest[:len(unconds)], rest[len(unconds):]
+            branches = _Branches(conds, unconds, nocontrols)
             self._sync()
             timings["reasoner_prefill"] = 1e3 * (time.perf_counter() - t0)
 
@@ -246,10 +293,10 @@ class WorldEngine(Engine):
                 static["sound_noisy"] = inp.sound_noisy
             steps = len(spec.timesteps)
             if self.config.cuda_graph:
-                x_v, x_s = self._replay(inp.vision, inp.sound, static, conds, unconds, spec, on_step=on_step,
+                x_v, x_s = self._replay(inp.vision, inp.sound, static, branches, spec, on_step=on_step,
                                         on_segment=on_segment)
             else:
-                loop = _WorldLoop(self, inp.vision, inp.sound, static, conds, unconds, spec)
+                loop = _WorldLoop(self, inp.vision, inp.sound, static, branches, spec)
                 for i in range(steps):
                     for _ in loop.pieces(i):
                         if on_segment is not None:
@@ -263,17 +310,40 @@ class WorldEngine(Engine):
             timings["denoise"] = 1e3 * (time.perf_counter() - t0)
         return DenoiseResult(x_v, None, timings, {}, x_s)
 
-    def _world_key(self, x_v, x_s, conds, unconds, spec: _LoopSpec) -> GraphKey:
-        sampler = ("world", () if x_s is None else tuple(x_s.shape[1:]), spec.key, spec.clean_frames)
-        return GraphKey(1, tuple(x_v.shape[1:]), (), self._bucket_lengths(conds, unconds), sampler,
+    def _world_key(self, x_v, x_s, branches: _Branches, spec: _LoopSpec) -> GraphKey:
+        sampler = ("world", () if x_s is None else tuple(x_s.shape[1:]), spec.key, spec.clean_frames, spec.controls)
+        return GraphKey(1, tuple(x_v.shape[1:]), (),
+                        self._bucket_lengths(branches.conds, branches.unconds + branches.nocontrols), sampler,
                         bucketed=bool(self.config.prompt_bucket))
 
-    def _replay(self, x_v, x_s, static, conds, unconds, spec: _LoopSpec, *, on_step, on_segment=None):
-        key = self._world_key(x_v, x_s, conds, unconds, spec)
+    def _world_groups(self, branches: _Branches, spec: _LoopSpec) -> dict[tuple[bool, bool], list]:
+        """Per step kind, the Generator passes of a step: (branches, whether the pass drops the controls). The
+        no-control branch is a pass of its own: its sequence lacks the controls' tokens, so batched with the others
+        it would be padded to their length (at one control, twice its tokens and four times its attention)."""
+        out = {}
+        for kind in dict.fromkeys(spec.kinds):  # first-seen order: warm-up and capture take the same arena regions
+            cfg_on, cg_on = kind
+            seqs = branches.conds + (branches.unconds if cfg_on else [])
+            groups = [(seqs, False)] if self.config.batch_cfg else [([s], False) for s in seqs]
+            out[kind] = groups + ([(branches.nocontrols, True)] if cg_on else [])
+        return out
+
+    def _world_batches(self, branches: _Branches, spec: _LoopSpec) -> dict[tuple[bool, bool], list]:
+        """`_world_groups` with their K/V buffers: per step kind, (request rows, K/V buffers, RoPE, attention op, drop
+        the controls). Built once per request (the loop's prologue)."""
+        self.kv_arena.rewind()
+        count, tokens = spec.controls
+        drop = (count - 1) * tokens  # keys a control pass leaves out: the other controls'
+        return {kind: [([s.request for s in seqs], *self.kv_arena.buffers(seqs, 0 if free else drop), free)
+                       for seqs, free in groups]
+                for kind, groups in self._world_groups(branches, spec).items()}
+
+    def _replay(self, x_v, x_s, static, branches: _Branches, spec: _LoopSpec, *, on_step, on_segment=None):
+        key = self._world_key(x_v, x_s, branches, spec)
         entry = self.graphs.get(key)
         if entry is None:
             with CaptureTimer(self.device) as timer:
-                entry = self._capture_world(x_v, x_s, static, conds, unconds, spec, between=on_segment)
+                entry = self._capture_world(x_v, x_s, static, branches, spec, between=on_segment)
             entry.seconds, entry.nbytes = timer.seconds, timer.nbytes
             self.graphs.add(key, entry)
         ins = entry.inputs
@@ -282,7 +352,7 @@ class WorldEngine(Engine):
         if x_s is not None:
             dst_tensors.append(ins["x_s"])
             src_tensors.append(x_s)
-        for dst, src in zip(ins["seqs"], conds + unconds, strict=True):
+        for dst, src in zip(ins["seqs"].all, branches.all, strict=True):
             out, into = copy_lists(dst.kv, src.kv)
             dst_tensors += out + [dst.rope.cos, dst.rope.sin]
             src_tensors += into + [src.rope.cos, src.rope.sin]
@@ -301,21 +371,21 @@ class WorldEngine(Engine):
         x_v_out, x_s_out = entry.outputs
         return x_v_out.clone(), None if x_s_out is None else x_s_out.clone()
 
-    def _capture_world(self, x_v, x_s, static, conds, unconds, spec: _LoopSpec, *,
+    def _capture_world(self, x_v, x_s, static, branches: _Branches, spec: _LoopSpec, *,
                        between: Callable[[], None] | None = None) -> CapturedGraph:
         entry = CapturedGraph()
-        seqs = [clone_branch(s) for s in conds + unconds]
-        s_conds, s_unconds = seqs[: len(conds)], seqs[len(conds):]
+        seqs = _Branches(*([clone_branch(s) for s in part] for part in (branches.conds, branches.unconds,
+                                                                         branches.nocontrols)))
         ins = {"x_v": x_v.clone(), "x_s": None if x_s is None else x_s.clone(), "seqs": seqs,
                "static": {k: v.clone() for k, v in static.items()}}
         entry.inputs = ins
 
         def new_loop() -> _WorldLoop:
-            return _WorldLoop(self, ins["x_v"], ins["x_s"], ins["static"], s_conds, s_unconds, spec)
+            return _WorldLoop(self, ins["x_v"], ins["x_s"], ins["static"], seqs, spec)
 
         # The K/V buffers come from the arena shared with every other bucket of this engine (see Engine._capture);
         # replays of two buckets never interleave (one world request at a time per engine).
-        arena = self.kv_arena.reserve(self._loop_batches(conds, unconds, list(spec.cfg_steps)))
+        arena = self.kv_arena.reserve([b for groups in self._world_groups(branches, spec).values() for b, _ in groups])
         with self.kv_arena.allocating():
             loop = self._record_segments(new_loop, len(spec.timesteps), between)
         entry.graph = loop.graphs
@@ -345,7 +415,7 @@ class WorldEngine(Engine):
         with torch.cuda.stream(side):
             for _ in range(2):
                 warm = new_loop()
-                kinds = warm.spec.cfg_steps
+                kinds = warm.spec.kinds
                 for i in range(1 + max(kinds.index(k) for k in set(kinds))):
                     warm.step(i)  # up to the first step of the last kind to appear (guided / unguided)
                     if between is not None:

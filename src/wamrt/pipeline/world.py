@@ -40,6 +40,8 @@ from PIL import Image
 
 from ..model import Cosmos3Config, Cosmos3Transformer
 from .canvas import diffusers_cover_crop, diffusers_resize_frame
+from .chunks import ChunkPlan, chunk_plan, run_chunks
+from .controls import SYSTEM_PROMPT_TRANSFER, control_directive
 from .denoise import DenoiseInputs, DenoiseResult, denoise
 from .errors import RequestError
 from .geometry import VAE_SPATIAL, VAE_TEMPORAL, LatentGeometry, latent_geometry
@@ -54,8 +56,6 @@ from .omni import (
     pixels_to_uint8,
     tokenize_branches,
 )
-from .chunks import ChunkPlan, chunk_plan, run_chunks
-from .controls import SYSTEM_PROMPT_TRANSFER, control_directive
 from .prompts import diffusers_system_prompt, diffusers_world_caption
 from .sound import SoundDecoder
 from .tokens import CaptionTokenizer, as_caption_tokenizer
