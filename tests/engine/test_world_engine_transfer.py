@@ -14,7 +14,6 @@ import torch
 from oracle.assets import picture
 from test_world_engine import HEIGHT, WIDTH, RerunWorldEngine, _assert_same_result, _engine, _reference, stack  # noqa: F401
 
-pytest.importorskip("cv2", reason="the edge / blur controls need opencv-python-headless (the `world` extra)")
 STEPS = 3
 
 

@@ -23,7 +23,6 @@ from wamrt.pipeline.controls import (
 )
 from wamrt.pipeline.errors import RequestError
 
-pytest.importorskip("cv2", reason="the edge / blur controls need opencv-python-headless (the `world` extra)")
 GOLDENS = Path(__file__).parent / "data" / "control_goldens.npz"
 
 

@@ -20,13 +20,12 @@ from wamrt.model import Cosmos3Transformer, GeneratorTokens, get_config, init_ra
 from wamrt.model.attention import ControlSegments
 from wamrt.model.embeddings import patchify
 from wamrt.pipeline.chunks import chunk_plan
-from wamrt.pipeline.controls import SYSTEM_PROMPT_TRANSFER, control_directive, edge_map, cover_crop_video
+from wamrt.pipeline.controls import SYSTEM_PROMPT_TRANSFER, control_directive, cover_crop_video, edge_map
 from wamrt.pipeline.denoise import denoise
 from wamrt.pipeline.errors import RequestError
 from wamrt.pipeline.omni import diffusers_sampling, packed_branch
 from wamrt.pipeline.world import run_world, world_request
 
-pytest.importorskip("cv2", reason="the edge / blur controls need opencv-python-headless (the `world` extra)")
 REL_TOL = 1e-5  # max |ours - oracle| <= REL_TOL * max |oracle|, fp32 (float reassociation only)
 HEIGHT, WIDTH = 32, 48
 FLAVOURS = ("tiny-qwen", "tiny-edge")

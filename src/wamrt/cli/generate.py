@@ -6,6 +6,10 @@ validated by the server's own `build_generation`, so the flags mean what the HTT
 defaults (vLLM-Omni's Cosmos 3 recipe). On a CUDA device it runs on a `WorldEngine` (`--eager`: the reference
 pipeline); a distilled checkpoint runs its few-step sampler (`--sampler`). On a CPU the size, frame count and
 steps the flags leave out are small ones (`CPU_DEFAULTS`): the GPU defaults would run for half an hour.
+
+Video transfer: `--control edge[:WEIGHT]` (edge, blur, depth, seg; repeatable) with `--control-video PATH`, the
+source video edge and blur are computed from; a control given as its own video is `--control-upload KEY=PATH`
+(depth and segmentation always are). Long videos: `--chunk-frames 93` (transfer's default) makes the clip in chunks.
 """
 
 from __future__ import annotations
@@ -47,6 +51,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--upsample-max-tokens", type=int, default=1024, help="tokens the Reasoner may write for it")
     ap.add_argument("--templates", action="store_true",
                     help="add the resolution and duration sentences to the prompts (diffusers' default)")
+    ap.add_argument("--control", action="append", default=[], metavar="KEY[:WEIGHT]",
+                    help="video transfer: a control hint (edge, blur, depth, seg), its weight (default 1)")
+    ap.add_argument("--control-video", type=Path, help="video transfer: the source video edge / blur are computed from")
+    ap.add_argument("--control-upload", action="append", default=[], metavar="KEY=PATH",
+                    help="video transfer: a control's own video (depth and seg need one)")
+    ap.add_argument("--control-guidance", type=float, help="control guidance (default: the hint's recipe value)")
+    ap.add_argument("--edge-preset", help="Canny thresholds: very_low, low, medium (default), high, very_high")
+    ap.add_argument("--blur-preset", help="blur strength: none, very_low, low, medium (default), high, very_high")
+    ap.add_argument("--chunk-frames", type=int,
+                    help="long videos: frames per chunk, 4k + 1 (transfer's default 93; off otherwise)")
+    ap.add_argument("--conditional-frames", type=int, help="long videos: frames each chunk continues from (1)")
     ap.add_argument("--sampler", default="auto", choices=["auto", "unipc", "distilled"],
                     help="auto: the distilled sampler when the checkpoint declares a distilled schedule")
     ap.add_argument("--device", help="cpu or cuda (default: cuda if available)")
@@ -76,8 +91,12 @@ def _fields(args: argparse.Namespace) -> dict:
         fields["input_reference"] = reference.read_bytes()
     if args.upsample_prompt:
         fields["upsample_prompt"] = "true"
+    extra: dict = {}
     if args.templates:
-        fields["extra_params"] = json.dumps({"use_resolution_template": True, "use_duration_template": True})
+        extra.update(use_resolution_template=True, use_duration_template=True)
+    extra.update(_transfer_extra(args, fields))
+    if extra:
+        fields["extra_params"] = json.dumps(extra)
     return fields
 
 
@@ -93,6 +112,35 @@ def _small_defaults(fields: dict[str, Any], kind: str, *, distilled: bool) -> No
 
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def _transfer_extra(args: argparse.Namespace, fields: dict) -> dict:
+    """The transfer and chunk flags -> extra_params (and the uploads into `fields`), as an HTTP client sends them."""
+    extra: dict = {}
+    for spec in args.control:
+        key, _, weight = spec.partition(":")
+        extra[key] = {"control_weight": float(weight)} if weight else {}
+    for spec in args.control_upload:
+        key, sep, path = spec.partition("=")
+        if not sep or not Path(path).is_file():
+            raise FileNotFoundError(f"--control-upload wants KEY=PATH to a video file, got {spec!r}")
+        fields.setdefault("control_reference", []).append(Path(path).read_bytes())
+        fields.setdefault("control_type", []).append(key)
+        extra.setdefault(key, {})
+    if (extra or args.control_video) and (args.image or args.video):
+        raise ValueError("video transfer takes its source as --control-video, not --image / --video")
+    if args.control_video is not None:
+        if not args.control_video.is_file():
+            raise FileNotFoundError(f"no such file: {args.control_video}")
+        fields["input_reference"] = args.control_video.read_bytes()
+    for key, preset in (("edge", args.edge_preset), ("blur", args.blur_preset)):
+        if preset is not None:
+            extra.setdefault(key, {})[f"preset_{key}_{'threshold' if key == 'edge' else 'strength'}"] = preset
+    for flag, name in (("control_guidance", "control_guidance"), ("chunk_frames", "num_video_frames_per_chunk"),
+                       ("conditional_frames", "num_conditional_frames")):
+        if getattr(args, flag) is not None:
+            extra[name] = getattr(args, flag)
+    return {k: (v if v != {} else True) for k, v in extra.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,19 +183,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {f'{where}: ' if where else ''}{e}", file=sys.stderr)
         return 2
 
-    bar = tqdm(total=req.steps, desc=f"{kind} {req.record.get('size', '')}".strip(), unit="step",
-               disable=args.quiet, file=sys.stderr)
+    desc = f"{kind} {req.record.get('size', '')}".strip()
+    bar = tqdm(total=req.steps * req.chunks, desc=desc, unit="step", disable=args.quiet, file=sys.stderr)
     t0 = time.perf_counter()
 
     def on_step(i: int, steps: int) -> None:
         bar.update(1)
-        if i == 0 and (projected := (time.perf_counter() - t0) * steps) > LONG_JOB_S:
+        if bar.n == 1 and (projected := (time.perf_counter() - t0) * steps * req.chunks) > LONG_JOB_S:
             bar.write(f"warning: this job will take about {_duration(projected)} on {device.type} ({steps} steps, the "
                       f"first took {projected / steps:.1f} s; the VAE decode comes after); smaller: --size, --frames, "
                       "--steps", file=sys.stderr)
 
     try:
-        extra = {"sound_decoder": world.sound} if req.sound else {}
+        extra: dict = {"sound_decoder": world.sound} if req.sound else {}
+        if req.chunks > 1:
+            extra["on_chunk"] = lambda k, n: bar.set_description(f"{desc} chunk {k + 1}/{n}")
         result = world.run(**req.kwargs, **extra, generator=torch.Generator().manual_seed(args.seed), on_step=on_step)
     finally:
         bar.close()

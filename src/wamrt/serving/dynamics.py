@@ -64,8 +64,10 @@ def _domain(extra: dict[str, Any]) -> str:
     return "droid_lerobot"
 
 
-def decode_video(raw: bytes, name: str) -> np.ndarray:
-    """MP4 (or any container PyAV reads) -> uint8 [T, H, W, 3]; at most MAX_CHUNK + 1 frames."""
+def decode_video(raw: bytes, name: str, *, first: int | None = None, max_pixels: int | None = None) -> np.ndarray:
+    """MP4 (or any container PyAV reads) -> uint8 [T, H, W, 3]; at most MAX_CHUNK + 1 frames, or with `first` the
+    first that many (decoding stops there); `max_pixels` bounds the pixels of the frames kept, counted before each
+    frame is kept."""
     try:
         import av
     except ImportError as exc:  # pragma: no cover - av ships with the server extra
@@ -79,8 +81,13 @@ def decode_video(raw: bytes, name: str) -> np.ndarray:
             if stream.codec_context.width * stream.codec_context.height > MAX_PIXELS:
                 raise InvalidRequest(f"frames over {MAX_PIXELS} pixels", field=name)
             for frame in container.decode(stream):
-                if len(frames) > MAX_CHUNK:
+                if first is not None and len(frames) >= first:
+                    break
+                if first is None and len(frames) > MAX_CHUNK:
                     raise InvalidRequest(f"more than {MAX_CHUNK + 1} frames", field=name)
+                if max_pixels is not None and (len(frames) + 1) * frame.width * frame.height > max_pixels:
+                    raise InvalidRequest(f"its frames hold more than this server's {max_pixels} pixels "
+                                         f"(--max-video-pixels)", field=name)
                 frames.append(frame.to_ndarray(format="rgb24"))
     except InvalidRequest:
         raise

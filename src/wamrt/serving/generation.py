@@ -220,7 +220,8 @@ class GenerationWorker:
         req, world, gate = job.request, self.world, self.gate
         started = time.monotonic()
         seed = req.seed if req.seed is not None else int(np.random.default_rng().integers(0, 2**31))
-        total_steps, done, paused = req.steps * req.count, 0, 0.0
+        total_steps, done, paused = req.steps * req.count * req.chunks, 0, 0.0
+        chunk = {"chunk": 1, "chunks": req.chunks}  # a long video's chunk, in the job's progress detail
         held, seg_start = False, 0.0
         job_segment_max = 0.0  # this job's longest segment (the reply's timing.segment_max_ms)
 
@@ -251,8 +252,8 @@ class GenerationWorker:
         def on_step(_i: int, _n: int) -> None:
             nonlocal done
             done += 1
-            if job.on_progress is not None:
-                job.on_progress(int(100 * done / (total_steps + 1)))  # 100 only once the output is encoded
+            if job.on_progress is not None:  # 100 only once the output is encoded
+                job.on_progress(int(100 * done / (total_steps + 1)), chunk if req.chunks > 1 else None)
             release()  # a segment ends here: waiting policy batches run now
             acquire()  # raises GenerationCancelled when the job was cancelled meanwhile
 
@@ -286,6 +287,9 @@ class GenerationWorker:
         def mid_step() -> None:
             decode_yield(keep_vae_cache=False)
 
+        def on_chunk(k: int, _n: int) -> None:
+            chunk["chunk"] = k + 1
+
         if job.on_progress is not None:
             job.on_progress(0)  # started
         upsampled, upsample_s = None, 0.0
@@ -306,6 +310,8 @@ class GenerationWorker:
                 acquire()
                 generator = torch.Generator().manual_seed(seed + k)
                 extra = {"sound_decoder": sound} if world.schedule is None else {}  # distilled: no sound
+                if req.chunks > 1:
+                    extra["on_chunk"] = on_chunk
                 result = world.run(**req.kwargs, **extra, generator=generator, on_step=on_step, on_segment=mid_step)
                 release()
                 assert result.frames is not None
@@ -319,7 +325,9 @@ class GenerationWorker:
             self._decode_yield = None
             if held:
                 release()
-        if req.kwargs.get("video") is not None:
+        if req.kwargs.get("controls"):
+            mode = "transfer"
+        elif req.kwargs.get("video") is not None:
             mode = "video2video"
         elif req.kwargs.get("image") is not None:
             mode = "image2video"

@@ -16,6 +16,7 @@ from ..pipeline.errors import RequestError
 from .dynamics import _conditioning
 from .errors import InvalidRequest
 from .fields import as_float, as_int
+from .transfer_fields import CHUNK_KEYS, TRANSFER_KEYS, TransferFields, transfer_field, transfer_fields
 from .world_model import WorldModel
 
 if TYPE_CHECKING:
@@ -34,12 +35,11 @@ MAX_FRAMES = 1025
 # extra_params keys a generation request may carry (vLLM-Omni `extra_args` that this runtime implements).
 EXTRA_KEYS = ("use_resolution_template", "use_duration_template", "use_system_prompt",
               "condition_frame_indexes_vision", "condition_video_keep", "guardrails", "flow_shift",
-              "max_sequence_length", "video")
+              "max_sequence_length", "video", *TRANSFER_KEYS, *CHUNK_KEYS)
 # vLLM-Omni request fields for features this runtime does not have: refused, never silently dropped.
-UNSUPPORTED = ("guidance_scale_2", "true_cfg_scale", "boundary_ratio", "control_reference", "control_type",
-               "audio_reference", "lora", "enable_frame_interpolation", "frame_interpolation_exp",
-               "frame_interpolation_scale", "frame_interpolation_model_path", "aspect_ratio", "short_edge",
-               "start_time_seconds")
+UNSUPPORTED = ("guidance_scale_2", "true_cfg_scale", "boundary_ratio", "audio_reference", "lora",
+               "enable_frame_interpolation", "frame_interpolation_exp", "frame_interpolation_scale",
+               "frame_interpolation_model_path", "aspect_ratio", "short_edge", "start_time_seconds")
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
 
 
@@ -58,6 +58,7 @@ class GenerationRequest:
     sampling: dict[str, Any]  # sampler, steps, guidance, shift: what runs, for the reply's metadata
     notes: list[str] = field(default_factory=list)
     upsample: bool = False  # upsample_prompt: the Reasoner rewrites the prompt as a structured caption first
+    chunks: int = 1  # a long video made in chunks: how many (each runs `steps` steps)
 
     @property
     def fps(self) -> float:
@@ -203,6 +204,20 @@ def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: 
     extra = _extra(fields) if kind == "video" else {}
     notes: list[str] = []
     defaults = VIDEO_DEFAULTS if kind == "video" else IMAGE_DEFAULTS
+    sound = _sound(fields, world, kind)
+    transfer = TransferFields()
+    if kind == "video":
+        transfer = transfer_fields(fields, extra, max_pixels=max_pixels, max_frames=MAX_FRAMES, sound=sound)
+    elif _present(fields.get("control_reference")):
+        raise InvalidRequest("video transfer makes videos (/v1/videos)", field="control_reference")
+    if world.schedule is not None and "num_video_frames_per_chunk" in transfer.kwargs:
+        raise InvalidRequest("long videos in chunks run with the UniPC sampler; the served checkpoint is distilled",
+                             field="extra_params.num_video_frames_per_chunk")
+    if transfer.hints:
+        if world.schedule is not None:
+            raise InvalidRequest("video transfer runs with the UniPC sampler; the served checkpoint is distilled",
+                                 field=f"extra_params.{transfer.hints[0]}")
+        defaults = {**defaults, **transfer.defaults, **_transfer_shape(transfer)}
 
     fps = as_float(fields["fps"], "fps") if _present(fields.get("fps")) else defaults["fps"]
     if not 0 < fps <= 240:
@@ -231,17 +246,6 @@ def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: 
                 as_int(value, src, 1, 1 << 20)
                 notes.append(f"{key} accepted; captions are never truncated here")
 
-    sound = _bool(fields["generate_sound"], "generate_sound") if _present(fields.get("generate_sound")) else False
-    if sound and kind == "image":
-        raise InvalidRequest("an image has no sound", field="generate_sound")
-    if sound and world.schedule is not None:
-        raise InvalidRequest("the distilled sampler generates no sound (diffusers' distilled Cosmos 3 pipeline has "
-                             "no sound branch)", field="generate_sound")
-    if sound and not world.sound_heads:
-        raise InvalidRequest("the served checkpoint has no sound heads (sound_gen is off)", field="generate_sound")
-    if sound and world.sound is None:
-        raise InvalidRequest("the served checkpoint ships no sound tokenizer (sound_tokenizer/) to decode sound",
-                             field="generate_sound")
     if _present(fields.get("sound_duration")):
         duration = as_float(fields["sound_duration"], "sound_duration")
         if not sound:
@@ -260,7 +264,9 @@ def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: 
 
     image = video = None
     source = "input_reference"
-    if kind == "video":
+    if transfer.hints and "video" in extra:
+        raise InvalidRequest("video transfer takes its source in input_reference", field="extra_params.video")
+    if kind == "video" and not transfer.hints:
         given = [n for n in ("input_reference", "image_reference", "video_reference") if _present(fields.get(n))]
         if "video" in extra:
             given.append("extra_params.video")
@@ -284,14 +290,20 @@ def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: 
         "num_frames": num_frames, "height": height, "width": width, "fps": fps, "enable_sound": sound,
         "use_system_prompt": extra.get("use_system_prompt", True),
         "use_resolution_template": extra.get("use_resolution_template", False),
-        "use_duration_template": extra.get("use_duration_template", False),
+        "use_duration_template": extra.get("use_duration_template", False), **transfer.kwargs,
     }
     try:
-        world_request(**kwargs)  # every check run_world makes on the request, now, before a job exists
+        checked = world_request(**kwargs)  # every check run_world makes on the request, now, before a job exists
     except RequestError as exc:
-        name = _field_map(source, size_field).get((exc.field or "").split("[")[0], exc.field)
+        base = (exc.field or "").split("[")[0]
+        name = _field_map(source, size_field).get(base) or transfer_field(base) or exc.field
         msg = str(exc)[len(exc.field) + 2:] if exc.field else str(exc)
         raise InvalidRequest(msg, field=name) from exc
+    chunks = 1 if checked.chunks is None else len(checked.chunks.spans)
+    if checked.transfer is not None:
+        sampling.update(controls=list(checked.transfer.keys), control_guidance=checked.transfer.control_guidance)
+    if chunks > 1:
+        sampling.update(chunks=chunks, chunk_frames=checked.chunks.frames)
     if world.schedule is None:
         kwargs.update(steps=sampling["steps"], guidance=sampling["guidance"], shift=sampling["shift"])
     else:
@@ -299,4 +311,30 @@ def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: 
     record = {"model": fields.get("model") or None, "prompt": prompt, "size": f"{width}x{height}",
               "seconds": f"{num_frames / fps:g}"}
     upsample = _bool(fields["upsample_prompt"], "upsample_prompt") if _present(fields.get("upsample_prompt")) else False
-    return GenerationRequest(kind, kwargs, seed, count, sound, record, sampling, notes, upsample)
+    return GenerationRequest(kind, kwargs, seed, count, sound, record, sampling, notes, upsample, chunks)
+
+
+def _sound(fields: dict[str, Any], world: WorldModel, kind: Kind) -> bool:
+    sound = _bool(fields["generate_sound"], "generate_sound") if _present(fields.get("generate_sound")) else False
+    if sound and kind == "image":
+        raise InvalidRequest("an image has no sound", field="generate_sound")
+    if sound and world.schedule is not None:
+        raise InvalidRequest("the distilled sampler generates no sound (diffusers' distilled Cosmos 3 pipeline has "
+                             "no sound branch)", field="generate_sound")
+    if sound and not world.sound_heads:
+        raise InvalidRequest("the served checkpoint has no sound heads (sound_gen is off)", field="generate_sound")
+    if sound and world.sound is None:
+        raise InvalidRequest("the served checkpoint ships no sound tokenizer (sound_tokenizer/) to decode sound",
+                             field="generate_sound")
+    return sound
+
+
+def _transfer_shape(transfer: TransferFields) -> dict[str, int]:
+    """A transfer request's default frames (the source's, 4k + 1, at least 5) and size (the framework's 720p
+    template closest to the source's aspect)."""
+    from ..pipeline.geometry import framework_bucket
+
+    assert transfer.frames is not None and transfer.source_hw is not None
+    bucket = framework_bucket(*transfer.source_hw, "720")
+    return {"num_frames": max(5, 4 * ((min(transfer.frames, MAX_FRAMES) - 1) // 4) + 1), "height": bucket.height,
+            "width": bucket.width}

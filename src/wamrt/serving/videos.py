@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..client.wire import _decode_image, json_array, to_jsonable
 from ..pipeline.prefix import PREFIX_KEY, parse_action_prefix
+from ..pipeline.controls import HINT_KEYS
 from .dynamics import DYNAMICS_MODES, DynamicsRequest, build_dynamics
 from .errors import Busy, Cancelled, Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from .fields import as_float, as_int
@@ -57,6 +58,7 @@ GENERATE = "generate"  # the routing mode of world-generation requests (they car
 POLICY_KEYS = ("robot_obs", "observation", "action", "session_id", "domain_name", "domain_id", "raw_action_dim",
                "action_chunk_size", "guidance_interval", *PREFIX_KEYS)
 UNFINISHED = ("queued", "in_progress")
+REPEATED_FIELDS = ("control_reference", "control_type")  # one per uploaded transfer control, in order
 MAX_CONTENT_BYTES = 2 * 2**30  # MP4s kept for /content (a 720p Nano clip is tens of MB): beyond, oldest jobs go
 _TOP_LEVEL_PARAMS = {"num_inference_steps": "steps", "guidance_scale": "guidance", "flow_shift": "shift"}
 
@@ -96,13 +98,16 @@ async def _read_fields(request: Request, limit: int) -> dict[str, Any]:
         return body
     if not ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         raise InvalidRequest("send multipart/form-data (or application/json)")
-    form = await request.form(max_files=4, max_fields=64, max_part_size=limit)
+    # files: input_reference and one control_reference per transfer hint
+    form = await request.form(max_files=1 + len(HINT_KEYS), max_fields=64, max_part_size=limit)
     out: dict[str, Any] = {}
     for key, value in form.multi_items():
         if isinstance(value, UploadFile):
-            out[key] = await value.read(limit + 1)
-            if len(out[key]) > limit:
+            value = await value.read(limit + 1)
+            if len(value) > limit:
                 raise PayloadTooLarge(f"{key} exceeds the {limit}-byte limit")
+        if key in REPEATED_FIELDS:
+            out.setdefault(key, []).append(value)
         else:
             out[key] = value
     return out
@@ -118,6 +123,12 @@ def _mode(fields: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
     extra = _json_field(fields.get("extra_params") or {}, "extra_params")
     if not isinstance(extra, dict):
         raise InvalidRequest("must be a JSON object", field="extra_params")
+    transfer = [k for k in HINT_KEYS if k in extra] or (["control_reference"] if fields.get("control_reference")
+                                                         else [])
+    if transfer and ("action_mode" in extra or any(k in extra for k in POLICY_KEYS)):
+        name = "extra_params.action_mode" if "action_mode" in extra else \
+            f"extra_params.{next(k for k in POLICY_KEYS if k in extra)}"
+        raise InvalidRequest(f"video transfer ({transfer[0]}) does not combine with actions", field=name)
     if "action_mode" not in extra:
         return prompt, extra, "policy" if any(k in extra for k in POLICY_KEYS) else GENERATE
     mode = extra["action_mode"]
@@ -326,14 +337,16 @@ class VideoJobs:
         """A thread-safe progress hook for the generation thread: the record is only touched on the loop."""
         loop = asyncio.get_running_loop()
 
-        def set_progress(value: int) -> None:
+        def set_progress(value: int, detail: dict | None) -> None:
             rec = self.records.get(vid)
             if rec is not None and rec["status"] in UNFINISHED:
                 rec.update(status="in_progress", progress=max(rec["progress"], value))
+                if detail is not None:  # a long video's chunk: {"chunk": k, "chunks": n}
+                    rec["progress_detail"] = dict(detail)
 
-        def post(value: int) -> None:
+        def post(value: int, detail: dict | None = None) -> None:
             with contextlib.suppress(RuntimeError):  # the loop closed under a job stopped by shutdown
-                loop.call_soon_threadsafe(set_progress, value)
+                loop.call_soon_threadsafe(set_progress, value, detail)
 
         return post
 
