@@ -24,6 +24,8 @@
 #          TRITON_CONFIGS, FA4_SWEEP, TMA_CONFIGS: how many configs of each family to time)
 #          world (issue 15: WorldEngine t2i / i2v vs diffusers; MODES, RUNS, PEER_RUNS, WORLD_MODEL, WORLD_ARGS)
 #          world-rows (i2v: the last layer on the read rows against --all-rows, ROUNDS rounds, no peer)
+#          world720 (issue 43: t2v 720x1280x189 with sound and a 480p x 93 edge transfer, per step vs diffusers;
+#          LARGE_STEPS, LARGE_RUNS, PEER_STEPS, WORLD_ARGS; diffusers from .whl-bench, OpenCV is in the image)
 #          world-tests (the WorldEngine GPU test), fa4-tests (flash-attn-4 against SDPA, in a graph)
 #          peer-edge peer-nano (issue 14: ROWS at 4 and 2 steps with the diffusers peer in the same process)
 #          kernels (issue 14: `wamrt bench kernels --sweep` and the GPU tests of the epilogue GEMMs and the VAE encode)
@@ -202,6 +204,17 @@ print("world-serve: policy p50/p99 ms " + " | ".join(lat) + "; generation jobs d
           wamrt bench world --model "${WORLD_MODEL:-nano}" --modes "${MODES:-t2i,i2v}" --warmup "${WARMUP:-1}" \
              --runs "${RUNS:-5}" --peer diffusers --peer-warmup 1 --peer-runs "${PEER_RUNS:-5}" ${WORLD_ARGS:-} \
              --out "$res" 2>&1 | tee "$res/log.txt" ;;
+    world720) # Issue 43: the peers' workload on random Nano weights with sound heads, one process: t2v 720x1280,
+          # 189 frames, guidance 6, shift 10, with sound; a 480x832 x 93-frame edge transfer (guidance 3, control
+          # guidance 1.5). Both sides run few steps, compared per step (a 720p step is ~5.7 s, ~44k tokens a branch):
+          # ours 1 warm-up (compile + capture) + LARGE_RUNS timed requests of LARGE_STEPS steps, the peer PEER_STEPS
+          # steps; then one profiled request (attention's share) and the clip's VAE decode alone. Estimate at the
+          # defaults (4 / 2 / 3): build ~30 s; t2v720 peer ~30 s, ours ~100 s warm-up + ~65 s timed + ~25 s profile
+          # + ~15 s decode; transfer ~10 s peer, ~110 s warm-up (two shapes to compile), ~30 s timed, ~15 s rest:
+          # ~430 s, inside the 540 s default limit.
+          wamrt bench world --model "${WORLD_MODEL:-nano}" --modes "${MODES:-t2v720,transfer}" \
+             --large-steps "${LARGE_STEPS:-4}" --large-runs "${LARGE_RUNS:-2}" --peer-steps "${PEER_STEPS:-3}" \
+             --peer diffusers ${WORLD_ARGS:-} --out "$res" 2>&1 | tee "$res/log.txt" ;;
     world-rows) # i2v with the last layer on the rows whose output is read (the default: not the conditioning frame)
           # against --all-rows, one process each, ROUNDS (2) rounds alternating which goes first; no peer.
           # WORLD_ARGS: more flags for both (e.g. --epilogues quack)

@@ -81,6 +81,10 @@ DEFAULT_ROWS = [r for r in ROWS if r not in ("E5-bucket", "E5-bucket-mask", "E5-
 WORLD_MODES: dict[str, dict[str, Any]] = {"t2i": {"num_frames": 1, "size": (1024, 1024)},
                                     "i2v": {"num_frames": 33, "size": (480, 832)}}
 
+# `wamrt bench world --modes t2v720,transfer` (bench/world_large.py): the peers' own workload.
+LARGE_WORLD_MODES: dict[str, dict[str, Any]] = {"t2v720": {"num_frames": 189, "size": (720, 1280)},
+                                                "transfer": {"num_frames": 93, "size": (480, 832)}}
+
 # `wamrt bench kernels`: GEMM rows at tier 480 (Generator tokens, both CFG branches).
 GENERATOR_TOKENS = 6186
 

@@ -3,7 +3,9 @@
 tokenizer, in the same process.
 
 Modes: `t2i` (text -> image, 1024x1024) and `i2v` (image -> video, 480x832, 33 frames), at the pipeline's
-default 35 steps and guidance 6. The peer runs first, so it cannot profit from anything our runs leave behind
+default 35 steps and guidance 6; `t2v720` (720p x 189 frames with sound) and `transfer` (480p edge transfer), the
+peers' own workload, compared per step (`world_large.py`; not in one run with t2i / i2v). The peer runs first, so it
+cannot profit from anything our runs leave behind
 (compiled code, cuDNN's autotuning cache). Text goes through a word-level stand-in tokenizer (about one token
 per word, as a BPE vocabulary gives English): prompt lengths matter for speed, ids do not.
 Writes one `kind: latency` JSON per mode (field `mode`, the peer in `peer`) and a PNG of the stage split.
@@ -90,10 +92,17 @@ def run(args: argparse.Namespace) -> int:
     from ..pipeline.vae import FrameEncoder
     from ..pipeline.world import world_request
     from .peer_diffusers import diffusers_twin, diffusers_unipc
+    from .world_large import LARGE_MODES
 
-    unknown = sorted(set(args.modes) - set(WORLD_MODES))
+    unknown = sorted(set(args.modes) - set(WORLD_MODES) - set(LARGE_MODES))
     if unknown:
-        raise SystemExit(f"--modes: unknown {unknown}; known: {list(WORLD_MODES)}")
+        raise SystemExit(f"--modes: unknown {unknown}; known: {list(WORLD_MODES) + list(LARGE_MODES)}")
+    if set(args.modes) & set(LARGE_MODES):
+        if set(args.modes) - set(LARGE_MODES):
+            raise SystemExit(f"--modes: {', '.join(LARGE_MODES)} run on their own (a model with sound heads)")
+        from .world_large import run as run_large
+
+        return run_large(args)
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device(args.device)
     if args.epilogues == "quack" and not quack_available(dev):  # before minutes of peer time, not after

@@ -8,7 +8,15 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from ..bench.catalog import DEFAULT_ROWS, GENERATOR_TOKENS, MAX_LANES, MAX_SECONDS, ROWS, WORLD_MODES
+from ..bench.catalog import (
+    DEFAULT_ROWS,
+    GENERATOR_TOKENS,
+    LARGE_WORLD_MODES,
+    MAX_LANES,
+    MAX_SECONDS,
+    ROWS,
+    WORLD_MODES,
+)
 from ..bench.prompts import PROMPT_SETS
 from .dispatch import lazy
 
@@ -101,7 +109,8 @@ def _world(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="nano", choices=MODELS, help="tiny-* run on the CPU in seconds (smoke tests)")
     _smoke_arguments(ap)
     ap.add_argument("--modes", type=lambda s: s.split(","), default=list(WORLD_MODES),
-                    help=f"comma-separated, of {','.join(WORLD_MODES)}")
+                    help=f"comma-separated, of {','.join(WORLD_MODES)}; or of {','.join(LARGE_WORLD_MODES)}, the "
+                         "peers' workload compared per step (bench/world_large.py)")
     ap.add_argument("--t2i-size", type=_height_width, default=WORLD_MODES["t2i"]["size"], help="HEIGHTxWIDTH")
     ap.add_argument("--i2v-size", type=_height_width, default=WORLD_MODES["i2v"]["size"], help="HEIGHTxWIDTH")
     ap.add_argument("--i2v-frames", type=int, default=WORLD_MODES["i2v"]["num_frames"], help="frames of an i2v clip")
@@ -124,6 +133,17 @@ def _world(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--all-rows", action="store_true",
                     help="the last layer on every row (EngineConfig.last_layer_read_rows off): the comparison for "
                          "the default, which skips an i2v request's conditioning frame there")
+    t2v, transfer = LARGE_WORLD_MODES["t2v720"], LARGE_WORLD_MODES["transfer"]
+    ap.add_argument("--t2v720-size", type=_height_width, default=t2v["size"], help="HEIGHTxWIDTH of t2v720")
+    ap.add_argument("--t2v720-frames", type=int, default=t2v["num_frames"], help="frames of a t2v720 clip")
+    ap.add_argument("--transfer-size", type=_height_width, default=transfer["size"], help="HEIGHTxWIDTH of transfer")
+    ap.add_argument("--transfer-frames", type=int, default=transfer["num_frames"], help="frames of a transfer clip")
+    ap.add_argument("--large-steps", type=int, default=4, help="our steps per t2v720 / transfer request")
+    ap.add_argument("--large-runs", type=int, default=2, help="timed t2v720 / transfer requests after one warm-up")
+    ap.add_argument("--peer-steps", type=int, default=3, help="the peer's steps in t2v720 / transfer (its later "
+                    "steps are timed)")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                    help="t2v720 / transfer: the share of attention in a step (torch.profiler over one request)")
     ap.add_argument("--device", default="cuda", help="torch device")
     ap.add_argument("--out", default="bench/results/latency", help="folder of the result JSON files and the chart")
 
