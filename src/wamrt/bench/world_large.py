@@ -36,11 +36,12 @@ import numpy as np
 import torch
 
 from ..provenance import environment
+from .catalog import LARGE_WORLD_MODES
 from .flops import request_flops
 from .rows import kernel_split, top_kernels
 from .stats import summarize
 
-LARGE_MODES = ("t2v720", "transfer")
+LARGE_MODES = tuple(LARGE_WORLD_MODES)
 PROMPT = ("A robot arm in a bright kitchen picks up a red apple from a wooden table and places it gently into a "
           "white ceramic bowl, while the camera slowly pans to the right.")
 RELEASE_SOUND = dict(sampling_rate=48000, vocoder_input_dim=64, encoder_enabled=False)  # diffusers' defaults

@@ -189,10 +189,11 @@ def run(args: argparse.Namespace) -> int:
 
     def on_step(i: int, steps: int) -> None:
         bar.update(1)
-        if bar.n == 1 and (projected := (time.perf_counter() - t0) * steps * req.chunks) > LONG_JOB_S:
-            bar.write(f"warning: this job will take about {_duration(projected)} on {device.type} ({steps} steps, the "
-                      f"first took {projected / steps:.1f} s; the VAE decode comes after); smaller: --size, --frames, "
-                      "--steps", file=sys.stderr)
+        first = time.perf_counter() - t0
+        if bar.n == 1 and (projected := first * steps * req.chunks) > LONG_JOB_S:
+            bar.write(f"warning: this job will take about {_duration(projected)} on {device.type} "
+                      f"({steps * req.chunks} steps, the first took {first:.1f} s; the VAE decode comes after); "
+                      "smaller: --size, --frames, --steps", file=sys.stderr)
 
     try:
         extra: dict = {"sound_decoder": world.sound} if req.sound else {}
