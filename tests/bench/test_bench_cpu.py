@@ -155,3 +155,26 @@ def test_paced_requests_start_on_the_clock_and_the_wait_is_not_timed():
     assert 0.059 <= gaps[2] < 0.095  # after the overrun: at once, not at the next tick (0.100)
     back_to_back, _ = time_requests(request, warmup=0, runs=2)
     assert len(back_to_back) == 2
+
+
+def test_world_bench_large_modes_write_per_step_rows(tmp_path, monkeypatch):
+    """`wamrt bench world --modes t2v720,transfer` at tiny sizes (the H200 job's dry run): a `kind: latency` row per
+    mode with the per-step comparison against diffusers, the decode alone and the request's stages."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    rc = main(["bench", "world", "--model", "tiny-qwen", "--device", "cpu", "--tiny-vae", "--modes", "t2v720,transfer",
+               "--t2v720-size", "32x32", "--t2v720-frames", "5", "--transfer-size", "32x32", "--transfer-frames", "5",
+               "--large-steps", "2", "--large-runs", "1", "--peer-steps", "2", "--no-profile", "--out", str(tmp_path)])
+    assert rc == 0
+    for mode in ("t2v720", "transfer"):
+        row = json.loads((tmp_path / f"tiny-qwen-{mode}.json").read_text())
+        assert row["kind"] == "latency" and row["mode"] == mode and row["n"] == 1 and row["p50_ms"] > 0
+        assert not [k for k in LATENCY_KEYS if k not in row]
+        assert row["peer"]["steps"] == 2 and len(row["peer"]["step_ms"]) == 2
+        assert row["speedup_per_step"] == row["peer"]["step_p50_ms"] / row["step_ms"]["p50_ms"]
+        assert row["decode"]["p50_ms"] > 0 and row["decode"]["tiled"] is False and "peak_mem_gib" in row
+        assert row["projected_35_step_ms"] > row["p50_ms"]
+    t2v = json.loads((tmp_path / "tiny-qwen-t2v720.json").read_text())
+    transfer = json.loads((tmp_path / "tiny-qwen-transfer.json").read_text())
+    assert t2v["sound"] is True and t2v["generator_tokens"]["sound"] > 0 and "sound_decode" in t2v["stages_ms"]
+    assert transfer["controls"] == ["edge"] and {"controls", "control_encode"} <= set(transfer["stages_ms"])
+    assert transfer["peer_mode"] == "text2video" and transfer["flops_ratio_vs_peer"] > 1

@@ -13,9 +13,9 @@ A 720p x 189-frame Nano step is ~44,000 Generator tokens per branch, ~3.6 PFLOP 
 627 TFLOP/s (bench/results/latency/2026-12-04-d668f22-world-fa4-quack). A 35-step request is ~200 s on its own, so
 to fit one lease call of a few minutes both sides run fewer steps (`--large-steps`, `--peer-steps`) and are compared
 per denoising step (`speedup_per_step`: the peer's median step over ours, from the step boundaries each reports);
-`projected_35_step_ms` adds 35 of our median steps to the measured rest of a request. Also measured: the VAE decode
-of the clip alone (time, peak memory, tiled or not), and the share of attention in our step's kernels
-(torch.profiler over one request's denoising loop, `kernel_split`).
+`projected_35_step_ms` adds the 35-step request's missing steps at our median step to the measured request. Also
+measured: the VAE decode of the clip alone (time, peak memory, tiled or not), and the share of attention in our
+step's kernels (torch.profiler over one request's denoising loop, `kernel_split`).
 
 Writes `<model>-<mode>.json` (`kind: latency`, `mode`, `p50_ms`, `peak_mem_gib`, `speedup_per_step`).
 """
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     from ..pipeline.omni import tokenize_branches
     from ..pipeline.vae import FrameEncoder
     from ..pipeline.world import world_request
-    from .world import _generator_tokens, measure_generator_attention
+    from .world import PEAK_BF16_TFLOPS, _generator_tokens, measure_generator_attention
 
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device(args.device)
@@ -277,7 +277,6 @@ def run(args: argparse.Namespace) -> int:
         step = summarize(ours["step_ms"])
         stage_ms = {k: float(np.median([s[k] for s in ours["stages"] if k in s]))
                     for k in sorted({k for s in ours["stages"] for k in s}) if not k.startswith("denoise_step")}
-        rest_ms = summary["p50_ms"] - stage_ms.get("denoise", 0.0)
         latents, profile = profiled_request(engine, request, args.large_steps, args.profile)
         decode = decode_row(engine, latents, dev)
         del latents
@@ -292,7 +291,10 @@ def run(args: argparse.Namespace) -> int:
             "steps_note": f"{args.large_steps} steps per request here (1 warm-up + {args.large_runs} timed), the peer "
                           f"{args.peer_steps}: a 35-step 720p request takes minutes; compared per step",
             **summary, "step_ms": step, "stages_ms": stage_ms,
-            "projected_35_step_ms": rest_ms + 35 * step["p50_ms"],
+            "projected_35_step_ms": summary["p50_ms"] + (35 - args.large_steps) * step["p50_ms"],
+            "floor_ms": 1e3 * step_flops * args.large_steps / (PEAK_BF16_TFLOPS * 1e12),
+            "floor_note": "transformer bf16 compute of the request's steps at 790 TFLOP/s; VAE work not included",
+            "tier": None, "guidance_interval": None, "parallel": "none", "batch": 1, "warmup": 1,
             "peak_mem_gib": peak, "decode": decode, "profile": profile,
             "peer": peer, "peer_mode": "text2video" if mode == "transfer" else mode,
             "speedup_per_step": peer["step_p50_ms"] / step["p50_ms"] if peer else None,
