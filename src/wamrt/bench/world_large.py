@@ -42,6 +42,7 @@ from .rows import kernel_split, top_kernels
 from .stats import summarize
 
 LARGE_MODES = tuple(LARGE_WORLD_MODES)
+MEASURE_TOKENS = 12_000  # the attention kernels are timed at most this long (`--attention measure`)
 PROMPT = ("A robot arm in a bright kitchen picks up a red apple from a wooden table and places it gently into a "
           "white ceramic bowl, while the camera slowly pans to the right.")
 RELEASE_SOUND = dict(sampling_rate=48000, vocoder_input_dim=64, encoder_enabled=False)  # diffusers' defaults
@@ -262,8 +263,9 @@ def run(args: argparse.Namespace) -> int:
             config = EngineConfig(attention="auto", compile=False, cuda_graph=False, prompt_bucket=64)
             if dev.type == "cuda":
                 attention = args.attention
-                if attention == "measure":  # at the first mode's Generator attention (t2v720's: the largest)
-                    g = (2 if mode == "transfer" else 1) * target + sound_rows
+                if attention == "measure":  # the first mode's Generator attention, at most MEASURE_TOKENS long: at
+                    # 44,000 tokens the probe's ~80 calls per kernel would take a minute; all are compute-bound there
+                    g = min((2 if mode == "transfer" else 1) * target + sound_rows, MEASURE_TOKENS)
                     attention_ms = measure_generator_attention(cfg, g, g + 128, dtype, dev)
                     attention = min(attention_ms, key=attention_ms.get)
                 config = replace(WORLD_ENGINE_CONFIG, attention=attention, epilogues=args.epilogues)
