@@ -38,8 +38,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..client.wire import _decode_image, json_array, to_jsonable
-from ..pipeline.prefix import PREFIX_KEY, parse_action_prefix
 from ..pipeline.controls import HINT_KEYS
+from ..pipeline.prefix import PREFIX_KEY, parse_action_prefix
 from .dynamics import DYNAMICS_MODES, DynamicsRequest, build_dynamics
 from .errors import Busy, Cancelled, Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from .fields import as_float, as_int
