@@ -86,7 +86,7 @@ class GenerationJob:
     """One queued or running generation: its request, a future for the outcome, a cancel flag."""
 
     def __init__(self, request: GenerationRequest, request_id: str,
-                 on_progress: Callable[[int], None] | None = None) -> None:
+                 on_progress: Callable[..., None] | None = None) -> None:
         self.request, self.request_id, self.on_progress = request, request_id, on_progress
         self.future: Future = Future()
         self.enqueued = time.monotonic()
