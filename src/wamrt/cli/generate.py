@@ -187,10 +187,13 @@ def run(args: argparse.Namespace) -> int:
     bar = tqdm(total=req.steps * req.chunks, desc=desc, unit="step", disable=args.quiet, file=sys.stderr)
     t0 = time.perf_counter()
 
+    done = [0]  # steps of every chunk so far (a disabled bar counts nothing)
+
     def on_step(i: int, steps: int) -> None:
         bar.update(1)
+        done[0] += 1
         first = time.perf_counter() - t0
-        if bar.n == 1 and (projected := first * steps * req.chunks) > LONG_JOB_S:
+        if done[0] == 1 and (projected := first * steps * req.chunks) > LONG_JOB_S:
             bar.write(f"warning: this job will take about {_duration(projected)} on {device.type} "
                       f"({steps * req.chunks} steps, the first took {first:.1f} s; the VAE decode comes after); "
                       "smaller: --size, --frames, --steps", file=sys.stderr)
