@@ -89,7 +89,8 @@ def test_success_predicates():
         assert not env.success()  # the cube never starts on the pad
 
 
-@pytest.mark.parametrize(("task", "episodes"), [("lift", 10), ("pick_place", 8), ("pick_place_two", 6)])
+@pytest.mark.parametrize(("task", "episodes"),
+                         [("lift", 10), ("pick_place", 8), ("pick_place_two", 6), ("turntable", 6)])
 def test_expert_succeeds(task, episodes):
     ok = 0
     with PandaEnv(task, render=False) as env:
@@ -131,3 +132,33 @@ def test_dart_noise_moves_the_arm_but_records_the_experts_actions():
     # than the clean run's own tracking lag.
     lag = lambda a: np.abs(a["actions"][:-1, :7] - a["joint_position"][1:]).mean()  # noqa: E731
     assert lag(noisy) > 1.2 * lag(clean)
+
+
+def test_turntable_carries_the_cube_at_its_seeded_speed():
+    with PandaEnv("turntable", render=False) as env:
+        obs = env.reset(5, render=False)
+        lay = env.layout
+        centre, start = lay.turntable_xy, env.cube_pos(0)
+        assert 0.35 <= lay.turntable_speed <= 0.55 and env.on_turntable(0)
+        pad_to_disc = np.linalg.norm(lay.pad_xy - centre)
+        assert pad_to_disc > 0.2  # the pad is never on the disc
+        for _ in range(30):  # 2 s with the arm holding still
+            env.step(np.r_[obs.joint_position, 0.0], render=False)
+        end = env.cube_pos(0)
+        turned = np.arctan2(*(end[:2] - centre)[::-1]) - np.arctan2(*(start[:2] - centre)[::-1])
+        turned = turned % (2 * np.pi)
+        assert abs(turned - 2.0 * lay.turntable_speed) < 0.1 * lay.turntable_speed  # rides along, no slip
+        assert abs(np.linalg.norm(end[:2] - centre) - np.linalg.norm(start[:2] - centre)) < 0.003
+
+
+def test_actuation_noise_is_seeded_and_moves_the_arm():
+    def run(noise: float, seed: int) -> np.ndarray:
+        with PandaEnv("pick_place", render=False, actuation_noise=noise) as env:
+            obs = env.reset(seed, render=False)
+            for _ in range(10):
+                env.step(np.r_[obs.joint_position, 0.0], render=False)
+            return env.joint_position()
+
+    clean, a, b, other = run(0.0, 3), run(0.02, 3), run(0.02, 3), run(0.02, 4)
+    assert np.array_equal(a, b)  # the same episode seed draws the same noise
+    assert np.abs(a - clean).max() > 0.005 and not np.array_equal(a, other)

@@ -19,7 +19,7 @@ from .gl import configure_gl
 configure_gl()  # MUJOCO_GL must be set before mujoco is imported
 import mujoco
 
-from .scene import CUBE_HALF, mesh_assets, scene_xml
+from .scene import CUBE_HALF, TURNTABLE_RADIUS, TURNTABLE_TOP, mesh_assets, scene_xml
 from .tasks import COLOURS, TASKS, Layout, TaskSpec, cube_lifted, cube_on_pad, sample_layout
 
 CONTROL_HZ = 15
@@ -39,6 +39,33 @@ class Observation:
     step: int
 
 
+class JointNoise:
+    """Ornstein-Uhlenbeck noise on the 7 executed joint targets: the arm is pushed off the commanded path by a
+    smooth excursion the PD servos follow, not jitter they filter out. `sigma` is the stationary std (rad),
+    `theta` the per-step pull to zero (~1/theta steps of correlation). Used for DART demos (`record.py`, where
+    the recorded action stays the expert's own) and as the env's actuation noise; `stream` keeps the two
+    random streams of one seed apart."""
+
+    def __init__(self, sigma: float, seed: int, theta: float = 0.15, stream: int = 0xDA27) -> None:
+        if not (sigma >= 0 and np.isfinite(sigma)):
+            raise ValueError(f"action noise sigma must be a finite number >= 0, got {sigma}")
+        self.sigma, self.theta = float(sigma), float(theta)
+        self.rng = np.random.default_rng([int(seed), stream])
+        self.x = self.rng.normal(0.0, self.sigma, 7) if sigma > 0 else np.zeros(7)
+
+    def __call__(self, action: np.ndarray) -> np.ndarray:
+        if self.sigma == 0:
+            return action
+        kick = self.sigma * np.sqrt(1.0 - (1.0 - self.theta) ** 2)
+        self.x = (1.0 - self.theta) * self.x + self.rng.normal(0.0, kick, 7)
+        out = action.copy()
+        out[:7] += self.x.astype(out.dtype)
+        return out
+
+
+ACTUATION_NOISE_STREAM = 0xAC7  # JointNoise stream of the env's actuation noise (DART demos use their own)
+
+
 @dataclass
 class StepTimes:
     physics_ms: list[float] = field(default_factory=list)
@@ -56,10 +83,14 @@ class PandaEnv:
         wrist_hw: tuple[int, int] | None = None,
         cameras: tuple[str, ...] = ("front", "side", "wrist"),
         render: bool = True,
+        actuation_noise: float = 0.0,
     ) -> None:
+        """actuation_noise: std (rad) of seeded Ornstein-Uhlenbeck noise added to every executed joint target
+        (`JointNoise`, re-seeded from the episode seed at reset): a robot that does not land exactly where it
+        was told."""
         self.spec = TASKS[task] if isinstance(task, str) else task
         self.model = mujoco.MjModel.from_xml_string(
-            scene_xml(self.spec.n_cubes, 1.0 / (CONTROL_HZ * SUBSTEPS)), mesh_assets()
+            scene_xml(self.spec.n_cubes, 1.0 / (CONTROL_HZ * SUBSTEPS), turntable=self.spec.turntable), mesh_assets()
         )
         self.data = mujoco.MjData(self.model)
         m = self.model
@@ -71,6 +102,11 @@ class PandaEnv:
         hand_bodies = {m.body(b).id for b in ("hand", "left_finger", "right_finger")}
         self.gripper_geoms = {g for g in range(m.ngeom) if m.geom_bodyid[g] in hand_bodies}
         self.tcp_site = m.site("tcp").id
+        self.cube_dofadr = [m.jnt_dofadr[m.joint(f"cube{i}").id] for i in range(self.spec.n_cubes)]
+        self.turntable_body = m.body("turntable").id if self.spec.turntable else None
+        self.turntable_dof = m.jnt_dofadr[m.joint("turntable").id] if self.spec.turntable else None
+        self.actuation_noise = float(actuation_noise)
+        self._noise = JointNoise(self.actuation_noise, 0, stream=ACTUATION_NOISE_STREAM)
         self.ctrl_low, self.ctrl_high = m.actuator_ctrlrange[:7, 0].copy(), m.actuator_ctrlrange[:7, 1].copy()
         # A wrist view twice the exterior size survives compose_droid_canvas (which halves the exteriors).
         self.camera_hw = {c: (wrist_hw or (2 * exterior_hw[0], 2 * exterior_hw[1])) if c == "wrist"
@@ -98,10 +134,28 @@ class PandaEnv:
             d.qpos[adr : adr + 7] = [x, y, CUBE_HALF, np.cos(yaw / 2), 0.0, 0.0, np.sin(yaw / 2)]
             m.geom_rgba[self.cube_geom[i], :3] = COLOURS[lay.colours[i]]
         m.geom_pos[self.pad_geom, :2] = lay.pad_xy
+        if self.spec.turntable:
+            self._spin_up(lay)
+        self._noise = JointNoise(self.actuation_noise, seed, stream=ACTUATION_NOISE_STREAM)
         mujoco.mj_forward(m, d)
         self.step_count = 0
         self.times = StepTimes()
         return self.observe(render)
+
+    def _spin_up(self, lay: Layout) -> None:
+        """Disc at the layout's centre, already turning, the cube resting on it and moving with it (no slip)."""
+        m, d = self.model, self.data
+        assert lay.turntable_xy is not None and self.turntable_dof is not None
+        m.body_pos[self.turntable_body, :2] = lay.turntable_xy
+        w = lay.turntable_speed
+        d.qvel[self.turntable_dof] = w
+        d.ctrl[8] = w
+        for i, adr in enumerate(self.cube_qadr):
+            d.qpos[adr + 2] = TURNTABLE_TOP + CUBE_HALF
+            r = d.qpos[adr : adr + 2] - lay.turntable_xy
+            dof = self.cube_dofadr[i]
+            d.qvel[dof : dof + 2] = w * np.array([-r[1], r[0]])
+            d.qvel[dof + 5] = w  # free-joint angular velocity (body frame; the cube sits flat, so z is z)
 
     def step(self, action: np.ndarray, *, render: bool = True) -> Observation:
         """Apply one [8] action row for 1/15 s and return the next observation.
@@ -112,6 +166,7 @@ class PandaEnv:
         if a.shape != (8,) or not np.isfinite(a).all():
             raise ValueError(f"action must be 8 finite numbers, got {a.shape}")
         d = self.data
+        a = self._noise(a)
         d.ctrl[:7] = np.clip(a[:7], self.ctrl_low, self.ctrl_high)
         d.ctrl[7] = 255.0 * (1.0 - float(np.clip(a[7], 0.0, 1.0)))  # actuator8: 255 = open, 0 = closed
         t0 = time.perf_counter()
@@ -135,6 +190,23 @@ class PandaEnv:
     def cube_quat(self, i: int) -> np.ndarray:
         adr = self.cube_qadr[i]
         return self.data.qpos[adr + 3 : adr + 7].copy()
+
+    def cube_vel(self, i: int) -> np.ndarray:
+        """World-frame linear velocity of cube i (m/s)."""
+        dof = self.cube_dofadr[i]
+        return self.data.qvel[dof : dof + 3].copy()
+
+    def turntable_rate(self) -> float:
+        """Measured angular speed of the disc (rad/s); 0 without one."""
+        return float(self.data.qvel[self.turntable_dof]) if self.turntable_dof is not None else 0.0
+
+    def on_turntable(self, i: int) -> bool:
+        """Cube i rests on the disc (so it turns with it)."""
+        if self.layout is None or self.layout.turntable_xy is None:
+            return False
+        p = self.cube_pos(i)
+        return bool(p[2] < TURNTABLE_TOP + CUBE_HALF + 0.005
+                    and np.linalg.norm(p[:2] - self.layout.turntable_xy) < TURNTABLE_RADIUS)
 
     def tcp_pos(self) -> np.ndarray:
         return self.data.site_xpos[self.tcp_site].copy()

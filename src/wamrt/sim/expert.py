@@ -20,6 +20,9 @@ HOVER = 0.12  # approach height of the TCP above the cube centre
 CARRY_Z = 0.20  # TCP height while carrying
 GRASP_STEPS = 7  # control steps with the gripper closing before lifting
 RELEASE_STEPS = 6
+# Turntable: the gripper aims where the cube will be this far ahead, which covers the servos' lag behind the
+# commanded targets (a static cube needs no lead).
+LEAD_S = 0.2
 
 
 def _rz(yaw: float) -> np.ndarray:
@@ -58,11 +61,28 @@ class ScriptedExpert:
         self.yaw_cmd = 0.0
         self.phase, self.counter = "approach", 0
 
-    def _grasp_yaw(self, env: PandaEnv, i: int) -> float:
-        # A cube is symmetric under 90 degree turns: pick the equivalent yaw closest to the current heading.
+    def _cube_pose(self, env: PandaEnv, i: int) -> tuple[np.ndarray, float]:
+        """Position and yaw of cube i LEAD_S from now: turning about the disc axis while it rides the turntable,
+        where it is otherwise."""
+        cube, yaw = env.cube_pos(i), _cube_yaw(env.cube_quat(i))
+        if env.on_turntable(i):
+            assert env.layout is not None and env.layout.turntable_xy is not None
+            turn = env.turntable_rate() * LEAD_S
+            centre = env.layout.turntable_xy
+            cube = np.r_[centre + _rz(turn)[:2, :2] @ (cube[:2] - centre), cube[2]]
+            yaw += turn
+        return cube, yaw
+
+    def _grasp_yaw(self, env: PandaEnv, cube_yaw: float) -> float:
+        # A cube is symmetric under 90 degree turns: pick the equivalent yaw closest to the start heading.
         base = float(np.arctan2(self.base_rot[1, 0], self.base_rot[0, 0]))
-        rel = _cube_yaw(env.cube_quat(i)) - base
-        return float((rel + np.pi / 4) % (np.pi / 2) - np.pi / 4)
+        rel = float((cube_yaw - base + np.pi / 4) % (np.pi / 2) - np.pi / 4)
+        if env.spec.turntable:
+            # A turning cube sweeps through the +-45 degree seam: stay with the equivalent yaw nearest the wrist's
+            # current one (within +-135 degrees of the start heading), so the goal does not flip by 90 degrees.
+            options = [rel + k * np.pi / 2 for k in (-1, 0, 1) if abs(rel + k * np.pi / 2) <= 0.75 * np.pi]
+            rel = min(options, key=lambda y: abs(y - self.yaw_cmd))
+        return rel
 
     def _move(self, target: np.ndarray, speed: float) -> bool:
         delta = target - self.p_cmd
@@ -73,30 +93,33 @@ class ScriptedExpert:
     def act(self, env: PandaEnv) -> np.ndarray:
         assert self.ik is not None and env.layout is not None, "reset(env) first"
         i = env.layout.target
-        cube = env.cube_pos(i)
+        cube, cube_yaw = self._cube_pose(env, i)
         tcp = env.tcp_pos()
         gripper = 0.0
         yaw_goal = self.yaw_cmd
         ph = self.phase
         if ph == "approach":
-            yaw_goal = self._grasp_yaw(env, i)
+            yaw_goal = self._grasp_yaw(env, cube_yaw)
             hover = cube + [0.0, 0.0, HOVER]
             # Rise first when low, so the fingers never sweep through the cube.
             waypoint = hover if tcp[2] > cube[2] + HOVER - 0.03 else np.r_[self.p_cmd[:2], hover[2]]
             if self._move(waypoint, SPEED) and waypoint is hover and np.linalg.norm(tcp - hover) < 0.015:
                 self.phase = "descend"
         elif ph == "descend":
-            yaw_goal = self._grasp_yaw(env, i)
+            yaw_goal = self._grasp_yaw(env, cube_yaw)
             if self._move(cube + [0.0, 0.0, -0.004], SLOW) and tcp[2] < cube[2] + 0.008:
                 self.phase, self.counter = "grasp", 0
         elif ph == "grasp":
             gripper = 1.0
+            if env.spec.turntable:  # keep the fingers around a cube that keeps turning while they close
+                yaw_goal = self._grasp_yaw(env, cube_yaw)
+                self._move(cube + [0.0, 0.0, -0.004], SLOW)
             self.counter += 1
             if self.counter >= GRASP_STEPS:
                 self.phase = "lift"
         elif ph in ("lift", "carry", "lower"):
             gripper = 1.0
-            if np.linalg.norm(cube - tcp) > 0.04 or env.gripper_position() > 0.97:
+            if np.linalg.norm(env.cube_pos(i) - tcp) > 0.04 or env.gripper_position() > 0.97:
                 self.phase = "approach"  # dropped or missed: open and try again
                 gripper = 0.0
             elif ph == "lift":

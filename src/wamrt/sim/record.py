@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .env import CONTROL_HZ, PandaEnv
+from .env import CONTROL_HZ, JointNoise, PandaEnv
 from .expert import ScriptedExpert
 
 HOLD_STEPS = 5  # keep recording a little after success, so a policy also sees "done, stay put"
@@ -33,29 +33,6 @@ class EpisodeMeta:
     fps: int
     cameras: list[str]
     file: str
-
-
-class JointNoise:
-    """Ornstein-Uhlenbeck noise on the 7 executed joint targets (DART, Laskey et al. 2017): the arm is pushed
-    off the expert's path while the recorded action stays the expert's own, so the demos also show how to
-    come back. `sigma` is the stationary std (rad); `theta` the per-step pull to zero (~1/theta steps of
-    correlation, so the drift is a smooth excursion the PD servos follow, not jitter they filter out)."""
-
-    def __init__(self, sigma: float, seed: int, theta: float = 0.15) -> None:
-        if not (sigma >= 0 and np.isfinite(sigma)):
-            raise ValueError(f"action noise sigma must be a finite number >= 0, got {sigma}")
-        self.sigma, self.theta = float(sigma), float(theta)
-        self.rng = np.random.default_rng([int(seed), 0xDA27])
-        self.x = self.rng.normal(0.0, self.sigma, 7) if sigma > 0 else np.zeros(7)
-
-    def __call__(self, action: np.ndarray) -> np.ndarray:
-        if self.sigma == 0:
-            return action
-        kick = self.sigma * np.sqrt(1.0 - (1.0 - self.theta) ** 2)
-        self.x = (1.0 - self.theta) * self.x + self.rng.normal(0.0, kick, 7)
-        out = action.copy()
-        out[:7] += self.x.astype(out.dtype)
-        return out
 
 
 def record_episode(env: PandaEnv, expert: ScriptedExpert, seed: int,

@@ -17,6 +17,10 @@ ASSETS = Path(__file__).parent / "assets" / "panda"
 CUBE_HALF = 0.025  # 5 cm cubes: the gripper opens to 8 cm, and they stay visible at 128 px
 PAD_HALF = 0.06  # 12 x 12 cm target pad
 TABLE_Z = 0.0  # the robot base stands on the table top
+# The turntable task's disc: thin (so fingers closing on a cube at its rim clear the top), wide enough for a
+# cube at 10 cm from the axis. Its centre is placed per seed at reset (the body's model position).
+TURNTABLE_RADIUS = 0.14
+TURNTABLE_TOP = 0.012
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,23 @@ def mesh_assets() -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((ASSETS / "meshes").iterdir())}
 
 
-def scene_xml(n_cubes: int, timestep: float) -> str:
+def _turntable() -> tuple[str, str]:
+    """A disc on a vertical hinge, spun by a stiff velocity servo (actuator 9; its ctrl is the angular speed,
+    rad/s). Two dark spokes make its rotation visible in the images."""
+    h = TURNTABLE_TOP / 2
+    body = (f'<body name="turntable" pos="0.5 0 {h}"><joint name="turntable" type="hinge" axis="0 0 1" '
+            f'damping="0.5"/><geom name="turntable" type="cylinder" size="{TURNTABLE_RADIUS} {h}" mass="2" '
+            f'rgba="0.78 0.78 0.8 1" friction="1.5 0.01 0.001"/>'
+            f'<geom type="box" size="{TURNTABLE_RADIUS * 0.95} 0.006 0.0005" pos="0 0 {h}" rgba="0.3 0.3 0.35 1" '
+            f'contype="0" conaffinity="0"/>'
+            f'<geom type="box" size="0.006 {TURNTABLE_RADIUS * 0.95} 0.0005" pos="0 0 {h}" rgba="0.3 0.3 0.35 1" '
+            f'contype="0" conaffinity="0"/></body>')
+    return body, '<velocity name="turntable" joint="turntable" kv="200" ctrlrange="-3 3" forcerange="-50 50"/>'
+
+
+def scene_xml(n_cubes: int, timestep: float, *, turntable: bool = False) -> str:
     default, asset, robot, tendon, equality, actuator = _robot_body()
+    table_body, table_actuator = _turntable() if turntable else ("", "")
     cubes = "\n".join(
         f'<body name="cube{i}" pos="0.5 {0.1 * i} {CUBE_HALF}"><freejoint name="cube{i}"/>'
         f'<geom name="cube{i}" type="box" size="{CUBE_HALF} {CUBE_HALF} {CUBE_HALF}" mass="0.05" '
@@ -96,9 +115,10 @@ def scene_xml(n_cubes: int, timestep: float) -> str:
       contype="0" conaffinity="0"/>
     {cams}
     {robot}
+    {table_body}
     {cubes}
   </worldbody>
   <tendon>{tendon}</tendon>
   <equality>{equality}</equality>
-  <actuator>{actuator}</actuator>
+  <actuator>{actuator}{table_actuator}</actuator>
 </mujoco>"""

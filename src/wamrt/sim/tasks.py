@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .scene import CUBE_HALF, PAD_HALF, TABLE_Z
+from .scene import CUBE_HALF, PAD_HALF, TABLE_Z, TURNTABLE_RADIUS
 
 # Colours a cube can take; the pad is always green so "the green pad" never collides with a cube colour.
 COLOURS: dict[str, tuple[float, float, float]] = {
@@ -28,13 +28,20 @@ class TaskSpec:
     n_cubes: int
     uses_pad: bool
     max_steps: int  # at 15 Hz
+    turntable: bool = False  # the cube rides a spinning disc: the world moves while the robot thinks
 
 
 TASKS: dict[str, TaskSpec] = {
     "lift": TaskSpec("lift", 1, False, 120),
     "pick_place": TaskSpec("pick_place", 1, True, 225),
     "pick_place_two": TaskSpec("pick_place_two", 2, True, 225),
+    "turntable": TaskSpec("turntable", 1, True, 225, turntable=True),
 }
+# Turntable task: angular speed (rad/s, counter-clockwise seen from above) and the cube's distance from the axis
+# (m), drawn per seed. 0.35-0.55 rad/s at 6-9 cm moves the cube 2-5 cm/s: 1.4-3.3 cm in the 10 control steps
+# (0.67 s) of a Nano bf16 request, against a grasp that tolerates ~1.5 cm.
+TURNTABLE_SPEED = (0.35, 0.55)
+TURNTABLE_CUBE_R = (0.06, 0.09)
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,8 @@ class Layout:
     pad_xy: np.ndarray  # [2]; off the table view (far away) when the task has no pad
     joint_noise: np.ndarray  # [7] added to the home pose
     instruction: str
+    turntable_xy: np.ndarray | None = None  # [2] disc centre (turntable task)
+    turntable_speed: float = 0.0  # rad/s
 
 
 def _sample_xy(rng: np.random.Generator, others: list[np.ndarray], min_dist: float) -> np.ndarray:
@@ -58,8 +67,31 @@ def _sample_xy(rng: np.random.Generator, others: list[np.ndarray], min_dist: flo
     raise RuntimeError("layout sampling failed")  # unreachable for the ranges above
 
 
+def _turntable_layout(spec: TaskSpec, seed: int) -> Layout:
+    """Disc on one side of the workspace, pad on the other, the cube at a seeded radius and angle on the disc."""
+    rng = np.random.default_rng([seed, 0x7AB1E])
+    side = rng.choice([-1.0, 1.0])
+    centre = np.array([rng.uniform(0.47, 0.53), side * rng.uniform(0.08, 0.11)])
+    radius, angle = rng.uniform(*TURNTABLE_CUBE_R), rng.uniform(0.0, 2 * np.pi)
+    cube_xy = centre + radius * np.array([np.cos(angle), np.sin(angle)])
+    clear = TURNTABLE_RADIUS + PAD_HALF * np.sqrt(2) + 0.01  # the pad never overlaps the disc
+    for _ in range(1000):
+        pad_xy = np.array([rng.uniform(0.40, 0.60), -side * rng.uniform(0.14, 0.20)])
+        if np.linalg.norm(pad_xy - centre) >= clear:
+            break
+    else:  # unreachable for the ranges above
+        raise RuntimeError("layout sampling failed")
+    colour = str(rng.choice(list(COLOURS)))
+    yaw = rng.uniform(-np.pi / 4, np.pi / 4, size=1)
+    noise = rng.uniform(-0.08, 0.08, size=7)
+    return Layout(cube_xy[None], yaw, (colour,), 0, pad_xy, noise, f"put the {colour} cube on the green pad",
+                  centre, float(rng.uniform(*TURNTABLE_SPEED)))
+
+
 def sample_layout(spec: TaskSpec, seed: int) -> Layout:
     """Seeded randomisation: object positions, yaw, colours, which cube is named, arm start pose."""
+    if spec.turntable:
+        return _turntable_layout(spec, seed)
     rng = np.random.default_rng([seed, 0x57A5])  # a fixed second word keeps task streams apart from others
     placed: list[np.ndarray] = []
     pad_xy = np.array([0.0, 1.2])  # parked out of view
