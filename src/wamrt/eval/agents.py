@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..client.realtime import request_seed
 from ..sim.droid import droid_observation
 from ..sim.env import Observation, PandaEnv
 from ..sim.expert import ScriptedExpert
@@ -37,12 +38,6 @@ class ExpertAgent:
 
     def actions(self, env: PandaEnv, obs: Observation) -> np.ndarray:
         return self.expert.act(env)[None]
-
-
-def request_seed(episode_seed: int, request: int) -> int:
-    """Sampling seed of the request-th inference of an episode: a pure function of (episode, request), so a
-    baseline and a candidate see the same noise on the same seeds (a cleaner paired comparison)."""
-    return int(np.random.SeedSequence([episode_seed, request]).generate_state(1)[0] % 2**31)
 
 
 def digest(*arrays: Any) -> str:

@@ -38,6 +38,7 @@ class EpisodeResult:
     error: str | None = None
     stage: str = "unknown"  # how far a failure got (see EpisodeProgress.stage): where to look next
     trace: list[str] = field(default_factory=list)  # per request, from agents that keep one (PolicyAgent)
+    realtime: dict[str, Any] | None = None  # delay mode (eval.realtime): stalls, delays, jerk sums
 
 
 # Progress thresholds: "reached" = the TCP came within grasp range of the target cube's centre; "lifted" = the
@@ -72,7 +73,10 @@ class EpisodeProgress:
 def run_episode(env: PandaEnv, agent: Agent, seed: int, max_steps: int | None = None) -> EpisodeResult:
     """One episode: ask the agent for rows, execute them open-loop, stop at success or the step limit.
 
-    Pixels are rendered only for observations the agent will see (the last row of each executed chunk)."""
+    Pixels are rendered only for observations the agent will see (the last row of each executed chunk). An agent
+    with its own `episode(env, seed, max_steps)` loop (eval.realtime: one row per control tick) runs that."""
+    if hasattr(agent, "episode"):
+        return agent.episode(env, seed, max_steps)
     t0 = time.perf_counter()
     limit = max_steps or env.spec.max_steps
     obs = env.reset(seed, render=agent.needs_images)

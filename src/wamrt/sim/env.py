@@ -114,6 +114,8 @@ class PandaEnv:
         self.render_enabled = render
         self._renderers: dict[tuple[int, int], mujoco.Renderer] = {}
         self.layout: Layout | None = None
+        self.start_q = HOME.copy()
+        self.last_action = np.r_[HOME, 0.0]
         self.step_count = 0
         self.times = StepTimes()
 
@@ -124,6 +126,8 @@ class PandaEnv:
         m, d = self.model, self.data
         mujoco.mj_resetData(m, d)
         q0 = np.clip(HOME + lay.joint_noise, self.ctrl_low, self.ctrl_high)
+        self.start_q = q0.copy()
+        self.last_action = np.r_[q0, 0.0]  # what the robot was last told (before any actuation noise)
         d.qpos[self.arm_qadr] = q0
         d.qpos[self.finger_qadr] = FINGER_OPEN
         d.ctrl[:7] = q0
@@ -166,6 +170,7 @@ class PandaEnv:
         if a.shape != (8,) or not np.isfinite(a).all():
             raise ValueError(f"action must be 8 finite numbers, got {a.shape}")
         d = self.data
+        self.last_action = a.copy()
         a = self._noise(a)
         d.ctrl[:7] = np.clip(a[:7], self.ctrl_low, self.ctrl_high)
         d.ctrl[7] = 255.0 * (1.0 - float(np.clip(a[7], 0.0, 1.0)))  # actuator8: 255 = open, 0 = closed

@@ -61,6 +61,42 @@ class ScriptedExpert:
         self.yaw_cmd = 0.0
         self.phase, self.counter = "approach", 0
 
+    def resume(self, env: PandaEnv) -> None:
+        """Pick up mid-episode from simulator state alone, as a planner replanning from an observation must: the
+        last commanded action gives the commanded TCP pose, wrist yaw and gripper; the scene gives the phase."""
+        self.reset(env)
+        _, start_rot = self.ik.forward(env.start_q)  # the episode's start heading, as reset() saw it at step 0
+        z = np.array([0.0, 0.0, -1.0])
+        x = start_rot[:, 0] - start_rot[:, 0] @ z * z
+        x /= np.linalg.norm(x)
+        self.base_rot = np.column_stack([x, np.cross(z, x), z])
+        self.q_cmd = np.asarray(env.last_action[:7], dtype=np.float64).copy()
+        self.p_cmd, rot = self.ik.forward(self.q_cmd)
+        x0, x = self.base_rot[:, 0], rot[:, 0]  # yaw_cmd turns the start heading about the world z axis
+        self.yaw_cmd = float(np.arctan2(np.cross(x0, x)[2], x0 @ x))
+        self.phase, self.counter = self._infer_phase(env), 0
+
+    def _infer_phase(self, env: PandaEnv) -> str:
+        assert env.layout is not None
+        i = env.layout.target
+        cube, tcp = env.cube_pos(i), env.tcp_pos()
+        closing = env.last_action[7] > 0.5
+        near = np.linalg.norm(cube - tcp) < 0.04
+        if closing and near:
+            if env.gripper_position() < 0.3:  # the fingers have not closed on the cube yet
+                return "grasp"
+            if np.linalg.norm(tcp[:2] - env.layout.pad_xy) < 0.01 and tcp[2] < CARRY_Z - 0.005:
+                return "lower"
+            return "carry" if tcp[2] >= CARRY_Z - 0.005 else "lift"
+        if not closing and near and env.success():
+            return "release"
+        if env.success():
+            return "retreat"
+        aim, _ = self._cube_pose(env, i)
+        if not closing and np.linalg.norm(tcp[:2] - aim[:2]) < 0.03 and tcp[2] < aim[2] + HOVER - 0.01:
+            return "descend"
+        return "approach"
+
     def _cube_pose(self, env: PandaEnv, i: int) -> tuple[np.ndarray, float]:
         """Position and yaw of cube i LEAD_S from now: turning about the disc axis while it rides the turntable,
         where it is otherwise."""
