@@ -88,7 +88,12 @@ def test_prefix_longer_than_the_delay_is_spliced_inside_the_prefix():
     assert runner.log.chunk[9:11] == [0, 1]  # the reply to step 8 arrived at 10 ...
     np.testing.assert_array_equal(rows[10:14, 1], 0)  # ... but its rows 2..5 are the prefix: the old chunk's rows
     assert rows[14, 1] == 1
-    np.testing.assert_array_equal(rows[2:, 0], np.arange(2, 30))
+    np.testing.assert_array_equal(rows[6:, 0], np.arange(6, 30))
+    # The first request had nothing committed: its prefix is the standing pose held for 6 rows, so the first
+    # chunk starts from standstill (rows 2..5 stand) instead of jumping to its row 2.
+    first = policy.requests[0][PREFIX_KEY]
+    assert first.shape == (6, 8) and not first.any()
+    np.testing.assert_array_equal(rows[:6], 0)
 
 
 def test_blend_cross_fades_over_the_delay():

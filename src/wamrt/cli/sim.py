@@ -24,6 +24,7 @@ from typing import Any
 
 from ..eval.replay import compare_traces, parse_traces
 from ..eval.replay import describe as describe_replay
+from . import realtime as realtime_cli
 
 EXPERT = "expert"
 # Sampling overrides a SPEC may set, with their parsers (guidance_interval is "LO-HI": "," separates keys).
@@ -33,6 +34,7 @@ SPEC_KEYS: dict[str, Any] = {
     "shift": float,
     "guidance_interval": lambda v: tuple(int(x) for x in v.split("-", 1)),
     "execute_steps": int,
+    **realtime_cli.REALTIME_SPEC_KEYS,
 }
 
 
@@ -102,6 +104,7 @@ def _add_run_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                     help="progress bar on stderr (episodes, running success rate, ETA); auto: when stderr is a "
                          "terminal")
+    realtime_cli.add_delay_arguments(ap)
 
 
 def _add_sampling_arguments(ap: argparse.ArgumentParser) -> None:
@@ -146,6 +149,7 @@ class PolicySpec:
     name: str  # "expert", built-in name or checkpoint folder
     overrides: dict[str, Any] = field(default_factory=dict)  # sampling options for Policy.infer
     execute_steps: int | None = None  # None: the command's --execute-steps
+    realtime: dict[str, Any] = field(default_factory=dict)  # delay-mode SPEC keys (cli.realtime)
 
 
 def parse_spec(spec: str) -> PolicySpec:
@@ -166,9 +170,10 @@ def parse_spec(spec: str) -> PolicySpec:
     execute_steps = overrides.pop("execute_steps", None)
     if execute_steps is not None and execute_steps < 1:
         raise UsageError(f"execute_steps must be >= 1 in {spec!r}")
+    realtime = {k: overrides.pop(k) for k in list(overrides) if k in realtime_cli.REALTIME_SPEC_KEYS}
     if name == EXPERT and overrides:
         raise UsageError("sampling overrides do not apply to the expert")
-    return PolicySpec(name, overrides, execute_steps)
+    return PolicySpec(name, overrides, execute_steps, realtime)
 
 
 def _cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -200,6 +205,7 @@ class Side:
     gpu: str = "cpu"
     outcomes: list[bool] | None = None  # already known (a recorded rollout): nothing to run
     traces: list[list[str]] | None = None  # its per-seed request digests, if it recorded them
+    settings: Any = None  # eval.realtime.RealtimeSettings of a delay-mode side
 
 
 def recorded_side(path: str, task: str, seeds: list[int]) -> Side:
@@ -223,20 +229,37 @@ def recorded_side(path: str, task: str, seeds: list[int]) -> Side:
 
 def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: dict[str, Any]) -> Side:
     """Expert: process lanes (picklable factory, no weights). Policy: loaded once in this process and shared
-    by thread lanes (per-process copies would multiply load time and GPU memory)."""
+    by thread lanes (per-process copies would multiply load time and GPU memory). With a delay-mode flag or SPEC
+    key, every kind runs on the robot's clock (eval.realtime; the expert becomes the chunk planner)."""
     from dataclasses import asdict, replace
 
     from ..eval.agents import ExpertAgent, PolicyAgent
+    from ..eval.realtime import RealtimeAgent, RealtimeAgentFactory
     from ..eval.remote import RemoteAgentFactory, effective_sampling, is_url, server_metadata
 
     execute = spec.execute_steps or args.execute_steps
     common = {"lanes": args.lanes, "max_steps": args.max_steps}
+    if args.actuation_noise:
+        common["actuation_noise"] = args.actuation_noise
+    try:
+        rt = realtime_cli.delay_settings(args, spec.realtime)
+    except realtime_cli.RealtimeUsageError as e:
+        raise UsageError(f"{label}: {e}") from e
+    if rt is not None:
+        rt = replace(rt, execute_steps=execute)
+        if rt.wall_clock and not is_url(spec.name):
+            raise UsageError("--wall-clock runs against a server: give --url ws://...")
+        common["realtime"] = rt.describe()
     if spec.name == EXPERT:
+        if rt is not None:  # the expert as a chunk planner on privileged state (eval.planner)
+            return Side(label, RealtimeAgentFactory(args.task, EXPERT, rt), "process",
+                        {"agent": "expert-planner", **common}, settings=rt)
         return Side(label, ExpertAgent, "process", {"agent": EXPERT, **common})
     if is_url(spec.name):
         # Process lanes, each its own websocket client: the server batches them like separate robots.
         api_key = getattr(args, "api_key", None)
-        factory = RemoteAgentFactory(spec.name, execute, dict(spec.overrides), api_key)
+        factory = (RemoteAgentFactory(spec.name, execute, dict(spec.overrides), api_key) if rt is None else
+                   RealtimeAgentFactory(args.task, spec.name, rt, dict(spec.overrides), api_key))
         try:
             server = server_metadata(spec.name, api_key)
         except (OSError, ValueError) as e:  # the rollout itself will say whether the server is there
@@ -244,7 +267,7 @@ def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: di
         return Side(label, factory, "process", {"agent": "remote", "url": spec.name, "execute_steps": execute,
                                                 **spec.overrides, "server": server,
                                                 "effective": effective_sampling(server, dict(spec.overrides)),
-                                                **common}, gpu=str(server.get("gpu", "unknown")))
+                                                **common}, gpu=str(server.get("gpu", "unknown")), settings=rt)
     if spec.name not in cache:
         cache[spec.name] = _load_policy(spec.name, args)
     policy = cache[spec.name]
@@ -257,6 +280,9 @@ def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: di
     dtype = str(next(policy.model.parameters()).dtype).removeprefix("torch.")
     config = {"agent": "policy", "model": spec.name, "execute_steps": execute, **sampling,
               "device": str(policy.device), "dtype": dtype, **common}
+    if rt is not None:
+        return Side(label, lambda: RealtimeAgent(shared, rt, **spec.overrides), "thread", config,
+                    _gpu_name(policy.device), settings=rt)
     return Side(label, lambda: PolicyAgent(shared, execute_steps=execute, **spec.overrides), "thread", config,
                 _gpu_name(policy.device))
 
@@ -285,9 +311,10 @@ def _run_side(side: Side, args: argparse.Namespace, seeds: list[int]) -> list[An
 
     shown = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
     bar = RolloutProgress(len(seeds), side.label, enabled=shown)
+    env_kwargs = {"actuation_noise": args.actuation_noise} if args.actuation_noise else None
     try:
         results = run_rollouts(args.task, side.factory, seeds, lanes=args.lanes, backend=side.backend,
-                               max_steps=args.max_steps, on_result=bar)
+                               env_kwargs=env_kwargs, max_steps=args.max_steps, on_result=bar)
     finally:
         bar.close()
     errors = [r for r in results if r.error]
@@ -328,8 +355,11 @@ def run_rollout(args: argparse.Namespace) -> int:
     print(_rate_line(f"{args.task} / {args.policy}", sum(r.success for r in results), len(results)))
     stages = Counter(r.stage for r in results)
     print("stages: " + ", ".join(f"{k} {v}" for k, v in sorted(stages.items())))
+    if side.settings is not None:
+        print(realtime_cli.summary_line(results))
     if args.out:
         res = rollout_result(args.task, args.policy, results, side.config, gpu=side.gpu)
+        res.update(realtime_cli.result_fields(side.settings))
         print(f"wrote {write_result(res, args.out)}")
     return 0
 
@@ -369,9 +399,14 @@ def run_gate(args: argparse.Namespace) -> int:
     if args.out:
         config = {"baseline": sides[0].config, "candidate": sides[1].config, "alpha": args.alpha,
                   "margin": args.margin}
+        delays = {name: realtime_cli.result_fields(side.settings) for name, side in zip(("baseline", "candidate"),
+                                                                                        sides, strict=True)}
         gpu = next((s.gpu for s in sides if s.gpu != "cpu"), "cpu")
         res = gate_result(args.task, args.baseline, args.candidate, seeds, base_ok, cand_ok, d, config,
                           gpu=gpu, replay=replay)
+        if any(delays.values()):  # delay mode: each side's own d (the bars read delay_steps)
+            res["delay_steps"] = {k: v.get("delay_steps") for k, v in delays.items()}
+            res["realtime"] = delays
         print(f"wrote {write_result(res, args.out)}")
     return 1 if args.require_pass and d.verdict != "pass" else 0
 

@@ -18,7 +18,10 @@ step t + d replaces the queue from its row d on: its rows 0..d-1 are already his
 
 The prefix is as long as the delay estimate: a high quantile of recent delays, the warm-up requests left out
 (a warm-up spike must not set the estimate forever). Over-estimating is harmless -- a reply that arrives before
-the prefix ends is spliced inside the prefix, whose rows equal the old ones -- so the quantile errs high.
+the prefix ends is spliced inside the prefix, whose rows equal the old ones -- so the quantile errs high. Where
+the queue runs dry before the estimate, the prefix goes on with its last row held: that is what the arm will do
+(at the start of an episode, the whole prefix is the standing pose, so the first chunk starts from standstill
+instead of jumping to where its row d assumed the arm would be).
 
 One implementation, two clocks (`wamrt.client.clocks`): `WallClock` runs each request in a background thread
 and ticks at the control rate (a real robot, a real server); `SimClock` delivers each reply a seeded number of
@@ -249,11 +252,15 @@ class RealtimeRunner:
         return self.t - self.chunk_t0 >= self.execute_steps
 
     def _prefix(self) -> np.ndarray:
-        """The committed rows from this step on that the arm will run while the request is in flight."""
+        """The committed rows from this step on that the arm will run while the request is in flight: the queue's,
+        then -- where it runs dry first -- its last row held (a standing arm is committed to standing)."""
         k = self.t - self.queue_start
-        ahead = self.queue[max(k, 0):] if k < len(self.queue) else self.queue[:0]
-        n = min(self.estimator.estimate(), self.max_prefix, len(ahead))
-        return ahead[:n].copy()
+        ahead = self.queue[max(k, 0):] if 0 <= k < len(self.queue) else self.queue[:0]
+        n = min(self.estimator.estimate(), self.max_prefix)
+        if len(ahead) >= n:
+            return ahead[:n].copy()
+        last = ahead[-1] if len(ahead) else self._hold_row()
+        return np.concatenate([ahead, np.repeat(last[None], n - len(ahead), axis=0)]).astype(np.float32)
 
     def _take_arrival(self) -> None:
         if self.in_flight is None:

@@ -17,12 +17,13 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..client.clocks import LatencyModel, SimClock
-from ..client.realtime import GRIPPER_KEY, JOINT_KEY, RealtimeRunner, RunnerLog
+from ..client.clocks import LatencyModel, SimClock, WallClock
+from ..client.realtime import GRIPPER_KEY, JOINT_KEY, DelayEstimator, RealtimeRunner, RunnerLog
 from ..sim.droid import droid_observation
 from ..sim.env import CONTROL_HZ, PandaEnv
 from .agents import digest, observation_digest
@@ -55,18 +56,43 @@ def episode_metrics(log: RunnerLog) -> dict[str, Any]:
             "prefix_rows": list(log.prefix_rows), "lost_replies": log.lost, **jerk_sums(log)}
 
 
+@dataclass(frozen=True)
+class RealtimeSettings:
+    """How a delay-mode run executes chunks: the strategy, the delay model, the prefix mode, the request period,
+    and whether time is simulated (seeded delays) or real (`wall_clock`: a 15 Hz loop against a live server)."""
+
+    strategy: str = "async"
+    latency: LatencyModel = field(default_factory=lambda: LatencyModel(steps=0))
+    prefix_mode: str = "auto"
+    execute_steps: int = 8
+    wall_clock: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        out = {"strategy": self.strategy, "execute_steps": self.execute_steps, "clock": "wall" if self.wall_clock
+               else "simulated"}
+        if self.strategy == "prefix":
+            out["prefix_mode"] = self.prefix_mode
+        if not self.wall_clock:
+            out.update(self.latency.describe())
+        return out
+
+
 class RealtimeAgent:
     """A lane agent that runs whole episodes on the robot's clock (see the module doc). `policy` is anything
     with `infer(obs, ...)` (an in-process Policy, a RemotePolicy, an ExpertPlanner); `privileged` adds the
     simulator state to every observation (the expert planner) and skips the cameras."""
 
-    def __init__(self, policy: Any, *, strategy: str, latency: LatencyModel | int = 0, execute_steps: int = 8,
-                 prefix_mode: str = "auto", privileged: bool = False, **infer_kwargs: Any) -> None:
-        self.policy, self.privileged = policy, privileged
+    def __init__(self, policy: Any, settings: RealtimeSettings, *, privileged: bool = False,
+                 **infer_kwargs: Any) -> None:
+        self.policy, self.privileged, self.settings = policy, privileged, settings
         self.needs_images = not privileged
-        self.clock = SimClock(latency)
-        self.runner = RealtimeRunner(policy, strategy=strategy, execute_steps=execute_steps, clock=self.clock,
-                                     prefix_mode=prefix_mode, **infer_kwargs)
+        self.clock = WallClock() if settings.wall_clock else SimClock(settings.latency)
+        # Simulated time: the runner starts each episode knowing the model's median delay, as a robot that timed its
+        # server before starting would (else every episode's first prefix would be empty).
+        estimator = DelayEstimator(initial=0 if settings.wall_clock else settings.latency.nominal_steps())
+        self.runner = RealtimeRunner(policy, strategy=settings.strategy, execute_steps=settings.execute_steps,
+                                     clock=self.clock, prefix_mode=settings.prefix_mode, estimator=estimator,
+                                     **infer_kwargs)
         call = self.runner.call
         assert call is not None
 
@@ -120,8 +146,12 @@ class RealtimeAgent:
                                  realtime=episode_metrics(runner.log))
         metrics = episode_metrics(runner.log)
         metrics["steps_to_success"] = first_success
-        if self.clock.drawn_ms:
-            metrics["latency_ms"] = list(self.clock.drawn_ms)
+        latencies = self.clock.latencies_ms if isinstance(self.clock, WallClock) else self.clock.drawn_ms
+        if latencies:
+            metrics["latency_ms"] = list(latencies)
+            latencies.clear()
+        if isinstance(self.clock, WallClock):
+            metrics["overruns"] = self.clock.overruns
         return EpisodeResult(seed, success, steps, runner.requests, time.perf_counter() - t0,
                              self.infer_ms[n_infer:], stage=progress.stage(success), trace=list(runner.log.trace),
                              realtime=metrics)
@@ -154,7 +184,29 @@ def summarize_realtime(results: Sequence[EpisodeResult]) -> dict[str, Any]:
            "jerk_boundary_max": max(m["boundary_max"] for m in rt), "jerk_inside_max": max(m["inside_max"] for m in rt),
            "jerk_units": "rad/s^3, |third difference of the 7 commanded joint targets| x 15^3"}
     latencies = [x for m in rt for x in m.get("latency_ms", [])]
-    if latencies:
-        out["latency_ms_drawn_p50"] = float(np.median(latencies))
-        out["latency_ms_drawn_p99"] = float(np.quantile(latencies, 0.99))
+    if latencies:  # drawn by the latency model, or measured by the wall clock
+        out["latency_ms_p50"] = float(np.median(latencies))
+        out["latency_ms_p99"] = float(np.quantile(latencies, 0.99))
+    if any("overruns" in m for m in rt):
+        out["overrun_ticks"] = sum(m.get("overruns", 0) for m in rt)
     return out
+
+
+@dataclass
+class RealtimeAgentFactory:
+    """Picklable lane factory for process lanes: the expert planner ("expert") or a server URL."""
+
+    task: str
+    policy: str  # "expert" or ws://...
+    settings: RealtimeSettings
+    overrides: dict[str, Any] = field(default_factory=dict)
+    api_key: str | None = None
+
+    def __call__(self) -> RealtimeAgent:
+        if self.policy == "expert":
+            from .planner import ExpertPlanner
+
+            return RealtimeAgent(ExpertPlanner(self.task), self.settings, privileged=True)
+        from .remote import RemotePolicy
+
+        return RealtimeAgent(RemotePolicy(self.policy, self.api_key), self.settings, **self.overrides)

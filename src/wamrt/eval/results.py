@@ -46,6 +46,10 @@ def rollout_result(task: str, policy: str, results: Sequence[EpisodeResult], con
     out.update(task=task, policy=policy, episodes=n, successes=k, success_rate=k / n if n else 0.0,
                ci95=[lo, hi], seeds=_seeds_field([r.seed for r in results]), config=config)
     out["summary"] = summarize(results)
+    if any(r.realtime is not None for r in results):  # delay mode: stalls, delays, steps to success, jerk
+        from .realtime import summarize_realtime
+
+        out["realtime"] = summarize_realtime(results)
     out["outcomes"] = [int(r.success) for r in results]  # per seed, in seed order: enables later pairing
     out["stages"] = [r.stage for r in results]  # per seed: how far each episode got (runner.EpisodeProgress)
     if any(r.trace for r in results):  # per seed, space-joined request digests: a later run can check its replay
