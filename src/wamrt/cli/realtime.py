@@ -10,6 +10,10 @@ a gate runs at its own latency.
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
 from typing import Any
 
 from ..client.realtime import PREFIX_MODES, STRATEGIES
@@ -105,3 +109,162 @@ def summary_line(results: Any) -> str:
             f"stood still {s['stall_fraction']:.1%} of steps, steps to success {f(s['steps_to_success_mean'], '.1f')}, "
             f"jerk at chunk boundaries {f(s['jerk_boundary_mean'], '.0f')} vs inside {f(s['jerk_inside_mean'], '.0f')} "
             f"rad/s^3")
+
+
+# ---- wamrt eval grid ------------------------------------------------------------------------------------------
+def add_grid_command(ev: argparse._SubParsersAction) -> None:
+    g = ev.add_parser("grid", help="success against delay for every strategy: one result file per cell, a table "
+                      "with paired McNemar p and a chart (docs/realtime.md)")
+    g.add_argument("--tasks", default="pick_place,turntable")
+    g.add_argument("--delays", default="0,1,3,6,10,14", help="d in control steps (15 Hz)")
+    g.add_argument("--strategies", default="sync,async,blend,prefix-inpaint,prefix-trained",
+                   help="of sync, async, blend, prefix (auto mode), prefix-inpaint, prefix-trained")
+    g.add_argument("--episodes", type=int, default=200)
+    g.add_argument("--seed0", type=int, default=0)
+    g.add_argument("--policy", required=True,
+                   help="checkpoint folder, built-in name, ws:// URL of a `wamrt serve`, or 'expert' (the scripted "
+                        "expert as a chunk planner, on privileged state)")
+    g.add_argument("--trained-policy", help="the checkpoint trained with action prefixes (prefix-trained cells; "
+                   "folder or URL). Without it those cells are left out")
+    g.add_argument("--out", type=Path, required=True, metavar="DIR")
+    g.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                   help="simulator processes (default: one per core but one)")
+    g.add_argument("--lanes", type=int, default=8, help="episodes side by side in each worker (default 8)")
+    g.add_argument("--max-batch", type=int, default=64, help="requests per policy call (default 64)")
+    g.add_argument("--execute-steps", type=int, default=8, help="request period in rows (default 8)")
+    g.add_argument("--max-steps", type=int, help="episode step limit (default: the task's)")
+    g.add_argument("--budget-s", type=float, help="start no new episode after this many seconds")
+    g.add_argument("--priority-delays", default="10", help="delays run first after d = 0 (default 10)")
+    g.add_argument("--actuation-noise", type=float, default=0.0, metavar="RAD")
+    g.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    g.add_argument("--engine", choices=["auto", "eager", "fast"], default="auto",
+                   help="in-process policies: the fast engine (auto: on CUDA) or the eager reference")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="fast engine: every request computed alone (bit-exact replays, slower)")
+    g.add_argument("--steps", type=int, help="sampler steps (default: the policy's)")
+    g.add_argument("--api-key")
+    g.set_defaults(func=run_grid_command)
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _backend(name: str, args: argparse.Namespace) -> tuple[Any, str, dict[str, Any]]:
+    """(backend, gpu name, config) of one policy for the grid's batched calls."""
+    from ..eval.grid import LocalBackend, RemoteBackend
+    from ..eval.remote import is_url, server_metadata
+
+    overrides = {"steps": args.steps} if args.steps else {}
+    if is_url(name):
+        try:
+            server = server_metadata(name, args.api_key)
+        except (OSError, ValueError) as e:
+            server = {"error": f"no metadata from the server: {e}"}
+        return (RemoteBackend(name, connections=args.max_batch, api_key=args.api_key), str(server.get("gpu")),
+                {"agent": "remote", "url": name, "server": server, **overrides})
+    import torch
+
+    from .. import load_policy
+
+    policy = load_policy(name, device=args.device)
+    engine = "eager"
+    if args.engine == "fast" or (args.engine == "auto" and policy.device.type == "cuda"):
+        from ..engine import Engine, EngineConfig
+        from ..serving.config import ServeConfig
+
+        settings = ServeConfig(batch_invariant=args.batch_invariant).engine_settings(str(policy.device))
+        policy = Engine.from_policy(policy, EngineConfig(**settings))
+        engine = "fast" + (" (isolated requests)" if args.batch_invariant else "")
+    gpu = torch.cuda.get_device_name(policy.device) if policy.device.type == "cuda" else "cpu"
+    return LocalBackend(policy, **overrides), gpu, {"agent": "policy", "model": name, "engine": engine,
+                                                     "device": str(policy.device), **overrides}
+
+
+def _warm_up(backend: Any, task: str, batch: int) -> None:
+    """One full-size batch first: a fast engine captures its graph at the largest batch, which every smaller
+    batch then replays (spare rows), so no capture lands inside the measured run."""
+    from ..sim.droid import droid_observation
+    from ..sim.env import PandaEnv
+
+    with PandaEnv(task) as env:
+        obs = droid_observation(env.reset(0))
+    backend.infer_batch([obs] * batch, list(range(batch)))
+
+
+def run_grid_command(args: argparse.Namespace) -> int:
+    from .sim import _error, _sim_problem
+
+    if problem := _sim_problem():
+        return _error(problem)
+    from ..eval.grid import plan_cells, print_progress, run_grid
+    from ..eval.grid_report import cell_result, write_grid
+    from ..provenance import git_sha
+    from ..sim.tasks import TASKS
+
+    tasks, strategies = _csv(args.tasks), _csv(args.strategies)
+    try:
+        delays = [int(d) for d in _csv(args.delays)]
+        priority = [int(d) for d in _csv(args.priority_delays)]
+    except ValueError:
+        return _error("--delays and --priority-delays are comma-separated integers")
+    if unknown := [t for t in tasks if t not in TASKS]:
+        return _error(f"unknown tasks {unknown} (tasks: {', '.join(TASKS)})")
+    if args.episodes < 1 or args.workers < 1 or args.lanes < 1 or args.max_batch < 1:
+        return _error("--episodes, --workers, --lanes and --max-batch must be >= 1")
+    expert = args.policy == "expert"
+    if "prefix-trained" in strategies and not args.trained_policy and not expert:
+        print("note: no --trained-policy: the prefix-trained cells are left out", file=sys.stderr)
+        strategies = [s for s in strategies if s != "prefix-trained"]
+    try:
+        cells = plan_cells(tasks, delays, strategies, priority)
+    except ValueError as e:
+        return _error(str(e))
+    if expert:  # the planner honours every prefix mode exactly: prefix-trained is prefix-inpaint for it
+        backends, gpu, config = None, "cpu", {"agent": "expert-planner"}
+    else:
+        try:
+            base, gpu, config = _backend(args.policy, args)
+            backends = {"base": base}
+            if args.trained_policy:
+                backends["trained"], _, config["trained"] = _backend(args.trained_policy, args)
+        except Exception as e:  # noqa: BLE001  a checkpoint that does not load is a usage error, not a traceback
+            return _error(f"cannot load the policy: {type(e).__name__}: {e}")
+        for b in backends.values():
+            _warm_up(b, tasks[0], args.max_batch)
+    seeds = list(range(args.seed0, args.seed0 + args.episodes))
+    print(f"grid: {len(cells)} cells x {len(seeds)} episodes on {args.workers} workers x {args.lanes} lanes",
+          file=sys.stderr)
+    env_kwargs = {"actuation_noise": args.actuation_noise} if args.actuation_noise else {}
+    run = run_grid(cells, seeds, backends, workers=args.workers, lanes=args.lanes, max_batch=args.max_batch,
+                   max_steps=args.max_steps, env_kwargs=env_kwargs, execute_steps=args.execute_steps,
+                   budget_s=args.budget_s, progress=print_progress)
+    command = shlex.join(["wamrt", *sys.argv[1:]])
+    config = {**config, "workers": args.workers, "lanes": args.lanes, "max_batch": args.max_batch,
+              "execute_steps": args.execute_steps, "max_steps": args.max_steps,
+              "actuation_noise": args.actuation_noise, "grid_wall_s": run.wall_s}
+    files = {}
+    for ci, cell in enumerate(cells):
+        if not run.results[ci]:
+            continue
+        shared = [s for s in strategies if cell.delay == 0 and _strategy_policy(s) == cell.policy]
+        label = args.trained_policy if cell.policy == "trained" else args.policy
+        files[cell] = cell_result(cell, run.results[ci], seeds, config, gpu=gpu, policy_label=str(label),
+                                  shared_by=shared, command=command)
+    calls = len(run.batches)
+    meta = {"policy": args.policy, "trained_policy": args.trained_policy, "command": command, "git_sha": git_sha(),
+            "gpu": gpu, "episodes": len(seeds), "seeds": f"{seeds[0]}-{seeds[-1]}", "wall_s": run.wall_s,
+            "execute_steps": args.execute_steps, "calls": calls,
+            "mean_batch": sum(run.batches) / calls if calls else 0.0,
+            "batch_ms_mean": sum(run.batch_ms) / calls if calls else None, "stopped_by_budget": run.stopped_early,
+            "cells": len(cells), "cells_written": len(files)}
+    path, _ = write_grid(args.out, cells, files, strategies, delays, meta)
+    print(path.read_text())
+    print(f"wrote {len(files)} cell files, {path} and the chart in {args.out} ({run.wall_s:.0f} s)", file=sys.stderr)
+    return 0
+
+
+def _strategy_policy(strategy: str) -> str:
+    from ..eval.grid import GRID_STRATEGIES
+
+    return GRID_STRATEGIES[strategy][2]

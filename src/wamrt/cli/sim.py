@@ -68,6 +68,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     gate.add_argument("--alpha", type=float, default=0.05, help="McNemar significance level (default 0.05)")
     gate.add_argument("--require-pass", action="store_true", help="exit 1 unless the verdict is 'pass'")
     gate.set_defaults(func=run_gate)
+    realtime_cli.add_grid_command(ev)
 
     demos = sub.add_parser("demos", help="demonstrations").add_subparsers(dest="demos", required=True)
     rec = demos.add_parser("record", help="record scripted-expert episodes as .npz files (+ manifest.json)")

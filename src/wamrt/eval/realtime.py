@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,51 +110,86 @@ class RealtimeAgent:
     def start(self, env: PandaEnv, episode_seed: int) -> None:
         """Unused: `episode` runs the whole loop (eval.runner.run_episode calls it)."""
 
-    def _observer(self, env: PandaEnv, seed: int) -> Any:
-        def observe() -> dict[str, Any]:
-            if self.privileged:
-                obs = {JOINT_KEY: env.joint_position().astype(np.float32),
-                       GRIPPER_KEY: np.float32(env.gripper_position()), "prompt": env.layout.instruction,
-                       SIM_STATE_KEY: snapshot(env, seed)}
-            else:
-                obs = droid_observation(env.observe(render=True))
-            return obs
-
-        return observe
-
     def episode(self, env: PandaEnv, seed: int, max_steps: int | None = None) -> EpisodeResult:
-        t0 = time.perf_counter()
-        limit = max_steps or env.spec.max_steps
         n_infer = len(self.infer_ms)
+        ep = LaneEpisode(env, self.runner, seed, max_steps, privileged=self.privileged)
+        while not ep.done:
+            request = ep.begin()
+            if request is not None:
+                self.runner.dispatch(request)
+            self.clock.flush()
+            ep.end()
+        return ep.result(self.infer_ms[n_infer:])
+
+
+def observer(env: PandaEnv, seed: int, privileged: bool) -> Callable[[], dict[str, Any]]:
+    """The lazy observation of a lane: rendered (or, for the expert planner, privileged) only when asked for."""
+
+    def observe() -> dict[str, Any]:
+        if privileged:
+            assert env.layout is not None
+            return {JOINT_KEY: env.joint_position().astype(np.float32), GRIPPER_KEY: np.float32(env.gripper_position()),
+                    "prompt": env.layout.instruction, SIM_STATE_KEY: snapshot(env, seed)}
+        return droid_observation(env.observe(render=True))
+
+    return observe
+
+
+class LaneEpisode:
+    """One episode on the robot's clock, a control tick at a time: `begin()` may return a request (to dispatch),
+    `end()` runs the tick's row. A failure ends the episode and is recorded, never raised."""
+
+    def __init__(self, env: PandaEnv, runner: RealtimeRunner, seed: int, max_steps: int | None = None, *,
+                 privileged: bool = False) -> None:
+        self.t0 = time.perf_counter()
+        self.env, self.runner, self.seed = env, runner, seed
+        self.limit = max_steps or env.spec.max_steps
         env.reset(seed, render=False)
-        runner = self.runner
         runner.start(seed)
-        observe = self._observer(env, seed)
-        progress = EpisodeProgress(env)
-        success, steps, first_success = False, 0, None
+        self.observe = observer(env, seed, privileged)
+        self.progress = EpisodeProgress(env)
+        self.steps, self.success, self.error = 0, False, None
+
+    @property
+    def done(self) -> bool:
+        return self.success or self.steps >= self.limit or self.error is not None
+
+    def begin(self) -> Any:
         try:
-            while steps < limit and not success:
-                row = runner.step(observe)
-                env.step(row, render=False)
-                steps += 1
-                success = env.success()
-                progress.update()
-            first_success = steps if success else None
+            return self.runner.begin(self.observe)
         except Exception:  # noqa: BLE001  one broken episode must not take the lane down
-            return EpisodeResult(seed, False, steps, runner.requests, time.perf_counter() - t0,
-                                 error=traceback.format_exc(limit=3), stage="error",
-                                 realtime=episode_metrics(runner.log))
+            self.error = traceback.format_exc(limit=3)
+            return None
+
+    def end(self) -> None:
+        if self.error is not None:
+            return
+        try:
+            row = self.runner.end()
+            self.env.step(row, render=False)
+            self.steps += 1
+            self.success = self.env.success()
+            self.progress.update()
+        except Exception:  # noqa: BLE001
+            self.error = traceback.format_exc(limit=3)
+
+    def result(self, infer_ms: list[float] | None = None) -> EpisodeResult:
+        runner, clock = self.runner, self.runner.clock
         metrics = episode_metrics(runner.log)
-        metrics["steps_to_success"] = first_success
-        latencies = self.clock.latencies_ms if isinstance(self.clock, WallClock) else self.clock.drawn_ms
+        metrics["steps_to_success"] = self.steps if self.success else None
+        latencies = getattr(clock, "latencies_ms", None) if isinstance(clock, WallClock) else getattr(
+            clock, "drawn_ms", None)
         if latencies:
             metrics["latency_ms"] = list(latencies)
             latencies.clear()
-        if isinstance(self.clock, WallClock):
-            metrics["overruns"] = self.clock.overruns
-        return EpisodeResult(seed, success, steps, runner.requests, time.perf_counter() - t0,
-                             self.infer_ms[n_infer:], stage=progress.stage(success), trace=list(runner.log.trace),
-                             realtime=metrics)
+        if isinstance(clock, WallClock):
+            metrics["overruns"] = clock.overruns
+        wall = time.perf_counter() - self.t0
+        if self.error is not None:
+            return EpisodeResult(self.seed, False, self.steps, runner.requests, wall, error=self.error, stage="error",
+                                 realtime=metrics)
+        return EpisodeResult(self.seed, self.success, self.steps, runner.requests, wall, list(infer_ms or []),
+                             stage=self.progress.stage(self.success), trace=list(runner.log.trace), realtime=metrics)
 
 
 def summarize_realtime(results: Sequence[EpisodeResult]) -> dict[str, Any]:

@@ -1,0 +1,325 @@
+"""The strategy x delay grid: every cell's 200 paired episodes in one run, many lanes batched per policy call.
+
+Cells are (task, d, strategy). At d = 0 every strategy is the lock-step rollout, so the d = 0 cells of strategies
+that share a policy are run once (`Cell.key`). The episodes of all cells are spread over worker processes (the
+physics and the cameras: one core each); each worker runs `lanes` episodes side by side, one control tick at a
+time, rendering only at request steps. Requests go to this process, which batches them across workers and lanes
+into one `infer_batch` call per policy (an in-process Policy / Engine on the GPU, or a server over websockets);
+replies go back to the lanes, which see them d ticks after asking (simulated time). The expert planner
+(`--policy expert`) runs inside the workers instead (it needs the simulator state, no GPU).
+
+Order: cells of the first task first, within a task the d = 0 cells, then `priority` delays, then the rest; each
+worker takes every W-th episode of that list, so cells finish roughly in order and a time budget that runs out
+leaves the most important cells complete (a cell cut short is written with the seeds it has, `complete: false`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+
+# grid strategy -> (runner strategy, action_prefix_mode, which policy)
+GRID_STRATEGIES: dict[str, tuple[str, str, str]] = {
+    "sync": ("sync", "auto", "base"),
+    "async": ("async", "auto", "base"),
+    "blend": ("blend", "auto", "base"),
+    "prefix": ("prefix", "auto", "base"),
+    "prefix-inpaint": ("prefix", "inpaint", "base"),
+    "prefix-trained": ("prefix", "clean", "trained"),
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    task: str
+    delay: int
+    strategy: str  # a GRID_STRATEGIES name; at d = 0 the first strategy of its policy that asked for it
+
+    @property
+    def runner_strategy(self) -> str:
+        return GRID_STRATEGIES[self.strategy][0]
+
+    @property
+    def prefix_mode(self) -> str:
+        return GRID_STRATEGIES[self.strategy][1]
+
+    @property
+    def policy(self) -> str:
+        return GRID_STRATEGIES[self.strategy][2]
+
+    @property
+    def key(self) -> tuple[str, int, str]:
+        """Cells with one key run the same episodes: at d = 0 only the policy matters."""
+        return (self.task, 0, self.policy) if self.delay == 0 else (self.task, self.delay, self.strategy)
+
+    @property
+    def name(self) -> str:
+        if self.delay == 0:
+            return f"{self.task}-d0" + ("-trained" if self.policy == "trained" else "")
+        return f"{self.task}-d{self.delay}-{self.strategy}"
+
+
+def plan_cells(tasks: Sequence[str], delays: Sequence[int], strategies: Sequence[str],
+               priority: Sequence[int] = (10,)) -> list[Cell]:
+    """Every (task, d, strategy) once, d = 0 shared per policy, in run order (see the module doc)."""
+    bad = [s for s in strategies if s not in GRID_STRATEGIES]
+    if bad:
+        raise ValueError(f"unknown grid strategies {bad} (known: {', '.join(GRID_STRATEGIES)})")
+    if any(d < 0 for d in delays):
+        raise ValueError("delays must be >= 0")
+    order = sorted(set(delays), key=lambda d: (d != 0, d not in priority, list(delays).index(d)))
+    cells: dict[tuple[str, int, str], Cell] = {}
+    for task in tasks:
+        for d in order:
+            for s in strategies:
+                cell = Cell(task, d, s)
+                cells.setdefault(cell.key, cell)
+    return list(cells.values())
+
+
+def cell_for(cells: Sequence[Cell], task: str, delay: int, strategy: str) -> Cell | None:
+    key = Cell(task, delay, strategy).key
+    return next((c for c in cells if c.key == key), None)
+
+
+# ---- workers ----------------------------------------------------------------------------------------------
+class _Mailbox:
+    """The worker's end of the pipe: requests out in one message per tick, replies in as they come."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self.replies, self.outbox, self.stop = conn, {}, [], False
+        self.next_ticket = 0
+
+    def post(self, policy: str, obs: dict[str, Any], seed: int | None) -> int:
+        ticket = self.next_ticket
+        self.next_ticket += 1
+        self.outbox.append((ticket, policy, obs, seed))
+        return ticket
+
+    def send(self) -> None:
+        if self.outbox:
+            self.conn.send(("requests", self.outbox))
+            self.outbox = []
+
+    def _take(self, msg: tuple) -> None:
+        if msg[0] == "replies":
+            self.replies.update(msg[1])
+        elif msg[0] == "stop":
+            self.stop = True
+
+    def poll(self) -> None:
+        while self.conn.poll():
+            self._take(self.conn.recv())
+
+    def get(self, ticket: int) -> Any:
+        while ticket not in self.replies:
+            self._take(self.conn.recv())
+        reply = self.replies.pop(ticket)
+        if isinstance(reply, str):
+            raise RuntimeError(reply)
+        return reply
+
+
+def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell], lanes: int,
+            max_steps: int | None, env_kwargs: dict[str, Any], privileged: bool, execute_steps: int) -> None:
+    """Run `episodes` ([(cell index, seed)]) on `lanes` simulators side by side; report each result."""
+    from ..client.clocks import SimClock
+    from ..client.realtime import DelayEstimator, RealtimeRunner
+    from ..sim.env import PandaEnv
+    from .planner import ExpertPlanner
+    from .realtime import LaneEpisode
+
+    mail = _Mailbox(conn)
+    todo = deque(episodes)
+    envs: dict[int, tuple[str, PandaEnv]] = {}
+    planners: dict[str, ExpertPlanner] = {}
+    running: dict[int, tuple[int, LaneEpisode]] = {}
+    try:
+        while (todo and not mail.stop) or running:
+            for lane in range(lanes):  # fill idle lanes
+                if lane in running or not todo or mail.stop:
+                    continue
+                ci, seed = todo.popleft()
+                cell = cells[ci]
+                if lane not in envs or envs[lane][0] != cell.task:
+                    if lane in envs:
+                        envs[lane][1].close()
+                    envs[lane] = (cell.task, PandaEnv(cell.task, render=not privileged, **env_kwargs))
+                policy = None
+                if privileged:
+                    policy = planners.setdefault(cell.task, ExpertPlanner(cell.task))
+                runner = RealtimeRunner(policy, strategy=cell.runner_strategy, execute_steps=execute_steps,
+                                        clock=SimClock(cell.delay), prefix_mode=cell.prefix_mode,
+                                        estimator=DelayEstimator(initial=cell.delay))
+                running[lane] = (ci, LaneEpisode(envs[lane][1], runner, seed, max_steps, privileged=privileged))
+            for _ci, ep in running.values():  # first half of the tick: requests out
+                request = ep.begin()
+                if request is None:
+                    continue
+                if privileged:
+                    ep.runner.dispatch(request)
+                else:
+                    ticket = mail.post(cells[_ci].policy, request.obs, request.seed)
+                    ep.runner.clock.submit(request, lambda t=ticket: mail.get(t))
+            mail.send()
+            for lane, (ci, ep) in list(running.items()):  # second half: replies due now, rows run
+                ep.end()
+                if ep.done:
+                    conn.send(("result", ci, ep.result()))
+                    del running[lane]
+            mail.poll()
+        conn.send(("done",))
+    except Exception:  # noqa: BLE001  the main process reports it and stops the grid
+        conn.send(("crash", traceback.format_exc()))
+    finally:
+        for _, env in envs.values():
+            env.close()
+
+
+# ---- policy backends (this process) ------------------------------------------------------------------------
+class LocalBackend:
+    """An in-process Policy or Engine: `infer_batch` of observations with their seeds."""
+
+    def __init__(self, policy: Any, **overrides: Any) -> None:
+        self.policy, self.overrides = policy, overrides
+
+    def infer_batch(self, observations: list[dict[str, Any]], seeds: list[int | None]) -> list[Any]:
+        out = self.policy.infer_batch(observations, seeds=seeds, **self.overrides)
+        return [r if isinstance(r, Exception) else np.asarray(r.actions, np.float32) for r in out]
+
+
+class RemoteBackend:
+    """A `wamrt serve` URL: each batch goes out as concurrent requests on `connections` websockets, which the
+    server batches again."""
+
+    def __init__(self, url: str, connections: int = 32, api_key: str | None = None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .remote import RemotePolicy
+
+        self.clients = [RemotePolicy(url, api_key) for _ in range(connections)]
+        self.pool = ThreadPoolExecutor(max_workers=connections, thread_name_prefix="grid-ws")
+
+    def infer_batch(self, observations: list[dict[str, Any]], seeds: list[int | None]) -> list[Any]:
+        def one(i: int) -> Any:
+            try:
+                return self.clients[i % len(self.clients)].infer(observations[i], seed=seeds[i]).actions
+            except Exception as e:  # noqa: BLE001  the lane gets the error
+                return e
+
+        results: list[Any] = [None] * len(observations)
+        for start in range(0, len(observations), len(self.clients)):  # one request per connection at a time
+            idx = range(start, min(len(observations), start + len(self.clients)))
+            for i, r in zip(idx, self.pool.map(one, idx), strict=True):
+                results[i] = r
+        return results
+
+
+# ---- the run --------------------------------------------------------------------------------------------------
+@dataclass
+class GridRun:
+    results: dict[int, list[Any]]  # cell index -> EpisodeResults (seed order)
+    wall_s: float
+    batches: list[int]  # batch size of every policy call
+    batch_ms: list[float]
+    stopped_early: bool
+
+
+def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, Any] | None, *, workers: int = 2,
+             lanes: int = 8, max_batch: int = 64, max_steps: int | None = None,
+             env_kwargs: dict[str, Any] | None = None, execute_steps: int = 8, budget_s: float | None = None,
+             progress: Callable[[str], None] | None = None) -> GridRun:
+    """backends: policy name ("base", "trained") -> LocalBackend / RemoteBackend; None: the expert planner."""
+    t0 = time.perf_counter()
+    cells = list(cells)
+    items = [(ci, int(s)) for ci in range(len(cells)) for s in seeds]
+    workers = max(1, min(workers, len(items)))
+    ctx = mp.get_context("spawn")
+    conns, procs = [], []
+    for w in range(workers):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_worker, name=f"grid-worker-{w}", daemon=True,
+                        args=(child, items[w::workers], cells, lanes, max_steps, dict(env_kwargs or {}),
+                              backends is None, execute_steps))
+        p.start()
+        child.close()
+        conns.append(parent)
+        procs.append(p)
+    results: dict[int, dict[int, Any]] = {ci: {} for ci in range(len(cells))}
+    pending: deque[tuple[Connection, int, str, dict[str, Any], int | None]] = deque()
+    batches, batch_ms, live, stopped = [], [], set(range(workers)), False
+    try:
+        while live:
+            ready = wait([conns[w] for w in live], timeout=0 if pending else 1.0)
+            for c in ready:
+                w = conns.index(c)
+                try:
+                    msg = c.recv()
+                except EOFError:
+                    raise RuntimeError(f"grid worker {w} died (exit code {procs[w].exitcode})") from None
+                if msg[0] == "requests":
+                    pending.extend((c, ticket, policy, obs, seed) for ticket, policy, obs, seed in msg[1])
+                elif msg[0] == "result":
+                    results[msg[1]][msg[2].seed] = msg[2]
+                    done = len(results[msg[1]])
+                    if progress and done == len(seeds):
+                        progress(f"{cells[msg[1]].name}: {sum(r.success for r in results[msg[1]].values())}/"
+                                 f"{done} ({time.perf_counter() - t0:.0f} s)")
+                elif msg[0] == "done":
+                    live.discard(w)
+                elif msg[0] == "crash":
+                    raise RuntimeError(f"grid worker {w} failed:\n{msg[1]}")
+            if pending and (not ready or len(pending) >= max_batch):
+                _serve_batch(pending, backends or {}, max_batch, batches, batch_ms)
+            if budget_s is not None and not stopped and time.perf_counter() - t0 > budget_s:
+                stopped = True
+                for w in live:
+                    conns[w].send(("stop",))
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    ordered = {ci: [res[s] for s in seeds if s in res] for ci, res in results.items()}
+    return GridRun(ordered, time.perf_counter() - t0, batches, batch_ms, stopped)
+
+
+def _serve_batch(pending: deque, backends: dict[str, Any], max_batch: int, batches: list[int],
+                 batch_ms: list[float]) -> None:
+    """One policy call for up to max_batch requests of the oldest request's policy; replies to their workers."""
+    policy = pending[0][2]
+    take, keep = [], deque()
+    while pending:
+        item = pending.popleft()
+        (take if item[2] == policy and len(take) < max_batch else keep).append(item)
+    pending.extend(keep)
+    t0 = time.perf_counter()
+    backend = backends.get(policy)
+    if backend is None:
+        out: list[Any] = [f"no policy {policy!r} in this grid (--trained-policy?)"] * len(take)
+    else:
+        try:
+            out = backend.infer_batch([it[3] for it in take], [it[4] for it in take])
+        except Exception as e:  # noqa: BLE001  every lane of the batch sees the failure
+            out = [e] * len(take)
+    batch_ms.append((time.perf_counter() - t0) * 1e3)
+    batches.append(len(take))
+    by_conn: dict[Connection, dict[int, Any]] = {}
+    for (conn, ticket, *_), rows in zip(take, out, strict=True):
+        by_conn.setdefault(conn, {})[ticket] = (f"{type(rows).__name__}: {rows}" if isinstance(rows, Exception)
+                                                else rows)
+    for conn, replies in by_conn.items():
+        conn.send(("replies", replies))
+
+
+def print_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
