@@ -194,3 +194,14 @@ def test_openpi_style_policy_gets_its_seed_in_the_request_and_errors_can_be_surv
         run(RealtimeRunner(Broken(), strategy="async", clock=SimClock(0)), 3)
     with pytest.raises(ValueError, match="strategy"):
         RealtimeRunner(policy, strategy="ensemble")
+
+
+def test_a_policy_that_ignores_the_prefix_keys_still_runs_on_time():
+    """A server / policy without prefix support answers as if no prefix was sent: the runner still splices at the
+    arrival row (the rows are then the policy's own, as with async)."""
+    policy = StepPolicy(honour_prefix=False)
+    runner = RealtimeRunner(policy, strategy="prefix", clock=SimClock(4))
+    rows = run(runner, 40)
+    assert PREFIX_KEY in policy.requests[1]  # sent ...
+    np.testing.assert_array_equal(rows[4:, 0], np.arange(4, 40))  # ... ignored, and every row is still on time
+    assert runner.log.chunk[12] == 1 and rows[12, 1] == 1

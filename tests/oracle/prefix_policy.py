@@ -24,8 +24,8 @@ def robot_obs(step: int) -> dict[str, Any]:
 class StepPolicy:
     """`infer(obs) -> {"actions": [chunk, 8]}` (the openpi-client shape: no seed keyword)."""
 
-    def __init__(self, chunk: int = 32) -> None:
-        self.chunk = chunk
+    def __init__(self, chunk: int = 32, honour_prefix: bool = True) -> None:
+        self.chunk, self.honour_prefix = chunk, honour_prefix  # False: a policy that ignores the prefix keys
         self.requests: list[dict[str, Any]] = []
 
     def infer(self, obs: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -36,5 +36,6 @@ class StepPolicy:
         rows[:, 1] = len(self.requests) - 1
         prefix = np.asarray(obs.get(PREFIX_KEY, np.zeros((0, 8))), np.float32)
         assert obs.get(PREFIX_MODE_KEY, "auto") in ("auto", "clean", "inpaint")
-        rows[: len(prefix)] = prefix
+        if self.honour_prefix:
+            rows[: len(prefix)] = prefix
         return {"actions": rows}

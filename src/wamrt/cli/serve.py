@@ -104,6 +104,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-replicas", type=int, default=None,
                     help="with --ray: autoscale between --replicas and this on ongoing requests per replica "
                          "(default: no autoscaling)")
+    ap.add_argument("--added-latency-ms", type=float, default=0.0, metavar="MS",
+                    help="hold every policy reply back this long (a small model at a large one's latency)")
     ap.add_argument("--log-level", default="info", type=str.lower,
                     choices=["debug", "info", "warning", "error", "critical"], help="server and access log level")
     ap.add_argument("--log-format", default="text", choices=["text", "json"],

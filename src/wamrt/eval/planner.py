@@ -46,8 +46,13 @@ def snapshot(env: PandaEnv, seed: int) -> SimSnapshot:
 class ExpertPlanner:
     """`infer(obs, seed=None) -> {"actions": [horizon, 8]}` from `obs[SIM_STATE_KEY]` (see the module doc)."""
 
-    def __init__(self, task: str, horizon: int = CHUNK) -> None:
-        self.task, self.horizon = task, horizon
+    def __init__(self, task: str, horizon: int = CHUNK, variation: float = 0.0) -> None:
+        """variation: each plan approaches and descends at its own speed, drawn from the request seed in
+        [1 - variation, 1 + variation] x the expert's: plans that disagree from sample to sample, as a generative
+        policy's chunks do (0: the deterministic expert, whose consecutive plans agree)."""
+        if not 0.0 <= variation < 1.0:
+            raise ValueError(f"variation must be in [0, 1), got {variation}")
+        self.task, self.horizon, self.variation = task, horizon, variation
         self.env = PandaEnv(task, render=False)  # no actuation noise: the plan assumes the arm obeys
         self.expert = ScriptedExpert()
         self._layout_seed: int | None = None
@@ -67,6 +72,9 @@ class ExpertPlanner:
         for row in rows:
             env.step(row, render=False)
         self.expert.resume(env)
+        if self.variation:
+            rng = np.random.default_rng([0 if seed is None else int(seed), 0x5CA1E])
+            self.expert.speed_scale = float(rng.uniform(1 - self.variation, 1 + self.variation))
         while len(rows) < self.horizon:
             action = self.expert.act(env)
             env.step(action, render=False)

@@ -58,6 +58,9 @@ class ServeConfig:
     # World generation's sampler: auto (from the checkpoint folder) | unipc | distilled
     # (`generation_settings.resolve_sampler`).
     sampler: str = "auto"
+    # Every policy reply held back this long after it is computed (the batch slot is free meanwhile): a small
+    # CPU model answering at a large model's latency, for the real-time client's wall-clock runs (issue 41).
+    added_latency_ms: float = 0.0
     extra_metadata: dict[str, Any] = field(default_factory=dict)
     # The Reasoner's chat (`/v1/chat/completions`, prompt upsampling; serving/chat.py): requests decoded at once (rows
     # of one K/V cache, 0 = no chat), waiting requests before busy, the context (prompt + output tokens) of a row,
@@ -95,6 +98,8 @@ class ServeConfig:
         # model is built (minutes at Nano), and on every path that makes a config (CLI, Ray replicas).
         if self.prompt_bucket < 0:
             raise ServeConfigError(f"must be >= 0 tokens, got {self.prompt_bucket}", flag="--prompt-bucket")
+        if not 0 <= self.added_latency_ms < 60_000:
+            raise ServeConfigError(f"must be in [0, 60000) ms, got {self.added_latency_ms}", flag="--added-latency-ms")
         if self.prompt_width < 0:
             raise ServeConfigError(f"must be >= 0 tokens, got {self.prompt_width}", flag="--prompt-width")
         if self.prompt_width and not self.prompt_bucket:

@@ -33,6 +33,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         chat_max_queue=args.chat_max_queue, chat_context=args.chat_context,
         chat_max_prompt_tokens=args.chat_max_prompt_tokens, chat_max_tokens=args.chat_max_tokens,
         chat_max_image_pixels=args.chat_max_image_pixels, upsample_max_tokens=args.upsample_max_tokens,
+        added_latency_ms=args.added_latency_ms,
     )
 
 

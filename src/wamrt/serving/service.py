@@ -209,6 +209,8 @@ class Service:
         rid = request_id or new_request_id()
         parsed_at = time.monotonic()
         res: BatchResult = await asyncio.wrap_future(future or self.enqueue(req))
+        if self.config.added_latency_ms:  # --added-latency-ms: the reply waits, the batcher does not
+            await asyncio.sleep(self.config.added_latency_ms / 1e3)
         t0 = time.monotonic()
         chunk = res.chunk
         tm = chunk.timings_ms

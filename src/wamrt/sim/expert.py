@@ -39,6 +39,7 @@ class ScriptedExpert:
     """Closed-loop on privileged state. Call `reset(env)` after `env.reset`, then `act(env)` each step."""
 
     def __init__(self) -> None:
+        self.speed_scale = 1.0  # a planner's per-plan variation (eval.planner); 1 = the expert's own speeds
         self.phase = "approach"
         self.counter = 0
         self.ik: DlsIk | None = None
@@ -139,11 +140,12 @@ class ScriptedExpert:
             hover = cube + [0.0, 0.0, HOVER]
             # Rise first when low, so the fingers never sweep through the cube.
             waypoint = hover if tcp[2] > cube[2] + HOVER - 0.03 else np.r_[self.p_cmd[:2], hover[2]]
-            if self._move(waypoint, SPEED) and waypoint is hover and np.linalg.norm(tcp - hover) < 0.015:
+            arrived = self._move(waypoint, SPEED * self.speed_scale)
+            if arrived and waypoint is hover and np.linalg.norm(tcp - hover) < 0.015:
                 self.phase = "descend"
         elif ph == "descend":
             yaw_goal = self._grasp_yaw(env, cube_yaw)
-            if self._move(cube + [0.0, 0.0, -0.004], SLOW) and tcp[2] < cube[2] + 0.008:
+            if self._move(cube + [0.0, 0.0, -0.004], SLOW * self.speed_scale) and tcp[2] < cube[2] + 0.008:
                 self.phase, self.counter = "grasp", 0
         elif ph == "grasp":
             gripper = 1.0

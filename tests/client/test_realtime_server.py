@@ -1,0 +1,37 @@
+"""The real-time runner against a real loopback server: prefix keys on the wire, real latency, wall clock."""
+
+from __future__ import annotations
+
+import time
+
+from oracle.fake_policy import FakePolicy
+
+from wamrt.client.clocks import WallClock
+from wamrt.client.realtime import RealtimeRunner
+from wamrt.client.ws import PolicyClient
+from wamrt.sample import sample_observation
+from wamrt.serving import ServeConfig, ServerThread
+
+
+def test_added_latency_holds_replies_and_the_wall_clock_runner_measures_it():
+    obs = sample_observation(1)
+    config = ServeConfig(max_batch=2, added_latency_ms=150.0)
+    with ServerThread(FakePolicy(), config) as server, PolicyClient(server.ws_url) as client:
+        t0 = time.perf_counter()
+        client.infer(obs)
+        assert time.perf_counter() - t0 >= 0.15
+        clock = WallClock(15.0)
+        runner = RealtimeRunner(client, strategy="async", clock=clock)
+        runner.start(0)
+        t0 = time.perf_counter()
+        for _ in range(30):  # 2 s at 15 Hz
+            runner.step(obs)
+        wall = time.perf_counter() - t0
+        clock.close()
+    log = runner.log
+    assert 29 / 15 - 0.05 < wall < 30 / 15 + 0.5
+    # 150 ms + the fake model's ~0 ms is 3 ticks of 66.7 ms (a loaded CI machine may need a tick or two more).
+    assert len(log.delays) >= 2 and all(3 <= d <= 6 for d in log.delays), log.delays
+    assert all(clock_ms >= 150 for clock_ms in clock.latencies_ms)
+    first = log.delays[0]
+    assert all(log.stalled[:first]) and not any(log.stalled[first:])  # never stood still after the first reply
