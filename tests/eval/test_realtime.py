@@ -1,0 +1,122 @@
+"""The delay mode in the simulator: seeded replays, lock-step at d = 0, the expert planner's prefix, the grid."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from wamrt.client.clocks import LatencyModel
+from wamrt.client.realtime import JOINT_KEY, PREFIX_KEY
+from wamrt.eval.agents import PolicyAgent
+from wamrt.eval.realtime import RealtimeAgent, RealtimeSettings
+from wamrt.eval.runner import run_rollouts
+
+
+class Chunk:
+    def __init__(self, actions):
+        self.actions = actions
+
+
+class WigglePolicy:
+    """Deterministic in (observation, seed): from the measured joints, a slow wiggle whose phase the seed sets,
+    and the prefix where one is given. Answers like wamrt's Policy (`.actions`, `infer_batch`)."""
+
+    def infer(self, obs, seed=None):
+        rng = np.random.default_rng(seed)
+        base = np.r_[np.asarray(obs[JOINT_KEY], np.float64), 0.0]
+        t = np.arange(32)[:, None]
+        rows = base + 0.03 * np.sin(0.3 * t + rng.uniform(0, 6.28, size=8))
+        rows[:, 7] = 0.0
+        prefix = np.asarray(obs.get(PREFIX_KEY, np.zeros((0, 8))))
+        rows[: len(prefix)] = prefix
+        return Chunk(rows.astype(np.float32))
+
+    def infer_batch(self, observations, seeds=None):
+        return [self.infer(o, s) for o, s in zip(observations, seeds, strict=True)]
+
+
+def _run(strategy, latency, lanes=1, seeds=(3, 4)):
+    policy = WigglePolicy()
+    settings = RealtimeSettings(strategy, latency)
+    return run_rollouts("pick_place", lambda: RealtimeAgent(policy, settings), list(seeds), lanes=lanes,
+                        backend="thread", max_steps=30, env_kwargs={"exterior_hw": (32, 56)})
+
+
+def test_delay_mode_replays_bit_for_bit_with_the_same_seed():
+    latency = LatencyModel(p50_ms=200.0, p99_ms=600.0)  # jittered: d drawn per request
+    a, b = _run("prefix", latency), _run("prefix", latency, lanes=2)
+    for x, y in zip(a, b, strict=True):
+        assert x.trace and x.trace == y.trace  # every request's observation and reply, digest for digest
+        assert x.realtime["delays"] == y.realtime["delays"] and len(set(x.realtime["delays"])) >= 2
+        assert x.realtime["delays"] == [latency.delay(x.seed, i) for i in range(len(x.realtime["delays"]))]
+    assert a[0].trace != a[1].trace  # different seeds, different episodes
+    c = _run("async", latency)
+    assert c[0].trace != a[0].trace and c[0].realtime["delays"][:2] == a[0].realtime["delays"][:2]  # no prefix
+
+
+def test_zero_delay_is_the_lock_step_rollout():
+    lock = run_rollouts("pick_place", lambda: PolicyAgent(WigglePolicy(), execute_steps=8), [5], backend="thread",
+                        max_steps=30, env_kwargs={"exterior_hw": (32, 56)})
+    for strategy in ("sync", "prefix"):
+        rt = _run(strategy, LatencyModel(steps=0), seeds=(5,))
+        assert rt[0].trace == lock[0].trace and rt[0].steps == lock[0].steps
+        assert rt[0].realtime["stalled"] == 0
+
+
+def test_expert_planner_continues_the_committed_rows():
+    from wamrt.eval.planner import SIM_STATE_KEY, ExpertPlanner, snapshot
+    from wamrt.sim import PandaEnv, ScriptedExpert
+
+    with PandaEnv("turntable", render=False) as env:
+        env.reset(2, render=False)
+        expert = ScriptedExpert()
+        expert.reset(env)
+        for _ in range(20):
+            env.step(expert.act(env), render=False)
+        obs = {SIM_STATE_KEY: snapshot(env, 2)}
+        planner = ExpertPlanner("turntable")
+        naive = planner.infer(obs)["actions"]
+        again = planner.infer(obs)["actions"]
+        prefix = naive[:6] + np.float32(0.01)  # committed rows the planner did not choose itself
+        cont = planner.infer({**obs, PREFIX_KEY: prefix})["actions"]
+        before = env.data.qpos.copy()
+    np.testing.assert_array_equal(naive, again)  # a plan is a function of the state
+    np.testing.assert_array_equal(cont[:6], prefix)  # the reply starts with the prefix, bit for bit
+    assert np.abs(cont[6, :7] - prefix[-1, :7]).max() < 0.05  # and continues from where it leaves the arm
+    assert np.array_equal(before, env.data.qpos)  # planning never touches the live simulator
+
+
+def test_grid_runs_cells_shares_d0_and_pairs_them(tmp_path):
+    from wamrt.eval.grid import LocalBackend, plan_cells, run_grid
+    from wamrt.eval.grid_report import cell_result, write_grid
+
+    cells = plan_cells(["pick_place"], [0, 3], ["sync", "async", "prefix"])
+    assert [c.name for c in cells] == ["pick_place-d0", "pick_place-d3-sync", "pick_place-d3-async",
+                                       "pick_place-d3-prefix"]
+    seeds = [0, 1]
+    run = run_grid(cells, seeds, {"base": LocalBackend(WigglePolicy())}, workers=1, lanes=3, max_batch=4,
+                   max_steps=20, env_kwargs={"exterior_hw": (32, 56)})
+    assert sorted(run.results) == [0, 1, 2, 3] and all(len(r) == 2 for r in run.results.values())
+    assert max(run.batches) > 1  # lanes share policy calls
+    sync = run.results[1][0].realtime
+    assert sync["stalled"] >= 3 * 2  # waits d = 3 for each of its requests
+    assert run.results[2][0].realtime["delays"] == [3] * len(run.results[2][0].realtime["delays"])
+    files = {c: cell_result(c, run.results[i], seeds, {}, gpu="cpu", policy_label="wiggle",
+                            shared_by=["sync", "async", "prefix"]) for i, c in enumerate(cells)}
+    path, rows = write_grid(tmp_path, cells, files, ["sync", "async", "prefix"], [0, 3], {"policy": "wiggle"})
+    assert (tmp_path / "success-vs-delay.png").stat().st_size > 1000
+    cell = json.loads((tmp_path / "pick_place-d3-prefix.json").read_text())
+    assert cell["kind"] == "rollout" and cell["delay_steps"] == 3 and cell["strategy"] == "prefix"
+    assert cell["realtime"]["stall_fraction"] > 0 and "jerk_boundary_mean" in cell["realtime"]
+    prefix_row = next(r for r in rows if r["strategy"] == "prefix")
+    assert prefix_row["vs_async"]["episodes"] == 2 and prefix_row["vs_own_d0"]["episodes"] == 2
+    assert "| 3 | prefix |" in path.read_text()
+
+
+def test_grid_refuses_unknown_strategies():
+    from wamrt.eval.grid import plan_cells
+
+    with pytest.raises(ValueError, match="ensemble"):
+        plan_cells(["pick_place"], [0], ["ensemble"])
