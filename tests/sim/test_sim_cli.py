@@ -157,3 +157,24 @@ def test_gate_reuses_a_recorded_baseline_and_checks_its_seeds(tmp_path, capsys):
     assert "seeds" in capsys.readouterr().err
     assert _run(["eval", "gate", "--task", "pick_place", "--baseline", str(base), "--candidate", "expert",
                  "--episodes", "2", "--seed0", "3"]) == 2
+
+
+def test_delay_mode_rollout_and_a_gate_at_another_delay(tmp_path, capsys):
+    base = tmp_path / "base.json"
+    assert _run(["rollout", "--task", "turntable", "--episodes", "2", "--strategy", "prefix", "--delay-steps", "3",
+                 "--max-steps", "30", "--out", str(base)]) == 0
+    assert "delay mode:" in capsys.readouterr().out
+    res = json.loads(base.read_text())
+    assert (res["strategy"], res["delay_steps"], res["clock"], res["prefix_mode"]) == ("prefix", 3, "simulated", "auto")
+    assert res["config"]["agent"] == "expert-planner" and res["realtime"]["delay_steps_mean"] == 3.0
+    gate = tmp_path / "gate.json"
+    assert _run(["eval", "gate", "--task", "turntable", "--episodes", "2", "--baseline", str(base),
+                 "--candidate", "expert:delay_steps=6,strategy=async", "--max-steps", "30", "--out", str(gate)]) == 0
+    out = json.loads(gate.read_text())
+    assert out["delay_steps"] == {"baseline": 3, "candidate": 6}
+    assert out["realtime"]["candidate"]["strategy"] == "async"
+    assert _run(["rollout", "--task", "lift", "--latency-ms", "fast"]) == 2
+    assert "latency must be" in capsys.readouterr().err
+    assert _run(["rollout", "--task", "lift", "--delay-steps", "2", "--latency-ms", "100"]) == 2
+    assert _run(["rollout", "--task", "lift", "--wall-clock"]) == 2
+    assert "--url" in capsys.readouterr().err

@@ -207,6 +207,10 @@ class Side:
     outcomes: list[bool] | None = None  # already known (a recorded rollout): nothing to run
     traces: list[list[str]] | None = None  # its per-seed request digests, if it recorded them
     settings: Any = None  # eval.realtime.RealtimeSettings of a delay-mode side
+    recorded_delay: dict[str, Any] = field(default_factory=dict)  # a recorded side's delay-mode fields
+
+    def delay_fields(self) -> dict[str, Any]:
+        return self.recorded_delay or realtime_cli.result_fields(self.settings)
 
 
 def recorded_side(path: str, task: str, seeds: list[int]) -> Side:
@@ -224,8 +228,9 @@ def recorded_side(path: str, task: str, seeds: list[int]) -> Side:
         raise UsageError(f"{path} holds task {res.get('task')!r} seeds {got[:1]}..{got[-1:]}; the gate needs "
                          f"{task!r} seeds {seeds[0]}..{seeds[-1]}")
     traces = parse_traces(res["traces"]) if "traces" in res else None
+    delay = {k: res[k] for k in ("strategy", "clock", "delay_steps", "latency_ms", "prefix_mode") if k in res}
     return Side(path, lambda: None, "recorded", {**res.get("config", {}), "recorded": path},
-                res.get("gpu", "cpu"), [bool(x) for x in res["outcomes"]], traces)
+                res.get("gpu", "cpu"), [bool(x) for x in res["outcomes"]], traces, recorded_delay=delay)
 
 
 def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: dict[str, Any]) -> Side:
@@ -400,8 +405,7 @@ def run_gate(args: argparse.Namespace) -> int:
     if args.out:
         config = {"baseline": sides[0].config, "candidate": sides[1].config, "alpha": args.alpha,
                   "margin": args.margin}
-        delays = {name: realtime_cli.result_fields(side.settings) for name, side in zip(("baseline", "candidate"),
-                                                                                        sides, strict=True)}
+        delays = {name: side.delay_fields() for name, side in zip(("baseline", "candidate"), sides, strict=True)}
         gpu = next((s.gpu for s in sides if s.gpu != "cpu"), "cpu")
         res = gate_result(args.task, args.baseline, args.candidate, seeds, base_ok, cand_ok, d, config,
                           gpu=gpu, replay=replay)
