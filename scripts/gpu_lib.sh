@@ -46,10 +46,11 @@ ident() { echo "${1//[^A-Za-z0-9_]/_}"; }
 # SRV_<NAME>, port in PORT_<NAME>; serve_ready NAME waits for /readyz. Prompt buckets of 64 tokens: one graph per
 # batch size serves every instruction mix of the lanes (exact lengths would capture one per mix). BATCH_INVARIANT=1:
 # every batch padded to MAX_BATCH rows, so rollouts replay bit for bit and paired gates compare like with like.
+# SERVE_ARGS: more `wamrt serve` flags (e.g. --added-latency-ms 560).
 serve_launch() {
   local name=$1 ckpt=$2 port=$3 batch=$4
   "$PY" -m wamrt.cli serve --model "$ckpt" --port "$port" --max-batch "$batch" --max-wait-ms 5 --max-queue 512 \
-    --prompt-bucket "${PROMPT_BUCKET:-64}" ${BATCH_INVARIANT:+--batch-invariant} > "$RES/server-$name.txt" 2>&1 &
+    --prompt-bucket "${PROMPT_BUCKET:-64}" ${BATCH_INVARIANT:+--batch-invariant} ${SERVE_ARGS:-} > "$RES/server-$name.txt" 2>&1 &
   eval "SRV_$name=$!; PORT_$name=$port"
 }
 serve_ready() {

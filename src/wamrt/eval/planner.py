@@ -37,10 +37,11 @@ class SimSnapshot:
     data: Any  # mujoco.MjData, copied
     last_action: np.ndarray
     step: int
+    halted: bool = False  # a protective stop happened (the arm holds)
 
 
 def snapshot(env: PandaEnv, seed: int) -> SimSnapshot:
-    return SimSnapshot(seed, copy.copy(env.data), env.last_action.copy(), env.step_count)
+    return SimSnapshot(seed, copy.copy(env.data), env.last_action.copy(), env.step_count, env.halted)
 
 
 class ExpertPlanner:
@@ -67,6 +68,8 @@ class ExpertPlanner:
             self._layout_seed = snap.seed
         mujoco.mj_copyData(env.data, env.model, snap.data)
         env.last_action, env.step_count = snap.last_action.copy(), snap.step
+        env.halted = snap.halted
+        env._held = snap.last_action.copy()
         prefix = np.asarray(obs.get(PREFIX_KEY, np.zeros((0, 8))), dtype=np.float32).reshape(-1, 8)
         rows = [row for row in prefix[: self.horizon]]
         for row in rows:

@@ -152,7 +152,7 @@ class LaneEpisode:
 
     @property
     def done(self) -> bool:
-        return self.success or self.steps >= self.limit or self.error is not None
+        return self.success or self.steps >= self.limit or self.error is not None or self.env.halted
 
     def begin(self) -> Any:
         try:
@@ -177,6 +177,7 @@ class LaneEpisode:
         runner, clock = self.runner, self.runner.clock
         metrics = episode_metrics(runner.log)
         metrics["steps_to_success"] = self.steps if self.success else None
+        metrics["protective_stop"] = self.env.halted
         latencies = getattr(clock, "latencies_ms", None) if isinstance(clock, WallClock) else getattr(
             clock, "drawn_ms", None)
         if latencies:
@@ -222,6 +223,7 @@ def summarize_realtime(results: Sequence[EpisodeResult]) -> dict[str, Any]:
     if latencies:  # drawn by the latency model, or measured by the wall clock
         out["latency_ms_p50"] = float(np.median(latencies))
         out["latency_ms_p99"] = float(np.quantile(latencies, 0.99))
+    out["protective_stops"] = sum(bool(m.get("protective_stop")) for m in rt)  # episodes a reflex ended
     if any("overruns" in m for m in rt):
         out["overrun_ticks"] = sum(m.get("overruns", 0) for m in rt)
     return out

@@ -65,6 +65,8 @@ class EpisodeProgress:
     def stage(self, success: bool) -> str:
         if success:
             return "success"
+        if self.env.halted:
+            return "protective_stop"
         if self.max_rise_m >= LIFT_M:
             return "lifted_not_placed" if self.env.spec.uses_pad else "lifted_too_low"
         return "reached_not_lifted" if self.min_tcp_cube_m <= REACH_M else "never_reached"
@@ -86,7 +88,7 @@ def run_episode(env: PandaEnv, agent: Agent, seed: int, max_steps: int | None = 
     n_infer = len(getattr(agent, "infer_ms", []))
     progress = EpisodeProgress(env)
     try:
-        while steps < limit and not success:
+        while steps < limit and not success and not env.halted:
             rows = agent.actions(env, obs)
             requests += 1
             for k, row in enumerate(rows):
@@ -95,7 +97,7 @@ def run_episode(env: PandaEnv, agent: Agent, seed: int, max_steps: int | None = 
                 steps += 1
                 success = env.success()
                 progress.update()
-                if success or steps >= limit:
+                if success or steps >= limit or env.halted:
                     break
     except Exception:  # noqa: BLE001  one broken episode must not take the lane down: record it as a failure
         return EpisodeResult(seed, False, steps, requests, time.perf_counter() - t0,

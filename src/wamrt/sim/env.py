@@ -64,6 +64,13 @@ class JointNoise:
 
 
 ACTUATION_NOISE_STREAM = 0xAC7  # JointNoise stream of the env's actuation noise (DART demos use their own)
+# Protective stop (PandaEnv(reflexes=True)): a commanded joint target that jumps from the previous one by more than
+# twice what the Panda's joint speed limits (2.175 rad/s joints 1-4, 2.61 rad/s joints 5-7) allow in one 15 Hz step
+# halts the arm, as a real controller's discontinuity reflex does: it holds where it is and ignores commands for the
+# rest of the episode (on a real robot, until a person clears the error), so the episode fails. The scripted expert
+# peaks at 0.13 / 0.19 rad a step (joints 1-4 / 5-7, turntable, 20 seeds), under the 0.29 / 0.35 thresholds; a client
+# that skips rows of a fast motion (a chunk switched in at its row d > 1 while the arm stood still) trips it.
+REFLEX_STEP = 2.0 * np.array([2.175] * 4 + [2.61] * 3) / CONTROL_HZ
 
 
 @dataclass
@@ -84,11 +91,13 @@ class PandaEnv:
         cameras: tuple[str, ...] = ("front", "side", "wrist"),
         render: bool = True,
         actuation_noise: float = 0.0,
+        reflexes: bool | None = None,
     ) -> None:
         """actuation_noise: std (rad) of seeded Ornstein-Uhlenbeck noise added to every executed joint target
         (`JointNoise`, re-seeded from the episode seed at reset): a robot that does not land exactly where it
-        was told."""
+        was told. reflexes: protective stops on commanded jumps (REFLEX_STEP; default: the task's)."""
         self.spec = TASKS[task] if isinstance(task, str) else task
+        self.reflexes = self.spec.reflexes if reflexes is None else bool(reflexes)
         self.model = mujoco.MjModel.from_xml_string(
             scene_xml(self.spec.n_cubes, 1.0 / (CONTROL_HZ * SUBSTEPS), turntable=self.spec.turntable), mesh_assets()
         )
@@ -116,6 +125,7 @@ class PandaEnv:
         self.layout: Layout | None = None
         self.start_q = HOME.copy()
         self.last_action = np.r_[HOME, 0.0]
+        self.halted = False  # a protective stop happened (reflexes): the arm holds, the episode is lost
         self.step_count = 0
         self.times = StepTimes()
 
@@ -127,7 +137,8 @@ class PandaEnv:
         mujoco.mj_resetData(m, d)
         q0 = np.clip(HOME + lay.joint_noise, self.ctrl_low, self.ctrl_high)
         self.start_q = q0.copy()
-        self.last_action = np.r_[q0, 0.0]  # what the robot was last told (before any actuation noise)
+        self.last_action = np.r_[q0, 0.0]  # what the robot last executed as told (before any actuation noise)
+        self.halted = False  # a protective stop happened (reflexes): the arm holds, the episode is lost
         d.qpos[self.arm_qadr] = q0
         d.qpos[self.finger_qadr] = FINGER_OPEN
         d.ctrl[:7] = q0
@@ -145,6 +156,13 @@ class PandaEnv:
         self.step_count = 0
         self.times = StepTimes()
         return self.observe(render)
+
+    def _reflex(self, a: np.ndarray) -> np.ndarray:
+        """The protective stop (REFLEX_STEP): returns what the arm executes this step."""
+        if not self.halted and np.any(np.abs(a[:7] - self.last_action[:7]) > REFLEX_STEP):
+            self.halted = True
+            self._held = np.r_[self.joint_position(), self.last_action[7]]
+        return self._held.copy() if self.halted else a
 
     def _spin_up(self, lay: Layout) -> None:
         """Disc at the layout's centre, already turning, the cube resting on it and moving with it (no slip)."""
@@ -170,6 +188,8 @@ class PandaEnv:
         if a.shape != (8,) or not np.isfinite(a).all():
             raise ValueError(f"action must be 8 finite numbers, got {a.shape}")
         d = self.data
+        if self.reflexes:
+            a = self._reflex(a)
         self.last_action = a.copy()
         a = self._noise(a)
         d.ctrl[:7] = np.clip(a[:7], self.ctrl_low, self.ctrl_high)

@@ -53,6 +53,8 @@ def record_episode(env: PandaEnv, expert: ScriptedExpert, seed: int,
         grip.append(np.float32(obs.gripper_position))
         actions.append(action)
         obs = env.step(noise(action))
+        if env.halted:  # a protective stop (reflexes): the arm will not move again
+            break
         success = success or env.success()
         if success:
             hold += 1

@@ -29,13 +29,14 @@ class TaskSpec:
     uses_pad: bool
     max_steps: int  # at 15 Hz
     turntable: bool = False  # the cube rides a spinning disc: the world moves while the robot thinks
+    reflexes: bool = False  # default of PandaEnv(reflexes=...): the controller's protective stop on target jumps
 
 
 TASKS: dict[str, TaskSpec] = {
     "lift": TaskSpec("lift", 1, False, 120),
     "pick_place": TaskSpec("pick_place", 1, True, 225),
     "pick_place_two": TaskSpec("pick_place_two", 2, True, 225),
-    "turntable": TaskSpec("turntable", 1, True, 225, turntable=True),
+    "turntable": TaskSpec("turntable", 1, True, 225, turntable=True, reflexes=True),
 }
 # Turntable task: angular speed (rad/s, counter-clockwise seen from above) and the cube's distance from the axis
 # (m), drawn per seed. 0.35-0.55 rad/s at 6-9 cm moves the cube 2-5 cm/s: 1.4-3.3 cm in the 10 control steps

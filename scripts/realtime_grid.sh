@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Issue 41: the strategy x delay grid on the H200 (`wamrt eval grid`, docs/realtime.md), then optionally the
+# wall-clock check (a 15 Hz client against a real server). Run by `scripts/gpu_run.sh grid[:SECONDS]` after
+# `prefix-train` in the same call (its checkpoint stays at /tmp/wamrt-prefix/ckpt), or on its own:
+#   RES=/tmp/res OUT=/tmp/out bash scripts/realtime_grid.sh [TRAINED_CHECKPOINT_FOLDER]
+# Carry .whl (mujoco + the server wheels) and .gl (EGL), as for scripts/gpu_pipeline.sh.
+#
+# Grid: panda-droid (POLICY) for sync / async / blend / prefix-inpaint, the prefix-trained checkpoint (argument 1, else
+# TRAINED, else /tmp/wamrt-prefix/ckpt; left out if absent) for prefix-trained, d in DELAYS, on TASKS, EPISODES
+# paired seeds per cell. In one process: the policies on the GPU (fast engine, CUDA graphs captured at MAX_BATCH), WORKERS
+# simulator processes x LANES episodes each, rendering only at request steps. d = 0 and d = 10 cells run first;
+# BUDGET_S stops new episodes (a cut cell is written with `complete: false`). Writes $RES/grid/ (a rollout file per
+# cell, summary.md, summary.json, success-vs-delay.png) and $RES/grid.txt.
+#
+# WALL=1 then serves the prefix-trained checkpoint (else POLICY) with --added-latency-ms WALL_ADDED_MS (default 560: with
+# the model's own time d ~ 10 at 15 Hz) and runs WALL_EPISODES turntable episodes per strategy in WALL_STRATEGIES with
+# the real-time client (--wall-clock, WALL_LANES lane processes): $RES/wall-<strategy>.json, to compare with the grid's
+# deterministic cell at the measured d.
+#
+# Knobs (env): POLICY TRAINED TASKS DELAYS STRATEGIES EPISODES WORKERS LANES MAX_BATCH BUDGET_S GRID_ARGS WALL
+#   WALL_ADDED_MS WALL_EPISODES WALL_LANES WALL_STRATEGIES WALL_S PY SKIP_INSTALL=1 (local: no .gl unpacking).
+# CPU dry run (2 cells, 2 episodes, 12 steps, the expert planner needs no GPU; POLICY=tiny-droid exercises the
+# batched policy path instead, slowly):
+#   SKIP_INSTALL=1 PY=/work/main/.venv/bin/python RES=/tmp/grid-res POLICY=expert TASKS=turntable DELAYS=0,10 \
+#   STRATEGIES=async,prefix EPISODES=2 WORKERS=1 LANES=2 GRID_ARGS="--max-steps 12" bash scripts/realtime_grid.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RES=${RES:?set RES (the part folder)}
+OUT=${OUT:-/tmp/out}
+PY=${PY:-python3}
+T0=$(date +%s)
+export T0 RES
+mkdir -p "$RES" "$OUT"
+# shellcheck source=scripts/gpu_lib.sh
+source scripts/gpu_lib.sh
+if [ "${SKIP_INSTALL:-0}" != 1 ]; then  # gpu_run.sh installed the wheels; the EGL libraries come as debs
+  for f in .gl/*.deb; do dpkg -x "$f" / || log "warning: dpkg -x $f failed"; done
+  ldconfig 2>/dev/null || true
+fi
+choose_gl || exit 1
+export PYTHONPATH=${PYTHONPATH:-$PWD/src}
+
+POLICY=${POLICY:-src/wamrt/assets/panda-droid}
+TRAINED=${1:-${TRAINED:-/tmp/wamrt-prefix/ckpt}}
+TASKS=${TASKS:-pick_place,turntable}
+DELAYS=${DELAYS:-0,1,3,6,10,14}
+STRATEGIES=${STRATEGIES:-sync,async,blend,prefix-inpaint,prefix-trained}
+EPISODES=${EPISODES:-200}
+WORKERS=${WORKERS:-15}
+LANES=${LANES:-16}
+MAX_BATCH=${MAX_BATCH:-128}
+BUDGET_S=${BUDGET_S:-420}
+GRID_ARGS=${GRID_ARGS:-}
+if [ "$POLICY" != expert ] && [ ! -f "$TRAINED/wamrt.json" ]; then
+  log "no prefix-trained checkpoint at $TRAINED: the prefix-trained cells are left out"
+  TRAINED=
+fi
+[ "$POLICY" = expert ] && TRAINED=
+
+log "grid: $POLICY${TRAINED:+ + $TRAINED (prefix-trained)}, tasks $TASKS, d $DELAYS, $STRATEGIES, $EPISODES episodes, $WORKERS workers x $LANES lanes, batch $MAX_BATCH, budget $BUDGET_S s"
+# shellcheck disable=SC2086
+"$PY" -m wamrt.cli eval grid --policy "$POLICY" ${TRAINED:+--trained-policy "$TRAINED"} --tasks "$TASKS" \
+  --delays "$DELAYS" --strategies "$STRATEGIES" --episodes "$EPISODES" --workers "$WORKERS" --lanes "$LANES" \
+  --max-batch "$MAX_BATCH" --budget-s "$BUDGET_S" --out "$RES/grid" $GRID_ARGS 2>&1 | grep -v Warning \
+  | tee "$RES/grid.txt"
+log "grid done: $(tail -1 "$RES/grid.txt")"
+
+if [ "${WALL:-0}" = 1 ]; then
+  WALL_POLICY=${TRAINED:-$POLICY}
+  WALL_ADDED_MS=${WALL_ADDED_MS:-560}
+  WALL_EPISODES=${WALL_EPISODES:-200}
+  WALL_LANES=${WALL_LANES:-16}
+  WALL_S=${WALL_S:-240}
+  SERVE_ARGS="--added-latency-ms $WALL_ADDED_MS" serve_start wall "$WALL_POLICY" 8810 "$WALL_LANES" || exit 1
+  for s in ${WALL_STRATEGIES:-prefix async}; do
+    log "wall clock: $s, $WALL_EPISODES turntable episodes x $WALL_LANES lanes at 15 Hz, server +$WALL_ADDED_MS ms"
+    timeout "$WALL_S" "$PY" -m wamrt.cli rollout --url ws://127.0.0.1:8810 --task turntable --episodes "$WALL_EPISODES" \
+      --lanes "$WALL_LANES" --seed0 0 --wall-clock --strategy "$s" --out "$RES/wall-$s.json" > "$RES/wall-$s.txt" 2>&1
+    log "wall $s: $(grep -E '^turntable|^delay mode' "$RES/wall-$s.txt" | tr '\n' ' ')"
+  done
+  serve_stop wall
+fi
