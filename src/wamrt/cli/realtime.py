@@ -46,6 +46,23 @@ def add_delay_arguments(ap: argparse.ArgumentParser) -> None:
                    help="real time: each lane runs the 15 Hz client against the --url server (real latency)")
     g.add_argument("--actuation-noise", type=float, default=0.0, metavar="RAD",
                    help="seeded OU noise (std, rad) on every executed joint target (default 0)")
+    add_reflex_argument(g)
+
+
+def add_reflex_argument(ap: Any) -> None:
+    ap.add_argument("--reflexes", choices=["task", "on", "off"], default="task",
+                    help="protective stops on commanded joint jumps (docs/realtime.md; default: the task's, on for "
+                         "turntable)")
+
+
+def env_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """PandaEnv options from the run flags (actuation noise, reflexes)."""
+    out: dict[str, Any] = {}
+    if getattr(args, "actuation_noise", 0.0):
+        out["actuation_noise"] = args.actuation_noise
+    if getattr(args, "reflexes", "task") != "task":
+        out["reflexes"] = args.reflexes == "on"
+    return out
 
 
 def delay_settings(args: argparse.Namespace, spec: dict[str, Any] | None = None) -> Any:
@@ -136,6 +153,7 @@ def add_grid_command(ev: argparse._SubParsersAction) -> None:
     g.add_argument("--budget-s", type=float, help="start no new episode after this many seconds")
     g.add_argument("--priority-delays", default="10", help="delays run first after d = 0 (default 10)")
     g.add_argument("--actuation-noise", type=float, default=0.0, metavar="RAD")
+    add_reflex_argument(g)
     g.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     g.add_argument("--engine", choices=["auto", "eager", "fast"], default="auto",
                    help="in-process policies: the fast engine (auto: on CUDA) or the eager reference")
@@ -235,14 +253,13 @@ def run_grid_command(args: argparse.Namespace) -> int:
     seeds = list(range(args.seed0, args.seed0 + args.episodes))
     print(f"grid: {len(cells)} cells x {len(seeds)} episodes on {args.workers} workers x {args.lanes} lanes",
           file=sys.stderr)
-    env_kwargs = {"actuation_noise": args.actuation_noise} if args.actuation_noise else {}
     run = run_grid(cells, seeds, backends, workers=args.workers, lanes=args.lanes, max_batch=args.max_batch,
-                   max_steps=args.max_steps, env_kwargs=env_kwargs, execute_steps=args.execute_steps,
+                   max_steps=args.max_steps, env_kwargs=env_kwargs(args), execute_steps=args.execute_steps,
                    budget_s=args.budget_s, progress=print_progress)
     command = shlex.join(["wamrt", *sys.argv[1:]])
     config = {**config, "workers": args.workers, "lanes": args.lanes, "max_batch": args.max_batch,
               "execute_steps": args.execute_steps, "max_steps": args.max_steps,
-              "actuation_noise": args.actuation_noise, "grid_wall_s": run.wall_s}
+              "actuation_noise": args.actuation_noise, "reflexes": args.reflexes, "grid_wall_s": run.wall_s}
     files = {}
     for ci, cell in enumerate(cells):
         if not run.results[ci]:

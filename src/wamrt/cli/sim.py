@@ -245,8 +245,7 @@ def _load_side(spec: PolicySpec, label: str, args: argparse.Namespace, cache: di
 
     execute = spec.execute_steps or args.execute_steps
     common = {"lanes": args.lanes, "max_steps": args.max_steps}
-    if args.actuation_noise:
-        common["actuation_noise"] = args.actuation_noise
+    common.update(realtime_cli.env_kwargs(args))
     try:
         rt = realtime_cli.delay_settings(args, spec.realtime)
     except realtime_cli.RealtimeUsageError as e:
@@ -317,10 +316,9 @@ def _run_side(side: Side, args: argparse.Namespace, seeds: list[int]) -> list[An
 
     shown = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
     bar = RolloutProgress(len(seeds), side.label, enabled=shown)
-    env_kwargs = {"actuation_noise": args.actuation_noise} if args.actuation_noise else None
     try:
         results = run_rollouts(args.task, side.factory, seeds, lanes=args.lanes, backend=side.backend,
-                               env_kwargs=env_kwargs, max_steps=args.max_steps, on_result=bar)
+                               env_kwargs=realtime_cli.env_kwargs(args), max_steps=args.max_steps, on_result=bar)
     finally:
         bar.close()
     errors = [r for r in results if r.error]

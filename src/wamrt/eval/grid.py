@@ -141,7 +141,7 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
     mail = _Mailbox(conn)
     todo = deque(episodes)
     envs: dict[int, tuple[str, PandaEnv]] = {}
-    planners: dict[str, ExpertPlanner] = {}
+    planners: dict[tuple[str, int], ExpertPlanner] = {}
     running: dict[int, tuple[int, LaneEpisode]] = {}
     try:
         while (todo and not mail.stop) or running:
@@ -155,8 +155,9 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
                         envs[lane][1].close()
                     envs[lane] = (cell.task, PandaEnv(cell.task, render=not privileged, **env_kwargs))
                 policy = None
-                if privileged:
-                    policy = planners.setdefault(cell.task, ExpertPlanner(cell.task))
+                if privileged:  # rows a chunk can run: d + max(period, d), plus a margin (cheaper plans at small d)
+                    horizon = min(32, cell.delay + max(execute_steps, cell.delay) + 4)
+                    policy = planners.setdefault((cell.task, horizon), ExpertPlanner(cell.task, horizon=horizon))
                 runner = RealtimeRunner(policy, strategy=cell.runner_strategy, execute_steps=execute_steps,
                                         clock=SimClock(cell.delay), prefix_mode=cell.prefix_mode,
                                         estimator=DelayEstimator(initial=cell.delay))
