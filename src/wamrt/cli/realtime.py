@@ -200,14 +200,20 @@ def _backend(name: str, args: argparse.Namespace) -> tuple[Any, str, dict[str, A
 
 
 def _warm_up(backend: Any, task: str, batch: int) -> None:
-    """One full-size batch first: a fast engine captures its graph at the largest batch, which every smaller
-    batch then replays (spare rows), so no capture lands inside the measured run."""
+    """Full batches at max_batch, then halves down to 8, before the run: a fast engine captures a graph at each
+    size, and a batch replays the smallest captured graph that fits it (spare rows), so no capture lands in the run
+    and a small batch does not pay for a large one's rows."""
     from ..sim.droid import droid_observation
     from ..sim.env import PandaEnv
 
     with PandaEnv(task) as env:
         obs = droid_observation(env.reset(0))
-    backend.infer_batch([obs] * batch, list(range(batch)))
+    size = batch
+    while True:
+        backend.infer_batch([obs] * size, list(range(size)))
+        if size <= 8:
+            break
+        size = max(8, size // 2)
 
 
 def run_grid_command(args: argparse.Namespace) -> int:
