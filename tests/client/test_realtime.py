@@ -102,6 +102,8 @@ def test_blend_cross_fades_over_the_delay():
     # the chunk of step 8 arrives at 10: rows 10, 11 mix old (column 1 = 0) and new (1) with weights 1/3, 2/3
     np.testing.assert_allclose(rows[10:13, 1], [1 / 3, 2 / 3, 1.0], rtol=1e-6)
     np.testing.assert_allclose(rows[10:13, 0], [10, 11, 12])  # both chunks agree on the step column
+    # The first chunk arrives at 2 to an arm standing at the observed pose (column 0 = 0): it fades in from there.
+    np.testing.assert_allclose(rows[2:5, 0], [2 / 3, 2 * 3 / 3, 4], rtol=1e-6)
 
 
 def test_delay_estimate_leaves_out_the_warm_up():

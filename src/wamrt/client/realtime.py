@@ -12,7 +12,8 @@ step t + d replaces the queue from its row d on: its rows 0..d-1 are already his
   chunk's row d, which was planned as if the arm had followed the new chunk's rows 0..d-1 (it did not).
 * `blend`: as async, but the first d rows after the switch cross-fade linearly from the old chunk to the new one
   (LeRobot's overlap aggregation, with a ramp instead of its constant 0.3 / 0.7 weights, so the first row is
-  mostly old and the last mostly new). Over d rows: at d = 0 it is the plain switch.
+  mostly old and the last mostly new). Over d rows: at d = 0 it is the plain switch. Where the old queue had run
+  dry (the first chunk of an episode), the old rows are the arm standing where it stands.
 * `prefix`: the request carries the rows the arm is committed to while it is in flight (`action_prefix`, robot
   space, the first of them executed at the observation's own step) and the reply continues from them.
 
@@ -252,11 +253,14 @@ class RealtimeRunner:
         return self.t - self.chunk_t0 >= self.execute_steps
 
     def _prefix(self) -> np.ndarray:
-        """The committed rows from this step on that the arm will run while the request is in flight: the queue's,
-        then -- where it runs dry first -- its last row held (a standing arm is committed to standing)."""
+        """The committed rows the arm will run while the request is in flight (as many as the delay estimate)."""
+        return self._committed(min(self.estimator.estimate(), self.max_prefix))
+
+    def _committed(self, n: int) -> np.ndarray:
+        """The next n rows the arm runs from this step on without a new chunk: the queue's, then -- where it runs
+        dry first -- its last row held (a standing arm is committed to standing)."""
         k = self.t - self.queue_start
         ahead = self.queue[max(k, 0):] if 0 <= k < len(self.queue) else self.queue[:0]
-        n = min(self.estimator.estimate(), self.max_prefix)
         if len(ahead) >= n:
             return ahead[:n].copy()
         last = ahead[-1] if len(ahead) else self._hold_row()
@@ -292,11 +296,10 @@ class RealtimeRunner:
             if len(new) == 0:
                 self.log.lost += 1
             if self.strategy == "blend" and len(new):
-                old_k = t - self.queue_start
-                old = self.queue[old_k:] if 0 <= old_k < len(self.queue) else self.queue[:0]
-                n = min(delay, len(old), len(new))
+                n = min(delay, len(new))
+                old = self._committed(n)  # what the arm would run without the reply (a standing arm: standing)
                 w = (np.arange(1, n + 1, dtype=np.float32) / (delay + 1))[:, None]
-                new[:n] = (1.0 - w) * old[:n] + w * new[:n]
+                new[:n] = (1.0 - w) * old + w * new[:n]
             self.queue, self.queue_start, self.chunk_t0 = new, t, request.step
         self.queue_chunk = request.index
 
