@@ -51,7 +51,7 @@ LANES=${LANES:-16}
 MAX_BATCH=${MAX_BATCH:-128}
 BUDGET_S=${BUDGET_S:-420}
 GRID_ARGS=${GRID_ARGS:-}
-if [ "$POLICY" != expert ] && [ ! -f "$TRAINED/wamrt.json" ]; then
+if [ "$POLICY" != expert ] && [ ! -d "$TRAINED" ]; then
   log "no prefix-trained checkpoint at $TRAINED: the prefix-trained cells are left out"
   TRAINED=
 fi
