@@ -109,3 +109,9 @@ def test_parser_tables_match_the_code_they_stand_for():
     assert (serve.ATTENTION_CHOICES, serve.EPILOGUE_CHOICES) == (ATTENTION_CHOICES, EPILOGUE_CHOICES)
     assert serve.SAMPLER_CHOICES == SAMPLER_CHOICES and bench.EPILOGUES == EPILOGUES
     assert quantize.RECIPES == tuple(sorted(RECIPES))
+    from wamrt.cli import realtime
+    from wamrt.client import realtime as runner
+    from wamrt.eval.grid import GRID_STRATEGIES
+
+    assert (realtime.STRATEGIES, realtime.PREFIX_MODES) == (runner.STRATEGIES, runner.PREFIX_MODES)
+    assert realtime.GRID_STRATEGY_NAMES == tuple(GRID_STRATEGIES)

@@ -22,6 +22,7 @@ COMMAND_EXTRAS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("demo",): ("server", "sim"),
     ("rollout",): ("sim",),
     ("eval", "gate"): ("sim",),
+    ("eval", "grid"): ("sim",),
     ("demos", "record"): ("sim",),
     ("export", "lerobot"): ("sim",),
     ("train", "record"): ("sim",),

@@ -16,7 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..client.realtime import PREFIX_MODES, STRATEGIES
+# The runner's names, repeated so that building the parser imports no numpy (a test holds them equal).
+STRATEGIES = ("sync", "async", "blend", "prefix")
+PREFIX_MODES = ("auto", "clean", "inpaint")
+GRID_STRATEGY_NAMES = ("sync", "async", "blend", "prefix", "prefix-inpaint", "prefix-trained")
 
 # SPEC keys of the delay mode (cli.sim.parse_spec hands them here); latency_ms uses "/" (a "," separates keys).
 REALTIME_SPEC_KEYS: dict[str, Any] = {
@@ -132,18 +135,19 @@ def summary_line(results: Any) -> str:
 def add_grid_command(ev: argparse._SubParsersAction) -> None:
     g = ev.add_parser("grid", help="success against delay for every strategy: one result file per cell, a table "
                       "with paired McNemar p and a chart (docs/realtime.md)")
-    g.add_argument("--tasks", default="pick_place,turntable")
-    g.add_argument("--delays", default="0,1,3,6,10,14", help="d in control steps (15 Hz)")
+    g.add_argument("--tasks", default="pick_place,turntable", help="comma-separated simulator tasks")
+    g.add_argument("--delays", default="0,1,3,6,10,14", help="d in control steps (15 Hz), comma-separated")
     g.add_argument("--strategies", default="sync,async,blend,prefix-inpaint,prefix-trained",
-                   help="of sync, async, blend, prefix (auto mode), prefix-inpaint, prefix-trained")
-    g.add_argument("--episodes", type=int, default=200)
-    g.add_argument("--seed0", type=int, default=0)
+                   help="of " + ", ".join(GRID_STRATEGY_NAMES) + " (prefix: auto mode)")
+    g.add_argument("--episodes", type=int, default=200, help="episodes per cell, one per seed (paired across cells)")
+    g.add_argument("--seed0", type=int, default=0, help="episode seeds are seed0 .. seed0+episodes-1")
     g.add_argument("--policy", required=True,
                    help="checkpoint folder, built-in name, ws:// URL of a `wamrt serve`, or 'expert' (the scripted "
                         "expert as a chunk planner, on privileged state)")
     g.add_argument("--trained-policy", help="the checkpoint trained with action prefixes (prefix-trained cells; "
                    "folder or URL). Without it those cells are left out")
-    g.add_argument("--out", type=Path, required=True, metavar="DIR")
+    g.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="cell files, summary.md, summary.json and the chart go here")
     g.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="simulator processes (default: one per core but one)")
     g.add_argument("--lanes", type=int, default=8, help="episodes side by side in each worker (default 8)")
@@ -152,7 +156,8 @@ def add_grid_command(ev: argparse._SubParsersAction) -> None:
     g.add_argument("--max-steps", type=int, help="episode step limit (default: the task's)")
     g.add_argument("--budget-s", type=float, help="start no new episode after this many seconds")
     g.add_argument("--priority-delays", default="10", help="delays run first after d = 0 (default 10)")
-    g.add_argument("--actuation-noise", type=float, default=0.0, metavar="RAD")
+    g.add_argument("--actuation-noise", type=float, default=0.0, metavar="RAD",
+                   help="seeded OU noise (std, rad) on every executed joint target")
     add_reflex_argument(g)
     g.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     g.add_argument("--engine", choices=["auto", "eager", "fast"], default="auto",
@@ -160,7 +165,7 @@ def add_grid_command(ev: argparse._SubParsersAction) -> None:
     g.add_argument("--batch-invariant", action="store_true",
                    help="fast engine: every request computed alone (bit-exact replays, slower)")
     g.add_argument("--steps", type=int, help="sampler steps (default: the policy's)")
-    g.add_argument("--api-key")
+    g.add_argument("--api-key", help="for a server started with --api-key")
     g.set_defaults(func=run_grid_command)
 
 
