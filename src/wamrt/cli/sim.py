@@ -5,8 +5,9 @@ Everything heavy (mujoco, torch, pyarrow) is imported inside the command functio
 missing and exits with 2.
 
 Gate SPEC syntax: `NAME[:key=value,...]`, NAME being `expert`, a built-in model (`tiny-droid`) or a
-checkpoint folder; keys are the sampling overrides steps, guidance, shift, guidance_interval (`LO-HI`) and
-execute_steps (rows executed per chunk). Example: `tiny-droid:steps=2,guidance=3`.
+checkpoint folder; keys are the sampling overrides steps, guidance, shift, guidance_interval (`LO-HI`),
+execute_steps (rows executed per chunk) and the delay mode's strategy, delay_steps, latency_ms (`P50/P99`) and
+prefix_mode (cli/realtime.py). Example: `tiny-droid:steps=2,guidance=3`.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_run_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--task", required=True, help="lift, pick_place or pick_place_two")
+    ap.add_argument("--task", required=True, help="lift, pick_place, pick_place_two or turntable")
     ap.add_argument("--episodes", type=int, default=50, help="episodes, one per seed")
     ap.add_argument("--lanes", type=int, default=1, help="simulators run in parallel (default 1)")
     ap.add_argument("--seed0", type=int, default=0, help="episode seeds are seed0 .. seed0+episodes-1")

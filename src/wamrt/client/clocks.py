@@ -7,6 +7,7 @@ exception it raised) once it has arrived by control step `step`, `flush()` makes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -163,6 +164,14 @@ class WallClock:
         self._lock = threading.Lock()
 
     def start(self, episode_seed: int | None) -> None:
+        """A new episode: a request still running from the last one is waited out (its reply is dropped), so the
+        next episode's first request does not queue behind it."""
+        if self._future is not None:
+            with contextlib.suppress(Exception):
+                self._future.result()
+            self._future = None
+        with self._lock:
+            self.latencies_ms.clear()
         self._next = None
         self.overruns = 0
 

@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from .clocks import WallClock
+
 STRATEGIES = ("sync", "async", "blend", "prefix")
 PREFIX_KEY = "action_prefix"  # float [d, 8] robot-space rows, 0 <= d <= MAX_PREFIX
 PREFIX_MODE_KEY = "action_prefix_mode"  # "auto" | "clean" | "inpaint"
@@ -146,8 +148,6 @@ class RealtimeRunner:
                  clock: Any = None, prefix_mode: str = "auto", estimator: DelayEstimator | None = None,
                  max_prefix: int = MAX_PREFIX, seeded: bool = True, raise_errors: bool = True,
                  **infer_kwargs: Any) -> None:
-        from .clocks import WallClock
-
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         if prefix_mode not in PREFIX_MODES:
@@ -225,7 +225,8 @@ class RealtimeRunner:
         else:
             row, stalled = self._hold_row(), True
         self.log.rows.append(row.copy())
-        self.log.chunk.append(self.queue_chunk if not stalled or self.log.chunk == [] else self.log.chunk[-1])
+        held_from = self.log.chunk[-1] if self.log.chunk else -1  # a held row belongs to the chunk it ended
+        self.log.chunk.append(held_from if stalled else self.queue_chunk)
         self.log.stalled.append(stalled)
         self.t += 1
         return row.copy()
