@@ -30,8 +30,10 @@
 #          peer-edge peer-nano (issue 14: ROWS at 4 and 2 steps with the diffusers peer in the same process)
 #          kernels (issue 14: `wamrt bench kernels --sweep` and the GPU tests of the epilogue GEMMs and the VAE encode)
 #          grid (issue 41: the strategy x delay grid, `wamrt eval grid`, of panda-droid and the prefix-trained checkpoint
-#          that prefix-train leaves at /tmp/wamrt-prefix/ckpt (or TRAINED=FOLDER); scripts/realtime_grid.sh, ~8 min with
-#          BUDGET_S 420, carry .whl and .gl; WALL=1 adds the 15 Hz wall-clock runs against a server, ~4 min more)
+#          that prefix-train leaves at /tmp/wamrt-prefix/ckpt (or TRAINED=FOLDER); scripts/realtime_grid.sh, ~9 min with
+#          BUDGET_S 330 s of episodes: give it grid:560; carry .whl and .gl)
+#          grid-wall (issue 41: the 15 Hz client on turntable against the prefix-trained checkpoint served at +560 ms,
+#          prefix and async, 200 episodes each: ~4 min; same carry)
 #          rows-edge rows-nano (E5 and its alternatives timed in one process; ROWS, default E5,E5-bucket,E5-bucket-mask
 #          (issue 13: prompt buckets against exact lengths); E5-mask, E5-autotune on request -- autotuning can take
 #          minutes at Nano, so give it a part of its own, e.g. rows-nano:560)
@@ -304,6 +306,9 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
           RES=$res timeout "$limit" bash scripts/lever_gates.sh 2>&1 | tee "$res/log.txt" ;;
     grid) # Issue 41: success against delay per strategy (the checkpoint for prefix-trained: TRAINED, default prefix-train's)
           RES=$res timeout "$limit" bash scripts/realtime_grid.sh ${TRAINED:+"$TRAINED"} 2>&1 | tee "$res/log.txt" ;;
+    grid-wall) # Issue 41: the 15 Hz client against a server answering at ~600 ms (compare with the grid's d = 10 cells)
+          GRID=0 WALL=1 RES=$res timeout "$limit" bash scripts/realtime_grid.sh ${TRAINED:+"$TRAINED"} 2>&1 \
+             | tee "$res/log.txt" ;;
     kernel-tests) # the Triton kernels against their references (head epilogue, fp8 fusion), in graphs, timed
           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_qkv_epilogue.py \
              tests/engine/test_fp8_fusion.py tests/ops/test_quantized_attention.py tests/ops/test_fp8_gemm.py 2>&1 \

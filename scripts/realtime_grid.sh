@@ -12,7 +12,7 @@
 # BUDGET_S stops new episodes (a cut cell is written with `complete: false`). Writes $RES/grid/ (a rollout file per
 # cell, summary.md, summary.json, success-vs-delay.png) and $RES/grid.txt.
 #
-# WALL=1 then serves the prefix-trained checkpoint (else POLICY) with --added-latency-ms WALL_ADDED_MS (default 560: with
+# WALL=1 (GRID=0: alone; `scripts/gpu_run.sh grid-wall`) then serves the prefix-trained checkpoint (else POLICY) with --added-latency-ms WALL_ADDED_MS (default 560: with
 # the model's own time d ~ 10 at 15 Hz) and runs WALL_EPISODES turntable episodes per strategy in WALL_STRATEGIES with
 # the real-time client (--wall-clock, WALL_LANES lane processes): $RES/wall-<strategy>.json, to compare with the grid's
 # deterministic cell at the measured d.
@@ -49,7 +49,7 @@ EPISODES=${EPISODES:-200}
 WORKERS=${WORKERS:-15}
 LANES=${LANES:-16}
 MAX_BATCH=${MAX_BATCH:-128}
-BUDGET_S=${BUDGET_S:-420}
+BUDGET_S=${BUDGET_S:-330}
 GRID_ARGS=${GRID_ARGS:-}
 if [ "$POLICY" != expert ] && [ ! -d "$TRAINED" ]; then
   log "no prefix-trained checkpoint at $TRAINED: the prefix-trained cells are left out"
@@ -57,13 +57,15 @@ if [ "$POLICY" != expert ] && [ ! -d "$TRAINED" ]; then
 fi
 [ "$POLICY" = expert ] && TRAINED=
 
-log "grid: $POLICY${TRAINED:+ + $TRAINED (prefix-trained)}, tasks $TASKS, d $DELAYS, $STRATEGIES, $EPISODES episodes, $WORKERS workers x $LANES lanes, batch $MAX_BATCH, budget $BUDGET_S s"
-# shellcheck disable=SC2086
-"$PY" -m wamrt.cli eval grid --policy "$POLICY" ${TRAINED:+--trained-policy "$TRAINED"} --tasks "$TASKS" \
-  --delays "$DELAYS" --strategies "$STRATEGIES" --episodes "$EPISODES" --workers "$WORKERS" --lanes "$LANES" \
-  --max-batch "$MAX_BATCH" --budget-s "$BUDGET_S" --out "$RES/grid" $GRID_ARGS 2>&1 | grep -v Warning \
-  | tee "$RES/grid.txt"
-log "grid done: $(tail -1 "$RES/grid.txt")"
+if [ "${GRID:-1}" = 1 ]; then
+  log "grid: $POLICY${TRAINED:+ + $TRAINED (prefix-trained)}, tasks $TASKS, d $DELAYS, $STRATEGIES, $EPISODES episodes, $WORKERS workers x $LANES lanes, batch $MAX_BATCH, budget $BUDGET_S s"
+  # shellcheck disable=SC2086
+  "$PY" -m wamrt.cli eval grid --policy "$POLICY" ${TRAINED:+--trained-policy "$TRAINED"} --tasks "$TASKS" \
+    --delays "$DELAYS" --strategies "$STRATEGIES" --episodes "$EPISODES" --workers "$WORKERS" --lanes "$LANES" \
+    --max-batch "$MAX_BATCH" --budget-s "$BUDGET_S" --out "$RES/grid" $GRID_ARGS 2>&1 | grep -v Warning \
+    | tee "$RES/grid.txt"
+  log "grid done: $(tail -1 "$RES/grid.txt")"
+fi
 
 if [ "${WALL:-0}" = 1 ]; then
   WALL_POLICY=${TRAINED:-$POLICY}
