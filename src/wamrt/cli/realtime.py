@@ -166,6 +166,8 @@ def add_grid_command(ev: argparse._SubParsersAction) -> None:
                    help="fast engine: every request computed alone (bit-exact replays, slower)")
     g.add_argument("--steps", type=int, help="sampler steps (default: the policy's)")
     g.add_argument("--api-key", help="for a server started with --api-key")
+    g.add_argument("--report-only", action="store_true",
+                   help="run nothing: rebuild summary.md and the chart from the cell files in --out (a run cut short)")
     g.set_defaults(func=run_grid_command)
 
 
@@ -228,8 +230,9 @@ def run_grid_command(args: argparse.Namespace) -> int:
 
     if problem := _sim_problem():
         return _error(problem)
-    from ..eval.grid import plan_cells, print_progress, run_grid
+    from ..eval.grid import Cell, plan_cells, print_progress, run_grid
     from ..eval.grid_report import cell_result, write_grid
+    from ..eval.results import write_result
     from ..provenance import git_sha
     from ..sim.tasks import TASKS
 
@@ -239,6 +242,18 @@ def run_grid_command(args: argparse.Namespace) -> int:
         priority = [int(d) for d in _csv(args.priority_delays)]
     except ValueError:
         return _error("--delays and --priority-delays are comma-separated integers")
+    if args.report_only:
+        from ..eval.grid_report import load_cells
+
+        files = load_cells(args.out)
+        if not files:
+            return _error(f"no grid cell files in {args.out}")
+        cells = list(files)
+        path, _ = write_grid(args.out, cells, files, strategies, delays,
+                             {"policy": next(iter(files.values())).get("policy"), "command": "(report of cell files)",
+                              "episodes": max(f["episodes"] for f in files.values())})
+        print(path.read_text())
+        return 0
     if unknown := [t for t in tasks if t not in TASKS]:
         return _error(f"unknown tasks {unknown} (tasks: {', '.join(TASKS)})")
     if args.episodes < 1 or args.workers < 1 or args.lanes < 1 or args.max_batch < 1:
@@ -266,21 +281,25 @@ def run_grid_command(args: argparse.Namespace) -> int:
     seeds = list(range(args.seed0, args.seed0 + args.episodes))
     print(f"grid: {len(cells)} cells x {len(seeds)} episodes on {args.workers} workers x {args.lanes} lanes",
           file=sys.stderr)
-    run = run_grid(cells, seeds, backends, workers=args.workers, lanes=args.lanes, max_batch=args.max_batch,
-                   max_steps=args.max_steps, env_kwargs=env_kwargs(args), execute_steps=args.execute_steps,
-                   budget_s=args.budget_s, progress=print_progress)
     command = shlex.join(["wamrt", *sys.argv[1:]])
     config = {**config, "workers": args.workers, "lanes": args.lanes, "max_batch": args.max_batch,
               "execute_steps": args.execute_steps, "max_steps": args.max_steps,
-              "actuation_noise": args.actuation_noise, "reflexes": args.reflexes, "grid_wall_s": run.wall_s}
-    files = {}
-    for ci, cell in enumerate(cells):
-        if not run.results[ci]:
-            continue
+              "actuation_noise": args.actuation_noise, "reflexes": args.reflexes}
+
+    def result_of(cell: Cell, results: list[Any]) -> dict[str, Any]:
         shared = [s for s in strategies if cell.delay == 0 and _strategy_policy(s) == cell.policy]
         label = args.trained_policy if cell.policy == "trained" else args.policy
-        files[cell] = cell_result(cell, run.results[ci], seeds, config, gpu=gpu, policy_label=str(label),
-                                  shared_by=shared, command=command)
+        return cell_result(cell, results, seeds, config, gpu=gpu, policy_label=str(label), shared_by=shared,
+                           command=command)
+
+    def write_cell(ci: int, results: list[Any]) -> None:
+        write_result(result_of(cells[ci], results), args.out / f"{cells[ci].name}.json")
+
+    run = run_grid(cells, seeds, backends, workers=args.workers, lanes=args.lanes, max_batch=args.max_batch,
+                   max_steps=args.max_steps, env_kwargs=env_kwargs(args), execute_steps=args.execute_steps,
+                   budget_s=args.budget_s, progress=print_progress, on_cell=write_cell)
+    config["grid_wall_s"] = run.wall_s
+    files = {cell: result_of(cell, run.results[ci]) for ci, cell in enumerate(cells) if run.results[ci]}
     calls = len(run.batches)
     meta = {"policy": args.policy, "trained_policy": args.trained_policy, "command": command, "git_sha": git_sha(),
             "gpu": gpu, "episodes": len(seeds), "seeds": f"{seeds[0]}-{seeds[-1]}", "wall_s": run.wall_s,

@@ -238,8 +238,10 @@ class GridRun:
 def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, Any] | None, *, workers: int = 2,
              lanes: int = 8, max_batch: int = 64, max_steps: int | None = None,
              env_kwargs: dict[str, Any] | None = None, execute_steps: int = 8, budget_s: float | None = None,
-             progress: Callable[[str], None] | None = None) -> GridRun:
-    """backends: policy name ("base", "trained") -> LocalBackend / RemoteBackend; None: the expert planner."""
+             progress: Callable[[str], None] | None = None,
+             on_cell: Callable[[int, list[Any]], None] | None = None) -> GridRun:
+    """backends: policy name ("base", "trained") -> LocalBackend / RemoteBackend; None: the expert planner.
+    `on_cell(cell index, results)` runs as each cell completes."""
     t0 = time.perf_counter()
     cells = list(cells)
     items = [(ci, int(s)) for ci in range(len(cells)) for s in seeds]
@@ -272,9 +274,12 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
                 elif msg[0] == "result":
                     results[msg[1]][msg[2].seed] = msg[2]
                     done = len(results[msg[1]])
-                    if progress and done == len(seeds):
-                        progress(f"{cells[msg[1]].name}: {sum(r.success for r in results[msg[1]].values())}/"
-                                 f"{done} ({time.perf_counter() - t0:.0f} s)")
+                    if done == len(seeds):
+                        if progress:
+                            progress(f"{cells[msg[1]].name}: {sum(r.success for r in results[msg[1]].values())}/"
+                                     f"{done} ({time.perf_counter() - t0:.0f} s)")
+                        if on_cell is not None:  # written now: a run killed later keeps its finished cells
+                            on_cell(msg[1], [results[msg[1]][s] for s in seeds])
                 elif msg[0] == "done":
                     live.discard(w)
                 elif msg[0] == "crash":

@@ -138,6 +138,27 @@ def chart(rows: Sequence[dict[str, Any]], strategies: Sequence[str], path: Path)
     return path
 
 
+def load_cells(out: Path) -> dict[Cell, dict[str, Any]]:
+    """The cell files a grid run wrote into `out` (also those of a run killed before its summary)."""
+    files: dict[Cell, dict[str, Any]] = {}
+    for path in sorted(out.glob("*.json")):
+        try:
+            res = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(res, dict) or res.get("kind") != "rollout" or "cell" not in res:
+            continue
+        d = int(res["delay_steps"])
+        if d == 0:
+            shared = res.get("shared_by") or []
+            strategy = shared[0] if shared else ("prefix-trained" if res.get("policy_role") == "trained" else "async")
+        else:
+            strategy = res["strategy"]
+        if strategy in GRID_STRATEGIES:
+            files[Cell(res["task"], d, strategy)] = res
+    return files
+
+
 def write_grid(out: Path, cells: Sequence[Cell], files: dict[Cell, dict[str, Any]], strategies: Sequence[str],
                delays: Sequence[int], meta: dict[str, Any]) -> tuple[Path, list[dict[str, Any]]]:
     out.mkdir(parents=True, exist_ok=True)
@@ -145,11 +166,11 @@ def write_grid(out: Path, cells: Sequence[Cell], files: dict[Cell, dict[str, Any
         write_result(res, out / f"{cell.name}.json")
     table, rows = summary(cells, files, strategies, delays)
     png = chart(rows, strategies, out / "success-vs-delay.png")
-    head = [f"# Strategy x delay grid: {meta.get('policy')}", "",
-            f"`{meta.get('command')}`", "",
-            f"git {meta.get('git_sha')}, {meta.get('gpu')}, {meta.get('episodes')} episodes per cell (seeds "
-            f"{meta.get('seeds')}), {meta.get('wall_s', 0):.0f} s; request period {meta.get('execute_steps')} rows; "
-            f"policy calls: {meta.get('calls')} batches, mean batch {meta.get('mean_batch', 0):.1f}.", ""]
+    head = [f"# Strategy x delay grid: {meta.get('policy')}", "", f"`{meta.get('command')}`", ""]
+    if "wall_s" in meta:
+        head += [f"git {meta.get('git_sha')}, {meta.get('gpu')}, {meta.get('episodes')} episodes per cell (seeds "
+                 f"{meta.get('seeds')}), {meta['wall_s']:.0f} s; request period {meta.get('execute_steps')} rows; "
+                 f"policy calls: {meta.get('calls')} batches, mean batch {meta.get('mean_batch', 0):.1f}.", ""]
     if png is not None:
         head += [f"![success against d]({png.name})", ""]
     (out / "summary.md").write_text("\n".join(head) + table + "\n")
