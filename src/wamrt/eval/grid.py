@@ -280,8 +280,11 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
                                      f"{done} ({time.perf_counter() - t0:.0f} s)")
                         if on_cell is not None:  # written now: a run killed later keeps its finished cells
                             on_cell(msg[1], [results[msg[1]][s] for s in seeds])
-                elif msg[0] == "done":
+                elif msg[0] == "done":  # its last episodes may have ended with requests still in flight
                     live.discard(w)
+                    kept = [item for item in pending if item[0] is not c]
+                    pending.clear()
+                    pending.extend(kept)
                 elif msg[0] == "crash":
                     raise RuntimeError(f"grid worker {w} failed:\n{msg[1]}")
             if pending and (not ready or len(pending) >= max_batch):
@@ -324,7 +327,10 @@ def _serve_batch(pending: deque, backends: dict[str, Any], max_batch: int, batch
         by_conn.setdefault(conn, {})[ticket] = (f"{type(rows).__name__}: {rows}" if isinstance(rows, Exception)
                                                 else rows)
     for conn, replies in by_conn.items():
-        conn.send(("replies", replies))
+        try:
+            conn.send(("replies", replies))
+        except (BrokenPipeError, ConnectionResetError):  # the worker finished: nothing waits for these replies
+            pass
 
 
 def print_progress(line: str) -> None:
