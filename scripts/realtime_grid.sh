@@ -9,15 +9,16 @@
 # TRAINED, else /tmp/wamrt-prefix/ckpt; left out if absent) for prefix-trained, d in DELAYS, on TASKS, EPISODES
 # paired seeds per cell. In one process: the policies on the GPU (fast engine, CUDA graphs captured at MAX_BATCH), WORKERS
 # simulator processes x LANES episodes each, rendering only at request steps. d = 0 and d = 10 cells run first;
-# BUDGET_S stops new episodes (a cut cell is written with `complete: false`). Writes $RES/grid/ (a rollout file per
-# cell, summary.md, summary.json, success-vs-delay.png) and $RES/grid.txt.
+# BUDGET_S stops new episodes (a cut cell is written with `complete: false`). The cells live in GRID_DIR
+# (/tmp/wamrt-grid): a second call on the warm machine runs only the cells not yet complete. Writes $RES/grid/ (a
+# rollout file per cell, summary.md, summary.json, success-vs-delay.png) and $RES/grid.txt.
 #
 # WALL=1 (GRID=0: alone; `scripts/gpu_run.sh grid-wall`) then serves the prefix-trained checkpoint (else POLICY) with --added-latency-ms WALL_ADDED_MS (default 560: with
 # the model's own time d ~ 10 at 15 Hz) and runs WALL_EPISODES turntable episodes per strategy in WALL_STRATEGIES with
 # the real-time client (--wall-clock, WALL_LANES lane processes): $RES/wall-<strategy>.json, to compare with the grid's
 # deterministic cell at the measured d.
 #
-# Knobs (env): POLICY TRAINED TASKS DELAYS STRATEGIES EPISODES WORKERS LANES MAX_BATCH BUDGET_S GRID_ARGS WALL
+# Knobs (env): POLICY TRAINED TASKS DELAYS STRATEGIES EPISODES WORKERS LANES MAX_BATCH BUDGET_S GRID_ARGS GRID_DIR WALL
 #   WALL_ADDED_MS WALL_EPISODES WALL_LANES WALL_STRATEGIES WALL_S PY SKIP_INSTALL=1 (local: no .gl unpacking).
 # CPU dry run (2 cells, 2 episodes, 12 steps, the expert planner needs no GPU; POLICY=tiny-droid exercises the
 # batched policy path instead, slowly):
@@ -51,6 +52,9 @@ LANES=${LANES:-16}
 MAX_BATCH=${MAX_BATCH:-128}
 BUDGET_S=${BUDGET_S:-330}
 GRID_ARGS=${GRID_ARGS:-}
+# Outside the part's folder (gpu_run.sh empties that per call): a later call on the warm machine resumes the grid,
+# running only the cells not yet complete (--resume).
+GRID_DIR=${GRID_DIR:-/tmp/wamrt-grid}
 if [ "$POLICY" != expert ] && [ ! -d "$TRAINED" ]; then
   log "no prefix-trained checkpoint at $TRAINED: the prefix-trained cells are left out"
   TRAINED=
@@ -62,8 +66,9 @@ if [ "${GRID:-1}" = 1 ]; then
   # shellcheck disable=SC2086
   "$PY" -m wamrt.cli eval grid --policy "$POLICY" ${TRAINED:+--trained-policy "$TRAINED"} --tasks "$TASKS" \
     --delays "$DELAYS" --strategies "$STRATEGIES" --episodes "$EPISODES" --workers "$WORKERS" --lanes "$LANES" \
-    --max-batch "$MAX_BATCH" --budget-s "$BUDGET_S" --out "$RES/grid" $GRID_ARGS 2>&1 | grep -v Warning \
+    --max-batch "$MAX_BATCH" --budget-s "$BUDGET_S" --out "$GRID_DIR" --resume $GRID_ARGS 2>&1 | grep -v Warning \
     | tee "$RES/grid.txt"
+  rm -rf "$RES/grid"; cp -r "$GRID_DIR" "$RES/grid"
   log "grid done: $(tail -1 "$RES/grid.txt")"
 fi
 

@@ -120,3 +120,24 @@ def test_grid_refuses_unknown_strategies():
 
     with pytest.raises(ValueError, match="ensemble"):
         plan_cells(["pick_place"], [0], ["ensemble"])
+
+
+def test_grid_command_resumes_and_rebuilds_its_report(tmp_path, capsys):
+    from wamrt.cli import main
+
+    argv = ["eval", "grid", "--policy", "expert", "--tasks", "turntable", "--delays", "0,3", "--strategies",
+            "async,prefix", "--episodes", "2", "--workers", "1", "--lanes", "2", "--max-steps", "10",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    first = {p.name: p.read_text() for p in tmp_path.glob("turntable-*.json")}
+    assert sorted(first) == ["turntable-d0.json", "turntable-d3-async.json", "turntable-d3-prefix.json"]
+    (tmp_path / "turntable-d3-prefix.json").unlink()  # as if the first call ran out of time before this cell
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0
+    assert "grid: 1 cells" in capsys.readouterr().err  # only the missing cell ran
+    assert (tmp_path / "turntable-d0.json").read_text() == first["turntable-d0.json"]  # kept, not rewritten
+    assert json.loads((tmp_path / "turntable-d3-prefix.json").read_text())["outcomes"] == json.loads(
+        first["turntable-d3-prefix.json"])["outcomes"]  # the expert planner replays
+    (tmp_path / "summary.md").unlink()
+    assert main([*argv, "--report-only"]) == 0
+    assert "| 3 | prefix |" in (tmp_path / "summary.md").read_text()

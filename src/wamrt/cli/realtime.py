@@ -166,6 +166,8 @@ def add_grid_command(ev: argparse._SubParsersAction) -> None:
                    help="fast engine: every request computed alone (bit-exact replays, slower)")
     g.add_argument("--steps", type=int, help="sampler steps (default: the policy's)")
     g.add_argument("--api-key", help="for a server started with --api-key")
+    g.add_argument("--resume", action="store_true",
+                   help="skip the cells --out already holds complete for these seeds (a grid spread over device calls)")
     g.add_argument("--report-only", action="store_true",
                    help="run nothing: rebuild summary.md and the chart from the cell files in --out (a run cut short)")
     g.set_defaults(func=run_grid_command)
@@ -279,8 +281,15 @@ def run_grid_command(args: argparse.Namespace) -> int:
         for b in backends.values():
             _warm_up(b, tasks[0], args.max_batch)
     seeds = list(range(args.seed0, args.seed0 + args.episodes))
-    print(f"grid: {len(cells)} cells x {len(seeds)} episodes on {args.workers} workers x {args.lanes} lanes",
-          file=sys.stderr)
+    done: dict[Any, dict[str, Any]] = {}
+    if args.resume:  # cells an earlier call finished, for exactly these seeds, are kept and not run again
+        from ..eval.grid_report import load_cells
+
+        done = {c: f for c, f in load_cells(args.out).items() if c in cells and f.get("complete")
+                and f.get("seeds") == {"first": seeds[0], "last": seeds[-1]}}
+    todo = [c for c in cells if c not in done]
+    print(f"grid: {len(todo)} cells x {len(seeds)} episodes on {args.workers} workers x {args.lanes} lanes"
+          + (f" ({len(done)} done before)" if done else ""), file=sys.stderr)
     command = shlex.join(["wamrt", *sys.argv[1:]])
     config = {**config, "workers": args.workers, "lanes": args.lanes, "max_batch": args.max_batch,
               "execute_steps": args.execute_steps, "max_steps": args.max_steps,
@@ -293,13 +302,13 @@ def run_grid_command(args: argparse.Namespace) -> int:
                            command=command)
 
     def write_cell(ci: int, results: list[Any]) -> None:
-        write_result(result_of(cells[ci], results), args.out / f"{cells[ci].name}.json")
+        write_result(result_of(todo[ci], results), args.out / f"{todo[ci].name}.json")
 
-    run = run_grid(cells, seeds, backends, workers=args.workers, lanes=args.lanes, max_batch=args.max_batch,
+    run = run_grid(todo, seeds, backends, workers=args.workers, lanes=args.lanes, max_batch=args.max_batch,
                    max_steps=args.max_steps, env_kwargs=env_kwargs(args), execute_steps=args.execute_steps,
                    budget_s=args.budget_s, progress=print_progress, on_cell=write_cell)
     config["grid_wall_s"] = run.wall_s
-    files = {cell: result_of(cell, run.results[ci]) for ci, cell in enumerate(cells) if run.results[ci]}
+    files = {**done, **{cell: result_of(cell, run.results[ci]) for ci, cell in enumerate(todo) if run.results[ci]}}
     calls = len(run.batches)
     meta = {"policy": args.policy, "trained_policy": args.trained_policy, "command": command, "git_sha": git_sha(),
             "gpu": gpu, "episodes": len(seeds), "seeds": f"{seeds[0]}-{seeds[-1]}", "wall_s": run.wall_s,

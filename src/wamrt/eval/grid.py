@@ -268,6 +268,7 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
                 try:
                     msg = c.recv()
                 except EOFError:
+                    procs[w].join(5)
                     raise RuntimeError(f"grid worker {w} died (exit code {procs[w].exitcode})") from None
                 if msg[0] == "requests":
                     pending.extend((c, ticket, policy, obs, seed) for ticket, policy, obs, seed in msg[1])
