@@ -207,3 +207,22 @@ def test_a_policy_that_ignores_the_prefix_keys_still_runs_on_time():
     assert PREFIX_KEY in policy.requests[1]  # sent ...
     np.testing.assert_array_equal(rows[4:, 0], np.arange(4, 40))  # ... ignored, and every row is still on time
     assert runner.log.chunk[12] == 1 and rows[12, 1] == 1
+
+
+def test_the_runner_speaks_the_servers_prefix_keys():
+    """The runner repeats the request keys so that it imports no torch; they must be the pipeline's."""
+    from wamrt.client import realtime
+    from wamrt.pipeline import prefix
+
+    assert (realtime.PREFIX_KEY, realtime.PREFIX_MODE_KEY) == (prefix.PREFIX_KEY, prefix.PREFIX_MODE_KEY)
+    assert realtime.PREFIX_MODES == prefix.PREFIX_MODES and realtime.MAX_PREFIX == prefix.MAX_PREFIX_ROWS
+
+
+def test_importing_the_runner_needs_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; import wamrt.client.realtime, wamrt.client.clocks; "
+            "print(sorted(m for m in ('torch', 'mujoco', 'websockets', 'msgpack') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
