@@ -6,7 +6,7 @@
 # Carry .whl (mujoco + the server wheels) and .gl (EGL), as for scripts/gpu_pipeline.sh.
 #
 # Grid: panda-droid (POLICY) for sync / async / blend / prefix-inpaint, the prefix-trained checkpoint (argument 1, else
-# TRAINED, else /tmp/wamrt-prefix/ckpt; left out if absent) for prefix-trained, d in DELAYS, on TASKS, EPISODES
+# TRAINED, else /tmp/wamrt-prefix/ckpt; a folder or a name such as panda-droid-rt; left out if absent) for prefix-trained, d in DELAYS, on TASKS, EPISODES
 # paired seeds per cell. In one process: the policies on the GPU (fast engine, CUDA graphs captured at MAX_BATCH), WORKERS
 # simulator processes x LANES episodes each, rendering only at request steps. d = 0 and d = 10 cells run first;
 # BUDGET_S stops new episodes (a cut cell is written with `complete: false`). The cells live in GRID_DIR
@@ -55,7 +55,11 @@ GRID_ARGS=${GRID_ARGS:-}
 # Outside the part's folder (gpu_run.sh empties that per call): a later call on the warm machine resumes the grid,
 # running only the cells not yet complete (--resume).
 GRID_DIR=${GRID_DIR:-/tmp/wamrt-grid}
-if [ "$POLICY" != expert ] && [ ! -d "$TRAINED" ]; then
+trained_ok() {  # a checkpoint folder, or a trained model name whose folder is present (e.g. panda-droid-rt)
+  [ -d "$1" ] || "$PY" -c "import sys; from wamrt.pipeline.policy import trained_path; trained_path(sys.argv[1])" \
+    "$1" >/dev/null 2>&1
+}
+if [ "$POLICY" != expert ] && ! trained_ok "$TRAINED"; then
   log "no prefix-trained checkpoint at $TRAINED: the prefix-trained cells are left out"
   TRAINED=
 fi

@@ -286,7 +286,8 @@ def run_grid_command(args: argparse.Namespace) -> int:
         from ..eval.grid_report import load_cells
 
         done = {c: f for c, f in load_cells(args.out).items() if c in cells and f.get("complete")
-                and f.get("seeds") == {"first": seeds[0], "last": seeds[-1]}}
+                and f.get("seeds") == {"first": seeds[0], "last": seeds[-1]} and f.get("policy") == str(
+                    args.trained_policy if c.policy == "trained" else args.policy)}
     todo = [c for c in cells if c not in done]
     print(f"grid: {len(todo)} cells x {len(seeds)} episodes on {args.workers} workers x {args.lanes} lanes"
           + (f" ({len(done)} done before)" if done else ""), file=sys.stderr)
