@@ -178,3 +178,20 @@ def test_delay_mode_rollout_and_a_gate_at_another_delay(tmp_path, capsys):
     assert _run(["rollout", "--task", "lift", "--delay-steps", "2", "--latency-ms", "100"]) == 2
     assert _run(["rollout", "--task", "lift", "--wall-clock"]) == 2
     assert "--url" in capsys.readouterr().err
+
+
+def test_wall_clock_rollout_against_a_server_with_added_latency(tmp_path, capsys):
+    """`--wall-clock`: the 15 Hz runner against a real server; d comes from the measured latency."""
+    from oracle.fake_policy import FakePolicy
+
+    from wamrt.serving import ServeConfig, ServerThread
+
+    out = tmp_path / "wall.json"
+    with ServerThread(FakePolicy(), ServeConfig(max_batch=2, added_latency_ms=150.0)) as srv:
+        assert _run(["rollout", "--task", "pick_place", "--url", srv.ws_url, "--wall-clock", "--strategy", "prefix",
+                     "--episodes", "1", "--max-steps", "30", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["clock"] == "wall" and res["strategy"] == "prefix" and "delay_steps" not in res
+    rt = res["realtime"]
+    assert rt["latency_ms_p50"] >= 150 and 3 <= rt["delay_steps_mean"] <= 8 and rt["requests"] >= 2
+    assert rt["control_steps"] == 30 and rt["stalled_steps"] <= rt["delay_steps_max"]  # only the first wait
