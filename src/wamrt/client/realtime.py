@@ -163,7 +163,8 @@ class RealtimeRunner:
 
     # ---- episode ---------------------------------------------------------------------------------------
     def start(self, episode_seed: int | None) -> None:
-        """A new episode (robot reset): empty queue, request count and log; the clock starts over too."""
+        """A new episode (robot reset): empty queue, request count and log (the log is per episode); the clock
+        starts over too. With a seed, request k carries `request_seed(seed, k)` (replayable noise)."""
         self.episode_seed = episode_seed
         self.t = 0
         self.queue = np.zeros((0, 8), np.float32)  # rows for steps queue_start, queue_start + 1, ...
@@ -202,7 +203,8 @@ class RealtimeRunner:
         if prefix is not None and len(prefix):  # no rows committed: the key is left out (= no prefix)
             request[PREFIX_KEY] = prefix
             request[PREFIX_MODE_KEY] = self.prefix_mode
-        seed = request_seed(self.episode_seed or 0, self.requests) if self.seeded else None
+        seeded = self.seeded and self.episode_seed is not None  # start(None): the server draws its own noise
+        seed = request_seed(self.episode_seed, self.requests) if seeded else None
         self.in_flight = Request(request, seed, self.t, self.requests, 0 if prefix is None else len(prefix))
         self.log.prefix_rows.append(self.in_flight.prefix_rows)
         self.requests += 1
