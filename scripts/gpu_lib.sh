@@ -3,6 +3,18 @@
 
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/summary.txt"; }
 
+# The common start of a part script run from the repository root with RES set: OUT and PY defaults, T0 = now, the
+# folders, the GL debs unpacked (unpack_gl) and a headless GL chosen (choose_gl).
+part_start() {
+  OUT=${OUT:-/tmp/out}
+  PY=${PY:-python3}
+  T0=$(date +%s)
+  export T0 RES
+  mkdir -p "$RES" "$OUT"
+  unpack_gl  # gpu_run.sh installed the wheels; the EGL libraries come as debs
+  choose_gl
+}
+
 # Carried (git-ignored) folders: .whl/ (mujoco 4.0.0 + mujoco-core/studio, glfw, pyopengl, diffusers,
 # importlib_metadata, starlette, uvicorn, websockets, python-multipart; installed --no-deps into /tmp/wamrt-py/site-packages)
 # and .gl/ (libglvnd EGL/GL debs, unpacked into /). SKIP_INSTALL=1 uses the current environment (local tests).
@@ -10,6 +22,14 @@ install_carried() {
   if [ "${SKIP_INSTALL:-0}" != 1 ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/wamrt-py/site-packages .whl/*.whl \
       || { log "FATAL: wheel install failed"; return 1; }
+  fi
+  unpack_gl
+}
+
+# The EGL / GL debs of .gl/ unpacked into / (the parts gpu_run.sh starts have their wheels installed already);
+# SKIP_INSTALL=1: nothing (local runs).
+unpack_gl() {
+  if [ "${SKIP_INSTALL:-0}" != 1 ]; then
     for f in .gl/*.deb; do dpkg -x "$f" / || log "warning: dpkg -x $f failed"; done
     ldconfig 2>/dev/null || true
   fi

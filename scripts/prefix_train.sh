@@ -29,21 +29,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RES=${RES:?set RES (the part folder)}
-OUT=${OUT:-/tmp/out}
-PY=${PY:-python3}
-T0=$(date +%s)
-export T0 RES
 WORK=${PREFIX_WORK:-/tmp/wamrt-prefix}
 CKPT=${CKPT:-$WORK/ckpt}
-mkdir -p "$RES" "$OUT"
 rm -rf "$WORK"; mkdir -p "$WORK"
 # shellcheck source=scripts/gpu_lib.sh
 source scripts/gpu_lib.sh
-if [ "${SKIP_INSTALL:-0}" != 1 ]; then  # gpu_run.sh installed the wheels; the EGL libraries come as debs
-  for f in .gl/*.deb; do dpkg -x "$f" / || log "warning: dpkg -x $f failed"; done
-  ldconfig 2>/dev/null || true
-fi
-choose_gl || exit 1
+part_start || exit 1
 export PYTHONPATH=${PYTHONPATH:-$PWD/src}
 
 PREFIX_MAX=${PREFIX_MAX:-14}

@@ -27,18 +27,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RES=${RES:?set RES (the part folder)}
-OUT=${OUT:-/tmp/out}
-PY=${PY:-python3}
-T0=$(date +%s)
-export T0 RES
-mkdir -p "$RES" "$OUT"
 # shellcheck source=scripts/gpu_lib.sh
 source scripts/gpu_lib.sh
-if [ "${SKIP_INSTALL:-0}" != 1 ]; then  # gpu_run.sh installed the wheels; the EGL libraries come as debs
-  for f in .gl/*.deb; do dpkg -x "$f" / || log "warning: dpkg -x $f failed"; done
-  ldconfig 2>/dev/null || true
-fi
-choose_gl || exit 1
+part_start || exit 1
 export PYTHONPATH=${PYTHONPATH:-$PWD/src}
 
 POLICY=${POLICY:-src/wamrt/assets/panda-droid}
