@@ -18,7 +18,7 @@
 # the real-time client (--wall-clock, WALL_LANES lane processes): $RES/wall-<strategy>.json, to compare with the grid's
 # deterministic cell at the measured d.
 #
-# Knobs (env): POLICY TRAINED TASKS DELAYS STRATEGIES EPISODES WORKERS LANES MAX_BATCH BUDGET_S GRID_ARGS GRID_DIR WALL
+# Knobs (env): POLICY TRAINED TRAINED_TASKS TASKS DELAYS STRATEGIES EPISODES WORKERS LANES MAX_BATCH BUDGET_S GRID_ARGS GRID_DIR WALL
 #   WALL_ADDED_MS WALL_EPISODES WALL_LANES WALL_STRATEGIES WALL_S PY SKIP_INSTALL=1 (local: no .gl unpacking).
 # CPU dry run (2 cells, 2 episodes, 12 steps, the expert planner needs no GPU; POLICY=tiny-droid exercises the
 # batched policy path instead, slowly):
@@ -57,14 +57,24 @@ fi
 [ "$POLICY" = expert ] && TRAINED=
 
 if [ "${GRID:-1}" = 1 ]; then
-  log "grid: $POLICY${TRAINED:+ + $TRAINED (prefix-trained)}, tasks $TASKS, d $DELAYS, $STRATEGIES, $EPISODES episodes, $WORKERS workers x $LANES lanes, batch $MAX_BATCH, budget $BUDGET_S s"
-  # shellcheck disable=SC2086
-  "$PY" -m wamrt.cli eval grid --policy "$POLICY" ${TRAINED:+--trained-policy "$TRAINED"} --tasks "$TASKS" \
-    --delays "$DELAYS" --strategies "$STRATEGIES" --episodes "$EPISODES" --workers "$WORKERS" --lanes "$LANES" \
-    --max-batch "$MAX_BATCH" --budget-s "$BUDGET_S" --out "$GRID_DIR" --resume $GRID_ARGS 2>&1 | grep -v Warning \
-    | tee "$RES/grid.txt"
-  rm -rf "$RES/grid"; cp -r "$GRID_DIR" "$RES/grid"
-  log "grid done: $(tail -1 "$RES/grid.txt")"
+  # A task the base policy never saw (TRAINED_TASKS, default the moving turntable: panda-droid was trained on
+  # pick_place only) runs every strategy on the prefix-trained checkpoint; prefix-inpaint then means that checkpoint
+  # with action_prefix_mode=inpaint. Each task is its own grid (GRID_DIR/<task>), sharing BUDGET_S.
+  read -r -a task_list <<< "${TASKS//,/ }"
+  task_budget=$(( BUDGET_S / ${#task_list[@]} ))
+  rm -rf "$RES/grid"; mkdir -p "$RES/grid"
+  for task in "${task_list[@]}"; do
+    pol=$POLICY
+    case ",${TRAINED_TASKS-turntable}," in *",$task,"*) [ -n "$TRAINED" ] && pol=$TRAINED ;; esac
+    log "grid $task: $pol${TRAINED:+ + $TRAINED (prefix-trained)}, d $DELAYS, $STRATEGIES, $EPISODES episodes, $WORKERS workers x $LANES lanes, batch $MAX_BATCH, budget $task_budget s"
+    # shellcheck disable=SC2086
+    "$PY" -m wamrt.cli eval grid --policy "$pol" ${TRAINED:+--trained-policy "$TRAINED"} --tasks "$task" \
+      --delays "$DELAYS" --strategies "$STRATEGIES" --episodes "$EPISODES" --workers "$WORKERS" --lanes "$LANES" \
+      --max-batch "$MAX_BATCH" --budget-s "$task_budget" --out "$GRID_DIR/$task" --resume $GRID_ARGS 2>&1 \
+      | grep -v Warning | tee "$RES/grid-$task.txt"
+    cp -r "$GRID_DIR/$task" "$RES/grid/$task"
+    log "grid $task done: $(tail -1 "$RES/grid-$task.txt")"
+  done
 fi
 
 if [ "${WALL:-0}" = 1 ]; then
