@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,11 +46,14 @@ def test_readme_is_a_quickstart() -> None:
             assert (ROOT / link).exists(), f"README links a missing file: {link}"
 
 
-def test_openpi_client_snippet_against_wamrt_serve(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def readme_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, dict[str, str]]]:
+    """`wamrt serve --model tiny-droid` as a user starts it (a subprocess), ready."""
     pytest.importorskip("openpi_client")
     port = free_port()
-    env = {**os.environ, "WAMRT_CACHE": os.environ.get("WAMRT_CACHE", str(tmp_path / "cache"))}
-    cmd = [sys.executable, "-m", "wamrt.cli", "serve", "--model", "tiny-droid", "--port", str(port), "--steps", "1"]
+    cache = os.environ.get("WAMRT_CACHE", str(tmp_path_factory.mktemp("cache")))
+    env = {**os.environ, "WAMRT_CACHE": cache}
+    cmd = [sys.executable, "-m", "wamrt", "serve", "--model", "tiny-droid", "--port", str(port), "--steps", "1"]
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -63,13 +67,37 @@ def test_openpi_client_snippet_against_wamrt_serve(tmp_path: Path) -> None:
                 pass
             assert time.monotonic() < deadline, "wamrt serve was not ready within 120 s"
             time.sleep(0.5)
-        code = snippet("openpi-client").replace("port=8000", f"port={port}")
-        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-        assert run.returncode == 0, run.stderr
-        assert run.stdout.strip().endswith("(32, 8)"), run.stdout
+        yield port, env
     finally:
         server.terminate()
         try:
             server.wait(15)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def run_python(code: str, env: dict[str, str]) -> str:
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_openpi_client_snippet_against_wamrt_serve(readme_server: tuple[int, dict[str, str]]) -> None:
+    port, env = readme_server
+    out = run_python(snippet("openpi-client").replace("port=8000", f"port={port}"), env)
+    assert out.strip().endswith("(32, 8)"), out
+
+
+def test_realtime_snippet_against_wamrt_serve(readme_server: tuple[int, dict[str, str]]) -> None:
+    """The 15 Hz runner snippet, after the openpi one (it reads that `observation`), for 3 s of ticks with a
+    stand-in robot: rows come out every tick and at least one reply is spliced in."""
+    port, env = readme_server
+    openpi = snippet("openpi-client").replace("port=8000", f"port={port}")
+    realtime = snippet("realtime").replace("localhost:8000", f"127.0.0.1:{port}").replace("range(150)", "range(45)")
+    assert realtime != snippet("realtime"), "the realtime snippet no longer names the port or the tick count"
+    robot = ("class robot:\n    rows = []\n    command = staticmethod(rows.append)\n"
+             "read_observation = lambda: observation\n")
+    check = ("\nassert len(robot.rows) == 45 and all(r.shape == (8,) for r in robot.rows)\n"
+             "assert max(runner.log.chunk) >= 0, 'no reply was spliced in'\nprint('ok')\n")
+    out = run_python(openpi + robot + realtime + check, env)
+    assert out.strip().endswith("ok"), out
