@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..engine.engine import Engine
 from ..engine.kv_buffers import BatchBranch
 from ..model import GeneratorOutput
+from .dist import all_gather_into
 
 
 @dataclass
@@ -97,17 +98,13 @@ class CfgParallelEngine(Engine):
             local = torch.empty(n, dv + da, dtype=dtype, device=self.device)
         if step.cfg:
             both = torch.empty(2 * n, dv + da, dtype=dtype, device=self.device)
-            _all_gather(both, local.contiguous(), group=self.group)  # rows: [cond; uncond]
+            all_gather_into(both, local.contiguous(), group=self.group)  # rows: [cond; uncond]
         else:
             dist.broadcast(local, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
             both = local
         rows = both.shape[0]
         vision = None if action_rows_only else both[:, :dv].reshape(rows, *vshape[1:])
         return GeneratorOutput(vision, None, both[:, dv:].reshape(rows, *ashape[1:]))
-
-
-# torch 2.13 renames all_gather_into_tensor (the H200 image has 2.11).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -19,6 +19,10 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=15)
 
 
+# torch 2.13 renames all_gather_into_tensor (the H200 image has 2.11).
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def no_multicast_env() -> None:
     """Force the multicast switches off in this process's environment (and so in its children)."""
     os.environ.update(NO_MULTICAST)
