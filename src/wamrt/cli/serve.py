@@ -13,6 +13,7 @@ MAX_VIDEO_PIXELS = 1280 * 720 * 189
 MAX_GENERATION_JOBS = 4
 GENERATION_STEP_SEGMENTS = 12
 PROMPT_BUCKET = 64
+PARALLEL_CHOICES = ("none", "cfg", "tp", "ulysses", "cfg,ulysses")  # "none" + parallel.launch.MODES
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -95,9 +96,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "(quack-kernels, which flash-attn-4 brings; Nano -14 ms per request on the H200); "
                          "inductor = cuBLAS GEMMs and compiled elementwise kernels")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs of this host behind one engine (with --parallel)")
-    ap.add_argument("--parallel", choices=["none", "cfg", "tp"], default="none",
-                    help="cfg = one CFG branch per GPU (2 GPUs, full model each); tp = every layer split across "
-                         "--gpus GPUs (models too large for one GPU); see docs/deployment.md")
+    ap.add_argument("--parallel", choices=PARALLEL_CHOICES, default="none",
+                    help="policy requests: cfg = one CFG branch per GPU (2 GPUs, full model each); tp = every layer "
+                         "split across --gpus GPUs (models too large for one GPU). World generation: ulysses = each "
+                         "video's sequence split across --gpus GPUs; cfg,ulysses = 2 CFG branches x --gpus/2 sequence "
+                         "shares (policy requests on GPU 0); see docs/deployment.md")
     ap.add_argument("--ray", action="store_true",
                     help="serve on Ray Serve: --replicas engine replicas (each owning --gpus GPUs) behind one endpoint")
     ap.add_argument("--replicas", type=int, default=1, help="Ray replicas (with --ray)")

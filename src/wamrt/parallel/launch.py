@@ -8,7 +8,10 @@ seeds, overrides) to every worker over a pipe; then all ranks run the same engin
 collectives; rank 0's result is the answer.
 
 Modes: "cfg" (2 ranks, one CFG branch each, full model per rank; `CfgParallelEngine`) and "tp" (n
-ranks, every layer's heads and MLP hidden split; `wamrt.parallel.tp`).
+ranks, every layer's heads and MLP hidden split; `wamrt.parallel.tp`) serve policy requests over the ranks.
+The world-generation modes "ulysses" (n ranks on one branch's sequence) and "cfg,ulysses" (2 CFG branches ×
+n / 2 sequence shares) run world generation over the ranks (`parallel.world`, `parallel.world_front`: the
+`ParallelPolicy.world_front` a server generates with) and policy requests on rank 0 alone, with its own `Engine`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import multiprocessing.connection as mpc
 import time
 import traceback
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,7 +31,8 @@ from ..net import free_port
 from . import dist as pdist
 
 log = logging.getLogger("wamrt.parallel")
-MODES = ("cfg", "tp")
+MODES = ("cfg", "tp", "ulysses", "cfg,ulysses")
+WORLD_MODES = ("ulysses", "cfg,ulysses")  # world generation over the ranks (`parallel.world`)
 
 
 @dataclass
@@ -47,6 +51,11 @@ class ParallelSpec:
     # text (serving, like `load_policy("random:SIZE")`); see pipeline.random_weights
     tokenizer: str = "fixed"
     seed: int = 0
+    # World modes: EngineConfig fields over `WORLD_ENGINE_CONFIG` for the world engine (attention, compile,
+    # compile_mode and cuda_graph come from `engine` unless set here, as a one-GPU server's WorldEngine takes them
+    # from its policy engine), and its step segments.
+    world_engine: dict[str, Any] = field(default_factory=dict)
+    step_segments: int = 1
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype:
@@ -110,9 +119,27 @@ def build_policy(spec: ParallelSpec, rank: int, device: torch.device):
                   SamplingOptions(guidance_interval=tuple(gi) if gi else None), name=name)
 
 
+def world_config(spec: ParallelSpec):
+    """The world engine's configuration in a world mode."""
+    from ..engine.world import WORLD_ENGINE_CONFIG
+
+    shared = {k: spec.engine[k] for k in ("attention", "compile", "compile_mode", "cuda_graph")
+              if k in spec.engine}
+    return replace(WORLD_ENGINE_CONFIG, **{**shared, **spec.world_engine})
+
+
 def build_engine(spec: ParallelSpec, policy, rank: int):
+    """This rank's engine: the policy engine of "cfg" / "tp", or the `ParallelWorldEngine` of a world mode (whose
+    process subgroups are made here: every rank calls this in the same order)."""
     from ..engine import Engine, EngineConfig
 
+    if spec.mode in WORLD_MODES:
+        from .world import ParallelWorldEngine, WorldGroups, WorldLayout
+
+        layout = WorldLayout.of(spec.mode, spec.world)
+        return ParallelWorldEngine(policy.model, policy.encoder, policy.tokenizer, world_config(spec), layout=layout,
+                                   groups=WorldGroups.make(layout), name=policy.name,
+                                   step_segments=min(spec.step_segments, len(policy.model.layers)))
     config = EngineConfig(**spec.engine)
     if spec.mode == "cfg":
         from .cfg import CfgParallelEngine
@@ -153,6 +180,13 @@ def _worker(rank: int, spec: ParallelSpec, port: int, conn: mpc.Connection) -> N
                     engine.infer_batch(observations, seeds=resolved, **overrides)
                 except Exception:  # noqa: BLE001  # rank 0 raised the same (validation): it reports it
                     log.debug("worker %d: request failed", rank, exc_info=True)
+            elif msg[0] == "world":
+                from .world_front import follow_world_request
+
+                try:
+                    follow_world_request(engine, msg, device)
+                except Exception:  # noqa: BLE001  # rank 0 met the same error (same inputs): it reports it
+                    log.debug("worker %d: world request failed", rank, exc_info=True)
             elif msg[0] == "memory":
                 conn.send(torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
     except (EOFError, KeyboardInterrupt):
@@ -164,10 +198,16 @@ def _worker(rank: int, spec: ParallelSpec, port: int, conn: mpc.Connection) -> N
 class ParallelPolicy:
     """Rank 0's view: the engine contract, with every call mirrored on the worker ranks."""
 
-    def __init__(self, spec: ParallelSpec, engine: Any, policy: Any, procs: list, conns: list) -> None:
+    def __init__(self, spec: ParallelSpec, engine: Any, policy: Any, procs: list, conns: list,
+                 world_engine: Any = None) -> None:
         self.spec, self.engine, self.policy = spec, engine, policy
         self._procs, self._conns = procs, conns
         self.name = engine.name
+        self.world_front = None  # world modes: world generation over every rank (`WorldFront`)
+        if world_engine is not None:
+            from .world_front import WorldFront
+
+            self.world_front = WorldFront(world_engine, conns, self._check_workers)
 
     @property
     def device(self) -> torch.device:
@@ -186,6 +226,9 @@ class ParallelPolicy:
 
     def infer_batch(self, observations: list[Mapping[str, Any]], *, seeds: list[int | None] | None = None,
                     **overrides: Any) -> list:
+        if self.world_front is not None:  # world modes: policy requests run on rank 0 alone
+            self._check_workers()
+            return self.engine.infer_batch(observations, seeds=seeds, **overrides)
         seeds = list(seeds) if seeds else [None] * len(observations)
         resolved = [self.engine.next_seed() if s is None else s for s in seeds]
         self._check_workers()
@@ -274,6 +317,11 @@ def start(spec: ParallelSpec, *, policy: Any = None, timeout: float = 1800.0) ->
 
     if spec.model in BUILTIN_MODELS:
         builtin_path(spec.model)  # build the cached folder once here, not racing in every rank
+    if spec.mode in WORLD_MODES:  # a layout that does not fit fails here, in one line, before any rank starts
+        from .world import WorldLayout
+
+        cfg = model_config(spec)
+        WorldLayout.of(spec.mode, spec.world).check(cfg.num_attention_heads, cfg.num_key_value_heads)
     port = free_port()
     ctx = mp.get_context("spawn")
     procs, conns = [], []
@@ -291,6 +339,11 @@ def start(spec: ParallelSpec, *, policy: Any = None, timeout: float = 1800.0) ->
         elif spec.mode == "tp":
             raise ValueError("tp: rank 0's policy is built here (it is a shard)")
         engine = build_engine(spec, policy, 0)
+        world_engine = None
+        if spec.mode in WORLD_MODES:  # rank 0 serves policy requests alone, on an engine of its own
+            from ..engine import Engine, EngineConfig
+
+            world_engine, engine = engine, Engine.from_policy(policy, EngineConfig(**spec.engine))
         mine = fingerprint(policy.model)
         end = time.monotonic() + timeout
         for rank, c in enumerate(conns, start=1):
@@ -308,7 +361,22 @@ def start(spec: ParallelSpec, *, policy: Any = None, timeout: float = 1800.0) ->
         pdist.close_group()
         raise
     log.info("parallel %s over %d ranks ready (%s)", spec.mode, spec.world, asdict(spec))
-    return ParallelPolicy(spec, engine, policy, procs, conns)
+    return ParallelPolicy(spec, engine, policy, procs, conns, world_engine)
 
 
-__all__ = ["MODES", "ParallelPolicy", "ParallelSpec", "build_engine", "build_policy", "start"]
+def model_config(spec: ParallelSpec):
+    """The transformer configuration `spec.model` names, read without its weights."""
+    from pathlib import Path
+
+    from ..model import get_config, resolve_transformer_folder
+    from ..model.checkpoint import read_config
+    from ..pipeline.builtin import BUILTIN_MODELS, builtin_path
+
+    if spec.model.startswith("random:"):
+        return get_config(spec.model.split(":", 1)[1])
+    root = builtin_path(spec.model) if spec.model in BUILTIN_MODELS else Path(spec.model)
+    return read_config(resolve_transformer_folder(root))
+
+
+__all__ = ["MODES", "WORLD_MODES", "ParallelPolicy", "ParallelSpec", "build_engine", "build_policy", "model_config",
+           "start"]

@@ -127,11 +127,11 @@ class _Shard:
         self.sound_tokens = 0 if sound is None else sound.shape[2]
         self.degree, self.rank = engine.layout.ulysses, engine.groups.seq_rank
         self.layouts: dict[tuple[int, ...], SequenceLayout] = {}
-        self.layout(())
+        self.layout(())  # built here, outside any graph capture (its index tensors are host data)
         # patchify zero-pads an odd latent height or width inside the edge tokens; a latent-shaped state never holds
         # those slots, a token-shaped one must keep them at zero (their velocity is zeroed).
         self.real_slots = (None if (h % self.patch, w % self.patch) == (0, 0) else
-                           self.vision_rows(torch.ones(1, *self.vision_shape[1:], device=vision.device)).bool())  # built here, outside any graph capture (its index tensors are host data)
+                           self.vision_rows(torch.ones(1, *self.vision_shape[1:], device=vision.device)).bool())
 
     @property
     def geometry(self) -> tuple:
@@ -225,7 +225,8 @@ class ParallelWorldEngine(WorldEngine):
         if not self.sharded:
             return super()._denoise_world(inp, extra, spec, on_step, on_segment, need_uncond)
         shard = self._shard = _Shard(self, inp.vision, inp.sound)
-        rows = replace(inp, vision=shard.vision_rows(inp.vision), vision_noisy=shard.vision_noisy_rows(inp.vision_noisy))
+        rows = replace(inp, vision=shard.vision_rows(inp.vision),
+                       vision_noisy=shard.vision_noisy_rows(inp.vision_noisy))
         if inp.sound is not None:
             rows = replace(rows, sound=shard.sound_rows(inp.sound), sound_noisy=shard.sound_rows(inp.sound_noisy))
         extra = {k: shard.vision_rows(v) if k in VISION_LIKE_INPUTS else v for k, v in extra.items()}

@@ -88,8 +88,19 @@ def _run_parallel(args: argparse.Namespace, config: ServeConfig) -> int:
     from ..parallel import ParallelSpec, start
 
     device = args.device or "cuda"
-    policy = start(ParallelSpec(args.parallel, str(args.model), world=args.gpus, device=device,
-                                engine=config.engine_settings(device), tokenizer="variable"))
+    try:
+        settings = config.engine_settings(device)
+    except ServeConfigError as exc:
+        print(f"wamrt serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        # World layouts split every step of a generation job into segments only on CUDA, as one GPU does.
+        policy = start(ParallelSpec(args.parallel, str(args.model), world=args.gpus, device=device, engine=settings,
+                                    tokenizer="variable",
+                                    step_segments=config.generation_step_segments if device.startswith("cuda") else 1))
+    except ValueError as exc:  # a layout the GPUs or heads do not divide, GPUs missing
+        print(f"wamrt serve: --parallel {args.parallel}: {exc}", file=sys.stderr)
+        return 2
     try:
         uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level,
                                       log_format=args.log_format)).run()

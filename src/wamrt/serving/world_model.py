@@ -73,9 +73,13 @@ def find_sound_tokenizer(checkpoint: str) -> Path | None:
 def world_model_of(policy: Any, checkpoint: str, sampler: str = "auto", *,
                    step_segments: int = 1) -> WorldModel | None:
     """The served policy's (or fast engine's) model/encoder/tokenizer as a `WorldModel`; None when it has none
-    (a stand-in policy, a multi-GPU front end). The sound tokenizer is loaded only for a transformer with
+    (a stand-in policy, a multi-GPU policy front end); a multi-GPU world layout's (`--parallel ulysses`,
+    `cfg,ulysses`) generates on its `world_front`. The sound tokenizer is loaded only for a transformer with
     sound heads, from the loaded checkpoint (`policy.name`) or else the served one (`checkpoint`); the sampler
     is `resolve_sampler(sampler, checkpoint)`; `step_segments` is the `WorldEngine`'s (capped at the layers)."""
+    front = getattr(policy, "world_front", None)  # a multi-GPU world layout (`parallel.world_front.WorldFront`)
+    if front is not None:
+        policy = front
     if not all(hasattr(policy, a) for a in ("model", "encoder", "tokenizer")):
         return None
     schedule = resolve_sampler(sampler, checkpoint)
@@ -89,7 +93,7 @@ def world_model_of(policy: Any, checkpoint: str, sampler: str = "auto", *,
 
             sound = SoundDecoder(load_sound_tokenizer(folder, device=model_device(policy.model)))
     return WorldModel(policy.model, policy.encoder, policy.tokenizer, sound, schedule,
-                      _world_engine(policy, step_segments))
+                      front or _world_engine(policy, step_segments))
 
 
 def _world_engine(policy: Any, step_segments: int = 1) -> Any | None:
