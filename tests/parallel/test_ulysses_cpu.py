@@ -1,0 +1,154 @@
+"""World generation over several CPU processes (gloo): Ulysses sequence parallelism, CFG-parallel and both, through
+the same `wamrt.parallel.start` front `wamrt serve --parallel ulysses|cfg,ulysses` uses, against the single-process
+`WorldEngine` (itself tested against `run_world`, tests/engine/test_world_engine.py).
+
+tiny-world: 4 query heads, 2 K/V heads, sound heads. Ulysses-2 splits both; Ulysses-4 repeats each K/V head twice
+(the degree does not divide the K/V heads). The t2v request (5 frames at 32x48: 4 vision tokens, 9 sound frames)
+leaves a rank without vision rows at degree 4 and pads every rank; the i2v one has a clean frame and an odd latent
+width (patchify pads the edge tokens).
+
+Tolerance (fp32): the parallel runs reorder fp32 sums only (GEMMs over a rank's rows instead of the whole
+sequence, each CFG branch as its own pass where the single engine batches both), so the latents agree to a few
+roundings: TOL relative to the largest latent (measured 0.4-1.2e-6). A wrong head slice, a row in the wrong place,
+a dropped padding mask or a missed exchange is off by O(1) (measured 5e-2 for a missed zeroing of patchify's
+padding slots alone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from wamrt import load_policy
+from wamrt.engine.world import WORLD_ENGINE_CONFIG, WorldEngine
+from wamrt.parallel import ParallelSpec, start
+from wamrt.parallel.ulysses import HeadSplit, SequenceLayout, chunk
+from wamrt.parallel.world import WorldLayout
+from wamrt.pipeline.sound import SoundDecoder, load_sound_tokenizer
+from wamrt.serving.world_model import find_sound_tokenizer
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # the sound tokenizer's weight_norm
+TOL = 2e-5
+ECONF = dict(attention="auto", compile=False, cuda_graph=False)
+PICTURE = (np.arange(40 * 70 * 3) % 251).astype(np.uint8).reshape(40, 70, 3)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WAMRT_CACHE", str(tmp_path_factory.mktemp("cache")))  # inherited by the spawned workers
+    policy = load_policy("tiny-world", device="cpu")
+    sound = SoundDecoder(load_sound_tokenizer(find_sound_tokenizer("tiny-world")))
+    single = WorldEngine(policy.model, policy.encoder, policy.tokenizer, replace(WORLD_ENGINE_CONFIG, **ECONF))
+    yield single, sound
+    mp.undo()
+
+
+def _request(case: str, seed: int = 1, **over: Any) -> dict[str, Any]:
+    kw = dict(prompt="a red ball rolls across a wooden table", negative_prompt="blurry", height=32, width=48,
+              num_frames=5, steps=2, guidance=3.0, shift=10.0, generator=torch.Generator().manual_seed(seed))
+    if case == "t2v":
+        kw["enable_sound"] = True
+    elif case == "i2v":
+        kw["image"] = PICTURE
+    return {**kw, **over}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> float:
+    err = float((got - want).abs().max())
+    assert err <= TOL * float(want.abs().max()), err
+    return err
+
+
+def _compare(front, stack, cases=(("t2v", {}), ("i2v", {}))) -> None:
+    single, sound = stack
+    for case, over in cases:
+        got = front.world_front.run(sound_decoder=sound, decode=False, **_request(case, **over))
+        want = single.run(sound_decoder=sound, decode=False, **_request(case, **over))
+        _close(got.video_latents, want.video_latents)
+        assert (got.sound_latents is None) == (want.sound_latents is None)
+        if want.sound_latents is not None:
+            _close(got.sound_latents, want.sound_latents)
+
+
+def _front(mode: str, gpus: int, **world_engine: Any):
+    return start(ParallelSpec(mode, "tiny-world", gpus, "cpu", engine=ECONF, world_engine=world_engine))
+
+
+def test_ulysses_2_equals_single_process(stack):
+    with _front("ulysses", 2) as front:
+        _compare(front, stack)
+        assert front.world_front.metadata()["engine"]["parallel"] == "ulysses 2"
+        # a request rank 0 stops after its first step (a cancelled job): every rank leaves the loop, and the
+        # group serves the next request
+        with pytest.raises(KeyError):
+            front.world_front.run(sound_decoder=stack[1], decode=False, on_step=_stop_at_first, **_request("t2v"))
+        _compare(front, stack, [("t2v", {"seed": 5})])
+
+
+def _stop_at_first(i: int, n: int) -> None:
+    raise KeyError("stop")
+
+
+def test_cfg_parallel_world_equals_single_process(stack):
+    """cfg,ulysses on 2 ranks: CFG-parallel alone (cfg 2 × ulysses 1); guidance 1 has one branch, which the
+    conditional rank broadcasts."""
+    with _front("cfg,ulysses", 2) as front:
+        _compare(front, stack, [("t2v", {}), ("i2v", {}), ("t2v", {"guidance": 1.0})])
+        assert front.world_front.metadata()["engine"]["parallel"] == "cfg 2 × ulysses 1"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ulysses", "cfg,ulysses"])
+def test_four_ranks_equal_single_process(stack, mode):
+    """Ulysses-4 (K/V heads repeated: 2 K/V heads over 4 ranks) with prompt buckets off (exact prefix lengths:
+    one attention call per CFG branch over its own keys), and CFG 2 × Ulysses 2 with the world engine's buckets."""
+    with _front(mode, 4, **({"prompt_bucket": 0} if mode == "ulysses" else {})) as front:
+        _compare(front, stack)
+
+
+def test_world_layouts_that_do_not_divide_fail_in_one_line():
+    for mode, gpus, words in (("cfg,ulysses", 3, "odd"), ("ulysses", 3, "must divide the model's 4 attention heads"),
+                              ("cfg,ulysses", 6, "must divide the model's 4 attention heads")):
+        with pytest.raises(ValueError, match=words) as err:
+            _front(mode, gpus)
+        assert "\n" not in str(err.value)
+    assert WorldLayout.of("cfg", 2) == WorldLayout(2, 1) and WorldLayout.of("cfg,ulysses", 8) == WorldLayout(2, 4)
+    with pytest.raises(ValueError, match="runs on 2 GPUs"):
+        WorldLayout.of("cfg", 4)
+
+
+def test_head_split_repeats_kv_heads_when_the_degree_does_not_divide_them():
+    nano = HeadSplit(32, 8, 16)  # Nano's heads at 16 ranks: each K/V head twice
+    assert (nano.kv_total, nano.kv_repeat, nano.local_heads, nano.local_kv_heads) == (16, 2, 2, 1)
+    assert HeadSplit(32, 8, 4).kv_repeat == 1 and HeadSplit(16, 8, 2).local_kv_heads == 4
+    for heads, kv, degree in ((32, 8, 16), (4, 2, 4), (64, 8, 32), (32, 8, 2)):
+        h = HeadSplit(heads, kv, degree)
+        for rank in range(degree):
+            for j in range(h.local_heads):  # query head -> the original K/V head it reads, through the local slice
+                q = rank * h.local_heads + j
+                local_kv = j // (h.local_heads // h.local_kv_heads)
+                assert (rank * h.local_kv_heads + local_kv) // h.kv_repeat == q // (heads // kv)
+
+
+def test_sequence_layout_covers_every_row_once_and_inverts():
+    for segments, degree in (((4, 9), 4), ((3, 0, 7), 2), ((10,), 3), ((1, 1, 5), 4)):
+        layouts = [SequenceLayout(segments, degree, r, torch.device("cpu")) for r in range(degree)]
+        total = sum(segments)
+        held = [lay.mine[:sum(chunk(n, degree, r)[1] - chunk(n, degree, r)[0] for n in segments)].tolist()
+                for r, lay in enumerate(layouts)]
+        assert sorted(p for h in held for p in h) == list(range(total))
+        src, row = layouts[0].gather
+        for p in range(total):  # gather finds each position where its rank holds it; scatter names it back
+            assert held[src[p]][row[p]] == p and layouts[0].scatter[src[p], row[p]] == p
+        for r, lay in enumerate(layouts):
+            at = 0
+            for s, n in enumerate(segments):  # each segment's chunk is where span says, in order
+                a, b = chunk(n, degree, r)
+                assert lay.span(s) == (at, b - a) and held[r][at:at + b - a] == list(range(sum(segments[:s]) + a,
+                                                                                         sum(segments[:s]) + b))
+                at += b - a
