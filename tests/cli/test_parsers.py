@@ -100,6 +100,7 @@ def test_parser_tables_match_the_code_they_stand_for():
     # The parsers repeat a few defaults and choices so that they stay light; these are the originals.
     from wamrt.cli import bench, quantize, serve
     from wamrt.engine.epilogues import EPILOGUES
+    from wamrt.parallel import MODES
     from wamrt.quant.recipes import RECIPES
     from wamrt.serving.config import ATTENTION_CHOICES, EPILOGUE_CHOICES, ServeConfig
     from wamrt.serving.generation_settings import SAMPLER_CHOICES
@@ -108,6 +109,7 @@ def test_parser_tables_match_the_code_they_stand_for():
     assert config_from_args(build_parser().parse_args(["serve"])) == ServeConfig()  # every default, field by field
     assert (serve.ATTENTION_CHOICES, serve.EPILOGUE_CHOICES) == (ATTENTION_CHOICES, EPILOGUE_CHOICES)
     assert serve.SAMPLER_CHOICES == SAMPLER_CHOICES and bench.EPILOGUES == EPILOGUES
+    assert serve.PARALLEL_CHOICES == ("none", *MODES)
     assert quantize.RECIPES == tuple(sorted(RECIPES))
     from wamrt.cli import realtime
     from wamrt.client import realtime as runner

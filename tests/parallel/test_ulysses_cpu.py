@@ -79,19 +79,53 @@ def _front(mode: str, gpus: int, **world_engine: Any):
     return start(ParallelSpec(mode, "tiny-world", gpus, "cpu", engine=ECONF, world_engine=world_engine))
 
 
-def test_ulysses_2_equals_single_process(stack):
+@pytest.fixture(scope="module")
+def ulysses2(stack):
     with _front("ulysses", 2) as front:
-        _compare(front, stack)
-        assert front.world_front.metadata()["engine"]["parallel"] == "ulysses 2"
-        # a request rank 0 stops after its first step (a cancelled job): every rank leaves the loop, and the
-        # group serves the next request
-        with pytest.raises(KeyError):
-            front.world_front.run(sound_decoder=stack[1], decode=False, on_step=_stop_at_first, **_request("t2v"))
-        _compare(front, stack, [("t2v", {"seed": 5})])
+        yield front
+
+
+def test_ulysses_2_equals_single_process(stack, ulysses2):
+    _compare(ulysses2, stack)
+    assert ulysses2.world_front.metadata()["engine"]["parallel"] == "ulysses 2"
+
+
+def test_a_stopped_request_frees_every_rank(stack, ulysses2):
+    """Rank 0's on_step raising after the first step (a cancelled job): every rank leaves the loop, and the group
+    serves the next request."""
+    with pytest.raises(KeyError):
+        ulysses2.world_front.run(sound_decoder=stack[1], decode=False, on_step=_stop_at_first, **_request("t2v"))
+    _compare(ulysses2, stack, [("t2v", {"seed": 5})])
 
 
 def _stop_at_first(i: int, n: int) -> None:
     raise KeyError("stop")
+
+
+def test_served_ulysses_generates_and_answers_policy_requests(ulysses2):
+    """`wamrt serve --parallel ulysses`: /v1/videos/sync generates over both ranks; /v1/policy/infer runs on rank 0."""
+    import httpx
+
+    from wamrt.client.wire import packb, unpackb
+    from wamrt.sample import sample_observation
+    from wamrt.serving import ServeConfig, ServerThread
+
+    config = ServeConfig(model_name="tiny-world", steps=1, max_batch=1, max_video_pixels=64 * 48 * 9)
+    cache = ulysses2.world_front.engine.kv_cache  # rank 0's world engine: its Reasoner cache counts the prompts
+    seen = cache.hits + cache.misses
+    with ServerThread(ulysses2, config) as server:
+        form = {"prompt": "a robotic arm picks up a pear", "size": "64x48", "num_frames": "9", "fps": "16",
+                "num_inference_steps": "2", "seed": "3", "generate_sound": "true"}
+        r = httpx.post(server.http_url + "/v1/videos/sync", data=form, headers={"accept": "application/json"},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["video"]["shape"] == [9, 48, 64, 3] and body["metadata"]["sound"] is True
+        assert cache.hits + cache.misses > seen  # generated on the parallel world engine
+        r = httpx.post(server.http_url + "/v1/policy/infer", content=packb(sample_observation(0)),
+                       headers={"content-type": "application/msgpack"}, timeout=60)
+        assert r.status_code == 200 and unpackb(r.content)["actions"].shape[1] == 8
+        assert server.service.policy.metadata()["engine"]["parallel"] == "ulysses"
 
 
 def test_cfg_parallel_world_equals_single_process(stack):
@@ -120,6 +154,17 @@ def test_world_layouts_that_do_not_divide_fail_in_one_line():
     assert WorldLayout.of("cfg", 2) == WorldLayout(2, 1) and WorldLayout.of("cfg,ulysses", 8) == WorldLayout(2, 4)
     with pytest.raises(ValueError, match="runs on 2 GPUs"):
         WorldLayout.of("cfg", 4)
+
+
+def test_serve_refuses_a_layout_that_does_not_divide(capsys):
+    from wamrt.cli import build_parser
+    from wamrt.serving.server import run
+
+    args = build_parser().parse_args(["serve", "--model", "tiny-world", "--device", "cpu", "--gpus", "3",
+                                      "--parallel", "ulysses"])
+    assert run(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "wamrt serve: --parallel ulysses: Ulysses degree 3 must divide the model's 4 attention heads"
 
 
 def test_head_split_repeats_kv_heads_when_the_degree_does_not_divide_them():
