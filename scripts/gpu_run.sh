@@ -27,6 +27,8 @@
 #          world720 (issue 43: t2v 720x1280x189 with sound and a 480p x 93 edge transfer, per step vs diffusers;
 #          LARGE_STEPS, LARGE_RUNS, PEER_STEPS, WORLD_ARGS; diffusers from .whl-bench, OpenCV is in the image)
 #          world-tests (the WorldEngine GPU test), fa4-tests (flash-attn-4 against SDPA, in a graph)
+#          world-parallel (issue 43: on an x2 / x4 / x8 machine, the world layouts' GPU test and `wamrt bench parallel
+#          --world`: t2v 720p steps per second at 1-8 GPUs in the layouts cfg, ulysses, cfg+ulysses)
 #          peer-edge peer-nano (issue 14: ROWS at 4 and 2 steps with the diffusers peer in the same process)
 #          kernels (issue 14: `wamrt bench kernels --sweep` and the GPU tests of the epilogue GEMMs and the VAE encode)
 #          grid (issue 41: the strategy x delay grid, `wamrt eval grid`, of panda-droid and the prefix-trained checkpoint
@@ -205,6 +207,17 @@ print("world-serve: policy p50/p99 ms " + " | ".join(lat) + "; generation jobs d
         echo "super tp gets ${left} s" | tee -a "$res/log.txt"
         timeout "$left" python3 -m wamrt.cli bench parallel --model super --parallel tp --gpus 2 --steps 4 \
           --warmup 5 --runs 20 --serve-seconds 20 --out "$res" 2>&1 | tee -a "$res/log.txt" ;;
+    world-parallel) # Issue 43 item 4, on nvidia-h200-x2 / x4 / x8: the world layouts' GPU test (2 GPUs), then t2v
+          # 1280x720 x 189 frames denoising steps per second at GPU_COUNTS (default 1 and each power of 2 up to the
+          # visible GPUs) in the layouts cfg, ulysses, cfg+ulysses (`wamrt bench parallel --world`, Nano random
+          # weights, STEPS steps per request, RUNS timed requests per layout); WORLD_PARALLEL_ARGS: more flags.
+          export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+          gpus=$(nvidia-smi -L | wc -l); counts=1; for n in 2 4 8; do [ "$n" -le "$gpus" ] && counts=$counts,$n; done
+          timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/parallel/test_parallel_gpu.py -k world \
+             2>&1 | tee "$res/log.txt"
+          wamrt bench parallel --world --model "${WORLD_MODEL:-nano}" --gpu-counts "${GPU_COUNTS:-$counts}" \
+             --steps "${STEPS:-4}" --world-runs "${RUNS:-2}" ${WORLD_PARALLEL_ARGS:-} --out "$res" 2>&1 \
+             | tee -a "$res/log.txt" ;;
     world) # Issue 15: t2i 1024x1024 and i2v 480x832x33, 35 steps, guidance 6, WorldEngine vs diffusers' pipeline.
           wamrt bench world --model "${WORLD_MODEL:-nano}" --modes "${MODES:-t2i,i2v}" --warmup "${WARMUP:-1}" \
              --runs "${RUNS:-5}" --peer diffusers --peer-warmup 1 --peer-runs "${PEER_RUNS:-5}" ${WORLD_ARGS:-} \

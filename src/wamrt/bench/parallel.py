@@ -8,6 +8,7 @@ websocket lane (the serving latency). Writes `kind: latency` JSON files (../shar
 `gpus`, `parallel`) into `--out`.
 
 `--device cpu` runs the same plumbing with gloo on the CPU (tiny models; no compile, no graphs).
+`--world`: world generation's layouts instead (`bench.parallel_world`).
 """
 
 from __future__ import annotations
@@ -105,6 +106,10 @@ def _serve_check(policy: Any, seconds: float, steps: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "world", False):
+        from .parallel_world import run as run_world
+
+        return run_world(args)
     from ..parallel import ParallelSpec, start
     from ..parallel.dist import no_multicast_env
 

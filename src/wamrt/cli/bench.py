@@ -32,7 +32,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         ("world", _world, "world generation (t2i, i2v) end to end vs diffusers on random weights"),
         ("kernels", _kernels, "the Generator's GEMM call sites: cuBLAS + Inductor vs quack's fused epilogues, at "
                               "real shapes (GPU)"),
-        ("parallel", _parallel, "latency on 2 GPUs: --parallel cfg (vs one GPU) or tp (Super)"),
+        ("parallel", _parallel, "latency on 2 GPUs: --parallel cfg (vs one GPU) or tp (Super); --world: t2v steps/s "
+                                "over 1-8 GPUs (cfg, ulysses, cfg+ulysses)"),
         ("load", _load, "closed-loop websocket lanes against a loopback server"),
         ("waterfall", _waterfall, "one chart from committed latency result files (rows of several runs, each "
                                   "labelled with its commit)"),
@@ -175,6 +176,17 @@ def _parallel(ap: argparse.ArgumentParser) -> None:
                     help="also serve the parallel engine on loopback and time one websocket lane this long (0: off)")
     ap.add_argument("--device", default="cuda", help="cuda (one GPU per rank, NCCL) or cpu (gloo, tiny models)")
     ap.add_argument("--out", default="bench/results/latency", help="folder of the result JSON files")
+    world = ap.add_argument_group("world generation (--world): t2v denoising steps per second over 1-8 GPUs; "
+                                  "see docs/world.md")
+    world.add_argument("--world", action="store_true",
+                       help="time world generation (text -> video) in the layouts --layouts at --gpu-counts instead "
+                            "of policy requests; --steps steps per request")
+    world.add_argument("--layouts", default="cfg,ulysses,cfg+ulysses",
+                       help="of cfg (2 GPUs), ulysses (2+), cfg+ulysses (4+, even), comma-separated")
+    world.add_argument("--gpu-counts", default="1,2,4,8", help="GPU counts, comma-separated (1: one GPU, the baseline)")
+    world.add_argument("--size", default="1280x720", help="WxH of the clip")
+    world.add_argument("--frames", type=int, default=189, help="frames of the clip (4k+1)")
+    world.add_argument("--world-runs", type=int, default=2, help="timed requests per layout (after one warm-up)")
 
 
 def _load(ap: argparse.ArgumentParser) -> None:
