@@ -99,7 +99,9 @@ def _row(args: argparse.Namespace, env: dict, command: str, layout: str, gpus: i
     from .stats import median_stages
 
     summary = summarize(steps_ms)
-    step_flops = request_flops(cfg, text=[125, 30], gen_tokens=gen_tokens, cfg_steps=[True], reasoner_once=False)
+    # a guided step's Generator FLOPs (both branches): two steps' request less one step's (the Reasoner runs once)
+    step_flops = (request_flops(cfg, text=[125, 30], gen_tokens=gen_tokens, cfg_steps=[True, True])
+                  - request_flops(cfg, text=[125, 30], gen_tokens=gen_tokens, cfg_steps=[True]))
     floor_ms = step_flops / (PEAK_BF16_TFLOPS * 1e12) * 1e3 / gpus
     return {
         "kind": "latency", "mode": "t2v720" if (args.size, args.frames) == ("1280x720", 189) else "t2v",
