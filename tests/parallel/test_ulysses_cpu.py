@@ -90,6 +90,22 @@ def test_ulysses_2_equals_single_process(stack, ulysses2):
     assert ulysses2.world_front.metadata()["engine"]["parallel"] == "ulysses 2"
 
 
+def test_distilled_sampler_on_ulysses_2(stack, ulysses2):
+    """The few-step sampler: its pre-drawn re-noising draws and the clean frame it re-anchors to (i2v) are sharded
+    into each rank's rows like the state."""
+    from wamrt.sampler import DistilledSchedule
+
+    single, _ = stack
+    for case in ("t2v", "i2v"):
+        kw = {k: v for k, v in _request(case, 3).items() if k not in ("steps", "guidance", "shift", "negative_prompt",
+                                                                       "enable_sound")}
+        schedule = DistilledSchedule((1.0, 0.8333, 0.4125, 0.2), stochastic=True)
+        got = ulysses2.world_front.run_distilled(schedule=schedule, decode=False, **kw)
+        kw["generator"] = torch.Generator().manual_seed(3)
+        want = single.run_distilled(schedule=schedule, decode=False, **kw)
+        _close(got.video_latents, want.video_latents)
+
+
 def test_a_stopped_request_frees_every_rank(stack, ulysses2):
     """Rank 0's on_step raising after the first step (a cancelled job): every rank leaves the loop, and the group
     serves the next request."""
