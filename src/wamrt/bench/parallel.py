@@ -106,10 +106,6 @@ def _serve_check(policy: Any, seconds: float, steps: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "world", False):
-        from .parallel_world import run as run_world
-
-        return run_world(args)
     from ..parallel import ParallelSpec, start
     from ..parallel.dist import no_multicast_env
 
@@ -121,6 +117,10 @@ def run(args: argparse.Namespace) -> int:
     command = "wamrt bench parallel " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "parallel"]
                                                  else sys.argv[1:])
     econf = engine_config(args)
+    if getattr(args, "world", False):
+        from .parallel_world import run_layouts
+
+        return run_layouts(args, out_dir, env, command, econf)
     spec = ParallelSpec(args.parallel, f"random:{args.model}", world=args.gpus, device=args.device, engine=econf,
                         layers=args.layers, tiny_vae=args.tiny_vae)
     cuda = args.device.startswith("cuda")

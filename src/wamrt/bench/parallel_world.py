@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from ..provenance import environment
 from .stats import summarize
 
 PROMPT = "A robot arm in a bright kitchen picks up a red apple from a wooden table and places it into a bowl."
@@ -116,21 +115,13 @@ def _row(args: argparse.Namespace, env: dict, command: str, layout: str, gpus: i
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def run_layouts(args: argparse.Namespace, out_dir: Path, env: dict, command: str, econf: dict) -> int:
+    """The `--world` half of `bench.parallel.run` (which prepared the output folder, provenance and engine
+    settings)."""
     from ..parallel import ParallelSpec, start
-    from ..parallel.dist import no_multicast_env
     from ..parallel.launch import model_config
 
-    no_multicast_env()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    env = environment()
-    command = "wamrt bench parallel " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "parallel"]
-                                                 else sys.argv[1:])
     cpu = args.device == "cpu"
-    econf = dict(attention="auto", compile=False, cuda_graph=False) if cpu else dict(
-        attention=args.attention or "cudnn", cuda_graph=not args.no_graph)
     counts = [int(c) for c in args.gpu_counts.split(",")]
     layouts = [x.strip() for x in args.layouts.split(",")]
     if bad := [x for x in layouts if x not in LAYOUTS]:
@@ -197,4 +188,4 @@ def rows_mode(args: argparse.Namespace) -> str:
     return "t2v720" if (args.size, args.frames) == ("1280x720", 189) else f"t2v-{args.size}-{args.frames}f"
 
 
-__all__ = ["LAYOUTS", "configurations", "run"]
+__all__ = ["LAYOUTS", "configurations", "run_layouts"]
