@@ -20,6 +20,7 @@ velocity step are overridden here, as `parallel.cfg` does for the policy engine.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
@@ -352,7 +353,7 @@ class ParallelWorldEngine(WorldEngine):
             return (yield from super()._velocity_pieces(groups, tok, raw_dim, pause_after, last_layer_rows,
                                                         clean_frames))
         shapes = [tuple(t.shape[1:]) for t in (tok.vision, tok.sound) if t is not None]
-        widths = [_numel(s) for s in shapes]
+        widths = [math.prod(s) for s in shapes]
         if groups.cfg or self.groups.cfg_rank == 0:
             out = yield from super()._velocity_pieces(groups.groups, tok, raw_dim, pause_after, last_layer_rows,
                                                       clean_frames)
@@ -368,13 +369,6 @@ class ParallelWorldEngine(WorldEngine):
         parts = [p.reshape(both.shape[0], *s) for p, s in zip(both.split(widths, dim=1), shapes, strict=True)]
         return GeneratorOutput(parts[0] if tok.vision is not None else None,
                                parts[-1] if tok.sound is not None else None, None)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out
 
 
 __all__ = ["ParallelWorldEngine", "WorldGroups", "WorldLayout"]
