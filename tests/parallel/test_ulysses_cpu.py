@@ -16,6 +16,7 @@ padding slots alone).
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import replace
 from typing import Any
 
@@ -48,6 +49,16 @@ def stack(tmp_path_factory):
     mp.undo()
 
 
+# Video transfer: one control with control guidance (a third, no-control pass), and two weighted controls (two
+# attention passes per layer) with control guidance inside an interval.
+SOURCE = np.stack([np.roll(PICTURE, 7 * k, axis=1) for k in range(5)])
+TRANSFER = {"edge": {"controls": {"edge": True}, "control_guidance": 1.5},
+            "edge_blur": {"controls": {"edge": True, "blur": {"control_weight": 0.5}}, "control_guidance": 2.0,
+                          "control_guidance_interval": [900, 1000]}}
+needs_transfer = pytest.mark.skipif(importlib.util.find_spec("wamrt.pipeline.transfer") is None,
+                                    reason="video transfer (issue 43 items 1-3, branch h/world) is not on main yet")
+
+
 def _request(case: str, seed: int = 1, **over: Any) -> dict[str, Any]:
     kw = dict(prompt="a red ball rolls across a wooden table", negative_prompt="blurry", height=32, width=48,
               num_frames=5, steps=2, guidance=3.0, shift=10.0, generator=torch.Generator().manual_seed(seed))
@@ -55,6 +66,8 @@ def _request(case: str, seed: int = 1, **over: Any) -> dict[str, Any]:
         kw["enable_sound"] = True
     elif case == "i2v":
         kw["image"] = PICTURE
+    elif case in TRANSFER:
+        kw.update(control_source=SOURCE, **TRANSFER[case])
     return {**kw, **over}
 
 
@@ -88,6 +101,11 @@ def ulysses2(stack):
 def test_ulysses_2_equals_single_process(stack, ulysses2):
     _compare(ulysses2, stack)
     assert ulysses2.world_front.metadata()["engine"]["parallel"] == "ulysses 2"
+
+
+@needs_transfer
+def test_ulysses_2_transfer_equals_single_process(stack, ulysses2):
+    _compare(ulysses2, stack, [("edge", {}), ("edge_blur", {})])
 
 
 def test_distilled_sampler_on_ulysses_2(stack, ulysses2):
@@ -144,12 +162,24 @@ def test_served_ulysses_generates_and_answers_policy_requests(ulysses2):
         assert server.service.policy.metadata()["engine"]["parallel"] == "ulysses"
 
 
-def test_cfg_parallel_world_equals_single_process(stack):
-    """cfg,ulysses on 2 ranks: CFG-parallel alone (cfg 2 × ulysses 1); guidance 1 has one branch, which the
-    conditional rank broadcasts."""
+@pytest.fixture(scope="module")
+def cfg2(stack):
     with _front("cfg,ulysses", 2) as front:
-        _compare(front, stack, [("t2v", {}), ("i2v", {}), ("t2v", {"guidance": 1.0})])
-        assert front.world_front.metadata()["engine"]["parallel"] == "cfg 2 × ulysses 1"
+        yield front
+
+
+def test_cfg_parallel_world_equals_single_process(stack, cfg2):
+    """cfg,ulysses on 2 ranks: CFG-parallel alone (cfg 2 × ulysses 1), the conditional pass on one rank and the
+    unconditional one on the other; with guidance 1 the conditional rank broadcasts its velocities."""
+    _compare(cfg2, stack, [("t2v", {}), ("i2v", {}), ("t2v", {"guidance": 1.0})])
+    assert cfg2.world_front.metadata()["engine"]["parallel"] == "cfg 2 × ulysses 1"
+
+
+@needs_transfer
+def test_cfg_parallel_transfer_equals_single_process(stack, cfg2):
+    """Transfer's no-control pass runs beside the unconditional one; with guidance 1 beside nothing (the
+    conditional and no-control passes on one rank each)."""
+    _compare(cfg2, stack, [("edge", {}), ("edge_blur", {}), ("edge", {"guidance": 1.0})])
 
 
 @pytest.mark.slow
