@@ -92,10 +92,37 @@ def _front(mode: str, gpus: int, **world_engine: Any):
     return start(ParallelSpec(mode, "tiny-world", gpus, "cpu", engine=ECONF, world_engine=world_engine))
 
 
+class _Fronts:
+    """At most one running front at a time (each is a process group of this process): tests of one layout share
+    it, the next layout's first test closes it."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.front: Any = None
+
+    def get(self, mode: str, gpus: int, **world_engine: Any):
+        key = (mode, gpus, tuple(sorted(world_engine.items())))
+        if key != self.key:
+            self.close()
+            self.front, self.key = _front(mode, gpus, **world_engine), key
+        return self.front
+
+    def close(self) -> None:
+        if self.front is not None:
+            self.front.close()
+        self.front = self.key = None
+
+
 @pytest.fixture(scope="module")
-def ulysses2(stack):
-    with _front("ulysses", 2) as front:
-        yield front
+def fronts(stack):
+    running = _Fronts()
+    yield running
+    running.close()
+
+
+@pytest.fixture
+def ulysses2(fronts):
+    return fronts.get("ulysses", 2)
 
 
 def test_ulysses_2_equals_single_process(stack, ulysses2):
@@ -162,10 +189,9 @@ def test_served_ulysses_generates_and_answers_policy_requests(ulysses2):
         assert server.service.policy.metadata()["engine"]["parallel"] == "ulysses"
 
 
-@pytest.fixture(scope="module")
-def cfg2(stack):
-    with _front("cfg,ulysses", 2) as front:
-        yield front
+@pytest.fixture
+def cfg2(fronts):
+    return fronts.get("cfg,ulysses", 2)
 
 
 def test_cfg_parallel_world_equals_single_process(stack, cfg2):
@@ -184,11 +210,10 @@ def test_cfg_parallel_transfer_equals_single_process(stack, cfg2):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ulysses", "cfg,ulysses"])
-def test_four_ranks_equal_single_process(stack, mode):
+def test_four_ranks_equal_single_process(stack, fronts, mode):
     """Ulysses-4 (K/V heads repeated: 2 K/V heads over 4 ranks) with prompt buckets off (exact prefix lengths:
     one attention call per CFG branch over its own keys), and CFG 2 × Ulysses 2 with the world engine's buckets."""
-    with _front(mode, 4, **({"prompt_bucket": 0} if mode == "ulysses" else {})) as front:
-        _compare(front, stack)
+    _compare(fronts.get(mode, 4, **({"prompt_bucket": 0} if mode == "ulysses" else {})), stack)
 
 
 def test_world_layouts_that_do_not_divide_fail_in_one_line():
