@@ -16,7 +16,6 @@ padding slots alone).
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
 from typing import Any
 
@@ -55,8 +54,6 @@ SOURCE = np.stack([np.roll(PICTURE, 7 * k, axis=1) for k in range(5)])
 TRANSFER = {"edge": {"controls": {"edge": True}, "control_guidance": 1.5},
             "edge_blur": {"controls": {"edge": True, "blur": {"control_weight": 0.5}}, "control_guidance": 2.0,
                           "control_guidance_interval": [900, 1000]}}
-needs_transfer = pytest.mark.skipif(importlib.util.find_spec("wamrt.pipeline.transfer") is None,
-                                    reason="video transfer (issue 43 items 1-3, branch h/world) is not on main yet")
 
 
 def _request(case: str, seed: int = 1, **over: Any) -> dict[str, Any]:
@@ -130,7 +127,6 @@ def test_ulysses_2_equals_single_process(stack, ulysses2):
     assert ulysses2.world_front.metadata()["engine"]["parallel"] == "ulysses 2"
 
 
-@needs_transfer
 def test_ulysses_2_transfer_equals_single_process(stack, ulysses2):
     _compare(ulysses2, stack, [("edge", {}), ("edge_blur", {})])
 
@@ -196,12 +192,11 @@ def cfg2(fronts):
 
 def test_cfg_parallel_world_equals_single_process(stack, cfg2):
     """cfg,ulysses on 2 ranks: CFG-parallel alone (cfg 2 × ulysses 1), the conditional pass on one rank and the
-    unconditional one on the other; with guidance 1 the conditional rank broadcasts its velocities."""
+    unconditional one on the other; with guidance 1 the only pass runs on both."""
     _compare(cfg2, stack, [("t2v", {}), ("i2v", {}), ("t2v", {"guidance": 1.0})])
     assert cfg2.world_front.metadata()["engine"]["parallel"] == "cfg 2 × ulysses 1"
 
 
-@needs_transfer
 def test_cfg_parallel_transfer_equals_single_process(stack, cfg2):
     """Transfer's no-control pass runs beside the unconditional one; with guidance 1 beside nothing (the
     conditional and no-control passes on one rank each)."""
@@ -213,7 +208,8 @@ def test_cfg_parallel_transfer_equals_single_process(stack, cfg2):
 def test_four_ranks_equal_single_process(stack, fronts, mode):
     """Ulysses-4 (K/V heads repeated: 2 K/V heads over 4 ranks) with prompt buckets off (exact prefix lengths:
     one attention call per CFG branch over its own keys), and CFG 2 × Ulysses 2 with the world engine's buckets."""
-    _compare(fronts.get(mode, 4, **({"prompt_bucket": 0} if mode == "ulysses" else {})), stack)
+    front = fronts.get(mode, 4, **({"prompt_bucket": 0} if mode == "ulysses" else {}))
+    _compare(front, stack, [("t2v", {}), ("i2v", {}), ("edge_blur", {})])
 
 
 def test_world_layouts_that_do_not_divide_fail_in_one_line():

@@ -133,15 +133,9 @@ class _WorldLoop:
             sound=None if self.x_s is None else self.x_s.to(dtype), sound_noisy=static.get("sound_noisy"),
             controls=static.get("controls"), control_weights=static.get("control_weights"),
         )
-        outs = []
-        for rows, bufs, rope, attn, drop_controls in self.kinds[spec.kinds[i]]:
-            sel = select_requests(tok, rows)
-            if drop_controls:
-                sel = replace(sel, controls=None, control_weights=None)
-            read = spec.read_rows and (spec.clean_frames > 0 or sel.controls is not None)
-            outs.append((yield from engine._generator_pieces(sel, bufs, rope, attn, engine.pause_after,
-                                                             "noisy" if read else "all", spec.clean_frames)))
-        cfg_on, cg_on = spec.kinds[i]
+        kind = spec.kinds[i]
+        vision, sound = yield from engine._step_velocities(kind, self.kinds[kind], tok, spec)
+        cfg_on, cg_on = kind
 
         def combine(v: torch.Tensor, controls: bool) -> torch.Tensor:
             """rows [cond; uncond if CFG; no-control if control guidance] -> the guided velocity, as
@@ -151,10 +145,9 @@ class _WorldLoop:
             c = cfg_combine(v[:1], v[-1:], spec.control_guidance) if controls and cg_on else v[:1]
             return cfg_combine(c, v[1:2], spec.guidance) if cfg_on else c
 
-        vision = torch.cat([o.vision for o in outs])
         self.x_v, self.hist_v = self.plan.step(i, self.x_v, combine(vision, True), self.hist_v)
         if self.x_s is not None:
-            sound = torch.cat([o.sound for o in outs])
+            assert sound is not None
             self.x_s, self.hist_s = self.plan.step(i, self.x_s, combine(sound, False), self.hist_s)
 
 
@@ -327,6 +320,22 @@ class WorldEngine(Engine):
             groups = [(seqs, False)] if self.config.batch_cfg else [([s], False) for s in seqs]
             out[kind] = groups + ([(branches.nocontrols, True)] if cg_on else [])
         return out
+
+    def _step_velocities(self, kind: tuple[bool, bool], groups: list, tok: GeneratorTokens, spec: _LoopSpec
+                         ) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor | None]]:
+        """A step's Generator passes (`groups`: `_world_batches`' of the step's `kind`), pausing where the engine
+        splits a step -> the velocity rows of vision and sound, [cond; uncond if CFG; no-control if control
+        guidance]. (Where several GPUs share a step, `parallel.world` runs some passes here and fetches the rest.)"""
+        outs = []
+        for rows, bufs, rope, attn, drop_controls in groups:
+            sel = select_requests(tok, rows)
+            if drop_controls:
+                sel = replace(sel, controls=None, control_weights=None)
+            read = spec.read_rows and (spec.clean_frames > 0 or sel.controls is not None)
+            outs.append((yield from self._generator_pieces(sel, bufs, rope, attn, self.pause_after,
+                                                           "noisy" if read else "all", spec.clean_frames)))
+        sound = None if outs[0].sound is None else torch.cat([o.sound for o in outs])
+        return torch.cat([o.vision for o in outs]), sound
 
     def _world_batches(self, branches: _Branches, spec: _LoopSpec) -> dict[tuple[bool, bool], list]:
         """`_world_groups` with their K/V buffers: per step kind, (request rows, K/V buffers, RoPE, attention op, drop

@@ -5,9 +5,10 @@ Layout `cfg × ulysses` (`WorldLayout`): ranks split first by CFG branch (ranks 
 rows). Process subgroups: one sequence group per branch (the all-to-alls around attention) and one CFG pair per
 sequence share (the velocity exchange).
 
-* CFG-parallel: each branch's Generator pass runs on its own ranks; per step one all-gather of the velocities
+* CFG-parallel: each branch's Generator pass runs on its own ranks (the conditional one on the first, the
+  unconditional one and transfer's no-control pass on the second); per step one all-gather of the velocities
   over the CFG pair (only this rank's rows of them), after which both ranks apply the same guidance combine and
-  solver step, so their states stay equal. Steps without guidance: the conditional rank broadcasts instead.
+  solver step, so their states stay equal.
 * Ulysses (`parallel.ulysses`): the sampler state is this rank's rows of the latents as tokens (`_Shard`); the
   input embedding, every norm, projection and MLP and the output projection run on those rows; each attention is
   wrapped in the two all-to-alls (the engine's `_pre` / `_post` pieces, wrapped here). The Reasoner K/V is
@@ -107,17 +108,12 @@ class WorldGroups:
                    cfg_groups[rank % u] if cfg_groups else None)
 
 
-@dataclass
-class _CfgStep:
-    groups: list  # this rank's branch's Generator groups
-    cfg: bool  # a guided step: all-gather both branches; else the conditional rank broadcasts its own
-
-
 class _Shard:
     """One request's Generator rows on this rank: the latents as tokens ([1, rows, features]; vision patches, then
     sound frames), the sequence layouts of its passes, and the gather of the final state."""
 
-    def __init__(self, engine: ParallelWorldEngine, vision: torch.Tensor, sound: torch.Tensor | None) -> None:
+    def __init__(self, engine: ParallelWorldEngine, vision: torch.Tensor, sound: torch.Tensor | None,
+                 controls: torch.Tensor | None) -> None:
         self.engine = engine
         self.patch = engine.model.config.latent_patch_size
         self.vision_shape = tuple(vision.shape)  # [1, C, T, H, W]
@@ -127,8 +123,11 @@ class _Shard:
         self.vision_tokens = t * self.per_frame
         self.sound_tokens = 0 if sound is None else sound.shape[2]
         self.degree, self.rank = engine.layout.ulysses, engine.groups.seq_rank
+        # A transfer request's controls are videos on the vision grid, in front of the vision tokens.
+        self.controls = () if controls is None else (self.vision_tokens,) * controls.shape[1]
         self.layouts: dict[tuple[int, ...], SequenceLayout] = {}
-        self.layout(())  # built here, outside any graph capture (its index tensors are host data)
+        for c in dict.fromkeys(((), self.controls)):  # built here, outside any graph capture (host data)
+            self.layout(c)
         # patchify zero-pads an odd latent height or width inside the edge tokens; a latent-shaped state never holds
         # those slots, a token-shaped one must keep them at zero (their velocity is zeroed).
         self.real_slots = (None if (h % self.patch, w % self.patch) == (0, 0) else
@@ -136,7 +135,7 @@ class _Shard:
 
     @property
     def geometry(self) -> tuple:
-        return self.vision_shape, self.sound_shape
+        return self.vision_shape, self.sound_shape, self.controls
 
     def segments(self, controls: tuple[int, ...] = ()) -> tuple[int, ...]:
         return (*controls, self.vision_tokens, *((self.sound_tokens,) if self.sound_shape else ()))
@@ -200,6 +199,7 @@ class ParallelWorldEngine(WorldEngine):
         super().__init__(model, encoder, tokenizer, config, **kwargs)
         self.layout, self.groups = layout, groups
         self._lengths: tuple[int, ...] = ()  # both branches' prefix lengths (CFG-parallel graph keys)
+        self._with_uncond = False  # the request has an unconditional branch (CFG-parallel: the second rank's)
         self._shard: _Shard | None = None  # the request's rows (Ulysses)
         self._pass: SequenceLayout | None = None  # the running Generator pass's layout (Ulysses)
         self.sharded = layout.ulysses > 1  # the Ulysses path (state as this rank's rows, attention exchanged)
@@ -225,7 +225,7 @@ class ParallelWorldEngine(WorldEngine):
     def _denoise_world(self, inp, extra, spec, on_step, on_segment, need_uncond=None) -> DenoiseResult:
         if not self.sharded:
             return super()._denoise_world(inp, extra, spec, on_step, on_segment, need_uncond)
-        shard = self._shard = _Shard(self, inp.vision, inp.sound)
+        shard = self._shard = _Shard(self, inp.vision, inp.sound, inp.controls)
         rows = replace(inp, vision=shard.vision_rows(inp.vision),
                        vision_noisy=shard.vision_noisy_rows(inp.vision_noisy))
         if inp.sound is not None:
@@ -236,8 +236,8 @@ class ParallelWorldEngine(WorldEngine):
             vision, sound = shard.gather(out.vision, out.sound)
         return DenoiseResult(vision, None, out.timings_ms, {}, sound)
 
-    def _world_key(self, x_v, x_s, conds, unconds, spec):
-        key = super()._world_key(x_v, x_s, conds, unconds, spec)
+    def _world_key(self, *args):
+        key = super()._world_key(*args)
         # The local row counts do not identify the request on every rank alike; the full geometry does.
         return key if self._shard is None else replace(key, sampler=(*key.sampler, self._shard.geometry))
 
@@ -246,7 +246,7 @@ class ParallelWorldEngine(WorldEngine):
             return (yield from super()._generator_pieces(tok, bufs, rope, attn, pause_after, last_layer_rows,
                                                          clean_frames))
         assert self._shard is not None
-        layout = self._pass = self._shard.layout(())
+        layout = self._pass = self._shard.layout(self._shard.controls if tok.controls is not None else ())
         local = Rope(rope.cos[:, layout.mine], rope.sin[:, layout.mine])  # this rank's rows' global positions
         return (yield from super()._generator_pieces(tok, bufs, local, attn, pause_after))
 
@@ -257,6 +257,10 @@ class ParallelWorldEngine(WorldEngine):
         model, dt = self.model, self.model.dtype
         temb = model.time_embedding(tok.timesteps)[:, None, :]
         parts = []
+        if tok.controls is not None:  # clean control videos in front: this rank's chunk of each, no time embedding
+            assert self._shard is not None
+            for i in range(tok.controls.shape[1]):
+                parts.append(model.proj_in(self._shard.vision_rows(tok.controls[:, i]).to(dt)))
         if tok.vision is not None:
             x = model.proj_in(tok.vision.to(dt))
             parts.append(torch.where(tok.vision_noisy[..., None], x + temb, x))
@@ -325,16 +329,17 @@ class ParallelWorldEngine(WorldEngine):
             self._head_slices.popitem(last=False)
         return mine
 
-    # Which branch this rank runs, and the velocity exchange (CFG-parallel) -------------------------
+    # Which passes this rank runs, and the velocity exchange (CFG-parallel) --------------------------
     def _sequences(self, inputs, need_uncond):
         if self.layout.cfg == 1:
             return super()._sequences(inputs, need_uncond)
         (inp,) = inputs
         # Both ranks tokenized both prompts: the graph key is the same function of the request on both.
         self._lengths = (inp.cond.input_ids.shape[1],) + ((inp.uncond.input_ids.shape[1],) if need_uncond else ())
+        self._with_uncond = need_uncond
+        # Without guidance the second rank holds the conditional branch (and shares its passes where it has no
+        # other: `_owners`).
         branch = inp.uncond if need_uncond and self.groups.cfg_rank == 1 else inp.cond
-        # Without guidance the unconditional rank never runs its pass (it receives the conditional velocities) but
-        # holds the conditional branch, so the loop has its usual shapes.
         return [self._branch(0, branch)], []
 
     def _bucket_lengths(self, conds, unconds) -> tuple[int, ...]:
@@ -342,33 +347,49 @@ class ParallelWorldEngine(WorldEngine):
             return super()._bucket_lengths(conds, unconds)
         return tuple(self._padded_length(n) for n in self._lengths)
 
-    def _step_batches(self, conds, unconds, n):
-        if self.layout.cfg == 1:
-            return super()._step_batches(conds, unconds, n)
-        local = super()._step_batches(conds, [], n)[False]
-        return {False: _CfgStep(local, cfg=False), True: _CfgStep(local, cfg=True)}
+    def _owners(self, kind: tuple[bool, bool]) -> list[tuple[str, tuple[int, ...]]]:
+        """A step kind's velocity rows in order (cond, uncond with CFG, no-control with control guidance) and the CFG
+        ranks that compute each: the unconditional and no-control passes on the second rank, the conditional one on
+        the first, and on both when it is the step's only pass and the second rank holds it (no pass to wait for)."""
+        cfg_on, cg_on = kind
+        alone = not (cfg_on or cg_on or self._with_uncond)
+        return ([("cond", (0, 1) if alone else (0,))] + ([("uncond", (1,))] if cfg_on else [])
+                + ([("nocontrol", (1,))] if cg_on else []))
 
-    def _velocity_pieces(self, groups, tok, raw_dim, pause_after=(), last_layer_rows="all", clean_frames=0):
-        if not isinstance(groups, _CfgStep):
-            return (yield from super()._velocity_pieces(groups, tok, raw_dim, pause_after, last_layer_rows,
-                                                        clean_frames))
+    def _world_groups(self, branches, spec):
+        if self.layout.cfg == 1:
+            return super()._world_groups(branches, spec)
+        rank, out = self.groups.cfg_rank, {}
+        for kind in dict.fromkeys(spec.kinds):
+            rows = {"cond": (branches.conds, False), "uncond": (branches.conds, False),
+                    "nocontrol": (branches.nocontrols, True)}
+            out[kind] = [rows[name] for name, owners in self._owners(kind) if rank in owners]
+        return out
+
+    def _step_velocities(self, kind, groups, tok, spec):
+        if self.layout.cfg == 1:
+            return (yield from super()._step_velocities(kind, groups, tok, spec))
+        owners = self._owners(kind)
+        mine = [i for i, (_, ranks) in enumerate(owners) if self.groups.cfg_rank in ranks]
+        vision = sound = None
+        if groups:
+            vision, sound = yield from super()._step_velocities(kind, groups, tok, spec)
+        if len(mine) == len(owners):
+            return vision, sound
+        # One all-gather over the CFG pair: every rank's rows of every pass it ran, in their slots.
         shapes = [tuple(t.shape[1:]) for t in (tok.vision, tok.sound) if t is not None]
         widths = [math.prod(s) for s in shapes]
-        if groups.cfg or self.groups.cfg_rank == 0:
-            out = yield from super()._velocity_pieces(groups.groups, tok, raw_dim, pause_after, last_layer_rows,
-                                                      clean_frames)
-            local = torch.cat([t.reshape(1, -1) for t in (out.vision, out.sound) if t is not None], dim=1)
-        else:  # an unguided step: the conditional rank's velocities arrive
-            local = tok.vision.new_empty(1, sum(widths))
-        if groups.cfg:
-            both = local.new_empty(2, local.shape[1])
-            all_gather_into(both, local.contiguous(), group=self.groups.cfg)  # rows [cond; uncond]
-        else:
-            dist.broadcast(local, src=dist.get_global_rank(self.groups.cfg, 0), group=self.groups.cfg)
-            both = local
-        parts = [p.reshape(both.shape[0], *s) for p, s in zip(both.split(widths, dim=1), shapes, strict=True)]
-        return GeneratorOutput(parts[0] if tok.vision is not None else None,
-                               parts[-1] if tok.sound is not None else None, None)
+        slots = tok.vision.new_zeros(len(owners), sum(widths))
+        if mine:
+            ran = torch.cat([t.reshape(len(mine), -1) for t in (vision, sound) if t is not None], dim=1)
+            for j, i in enumerate(mine):  # Python indices: no index tensor to copy in (a captured graph holds this)
+                slots[i].copy_(ran[j])
+        both = slots.new_empty(2 * len(owners), slots.shape[1])
+        all_gather_into(both, slots, group=self.groups.cfg)  # [first rank's slots; second rank's]
+        both = both.view(2, *slots.shape)
+        rows = torch.stack([both[ranks[0], i] for i, (_, ranks) in enumerate(owners)])
+        parts = [p.reshape(len(owners), *s) for p, s in zip(rows.split(widths, dim=1), shapes, strict=True)]
+        return parts[0], parts[1] if tok.sound is not None else None
 
 
 __all__ = ["ParallelWorldEngine", "WorldGroups", "WorldLayout"]
