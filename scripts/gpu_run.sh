@@ -210,11 +210,12 @@ print("world-serve: policy p50/p99 ms " + " | ".join(lat) + "; generation jobs d
     world-parallel) # Issue 43 item 4, on nvidia-h200-x2 / x4 / x8: the world layouts' GPU test (2 GPUs), then t2v
           # 1280x720 x 189 frames denoising steps per second at GPU_COUNTS (default 1 and each power of 2 up to the
           # visible GPUs) in the layouts cfg, ulysses, cfg+ulysses (`wamrt bench parallel --world`, Nano random
-          # weights, STEPS steps per request, RUNS timed requests per layout); WORLD_PARALLEL_ARGS: more flags.
+          # weights, STEPS steps per request, RUNS timed requests per layout); WORLD_PARALLEL_ARGS: more flags;
+          # WORLD_TESTS=0: no GPU test (a later call of a run split over several).
           export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
           gpus=$(nvidia-smi -L | wc -l); counts=1; for n in 2 4 8; do [ "$n" -le "$gpus" ] && counts=$counts,$n; done
-          timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/parallel/test_parallel_gpu.py -k world \
-             2>&1 | tee "$res/log.txt"
+          [ "${WORLD_TESTS:-1}" = 0 ] || timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -s \
+             tests/parallel/test_parallel_gpu.py -k world 2>&1 | tee "$res/log.txt"
           wamrt bench parallel --world --model "${WORLD_MODEL:-nano}" --gpu-counts "${GPU_COUNTS:-$counts}" \
              --steps "${STEPS:-4}" --world-runs "${RUNS:-2}" ${WORLD_PARALLEL_ARGS:-} --out "$res" 2>&1 \
              | tee -a "$res/log.txt" ;;
