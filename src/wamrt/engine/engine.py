@@ -179,7 +179,7 @@ class Engine(GraphCapture):
         self, observations: list[Mapping[str, Any]], *, seeds: list[int | None] | None = None, **overrides: Any
     ) -> list[ActionChunk | Exception]:
         """Requests of one shape bucket in one pass. A bad request yields its error in its slot."""
-        opts = replace(self.options, **overrides) if overrides else self.options
+        opts = self.options.updated(**overrides)
         validate_options(opts)
         seeds = seeds or [None] * len(observations)
         t_start = time.perf_counter()
