@@ -230,7 +230,7 @@ class Engine(GraphCapture):
                         results[i] = FloatingPointError("the model produced non-finite actions")
                         continue
                     results[i] = ActionChunk(actions, prep.seed, prep.prompt, {**prep.timings_ms, **timings},
-                                             prep.prefix_rows, prep.prefix_mode)
+                                             prep.prefix_rows, prep.prefix_mode, list(prep.notes))
                 post = 1e3 * (time.perf_counter() - t0)
                 for i, _ in batch:
                     if isinstance(results[i], ActionChunk):
