@@ -176,12 +176,12 @@ def resolve_layout(path: str | Path, *, tokenizer: str | Path | None = None,
     model_index = base / MODEL_INDEX if (base / MODEL_INDEX).is_file() else None
     if quantized is not None:
         kind = "quantized"
+    elif transformer == root:
+        kind = "transformer"
     elif root_index is not None and (transformer_index == root_index or vision_index is not None):
         kind = "hub"
-    elif model_index is not None:
-        kind = "diffusers"
     else:
-        kind = "transformer" if transformer == root else "wamrt"
+        kind = "diffusers" if model_index is not None else "wamrt"
     return CheckpointLayout(
         root=root, kind=kind, transformer=transformer, transformer_config=transformer / CONFIG_NAME,
         transformer_index=transformer_index, quantized=quantized, vae=vae_dir, tokenizer=tokenizer_dir,
@@ -244,18 +244,19 @@ def scheduler_defaults(layout: CheckpointLayout) -> SchedulerDefaults:
 # ------------------------------------------------------------------------------------------------
 # Configs that must agree with each other
 
-def check_components(layout: CheckpointLayout, model_config: Any, vae_config: Any | None = None, *,
-                     vocab: int | None = None, action_columns: int | None = None,
+def check_components(layout: CheckpointLayout, model_config: Any, *, vae_z_dim: int | None = None,
+                     max_token_id: int | None = None, action_columns: int | None = None,
                      domain_id: int | None = None) -> None:
     """One-line CheckpointErrors, naming the file and field, where the transformer's config disagrees with the
-    VAE (latent channels), the tokenizer (vocabulary) or the task contract (action width, embodiment domain)."""
+    VAE (latent channels), the tokenizer (the ids of an empty caption's chat template and special tokens must
+    have embedding rows) or the task contract (action width, embodiment domain)."""
     cfg_file = layout.transformer_config
-    if vae_config is not None and int(vae_config.z_dim) != model_config.latent_channel:
-        raise CheckpointError(f"{model_config.latent_channel}, but the VAE's z_dim is {vae_config.z_dim} "
+    if vae_z_dim is not None and vae_z_dim != model_config.latent_channel:
+        raise CheckpointError(f"{model_config.latent_channel}, but the VAE's z_dim is {vae_z_dim} "
                               f"({layout.vae}/config.json)", file=cfg_file, field="latent_channel")
-    if vocab is not None and vocab > model_config.vocab_size:
-        raise CheckpointError(f"{model_config.vocab_size}, but the tokenizer ({layout.tokenizer}) has {vocab} tokens",
-                              file=cfg_file, field="vocab_size")
+    if max_token_id is not None and max_token_id >= model_config.vocab_size:
+        raise CheckpointError(f"{model_config.vocab_size}, but the tokenizer ({layout.tokenizer}) makes token id "
+                              f"{max_token_id} for an empty caption", file=cfg_file, field="vocab_size")
     if action_columns is not None and model_config.action_gen:
         if (model_config.action_dim or 0) < action_columns:
             raise CheckpointError(f"{model_config.action_dim}, but the DROID contract needs {action_columns} action "

@@ -27,7 +27,7 @@ from .normalization import ActionNormalization
 from .prefix import TRAINED_KEY
 from .random_weights import random_tokenizer, random_transformer, random_vae
 from .tokens import CaptionTokenizer
-from .vae import FrameEncoder, load_vae
+from .vae import FrameEncoder, load_vae, read_vae_config
 
 log = logging.getLogger(__name__)
 
@@ -253,9 +253,11 @@ def load_policy(
         tok = CaptionTokenizer.from_pretrained(tok_dir)
     except (RequestError, OSError, ValueError) as e:  # a folder transformers cannot read, or one without our tokens
         raise CheckpointError(str(e).removeprefix("tokenizer: "), file=tok_dir) from e
-    vae_model = load_vae(vae_dir, device="cpu", dtype=torch.float32)
-    check_components(layout, read_config(layout.transformer), vae_model.config, vocab=len(tok.tokenizer),
-                     action_columns=contract.raw_action_dim, domain_id=contract.domain_id)
+    # Every config that must agree is checked before any weight is read: a mismatch is one line, not a
+    # shape error deep in a layer.
+    check_components(layout, read_config(layout.transformer), vae_z_dim=read_vae_config(vae_dir)["z_dim"],
+                     max_token_id=max(tok.encode("").text_ids), action_columns=contract.raw_action_dim,
+                     domain_id=contract.domain_id)
     quantization: str | None = None
     if layout.quantized is not None:
         from ..quant import load_artifact  # a `wamrt quantize` artifact: hashes verified before loading
@@ -264,7 +266,7 @@ def load_policy(
         quantization = json.loads((layout.quantized / "recipe.json").read_text()).get("recipe", {}).get("name")
     else:
         model = load_transformer(layout.transformer, device=dev, dtype=dt, weights=layout.transformer_weights())
-    encoder = FrameEncoder(torch.nn.Module.to(vae_model, device=dev, dtype=dt))
+    encoder = FrameEncoder(load_vae(vae_dir, device=dev, dtype=dt))
     if options is None:
         gi = extra.get("guidance_interval")
         defaults = scheduler_defaults(layout)

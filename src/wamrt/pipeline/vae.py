@@ -64,12 +64,9 @@ def check_vae_config(cfg: dict[str, Any], cfg_path: Path) -> None:
                            field=name)
 
 
-def load_vae(folder: str | Path, *, device: str | torch.device = "cpu",
-             dtype: torch.dtype = torch.bfloat16) -> AutoencoderKLWan:
-    """Load a diffusers-layout VAE folder: config.json + diffusion_pytorch_model.safetensors, or shards listed
-    by a `*.safetensors.index.json` (what `save_pretrained(max_shard_size=...)` writes)."""
-    folder = Path(folder)
-    cfg_path = folder / "config.json"
+def read_vae_config(folder: str | Path) -> dict[str, Any]:
+    """The VAE folder's config.json (diffusers' bookkeeping `_` keys dropped), checked by `check_vae_config`."""
+    cfg_path = Path(folder) / "config.json"
     try:
         raw = json.loads(cfg_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -78,6 +75,15 @@ def load_vae(folder: str | Path, *, device: str | torch.device = "cpu",
         raise VaeError("must be a JSON object", file=cfg_path)
     cfg = {k: v for k, v in raw.items() if not k.startswith("_")}
     check_vae_config(cfg, cfg_path)
+    return cfg
+
+
+def load_vae(folder: str | Path, *, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.bfloat16) -> AutoencoderKLWan:
+    """Load a diffusers-layout VAE folder: config.json + diffusion_pytorch_model.safetensors, or shards listed
+    by a `*.safetensors.index.json` (what `save_pretrained(max_shard_size=...)` writes)."""
+    folder = Path(folder)
+    cfg_path, cfg = folder / "config.json", read_vae_config(folder)
     files = weight_files(folder, required=False)
     if not files:
         raise VaeError("no safetensors weights (diffusion_pytorch_model.safetensors or an index)", file=folder)
