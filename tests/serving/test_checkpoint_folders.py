@@ -8,8 +8,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import av
@@ -19,6 +17,7 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from oracle.checkpoints import save_diffusers_pipeline, to_hub_layout
 
 from wamrt.cli import main
+from wamrt.cli.demo import _wait_ready as wait_ready
 from wamrt.net import free_port
 from wamrt.sample import sample_observation
 
@@ -38,17 +37,11 @@ def _serve(folder: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, int]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT), port
 
 
-def _wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout_s: float = 240.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{log.read_text()}"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    raise TimeoutError(f"not ready after {timeout_s} s:\n{log.read_text()}")
+def _wait_ready(proc: subprocess.Popen, port: int, log: Path) -> None:
+    try:
+        wait_ready(port, proc, timeout_s=240.0)
+    except (RuntimeError, TimeoutError) as exc:
+        raise AssertionError(f"{exc}:\n{log.read_text()}") from exc
 
 
 def test_serve_answers_openpi_client(folder: Path, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -52,6 +53,17 @@ def resolve_folder(path: str | Path) -> Path:
     if (p / CONFIG_NAME).is_file() and weight_files(p, required=False):
         return p
     raise CheckpointError(f"{p}: no {CONFIG_NAME} with safetensors weights (nor a transformer/ subfolder)")
+
+
+def read_json_object(path: Path, what: str, error: type[CheckpointError] = CheckpointError) -> dict[str, Any]:
+    """A JSON file that must hold an object (a component's config), or `error` naming the file."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise error(f"cannot read the {what} ({e.__class__.__name__}: {e})", file=path) from e
+    if not isinstance(raw, dict):
+        raise error("must be a JSON object", file=path)
+    return raw
 
 
 def read_config(folder: Path) -> Cosmos3Config:

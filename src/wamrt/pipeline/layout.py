@@ -20,13 +20,19 @@ every `*.safetensors` file of the folder.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..model.checkpoint import CONFIG_NAME, INDEX_SUFFIX, CheckpointError, read_index, weight_files
+from ..model.checkpoint import (
+    CONFIG_NAME,
+    INDEX_SUFFIX,
+    CheckpointError,
+    read_index,
+    read_json_object,
+    weight_files,
+)
 
 ROOT_INDEX = "model.safetensors.index.json"
 MODEL_INDEX = "model_index.json"
@@ -221,12 +227,7 @@ def scheduler_defaults(layout: CheckpointLayout) -> SchedulerDefaults:
     path = layout.scheduler
     if path is None:
         return SchedulerDefaults()
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read the scheduler config ({e})", file=path) from e
-    if not isinstance(cfg, dict):
-        raise CheckpointError("must be a JSON object", file=path)
+    cfg = read_json_object(path, "scheduler config")
     cls = cfg.get("_class_name")
     if cls != "UniPCMultistepScheduler":
         return SchedulerDefaults()

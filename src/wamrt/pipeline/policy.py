@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..model import Cosmos3Transformer, get_config, load_transformer
-from ..model.checkpoint import CheckpointError, read_config
+from ..model.checkpoint import CheckpointError, read_config, read_json_object
 from .builtin import BUILTIN_MODELS, builtin_path
 from .denoise import SamplingOptions, SamplingOverrides, check_option_names
 from .droid import ActionChunk, DroidContract, PromptFormat, droid_metadata, run_droid
@@ -193,13 +193,7 @@ def read_policy_config(layout: CheckpointLayout) -> dict[str, Any]:
     """The checkpoint's wamrt.json (contract options), {} when it has none."""
     if layout.policy_config is None:
         return {}
-    try:
-        extra = json.loads(layout.policy_config.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read it ({e})", file=layout.policy_config) from e
-    if not isinstance(extra, dict):
-        raise CheckpointError("must be a JSON object", file=layout.policy_config)
-    return extra
+    return read_json_object(layout.policy_config, "contract options")
 
 
 def load_policy(

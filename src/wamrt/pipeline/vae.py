@@ -7,7 +7,6 @@ of the cost. Policies never decode; forward dynamics may.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import torch
 from diffusers import AutoencoderKLWan
 from safetensors import safe_open
 
-from ..model.checkpoint import CheckpointError, weight_files
+from ..model.checkpoint import CheckpointError, read_json_object, weight_files
 from .canvas import pad_unit_pixels
 from .errors import RequestError
 from .geometry import CanvasGeometry
@@ -67,12 +66,7 @@ def check_vae_config(cfg: dict[str, Any], cfg_path: Path) -> None:
 def read_vae_config(folder: str | Path) -> dict[str, Any]:
     """The VAE folder's config.json (diffusers' bookkeeping `_` keys dropped), checked by `check_vae_config`."""
     cfg_path = Path(folder) / "config.json"
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise VaeError(f"cannot read the VAE config ({e.__class__.__name__}: {e})", file=cfg_path) from e
-    if not isinstance(raw, dict):
-        raise VaeError("must be a JSON object", file=cfg_path)
+    raw = read_json_object(cfg_path, "VAE config", VaeError)
     cfg = {k: v for k, v in raw.items() if not k.startswith("_")}
     check_vae_config(cfg, cfg_path)
     return cfg
