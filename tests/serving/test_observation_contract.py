@@ -4,13 +4,13 @@ outcome -- the same actions and notes, or an error naming the same field."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
+from oracle.generation_jobs import poll_job
 
 from wamrt import RequestError
 from wamrt.client.wire import packb, unpackb
@@ -51,13 +51,7 @@ def _videos_job(url: str, obs: dict[str, Any], seed: int) -> dict[str, Any]:
                                              "extra_params": {"robot_obs": robot}}, timeout=60)
     if r.status_code != 200:
         return {"status": "rejected", "error": r.json()}
-    rec = r.json()
-    for _ in range(1200):
-        rec = httpx.get(f"{url}/v1/videos/{rec['id']}").json()
-        if rec["status"] in ("completed", "failed"):
-            break
-        time.sleep(0.05)
-    return rec
+    return poll_job(url, r.json()["id"], timeout=120.0)
 
 
 @pytest.mark.parametrize("case", list(OK_CASES))
