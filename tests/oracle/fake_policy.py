@@ -13,6 +13,7 @@ from wamrt.pipeline.canvas import compose_droid_canvas
 from wamrt.pipeline.droid import ActionChunk
 from wamrt.pipeline.errors import RequestError
 from wamrt.pipeline.noise import state_row_from_observation
+from wamrt.pipeline.observation import check_observation
 
 
 class FakePolicy:
@@ -37,15 +38,14 @@ class FakePolicy:
             out: list[ActionChunk | Exception] = []
             for obs, seed in zip(observations, seeds or [None] * len(observations), strict=True):
                 try:
-                    if not isinstance(obs.get("prompt"), str):
-                        raise RequestError("is missing or not a string", field="prompt")
-                    state = state_row_from_observation(obs)
-                    compose_droid_canvas(obs)
+                    checked = check_observation(obs)  # the contract Policy.infer and the server run
+                    state = state_row_from_observation(checked.observation)
+                    compose_droid_canvas(checked.observation)
                     actions = (self.fixed if self.fixed is not None
                                else np.tile(state, (32, 1)).astype(np.float32))
                     out.append(ActionChunk(actions.copy(), seed or 0, obs["prompt"],
                                            {"preprocess": 1.0, "denoise": 1e3 * self.delay, "postprocess": 0.1,
-                                            "total": 1e3 * self.delay + 1.1}))
+                                            "total": 1e3 * self.delay + 1.1}, notes=checked.notes))
                 except RequestError as exc:
                     out.append(exc)
             return out

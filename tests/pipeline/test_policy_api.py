@@ -67,7 +67,7 @@ def test_default_seed_stream_is_the_framework_servers(cache, monkeypatch):
         (lambda o: o.__setitem__("observation/gripper_position", np.inf), "observation/gripper_position"),
         (lambda o: o.pop("prompt"), "prompt"),
         (lambda o: o.__setitem__("prompt", 42), "prompt"),
-        (lambda o: o.pop("observation/exterior_image_2_left"), "observation/exterior_image_2_left"),
+        (lambda o: o.pop("observation/exterior_image_1_left"), "observation/exterior_image_1_left"),
         (lambda o: o.__setitem__("observation/wrist_image_left", np.zeros((360, 640), np.uint8)),
          "observation/wrist_image_left"),
         (lambda o: o.__setitem__("observation/wrist_image_left", np.zeros((360, 640, 4), np.uint8)),

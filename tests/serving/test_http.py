@@ -93,7 +93,9 @@ def _bad_cases(obs: dict[str, Any]) -> dict[str, tuple[bytes, str]]:
         "nan_state": (packb(nan), "observation/joint_position"),
         "inf_gripper": (packb(inf), "observation/gripper_position"),
         "missing_prompt": (packb(no_prompt), "prompt"),
-        "unknown_key": (packb(dict(obs, surprise=1)), "surprise"),
+        # An unknown key is noted, not refused (openpi clients send extra keys); a misspelled required one is missing.
+        "misspelled_key": (packb({("observation/joint_positon" if k == "observation/joint_position" else k): v
+                                  for k, v in obs.items()}), "observation/joint_position"),
         "not_a_map": (packb([1, 2, 3]), ""),
         "bad_params": (packb(dict(obs, params={"num_steps": 0})), "params.steps"),
     }

@@ -122,7 +122,8 @@ def _bad(obs: dict[str, Any]) -> dict[str, Any]:
         "nan_state": packb(dict(obs, **{"observation/joint_position": np.full(7, np.nan, np.float32)})),
         "inf_state": packb(dict(obs, **{"observation/gripper_position": np.float64(math.inf)})),
         "missing_prompt": packb(no_prompt),
-        "unknown_key": packb(dict(obs, whatever=np.zeros(3))),
+        "misspelled_key": packb({("observation/gripper_positon" if k == "observation/gripper_position" else k): v
+                                 for k, v in obs.items()}),
         "stale": packb(dict(obs, timestamp=time.time() - 60, max_age_ms=50)),
     }
 

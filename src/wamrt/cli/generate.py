@@ -31,6 +31,8 @@ LONG_JOB_S = 60.0  # a projected denoising time above this gets a warning with t
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="tiny-world",
                     help="checkpoint folder, built-in name or random:SIZE (default: tiny-world, sound heads included)")
+    ap.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's text_tokenizer/ or tokenizer/)")
+    ap.add_argument("--vae", help="VAE folder (default: the checkpoint's vae/)")
     ap.add_argument("--prompt", required=True, help="what the video (or image) shows")
     ap.add_argument("--negative-prompt", help="what to steer away from (default: the pipeline's)")
     ap.add_argument("--image", type=Path, help="image -> video: the first frame (PNG, JPEG, ...)")
@@ -162,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         fields = _fields(args)
         if kind == "image" and fields.pop("num_frames", "1") != "1":
             raise ValueError("a .png holds one image: leave --frames out")
-        policy = load_policy(args.model, device=args.device)
+        policy = load_policy(args.model, device=args.device, tokenizer=args.tokenizer, vae=args.vae)
         world = world_model_of(policy, args.model, args.sampler)
         if world is None:
             raise ValueError(f"{args.model} has no world-generation path")
@@ -179,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         req = build_generation(fields, world, kind=kind, max_pixels=2**62, model_name=args.model)
         upsampled = _upsample(req, policy, args) if req.upsample else None
     except (RequestError, ServingError, ValueError, FileNotFoundError) as e:
-        where = getattr(e, "field", None)
+        where = getattr(e, "field", None) if isinstance(e, ServingError) else None  # the others' text names it
         print(f"error: {f'{where}: ' if where else ''}{e}", file=sys.stderr)
         return 2
 

@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
+    from ..model import CheckpointError
     from ..pipeline import RequestError, load_policy
 
     try:
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                                         ("guidance_interval", tuple(args.guidance_interval)
                                          if args.guidance_interval else None)) if v is not None}
         chunk = policy.infer(obs, seed=args.seed, **overrides)
-    except (RequestError, FileNotFoundError) as e:
+    except (RequestError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

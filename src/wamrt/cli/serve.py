@@ -19,6 +19,8 @@ PARALLEL_CHOICES = ("none", "cfg", "tp", "ulysses", "cfg,ulysses")  # "none" + p
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="tiny-droid",
                     help="checkpoint folder or built-in name (default: the embedded tiny-droid)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the checkpoint's own)")
+    ap.add_argument("--vae", default=None, help="VAE folder (default: the checkpoint's vae/)")
     ap.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     ap.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     ap.add_argument("--port", type=int, default=8000, help="TCP port of HTTP and the websocket")

@@ -179,7 +179,7 @@ class Engine(GraphCapture):
         self, observations: list[Mapping[str, Any]], *, seeds: list[int | None] | None = None, **overrides: Any
     ) -> list[ActionChunk | Exception]:
         """Requests of one shape bucket in one pass. A bad request yields its error in its slot."""
-        opts = replace(self.options, **overrides) if overrides else self.options
+        opts = self.options.updated(**overrides)
         validate_options(opts)
         seeds = seeds or [None] * len(observations)
         t_start = time.perf_counter()
@@ -230,7 +230,7 @@ class Engine(GraphCapture):
                         results[i] = FloatingPointError("the model produced non-finite actions")
                         continue
                     results[i] = ActionChunk(actions, prep.seed, prep.prompt, {**prep.timings_ms, **timings},
-                                             prep.prefix_rows, prep.prefix_mode)
+                                             prep.prefix_rows, prep.prefix_mode, list(prep.notes))
                 post = 1e3 * (time.perf_counter() - t0)
                 for i, _ in batch:
                     if isinstance(results[i], ActionChunk):

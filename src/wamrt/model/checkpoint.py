@@ -1,7 +1,8 @@
 """Read and write Cosmos 3 transformer checkpoints in the diffusers folder layout.
 
 A folder holds `config.json` plus either one `*.safetensors` file or shards listed by a
-`*.safetensors.index.json`. Keys may carry a leading `model.`. The model is built on the meta
+`*.safetensors.index.json`; a caller may instead pass the key -> shard map itself (a hub repository's root
+index, `wamrt.pipeline.layout`). Keys may carry a leading `model.`. The model is built on the meta
 device and each tensor is materialised straight into the requested dtype on the target device, so
 peak memory stays near one copy of the weights. No network access happens here.
 """
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -30,19 +32,38 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not match the model; the message names the tensor and the file."""
+    """A checkpoint that does not match the model; the message names the tensor and the file.
+
+    `file` / `field`, when given, lead the one-line message ("<file>: <field>: <why>") and stay readable as
+    attributes (a config field that disagrees with the weights or with another component's config)."""
+
+    def __init__(self, message: str, *, file: str | Path | None = None, field: str | None = None) -> None:
+        super().__init__(": ".join(str(part) for part in (file, field, message) if part is not None))
+        self.file, self.field = (None if file is None else str(file)), field
 
 
 def resolve_folder(path: str | Path) -> Path:
-    """Accept a transformer folder or a pipeline root that holds `transformer/`."""
+    """Accept a transformer folder or a pipeline root that holds `transformer/`. A root's `transformer/` wins over
+    the root's own config.json: a hub repository's root config.json is the framework's, not the transformer's."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"checkpoint path does not exist: {p}")
-    if (p / CONFIG_NAME).is_file() and _weight_files(p, required=False):
-        return p
     if (p / "transformer" / CONFIG_NAME).is_file():
         return p / "transformer"
+    if (p / CONFIG_NAME).is_file() and weight_files(p, required=False):
+        return p
     raise CheckpointError(f"{p}: no {CONFIG_NAME} with safetensors weights (nor a transformer/ subfolder)")
+
+
+def read_json_object(path: Path, what: str, error: type[CheckpointError] = CheckpointError) -> dict[str, Any]:
+    """A JSON file that must hold an object (a component's config), or `error` naming the file."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise error(f"cannot read the {what} ({e.__class__.__name__}: {e})", file=path) from e
+    if not isinstance(raw, dict):
+        raise error("must be a JSON object", file=path)
+    return raw
 
 
 def read_config(folder: Path) -> Cosmos3Config:
@@ -57,16 +78,23 @@ def read_config(folder: Path) -> Cosmos3Config:
         raise CheckpointError(f"{cfg_path}: {e}") from e
 
 
-def _weight_files(folder: Path, *, required: bool = True) -> dict[str, Path] | None:
-    """Map every checkpoint key to the file holding it."""
+def read_index(index: Path) -> dict[str, str]:
+    """The `weight_map` of a safetensors index: tensor name -> shard path relative to the index's folder."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"unreadable shard index ({e})", file=index) from e
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError("must map tensor names to shard file names", file=index, field="weight_map")
+    return weight_map
+
+
+def weight_files(folder: Path, *, required: bool = True) -> dict[str, Path] | None:
+    """Map every checkpoint key to the file holding it: the folder's `*.safetensors.index.json`, else every
+    `*.safetensors` file in it."""
     indexes = sorted(folder.glob("*" + INDEX_SUFFIX))
     if indexes:
-        index = indexes[0]
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: unreadable shard index ({e})") from e
-        return {k: folder / f for k, f in weight_map.items()}
+        return {k: folder / f for k, f in read_index(indexes[0]).items()}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         if required:
@@ -121,11 +149,13 @@ def load_transformer(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     config: Cosmos3Config | None = None,
+    weights: Mapping[str, Path] | None = None,
 ) -> Cosmos3Transformer:
-    """Load a diffusers-layout Cosmos 3 transformer folder into our model (eval mode, no grads)."""
+    """Load a diffusers-layout Cosmos 3 transformer folder into our model (eval mode, no grads). `weights`:
+    tensor name -> shard file, when another index than the folder's own says where the tensors are."""
     folder = resolve_folder(path)
     cfg = config or read_config(folder)
-    mapping = _weight_files(folder)
+    mapping = dict(weights) if weights is not None else weight_files(folder)
     assert mapping is not None
     device = torch.device(device)
     with torch.device("meta"):

@@ -96,24 +96,17 @@ def build_policy(spec: ParallelSpec, rank: int, device: torch.device):
             shard_model(policy.model, rank, spec.world)
         return policy
     # A checkpoint folder: read only this rank's slices of the transformer.
-    import json
-    from pathlib import Path
-
-    from ..model import resolve_transformer_folder
     from ..pipeline import policy as pp
+    from ..pipeline.layout import resolve_layout
     from ..pipeline.tokens import CaptionTokenizer
     from ..pipeline.vae import FrameEncoder, load_vae
     from .tp import load_sharded
 
-    root = Path(name)
-    model = load_sharded(resolve_transformer_folder(root), rank, spec.world, device, dtype)
-    encoder = FrameEncoder(load_vae(pp._find_vae(root), device=device, dtype=dtype))
-    tok = CaptionTokenizer.from_pretrained(pp._find_tokenizer(root))
-    extra: dict[str, Any] = {}
-    for cfg_file in (root / pp.POLICY_CONFIG, root.parent / pp.POLICY_CONFIG):
-        if cfg_file.is_file():
-            extra = json.loads(cfg_file.read_text())
-            break
+    layout = resolve_layout(name)
+    model = load_sharded(layout.transformer, rank, spec.world, device, dtype)
+    encoder = FrameEncoder(load_vae(layout.require_vae(), device=device, dtype=dtype))
+    tok = CaptionTokenizer.from_pretrained(layout.require_tokenizer())
+    extra = pp.read_policy_config(layout)
     gi = extra.get("guidance_interval")
     return Policy(model, encoder, tok, pp.contract_from_config(extra),
                   SamplingOptions(guidance_interval=tuple(gi) if gi else None), name=name)

@@ -170,7 +170,7 @@ def load_sharded(path: str | Path, rank: int, world: int, device: torch.device, 
     model = _meta_shard(cfg, rank, world, group, dtype)
     slices = model.tp.slices
     expected = dict(model.named_parameters())
-    mapping = ckpt._weight_files(folder)
+    mapping = ckpt.weight_files(folder)
     assert mapping is not None
     by_file: dict[Path, list[str]] = {}
     for k, f in mapping.items():

@@ -7,10 +7,11 @@ solver step per modality. Nothing in it reads tensor values on the host.
 
 from __future__ import annotations
 
+import difflib
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, TypedDict, Unpack
 
 import torch
 
@@ -23,6 +24,7 @@ from ..sampler import (
     guidance_active,
     unipc_plan,
 )
+from .errors import RequestError
 from .prefix import ActionAnchor, apply_anchor
 
 ScheduleName = Literal["framework", "diffusers", "native"]
@@ -31,6 +33,21 @@ SolverName = Literal["unipc", "euler"]
 
 @dataclass(frozen=True)
 class SamplingOptions:
+    """How one request is denoised. The defaults are NVIDIA's DROID policy server's recipe; a checkpoint's
+    scheduler config may set `shift` (`wamrt.pipeline.layout.scheduler_defaults`), and `Policy.infer(obs,
+    steps=..., ...)` replaces any field for one call (`updated`).
+
+    steps: solver steps (model calls per CFG branch), 1..1000.
+    guidance: classifier-free guidance scale; 1 runs no unconditional branch.
+    shift: flow shift of the sigma schedule, s' = shift * s / (1 + (shift - 1) * s); > 0.
+    guidance_interval: (lo, hi): CFG only at steps whose integer timestep t has lo < t < hi; None = every step.
+    schedule: the sigma formula ("framework" = NVIDIA's server, bit-exact; "diffusers"; "native"), see
+        `wamrt.sampler.schedules`.
+    solver: "unipc" (the checkpoints' solver) or "euler".
+    cfg_in_model_dtype: combine CFG in the model dtype, as the framework does (diffusers upcasts to fp32 first).
+    control_guidance, control_guidance_interval: video transfer's control guidance scale and where it applies.
+    """
+
     steps: int = 4
     guidance: float = 3.0
     shift: float = 5.0
@@ -53,6 +70,38 @@ class SamplingOptions:
         cg = (guidance_active(timesteps, self.control_guidance_interval) if self.control_guidance != 1.0
               else [False] * len(timesteps))
         return list(zip(cfg, cg, strict=True))
+    def updated(self, **overrides: Unpack[SamplingOverrides]) -> SamplingOptions:
+        """A copy with `overrides` replaced; an unknown name is an UnknownOptionError with "did you mean"."""
+        check_option_names(overrides)
+        return replace(self, **overrides) if overrides else self
+
+
+class SamplingOverrides(TypedDict, total=False):
+    """Keyword overrides of `SamplingOptions` for one call (`Policy.infer(obs, steps=2, guidance=1.0)`)."""
+
+    steps: int
+    guidance: float
+    shift: float
+    guidance_interval: tuple[int, int] | None
+    schedule: ScheduleName
+    solver: SolverName
+    cfg_in_model_dtype: bool
+    control_guidance: float
+    control_guidance_interval: tuple[float, float] | None
+
+
+class UnknownOptionError(RequestError, TypeError):
+    """A keyword that is not a sampling option (a TypeError, as Python's own, and a RequestError naming it)."""
+
+
+def check_option_names(overrides: Mapping[str, Any]) -> None:
+    known = [f.name for f in fields(SamplingOptions)]
+    for name in overrides:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise UnknownOptionError(f"unknown sampling option {name!r}; {hint}(options: {', '.join(known)})",
+                                     field=name)
 
 
 @dataclass

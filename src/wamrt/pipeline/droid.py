@@ -27,9 +27,9 @@ from ..model import (
 )
 from .canvas import PaddedCanvas, compose_droid_canvas, pad_to_bucket, pad_unit_pixels
 from .denoise import Branch, DenoiseInputs, DenoiseResult, SamplingOptions, denoise
-from .errors import RequestError
 from .noise import GaussianPrefetcher, initial_action, state_row_from_observation, vision_noise
 from .normalization import ActionNormalization
+from .observation import PROMPT, check_observation
 from .prefix import (
     MAX_PREFIX_ROWS,
     ActionPrefix,
@@ -77,11 +77,22 @@ class PreparedDroid:
     state: np.ndarray | None = None  # [raw_dim] the raw model-space state row (what relative actions add to)
     prefix_rows: int = 0  # d: the committed rows the request carried (`action_prefix`)
     prefix_mode: str | None = None  # how they conditioned the chunk: "clean" or "inpaint"
+    notes: list[str] = field(default_factory=list)  # what the observation check filled in or ignored
 
 
 @dataclass
 class ActionChunk:
-    """The reply: absolute joint targets (radians) and gripper, in the client's convention."""
+    """The reply to one observation (`Policy.infer`).
+
+    actions: float32 [chunk, raw_action_dim] = [32, 8]: columns 0..6 absolute joint targets in radians, column 7
+        the gripper in the client's convention (0 open, 1 closed).
+    seed: the noise seed the request ran with (pass it back to reproduce the chunk).
+    prompt: the caption the model read (the instruction in the checkpoint's prompt format).
+    timings_ms: stage durations (preprocess, vae_encode, tokenize, reasoner_prefill, denoise_step<i>, ...,
+        total).
+    notes: what the observation check filled in or ignored (a zero-filled optional view, an unknown key), as
+        the server's `metadata.notes` says it.
+    """
 
     actions: np.ndarray  # [chunk, raw_action_dim] float32
     seed: int
@@ -89,6 +100,7 @@ class ActionChunk:
     timings_ms: dict[str, float]
     prefix_rows: int = 0  # the request's committed rows, which rows 0..d-1 repeat (wamrt.pipeline.prefix)
     prefix_mode: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     def __repr__(self) -> str:
         total = self.timings_ms.get("total", float("nan"))
@@ -106,23 +118,22 @@ class DroidHostInputs:
     padded: PaddedCanvas
     timings_ms: dict[str, float]
     prefix: ActionPrefix | None = None  # the committed rows (`action_prefix`), robot space
+    notes: list[str] = field(default_factory=list)
 
 
 def droid_host_inputs(obs: Mapping[str, Any], contract: DroidContract) -> DroidHostInputs:
-    """Validate one observation and build its padded canvas; raises RequestError naming the field."""
+    """Validate one observation (`check_observation`: the contract every server surface runs too) and build its
+    padded canvas; raises RequestError naming the field."""
     t0 = time.perf_counter()
-    if not isinstance(obs, Mapping):
-        raise RequestError(f"observation must be a mapping, got {type(obs).__name__}")
-    instruction = obs.get("prompt")
-    if not isinstance(instruction, str):
-        raise RequestError("is missing or not a string", field="prompt")
-    state = state_row_from_observation(obs)  # validates joints/gripper (NaN, shapes)
+    checked = check_observation(obs)
+    obs = checked.observation
+    state = state_row_from_observation(obs)
     canvas = compose_droid_canvas(obs)  # [540, 640, 3] uint8
     padded = pad_to_bucket(canvas, contract.tier)
     prefix = parse_action_prefix(obs, raw_dim=contract.raw_action_dim,
                                  max_rows=min(MAX_PREFIX_ROWS, contract.chunk - 1))
-    return DroidHostInputs(instruction, state, canvas, padded, {"preprocess": 1e3 * (time.perf_counter() - t0)},
-                           prefix)
+    return DroidHostInputs(obs[PROMPT], state, canvas, padded, {"preprocess": 1e3 * (time.perf_counter() - t0)},
+                           prefix, checked.notes)
 
 
 def encode_canvases(encoder: FrameEncoder, padded: list[PaddedCanvas], device: torch.device,
@@ -231,7 +242,7 @@ def finish_droid(
     vision[:, :, :1] = latent0
     timings["pack"] = 1e3 * (time.perf_counter() - t0)
     return PreparedDroid(inputs, prompt, seed, host.canvas, host.padded.image_size, timings, state,
-                         0 if host.prefix is None else len(host.prefix.rows), mode)
+                         0 if host.prefix is None else len(host.prefix.rows), mode, host.notes)
 
 
 def prepare_droid(
@@ -362,4 +373,5 @@ def run_droid(
     actions = droid_actions(result, contract, prep.state)
     timings = {**prep.timings_ms, **result.timings_ms, "postprocess": 1e3 * (time.perf_counter() - t0)}
     timings["total"] = 1e3 * (time.perf_counter() - t_start)
-    return ActionChunk(actions, seed, prep.prompt, timings, prep.prefix_rows, prep.prefix_mode), prep, result
+    return ActionChunk(actions, seed, prep.prompt, timings, prep.prefix_rows, prep.prefix_mode,
+                       list(prep.notes)), prep, result

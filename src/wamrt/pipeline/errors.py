@@ -8,4 +8,4 @@ class RequestError(ValueError):
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message if field is None else f"{field}: {message}")
-        self.field = field
+        self.field, self.message = field, message

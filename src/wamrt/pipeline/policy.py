@@ -4,34 +4,37 @@ action chunks through the eager reference path; `random_policy`: one with random
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import torch
 
-from ..model import Cosmos3Transformer, get_config, load_transformer, resolve_transformer_folder
+from ..model import Cosmos3Transformer, get_config, load_transformer
+from ..model.checkpoint import CheckpointError, read_config, read_json_object
 from .builtin import BUILTIN_MODELS, builtin_path
-from .denoise import SamplingOptions
-from .droid import ActionChunk, DroidContract, droid_metadata, run_droid
+from .denoise import SamplingOptions, SamplingOverrides, check_option_names
+from .droid import ActionChunk, DroidContract, PromptFormat, droid_metadata, run_droid
 from .errors import RequestError
 from .generic import GenericResult, run_generic
 from .geometry import FRAMEWORK_VIDEO_RES_SIZE_INFO
+from .layout import POLICY_CONFIG, CheckpointLayout, check_components, resolve_layout, scheduler_defaults
 from .normalization import KEY as NORM_KEY
 from .normalization import ActionNormalization
 from .prefix import TRAINED_KEY
 from .random_weights import random_tokenizer, random_transformer, random_vae
 from .tokens import CaptionTokenizer
-from .vae import FrameEncoder, load_vae
+from .vae import FrameEncoder, load_vae, read_vae_config
 
-POLICY_CONFIG = "wamrt.json"  # optional contract options next to the checkpoint
+log = logging.getLogger(__name__)
 
 
 class Policy:
-    """A loaded Cosmos 3 policy. `infer` runs the DROID contract; options are per-policy defaults."""
+    """A loaded Cosmos 3 policy (`load_policy`). `infer` runs the DROID contract on one observation; `options`
+    are its sampling defaults; `layout` says which files it was loaded from (None for random weights)."""
 
     def __init__(
         self,
@@ -43,8 +46,10 @@ class Policy:
         *,
         name: str = "",
         quantization: str | None = None,
+        layout: CheckpointLayout | None = None,
     ) -> None:
         self.model, self.encoder, self.tokenizer = model, encoder, tokenizer
+        self.layout = layout
         self.contract, self.options, self.name = contract, options, name
         self.quantization = quantization  # the `wamrt quantize` recipe the weights were loaded from, if any
         # The framework server's seed stream: one draw per request from default_rng(0).
@@ -57,11 +62,18 @@ class Policy:
     def next_seed(self) -> int:
         return int(self._seeds.integers(0, 2**31))
 
-    def infer(self, observation: Mapping[str, Any], *, seed: int | None = None, **overrides: Any) -> ActionChunk:
-        """observation (openpi DROID keys; optionally `action_prefix` [d, 8] and `action_prefix_mode`, see
-        wamrt.pipeline.prefix) -> ActionChunk [chunk, 8]. `overrides` replace sampling options for this call
-        (steps, guidance, shift, guidance_interval)."""
-        opts = replace(self.options, **overrides) if overrides else self.options
+    def infer(self, observation: Mapping[str, Any], *, seed: int | None = None,
+              **overrides: Unpack[SamplingOverrides]) -> ActionChunk:
+        """One DROID observation -> an `ActionChunk` of [32, 8] float32 (7 joint targets in radians, gripper).
+
+        observation: the openpi DROID keys (`wamrt.pipeline.observation` lists them, with the optional ones and
+            their defaults, `action_prefix` [d, 8] and `action_prefix_mode` among them: `wamrt.pipeline.prefix`;
+            the server accepts the same dict). A bad one raises RequestError naming the key.
+        seed: the noise seed (default: the next of the server's stream, `default_rng(0)`).
+        overrides: `SamplingOptions` fields for this call only (steps, guidance, shift, guidance_interval, ...);
+            an unknown name raises UnknownOptionError with "did you mean".
+        """
+        opts = self.options.updated(**overrides)
         validate_options(opts)
         chunk, _, _ = run_droid(observation, model=self.model, encoder=self.encoder, tokenizer=self.tokenizer,
                                 contract=self.contract, options=opts,
@@ -89,10 +101,11 @@ class Policy:
 
     def infer_batch(
         self, observations: list[Mapping[str, Any]], *, seeds: list[int | None] | None = None,
-        **overrides: Any,
+        **overrides: Unpack[SamplingOverrides],
     ) -> list[ActionChunk | Exception]:
         """Several requests of one shape bucket. A bad request yields its exception in its slot and
         never fails the others. (Eager reference: one after another; the engine batches them.)"""
+        check_option_names(overrides)
         seeds = seeds or [None] * len(observations)
         out: list[ActionChunk | Exception] = []
         for obs, seed in zip(observations, seeds, strict=True):
@@ -168,18 +181,19 @@ def trained_path(name: str) -> Path:
     return folder
 
 
-def _find_tokenizer(root: Path) -> Path:
-    for candidate in (root / "tokenizer", root, root.parent / "tokenizer"):
-        if (candidate / "tokenizer.json").is_file() or (candidate / "tokenizer_config.json").is_file():
-            return candidate
-    raise RequestError(f"no tokenizer next to {root}; pass tokenizer=PATH", field="tokenizer")
+def checkpoint_root(name: str | Path) -> Path:
+    """The folder a model name stands for: a built-in (built on first use), a trained model, or the path itself."""
+    name = str(name)
+    if name in BUILTIN_MODELS:
+        return builtin_path(name)
+    return trained_path(name) if name in TRAINED_MODELS else Path(name)
 
 
-def _find_vae(root: Path) -> Path:
-    for candidate in (root / "vae", root.parent / "vae"):
-        if (candidate / "config.json").is_file():
-            return candidate
-    raise RequestError(f"no vae/ folder next to {root}; pass vae=PATH", field="vae")
+def read_policy_config(layout: CheckpointLayout) -> dict[str, Any]:
+    """The checkpoint's wamrt.json (contract options), {} when it has none."""
+    if layout.policy_config is None:
+        return {}
+    return read_json_object(layout.policy_config, "contract options")
 
 
 def load_policy(
@@ -189,15 +203,25 @@ def load_policy(
     dtype: torch.dtype | None = None,
     tokenizer: str | Path | None = None,
     vae: str | Path | None = None,
-    prompt_format: str | None = None,
+    prompt_format: PromptFormat | None = None,
     options: SamplingOptions | None = None,
 ) -> Policy:
-    """Load a policy from a folder with transformer/ (or a bare transformer folder), vae/ and the
-    tokenizer, or from a built-in name (`tiny-droid`, `tiny-droid-edge`), which needs no download, or
-    `random:SIZE` (random weights at a registered size, e.g. `random:nano`, for load tests; its stand-in
-    tokenizer's token count follows the text: `random_weights.VariableLengthTokenizer`).
+    """Load a policy (transformer + VAE + tokenizer) from a checkpoint folder or a built-in name.
 
-    dtype defaults to bf16 on CUDA and fp32 on CPU; the VAE runs in the same dtype.
+    path_or_name: a folder in any layout `wamrt.pipeline.layout` reads (a diffusers `save_pretrained` pipeline, a
+        hub repository with a root weight index, wamrt's own, a bare transformer folder, a `wamrt quantize`
+        artifact); a built-in name (`tiny-droid`, `tiny-droid-edge`, `tiny-world`: no download); a trained model
+        (`panda-droid`); or `random:SIZE` (random weights at a registered size, e.g. `random:nano`, for load tests;
+        its stand-in tokenizer's token count follows the text: `random_weights.VariableLengthTokenizer`).
+    device: "cuda" / "cpu" / a torch.device (default: CUDA when available).
+    dtype: default bf16 on CUDA, fp32 on CPU; the VAE runs in the same dtype.
+    tokenizer, vae: folders that replace the checkpoint's own (`--tokenizer` / `--vae` on the command line).
+    prompt_format: "plain" or "json" captions (default: the checkpoint's wamrt.json, else plain).
+    options: sampling defaults (default: the DROID server's, with the shift of the checkpoint's scheduler config
+        when it sets one: `layout.scheduler_defaults`).
+
+    A folder whose parts disagree (VAE statistics vs z_dim, latent channels, vocabulary, action width, domain
+    count, tensor shapes) raises CheckpointError, one line naming the file and the field.
     """
     name = str(path_or_name)
     if name.startswith("random:"):
@@ -208,36 +232,43 @@ def load_policy(
         size = name.split(":", 1)[1]
         return random_policy(size, dev, dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32),
                              tiny_vae=size.startswith("tiny"), tokenizer="variable")
-    if name in BUILTIN_MODELS:
-        root = builtin_path(name)
-    else:
-        root = trained_path(name) if name in TRAINED_MODELS else Path(name)
+    root = checkpoint_root(name)
     if not root.exists():
         raise RequestError(f"no checkpoint at {root} (built-in models: {', '.join(BUILTIN_MODELS)})",
                            field="model")
+    layout = resolve_layout(root, tokenizer=tokenizer, vae=vae)
+    tok_dir, vae_dir = layout.require_tokenizer(), layout.require_vae()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    extra: dict[str, Any] = {}
-    for cfg_file in (root / POLICY_CONFIG, root.parent / POLICY_CONFIG):
-        if cfg_file.is_file():
-            extra = json.loads(cfg_file.read_text())
-            break
-    folder = resolve_transformer_folder(root)
+    extra = read_policy_config(layout)
+    contract = contract_from_config(extra, prompt_format=prompt_format,
+                                    source=str(layout.policy_config or root / POLICY_CONFIG))
+    try:
+        tok = CaptionTokenizer.from_pretrained(tok_dir)
+    except (RequestError, OSError, ValueError) as e:  # a folder transformers cannot read, or one without our tokens
+        raise CheckpointError(str(e).removeprefix("tokenizer: "), file=tok_dir) from e
+    # Every config that must agree is checked before any weight is read: a mismatch is one line, not a
+    # shape error deep in a layer.
+    check_components(layout, read_config(layout.transformer), vae_z_dim=read_vae_config(vae_dir)["z_dim"],
+                     max_token_id=max(tok.encode("").text_ids), action_columns=contract.raw_action_dim,
+                     domain_id=contract.domain_id)
     quantization: str | None = None
-    if (folder / "recipe.json").is_file() and (folder / "manifest.json").is_file():
+    if layout.quantized is not None:
         from ..quant import load_artifact  # a `wamrt quantize` artifact: hashes verified before loading
 
-        model = load_artifact(folder, dev, dt)
-        quantization = json.loads((folder / "recipe.json").read_text()).get("recipe", {}).get("name")
+        model = load_artifact(layout.quantized, dev, dt)
+        quantization = json.loads((layout.quantized / "recipe.json").read_text()).get("recipe", {}).get("name")
     else:
-        model = load_transformer(folder, device=dev, dtype=dt)
-    encoder = FrameEncoder(load_vae(Path(vae) if vae else _find_vae(root), device=dev, dtype=dt))
-    tok = CaptionTokenizer.from_pretrained(Path(tokenizer) if tokenizer else _find_tokenizer(root))
-    contract = contract_from_config(extra, prompt_format=prompt_format, source=str(root / POLICY_CONFIG))
+        model = load_transformer(layout.transformer, device=dev, dtype=dt, weights=layout.transformer_weights())
+    encoder = FrameEncoder(load_vae(vae_dir, device=dev, dtype=dt))
     if options is None:
         gi = extra.get("guidance_interval")
-        options = SamplingOptions(guidance_interval=tuple(gi) if gi else None)
-    return Policy(model, encoder, tok, contract, options, name=name, quantization=quantization)
+        defaults = scheduler_defaults(layout)
+        for note in defaults.notes:
+            log.warning(note)
+        options = SamplingOptions(guidance_interval=tuple(gi) if gi else None,
+                                  **({"shift": defaults.shift} if defaults.shift is not None else {}))
+    return Policy(model, encoder, tok, contract, options, name=name, quantization=quantization, layout=layout)
 
 
 def random_policy(size: str, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16, *,

@@ -7,13 +7,15 @@ of the cost. Policies never decode; forward dynamics may.
 
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import AutoencoderKLWan
-from safetensors.torch import load_file
+from safetensors import safe_open
 
+from ..model.checkpoint import CheckpointError, read_json_object, weight_files
 from .canvas import pad_unit_pixels
 from .errors import RequestError
 from .geometry import CanvasGeometry
@@ -38,23 +40,76 @@ WAN22_LATENT_STD = (
 )
 
 
-class VaeError(ValueError):
-    """A VAE folder that cannot be loaded."""
+class VaeError(CheckpointError):
+    """A VAE folder that cannot be loaded, or whose config disagrees with its weights; one line naming the file
+    and the field."""
+
+
+def check_vae_config(cfg: dict[str, Any], cfg_path: Path) -> None:
+    """The latent statistics must have one finite entry per latent channel (std > 0): a config whose
+    `latents_mean` does not match `z_dim` would otherwise fail deep inside the first encode."""
+    z_dim = cfg.get("z_dim")
+    if not isinstance(z_dim, int) or z_dim < 1:
+        raise VaeError(f"must be a positive integer, got {z_dim!r}", file=cfg_path, field="z_dim")
+    for name in ("latents_mean", "latents_std"):
+        values = cfg.get(name)
+        if not isinstance(values, list) or not all(isinstance(v, int | float) for v in values):
+            raise VaeError(f"must be a list of {z_dim} numbers, got {type(values).__name__}", file=cfg_path,
+                           field=name)
+        if len(values) != z_dim:
+            raise VaeError(f"has {len(values)} entries but z_dim is {z_dim}", file=cfg_path, field=name)
+        if not all(math.isfinite(v) for v in values) or (name == "latents_std" and min(values) <= 0):
+            raise VaeError("must be finite" + (" and > 0" if name == "latents_std" else ""), file=cfg_path,
+                           field=name)
+
+
+def read_vae_config(folder: str | Path) -> dict[str, Any]:
+    """The VAE folder's config.json (diffusers' bookkeeping `_` keys dropped), checked by `check_vae_config`."""
+    cfg_path = Path(folder) / "config.json"
+    raw = read_json_object(cfg_path, "VAE config", VaeError)
+    cfg = {k: v for k, v in raw.items() if not k.startswith("_")}
+    check_vae_config(cfg, cfg_path)
+    return cfg
 
 
 def load_vae(folder: str | Path, *, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.bfloat16) -> AutoencoderKLWan:
-    """Load a diffusers-layout VAE folder (config.json + diffusion_pytorch_model.safetensors)."""
+    """Load a diffusers-layout VAE folder: config.json + diffusion_pytorch_model.safetensors, or shards listed
+    by a `*.safetensors.index.json` (what `save_pretrained(max_shard_size=...)` writes)."""
     folder = Path(folder)
-    cfg_path, weights = folder / "config.json", folder / "diffusion_pytorch_model.safetensors"
-    if not cfg_path.is_file() or not weights.is_file():
-        raise VaeError(f"{folder}: expected config.json and diffusion_pytorch_model.safetensors")
-    cfg = {k: v for k, v in json.loads(cfg_path.read_text()).items() if not k.startswith("_")}
-    vae = AutoencoderKLWan.from_config(cfg)
+    cfg_path, cfg = folder / "config.json", read_vae_config(folder)
+    files = weight_files(folder, required=False)
+    if not files:
+        raise VaeError("no safetensors weights (diffusion_pytorch_model.safetensors or an index)", file=folder)
     try:
-        vae.load_state_dict(load_file(str(weights)), strict=True)
-    except RuntimeError as e:
-        raise VaeError(f"{weights}: {e}") from e
+        vae = AutoencoderKLWan.from_config(cfg)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise VaeError(f"AutoencoderKLWan cannot be built from it ({e})", file=cfg_path) from e
+    expected = vae.state_dict()
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        if not file.is_file():
+            raise VaeError("shard file is missing", file=file)
+        with safe_open(str(file), framework="pt") as handle:
+            present = set(handle.keys())
+            for name in names:
+                if name not in present:
+                    raise VaeError(f"the index lists tensor {name!r} but the file lacks it", file=file)
+                if name not in expected:
+                    raise VaeError(f"unexpected tensor {name!r} (not a parameter of this config)", file=file)
+                tensor = handle.get_tensor(name)
+                if tuple(tensor.shape) != tuple(expected[name].shape):
+                    raise VaeError(f"tensor {name!r} has shape {list(tensor.shape)}, the config makes it "
+                                   f"{list(expected[name].shape)}", file=file)
+                state[name] = tensor
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise VaeError(f"missing tensors: {', '.join(missing[:8])}" + (f", ... ({len(missing)} in all)"
+                                                                        if len(missing) > 8 else ""), file=folder)
+    vae.load_state_dict(state, strict=True)
     # nn.Module.to: diffusers' override warns about fp32-kept modules, of which this VAE has none.
     return torch.nn.Module.to(vae, device=device, dtype=dtype).eval().requires_grad_(False)
 

@@ -204,6 +204,8 @@ def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: 
     extra = _extra(fields) if kind == "video" else {}
     notes: list[str] = []
     defaults = VIDEO_DEFAULTS if kind == "video" else IMAGE_DEFAULTS
+    if world.default_shift is not None:
+        defaults = {**defaults, "shift": world.default_shift}
     sound = _sound(fields, world, kind)
     transfer = TransferFields()
     if kind == "video":

@@ -1,8 +1,8 @@
 """Decoded request map -> (observation for the policy, control fields), with cheap up-front checks.
 
-Everything here runs on the event loop, so it only looks at keys, shapes, dtypes and small state
-vectors; the full validation (and all pixel work) stays in the policy on the engine thread. Rejecting
-obvious garbage here keeps it out of batches and answers it without queueing.
+The observation goes through `wamrt.pipeline.observation.check_observation`, the contract `Policy.infer` runs
+too (same keys, same defaults, same errors), so a bad observation is answered without queueing; the pixel work
+(canvas, resizes) stays in the policy on the engine thread. Control keys (`CONTROL_KEYS`) are read here.
 """
 
 from __future__ import annotations
@@ -15,26 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from ..pipeline.noise import droid_state_row
-from ..pipeline.prefix import PREFIX_KEY, PREFIX_MODE_KEY, parse_action_prefix
+from ..pipeline.errors import RequestError
+from ..pipeline.observation import check_observation
 from .errors import InvalidRequest, StaleObservation
 
-PROMPT = "prompt"
-IMAGE = "observation/image"
-WRIST = "observation/wrist_image_left"
-EXT1, EXT2 = "observation/exterior_image_1_left", "observation/exterior_image_2_left"
-EXT0 = "observation/exterior_image_0_left"  # 0-indexed wrappers (DreamZero / AR_droid)
-JOINTS, GRIPPER = "observation/joint_position", "observation/gripper_position"
-IMAGE_KEYS = (IMAGE, WRIST, EXT1, EXT2)
-# Optional: the rows the robot committed while this request is in flight (wamrt.pipeline.prefix).
-PREFIX_KEYS = (PREFIX_KEY, PREFIX_MODE_KEY)
-POLICY_KEYS = frozenset({PROMPT, *IMAGE_KEYS, JOINTS, GRIPPER, *PREFIX_KEYS})
-# Sent by real clients but not used by this contract: accepted and dropped.
-IGNORED_KEYS = frozenset({
-    "observation/cartesian_position", "observation/eef_pos", "observation/eef_quat",
-    "observation/wrist_image_right", "observation/exterior_image_1_right", "observation/exterior_image_2_right",
-    "env_id",
-})
 CONTROL_KEYS = frozenset({
     "endpoint", "session_id", "seed", "reset", "params", "timestamp", "max_age_ms", "embodiment", "request_id",
 })
@@ -42,7 +26,6 @@ PARAM_ALIASES = {"num_steps": "steps", "steps": "steps", "num_inference_steps": 
                  "guidance": "guidance", "guidance_scale": "guidance", "shift": "shift", "flow_shift": "shift",
                  "guidance_interval": "guidance_interval"}
 PARAM_FLAGS = frozenset({"structured", "return_video"})
-MAX_PROMPT_CHARS = 4096
 
 
 @dataclass
@@ -73,9 +56,6 @@ def parse_request(msg: Any, *, reset_only_ok: bool = True) -> ParsedRequest:
     if not isinstance(msg, Mapping):
         raise InvalidRequest(f"request must be a map, got {type(msg).__name__}")
     msg = {_str_key(k): v for k, v in msg.items()}
-    unknown = sorted(set(msg) - POLICY_KEYS - IGNORED_KEYS - CONTROL_KEYS)
-    if unknown:
-        raise InvalidRequest(f"unknown keys {unknown}", field=unknown[0])
     out = ParsedRequest(observation={})
     if "endpoint" in msg:
         out.had_endpoint = True
@@ -185,64 +165,11 @@ def _deadline(timestamp: Any, max_age_ms: Any) -> float | None:
     return time.monotonic() + (float(max_age_ms) - age_ms) / 1e3
 
 
-def _image(value: Any, key: str) -> np.ndarray:
-    """Shape/dtype gate for one view; CHW is transposed and float [0, 1] scaled (openpi tolerates both)."""
-    if not isinstance(value, np.ndarray):
-        try:
-            value = np.asarray(value)
-        except ValueError as exc:
-            raise InvalidRequest(f"not an array ({exc})", field=key) from exc
-    if value.dtype.kind not in "uif":
-        raise InvalidRequest(f"must be a numeric image, got dtype {value.dtype}", field=key)
-    if value.ndim == 3 and value.shape[0] == 3 and value.shape[-1] != 3:
-        value = np.transpose(value, (1, 2, 0))
-    if value.ndim != 3 or value.shape[-1] != 3 or min(value.shape[:2]) < 2 or max(value.shape[:2]) > 8192:
-        raise InvalidRequest(f"must be [H, W, 3] (2..8192 pixels a side), got {tuple(value.shape)}", field=key)
-    if value.dtype.kind == "f":
-        if not np.isfinite(value).all():
-            raise InvalidRequest("contains NaN or inf", field=key)
-        if value.size and value.min() >= 0.0 and value.max() <= 1.0:
-            value = value * 255.0  # openpi's convert_to_uint8 convention for float images
-    return value
-
-
 def _observation(msg: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
-    prompt = msg.get(PROMPT)
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise InvalidRequest("is missing or not a non-empty string", field=PROMPT)
-    if len(prompt) > MAX_PROMPT_CHARS:
-        raise InvalidRequest(f"longer than {MAX_PROMPT_CHARS} characters", field=PROMPT)
-    obs: dict[str, Any] = {PROMPT: prompt}
-    views = dict(msg)
-    if EXT0 in views:  # 0-indexed exteriors: _0 -> _1, _1 -> _2
-        views[EXT2] = views.pop(EXT1, None)
-        views[EXT1] = views.pop(EXT0)
-        if views[EXT2] is None:
-            del views[EXT2]
-    if IMAGE in views:
-        obs[IMAGE] = _image(views[IMAGE], IMAGE)
-    elif WRIST in views and EXT1 in views:
-        obs[WRIST] = _image(views[WRIST], WRIST)
-        obs[EXT1] = _image(views[EXT1], EXT1)
-        if EXT2 in views:
-            obs[EXT2] = _image(views[EXT2], EXT2)
-        else:  # openpi's DROID example sends one exterior: pad with black and say so
-            obs[EXT2] = np.zeros_like(obs[EXT1])
-            notes.append(f"{EXT2} missing: zero-filled")
-    else:
-        missing = [k for k in (WRIST, EXT1, EXT2) if k not in views]
-        raise InvalidRequest(f"needs {IMAGE!r} or the wrist + exterior views; missing {missing}",
-                             field=missing[0])
-    for key in (JOINTS, GRIPPER):
-        if key not in msg:
-            raise InvalidRequest("is missing", field=key)
-        obs[key] = msg[key]
-    for key in PREFIX_KEYS:
-        if key in msg:
-            obs[key] = msg[key]
+    """The shared contract (`check_observation`); its RequestError becomes the surfaces' InvalidRequest."""
     try:
-        droid_state_row(obs[JOINTS], obs[GRIPPER])  # NaN/inf and shape checks, tiny arrays
-        parse_action_prefix(obs)  # shape, d <= 16, finite, mode
-    except ValueError as exc:
-        raise InvalidRequest(str(exc), field=getattr(exc, "field", None)) from exc
-    return obs
+        checked = check_observation(msg, also_known=CONTROL_KEYS)
+    except RequestError as exc:
+        raise InvalidRequest(exc.message, field=exc.field) from exc
+    notes.extend(checked.notes)
+    return checked.observation

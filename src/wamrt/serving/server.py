@@ -48,6 +48,8 @@ def uvicorn_config(app: Any, config: ServeConfig, *, log_level: str = "info",
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..model import CheckpointError
+    from ..pipeline.errors import RequestError
     from ..pipeline.policy import load_policy
 
     configure_logging(args.log_level, args.log_format)
@@ -56,13 +58,22 @@ def run(args: argparse.Namespace) -> int:
     except ServeConfigError as exc:
         print(f"wamrt serve: {exc}", file=sys.stderr)
         return 2
+    if (getattr(args, "tokenizer", None) or getattr(args, "vae", None)) and (args.parallel != "none" or args.ray):
+        print("wamrt serve: --tokenizer/--vae: not supported with --parallel or --ray; keep the tokenizer and VAE in "
+              "the checkpoint folder", file=sys.stderr)
+        return 2
     if getattr(args, "ray", False):
         from . import ray_serve  # needs ray[serve]
 
         return ray_serve.run(args, config)
     if args.parallel != "none":
         return _run_parallel(args, config)
-    policy = load_policy(args.model, device=args.device)
+    try:
+        policy = load_policy(args.model, device=args.device, tokenizer=getattr(args, "tokenizer", None),
+                             vae=getattr(args, "vae", None))
+    except (RequestError, CheckpointError) as exc:  # a folder that cannot serve: one line, not a traceback
+        print(f"wamrt serve: {exc}", file=sys.stderr)
+        return 2
     if args.engine == "fast" or (args.engine == "auto" and policy.device.type == "cuda"):
         from ..engine import Engine, EngineConfig
 

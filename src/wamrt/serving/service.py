@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
+from ..pipeline.observation import JOINTS
 from .batcher import Batcher, BatchPolicy, BatchResult, Job
 from .chat_worker import ChatWorker
 from .config import ServeConfig
@@ -23,7 +24,7 @@ from .generation import GenerationJob, GenerationOutcome, GenerationWorker
 from .generation_request import GenerationRequest, build_generation
 from .generation_settings import warmup_fields
 from .metrics import Metrics
-from .observation import JOINTS, ParsedRequest
+from .observation import ParsedRequest
 from .safety import SafetyEnvelope
 from .upsampling import Upsampler
 from .world_model import world_model_of
@@ -223,8 +224,9 @@ class Service:
         tokens = self.prompt_tokens(chunk.prompt)
         if tokens is not None:
             meta["prompt_tokens"] = tokens
-        if req.notes:
-            meta["notes"] = list(req.notes)
+        notes = list(dict.fromkeys([*req.notes, *getattr(chunk, "notes", ())]))  # the parse's, then the policy's
+        if notes:
+            meta["notes"] = notes
         if getattr(chunk, "prefix_rows", 0):  # rows 0..d-1 repeat the committed rows the request carried
             meta["action_prefix"] = {"rows": chunk.prefix_rows, "mode": chunk.prefix_mode}
         if self.safety is not None:

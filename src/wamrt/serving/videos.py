@@ -39,7 +39,8 @@ from starlette.responses import JSONResponse, Response
 
 from ..client.wire import _decode_image, json_array, to_jsonable
 from ..pipeline.controls import HINT_KEYS
-from ..pipeline.prefix import PREFIX_KEY, parse_action_prefix
+from ..pipeline.observation import GRIPPER, IMAGE, JOINTS, PROMPT
+from ..pipeline.prefix import PREFIX_KEY, PREFIX_MODE_KEY, parse_action_prefix
 from .dynamics import DYNAMICS_MODES, DynamicsRequest, build_dynamics
 from .errors import Busy, Cancelled, Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from .fields import as_float, as_int
@@ -48,8 +49,10 @@ from .generation_request import GenerationRequest, build_generation
 from .http_api import service_of, until_disconnect
 from .logs import log_request, logged_reply
 from .media import encode_mp4
-from .observation import GRIPPER, IMAGE, JOINTS, PREFIX_KEYS, PROMPT, parse_params, parse_request
+from .observation import parse_params, parse_request
 from .service import DynamicsOutcome, InferOutcome, Service, new_request_id
+
+PREFIX_KEYS = (PREFIX_KEY, PREFIX_MODE_KEY)  # optional keys of the observation contract, also in extra_params
 
 DROID_DOMAIN = ("droid_lerobot", 8)
 GENERATE = "generate"  # the routing mode of world-generation requests (they carry no action_mode)

@@ -29,6 +29,7 @@ class WorldModel:
     sound: Any | None  # pipeline.sound.SoundDecoder
     schedule: DistilledSchedule | None = None  # None: UniPC with CFG (`run_world`)
     engine: Any | None = None  # a `WorldEngine` (served fast engine on CUDA), else None: the eager pipelines
+    default_shift: float | None = None  # the checkpoint scheduler config's flow_shift; None: the recipe's (10)
 
     def run(self, *, on_segment: Callable[[], None] | None = None, **kwargs: Any) -> Any:
         """One request with the served sampler (`run_world`, or `run_world_distilled` with the checkpoint's
@@ -55,19 +56,28 @@ class WorldModel:
         return "unipc" if self.schedule is None else "distilled"
 
 
-def find_sound_tokenizer(checkpoint: str) -> Path | None:
-    """`sound_tokenizer/` of a checkpoint folder (or of the folder above a bare transformer folder), or of a
-    built-in model; None if there is none."""
-    from ..pipeline.builtin import BUILTIN_MODELS, builtin_path
+def checkpoint_layout(checkpoint: str) -> Any | None:
+    """The `CheckpointLayout` of a served checkpoint folder or built-in model; None for `random:` models, names
+    that are no folder, and folders without a transformer (the loader has said what is wrong with those)."""
+    from ..model import CheckpointError
+    from ..pipeline.builtin import BUILTIN_MODELS
+    from ..pipeline.layout import resolve_layout
+    from ..pipeline.policy import checkpoint_root
 
     if not checkpoint or checkpoint.startswith("random:") or (
             not Path(checkpoint).exists() and checkpoint not in BUILTIN_MODELS):
         return None
-    root = builtin_path(checkpoint) if checkpoint in BUILTIN_MODELS else Path(checkpoint)
-    for folder in (root / "sound_tokenizer", root.parent / "sound_tokenizer"):
-        if (folder / "config.json").is_file():
-            return folder
-    return None
+    try:
+        return resolve_layout(checkpoint_root(checkpoint))
+    except CheckpointError:
+        return None
+
+
+def find_sound_tokenizer(checkpoint: str) -> Path | None:
+    """`sound_tokenizer/` of a checkpoint folder (or of the folder above a bare transformer folder), or of a
+    built-in model; None if there is none."""
+    layout = checkpoint_layout(checkpoint)
+    return None if layout is None else layout.sound_tokenizer
 
 
 def world_model_of(policy: Any, checkpoint: str, sampler: str = "auto", *,
@@ -76,24 +86,31 @@ def world_model_of(policy: Any, checkpoint: str, sampler: str = "auto", *,
     (a stand-in policy, a multi-GPU policy front end); a multi-GPU world layout's (`--parallel ulysses`,
     `cfg,ulysses`) generates on its `world_front`. The sound tokenizer is loaded only for a transformer with
     sound heads, from the loaded checkpoint (`policy.name`) or else the served one (`checkpoint`); the sampler
-    is `resolve_sampler(sampler, checkpoint)`; `step_segments` is the `WorldEngine`'s (capped at the layers)."""
+    is `resolve_sampler(sampler, checkpoint)`; the default flow shift is the checkpoint's scheduler config's when
+    it sets one (`scheduler_defaults`); `step_segments` is the `WorldEngine`'s (capped at the layers)."""
     front = getattr(policy, "world_front", None)  # a multi-GPU world layout (`parallel.world_front.WorldFront`)
     if front is not None:
         policy = front
     if not all(hasattr(policy, a) for a in ("model", "encoder", "tokenizer")):
         return None
     schedule = resolve_sampler(sampler, checkpoint)
+    names = dict.fromkeys(n for n in (str(getattr(policy, "name", "") or ""), checkpoint) if n)
+    layouts = [layout for layout in map(checkpoint_layout, names) if layout is not None]
     sound = None
     if getattr(policy.model.config, "sound_gen", False):
-        names = dict.fromkeys(n for n in (str(getattr(policy, "name", "") or ""), checkpoint) if n)
-        folder = next((f for f in map(find_sound_tokenizer, names) if f is not None), None)
+        folder = next((layout.sound_tokenizer for layout in layouts if layout.sound_tokenizer is not None), None)
         if folder is not None:
             from ..pipeline.omni import model_device
             from ..pipeline.sound import SoundDecoder, load_sound_tokenizer
 
             sound = SoundDecoder(load_sound_tokenizer(folder, device=model_device(policy.model)))
+    shift = None
+    if layouts:
+        from ..pipeline.layout import scheduler_defaults
+
+        shift = scheduler_defaults(layouts[0]).shift
     return WorldModel(policy.model, policy.encoder, policy.tokenizer, sound, schedule,
-                      front or _world_engine(policy, step_segments))
+                      front or _world_engine(policy, step_segments), default_shift=shift)
 
 
 def _world_engine(policy: Any, step_segments: int = 1) -> Any | None:
