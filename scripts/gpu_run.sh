@@ -20,8 +20,6 @@
 #          its per-pixel kernels')
 #          kernel-tests (the Triton kernels' GPU tests: q/k/v head epilogue, fp8 fusion)
 #          decode (issue 42: `wamrt bench decode` at DECODE_SIZE, default nano, and the Reasoner's graph-vs-eager test)
-#          attn-probe (8-bit attention kernels vs flash-attn-4 bf16: time and SQNR; MODELS, default edge,nano;
-#          TRITON_CONFIGS, FA4_SWEEP, TMA_CONFIGS: how many configs of each family to time)
 #          world (issue 15: WorldEngine t2i / i2v vs diffusers; MODES, RUNS, PEER_RUNS, WORLD_MODEL, WORLD_ARGS)
 #          world-rows (i2v: the last layer on the read rows against --all-rows, ROUNDS rounds, no peer)
 #          world720 (issue 43: t2v 720x1280x189 with sound and a 480p x 93 edge transfer, per step vs diffusers;
@@ -58,10 +56,9 @@ cd "$(dirname "$0")/.."
 # .whl (everything, 32 MB) or .whl-bench (diffusers, importlib_metadata and the server wheels, 7 MB: what the
 # benches need, small enough to travel beside a flash-attn-4 part within a call's 64 MiB). Carry one of the two.
 # .whl-av: PyAV (36 MB), which the server's MP4 replies need (the world-serve part); the image has none.
-# .whl-extra: anything else one part needs (the attention probe: nvidia-cudnn-frontend, 12 MB).
-# .whl-fa3: fa3-fwd 0.0.3 (FlashAttention-3's forward, 28 MB): the "fa3" attention backend and the probe's fa3 rows.
-wheels=$(ls .whl/*.whl .whl-bench/*.whl .whl-av/*.whl .whl-extra/*.whl .whl-fa3/*.whl 2>/dev/null)
-if [ -n "$wheels" ]; then  # none carried: a part that needs no extra package (kernel tests, the attention probe)
+# .whl-extra: anything else one part needs.
+wheels=$(ls .whl/*.whl .whl-bench/*.whl .whl-av/*.whl .whl-extra/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then  # none carried: a part that needs no extra package (kernel tests)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/wamrt-py/site-packages $wheels || exit 1
 fi
@@ -262,10 +259,6 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              2>&1 | tee "$res/log.txt" ;;
     tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_engine_gpu.py tests/engine/test_bucket_attention.py tests/sampler 2>&1 \
              | tee "$res/log.txt" ;;
-    attn-probe) # Issue 14 moonshot: 8-bit attention kernels against flash-attn-4 bf16 at the Generator call's shapes
-          timeout "$limit" python3 scripts/fp8_attention_probe.py --out "$res" --models "${MODELS:-edge,nano}" \
-             --triton-configs "${TRITON_CONFIGS:-7}" --fa4-sweep "${FA4_SWEEP:-0}" --tma-configs "${TMA_CONFIGS:-0}" \
-             2>&1 | tee "$res/log.txt" ;;
     host-timeline) # Issue 14 moonshot: a warm request's host marks against its GPU graphs, and a cProfile of them
           # (scripts/host_timeline.py); MODEL (edge), RECIPE (gen-fp8), STEPS (2), ATTENTION (fa4 where installed), FLAGS
           attn=${ATTENTION:-$(python3 -c 'import flash_attn.cute.interface' 2>/dev/null && echo fa4 || echo cudnn)}
