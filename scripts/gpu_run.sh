@@ -5,9 +5,6 @@
 #          quantization GPU tests and the fused fp8 activation kernel's)
 #          vae-bench (the frame-0 VAE encode's kernel options, before / today: scripts/vae_encode_bench.py)
 #          host-timeline (a warm request's host work against its GPU graphs: scripts/host_timeline.py)
-#          mlp-probe (the gen-fp8 MLP with the down GEMM's input quantized in the up GEMM's epilogue:
-#          scripts/fp8_mlp_epilogue_probe.py)
-#          gemm-probe (each Generator fp8 GEMM shape, cuBLAS against Triton: scripts/fp8_gemm_probe.py)
 #          cl-probe (the VAE encode's per-pixel kernels over tile sizes: scripts/channels_last_probe.py)
 #          decode-probe (the world decode's norm kernels and fused blocks at the i2v shape, and their GPU tests:
 #          scripts/vae_decode_probe.py)
@@ -15,7 +12,6 @@
 #          there, its sha in .ab-before/SHA -- in one process order per round, ROUNDS rounds alternating which side
 #          goes first: `wamrt bench latency` with ROWS (E5) at 4 steps and LOSSY_ROWS (E7,E6); TRACE=1 traces this
 #          tree's E7 in the last round). quant-* and ab-*: PACE_HZ=15 starts requests on a 15 Hz clock (--pace-hz).
-#          act-probe (the per-row activation quantizers' variants against a cast's memory floor: scripts/act_quant_probe.py)
 #          fp8-engine-tests (a gen-fp8 engine's graph replay against its compiled self; the VAE encode's GPU tests and
 #          its per-pixel kernels')
 #          kernel-tests (the Triton kernels' GPU tests: q/k/v head epilogue, fp8 fusion)
@@ -268,16 +264,12 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
           timeout "$limit" python3 scripts/vae_encode_bench.py --out "$res" 2>&1 | tee "$res/log.txt"
           timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_vae_encode.py 2>&1 \
              | tail -5 | tee -a "$res/log.txt" ;;
-    mlp-probe) # Issue 14 moonshot: the down GEMM's input quantization in the up GEMM's epilogue (1x128 scales)
-          timeout "$limit" python3 scripts/fp8_mlp_epilogue_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
     decode-probe) # The world decode's norm kernels (compiled vs Triton rows), fused residual and up blocks at the i2v shape, then GPU tests
           timeout "$limit" python3 scripts/vae_decode_probe.py --out "$res" --runs "${RUNS:-5}" 2>&1 | tee "$res/log.txt"
           timeout 240 python3 -m pytest -v -p no:cacheprovider -m gpu -s tests/engine/test_vae_decode.py \
              tests/ops/test_channels_last.py 2>&1 | tee "$res/gpu-tests.txt" | tail -8 | tee -a "$res/log.txt" ;;
     cl-probe) # Issue 14 moonshot: the VAE encode's per-pixel kernels at the encoder's levels over tile sizes
           timeout "$limit" python3 scripts/channels_last_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
-    gemm-probe) # Issue 14 moonshot: every Generator fp8 GEMM shape on cuBLAS against a Triton TMA kernel
-          timeout "$limit" python3 scripts/fp8_gemm_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
     ab-edge|ab-nano) # Issue 14: before / after in one lease (see the usage above)
           before=$(cat .ab-before/SHA)  # carried without its assets (the embedded default model): this tree's
           [ -e .ab-before/src/wamrt/assets ] || ln -s "$PWD/src/wamrt/assets" .ab-before/src/wamrt/assets
@@ -293,8 +285,6 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
                  | tee -a "$res/log.txt"
             done
           done ;;
-    act-probe) # Issue 14 moonshot: the per-row activation quantizers, every variant against the same bytes' cast
-          timeout "$limit" python3 scripts/act_quant_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
     fp8-engine-tests) # a gen-fp8 engine's graph replay at the default fast accumulation; the VAE encode's GPU tests
           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_vae_encode.py \
              tests/ops/test_channels_last.py \

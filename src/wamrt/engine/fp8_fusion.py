@@ -83,9 +83,10 @@ if triton is not None:
     # Autotuned per (width, activation) on the first call (the engine's warm-up, outside graph capture), over
     # one-pass (the row in registers) and two-pass (column chunks, the second pass mostly from L2) variants, with
     # one program per row (PER_SM 0) or a few per SM looping over rows (PER_SM of them per SM): the looping ones won
-    # at the MLP's widths, one per row at the attention output's (`scripts/act_quant_probe.py`, H200, 6,184 rows:
-    # Edge ReLU^2 53.2 -> 45.5 us, Nano SwiGLU 115.0 -> 96.2 us; bench/results/latency/2026-12-03-e625df4-act-quant-
-    # probe/). Every variant computes the same bits: a maximum does not depend on the order it is taken in.
+    # at the MLP's widths, one per row at the attention output's (H200, 6,184 rows: Edge ReLU^2 53.2 -> 45.5 us, Nano
+    # SwiGLU 115.0 -> 96.2 us; bench/results/latency/2026-12-03-e625df4-act-quant-probe/, made by
+    # `git show 76ddc14:scripts/act_quant_probe.py`). Every variant computes the same bits: a maximum does not depend
+    # on the order it is taken in.
     @triton.autotune(configs=[triton.Config({"BLOCK": b, "PER_SM": p}, num_warps=w) for b, w, p in
                               ((1024, 4, 0), (2048, 4, 0), (2048, 8, 0), (4096, 8, 0), (16384, 16, 0), (16384, 32, 0),
                                (4096, 8, 8), (16384, 8, 4), (16384, 8, 8), (16384, 8, 16))],

@@ -2,10 +2,10 @@
 
 Why it exists beside cuBLAS (`torch._scaled_mm`, rowwise): a GEMM of our own is where epilogues can go (the q/k/v
 head epilogue, `engine.qkv_epilogue.fp8_qkv_heads_into`), and at 128x256 tiles it measured level with cuBLAS or
-faster at some Generator shapes (H200, `scripts/fp8_gemm_probe.py`, bench/results/latency/2026-12-03-977c274-
-triton-gemm/: Edge down-projection 0.157 vs 0.172 ms, Nano's 0.461 vs 0.480 ms with cuBLAS's fast accumulation; at
-Edge's up-projection cuBLAS won). In the engine's E7 row it bought nothing end to end, so it is opt-in
-(`EngineConfig.fp8_triton_gemms`).
+faster at some Generator shapes (H200, bench/results/latency/2026-12-03-977c274-triton-gemm/, made by
+`git show 76ddc14:scripts/fp8_gemm_probe.py`: Edge down-projection 0.157 vs 0.172 ms, Nano's 0.461 vs 0.480 ms with
+cuBLAS's fast accumulation; at Edge's up-projection cuBLAS won). In the engine's E7 row it bought nothing end to
+end, so it is opt-in (`EngineConfig.fp8_triton_gemms`).
 
 Numerics: Triton's fp8 dot on Hopper leaves the partial sums in the tensor cores' reduced-precision accumulator across
 K (cuBLAS's `use_fast_accum` does the same; its default promotes them to fp32 every 128 elements); then
