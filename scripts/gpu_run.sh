@@ -5,7 +5,6 @@
 #          quantization GPU tests and the fused fp8 activation kernel's)
 #          vae-bench (the frame-0 VAE encode's kernel options, before / today: scripts/vae_encode_bench.py)
 #          host-timeline (a warm request's host work against its GPU graphs: scripts/host_timeline.py)
-#          cl-probe (the VAE encode's per-pixel kernels over tile sizes: scripts/channels_last_probe.py)
 #          decode-probe (the world decode's norm kernels and fused blocks at the i2v shape, and their GPU tests:
 #          scripts/vae_decode_probe.py)
 #          ab-edge ab-nano (this tree against an older one carried in .ab-before/ -- `git archive <sha> src` unpacked, less src/wamrt/assets,
@@ -268,8 +267,6 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
           timeout "$limit" python3 scripts/vae_decode_probe.py --out "$res" --runs "${RUNS:-5}" 2>&1 | tee "$res/log.txt"
           timeout 240 python3 -m pytest -v -p no:cacheprovider -m gpu -s tests/engine/test_vae_decode.py \
              tests/ops/test_channels_last.py 2>&1 | tee "$res/gpu-tests.txt" | tail -8 | tee -a "$res/log.txt" ;;
-    cl-probe) # Issue 14 moonshot: the VAE encode's per-pixel kernels at the encoder's levels over tile sizes
-          timeout "$limit" python3 scripts/channels_last_probe.py --out "$res" 2>&1 | tee "$res/log.txt" ;;
     ab-edge|ab-nano) # Issue 14: before / after in one lease (see the usage above)
           before=$(cat .ab-before/SHA)  # carried without its assets (the embedded default model): this tree's
           [ -e .ab-before/src/wamrt/assets ] || ln -s "$PWD/src/wamrt/assets" .ab-before/src/wamrt/assets
