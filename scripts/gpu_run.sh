@@ -3,10 +3,9 @@
 # Usage: WAMRT_GIT_SHA=<sha> bash scripts/gpu_run.sh PART[:SECONDS]...
 #   parts: smoke edge nano tests load quant-edge quant-nano (lossy rows LOSSY_ROWS, default E6,E7,E8, + quality, the
 #          quantization GPU tests and the fused fp8 activation kernel's)
-#          vae-bench (the frame-0 VAE encode's kernel options, before / today: scripts/vae_encode_bench.py)
-#          host-timeline (a warm request's host work against its GPU graphs: scripts/host_timeline.py)
-#          decode-probe (the world decode's norm kernels and fused blocks at the i2v shape, and their GPU tests:
-#          scripts/vae_decode_probe.py)
+#          vae (the policy's frame-0 VAE encode and the world decode, kernel option by kernel option: `wamrt bench
+#          vae`, STAGES default encode,decode; then the GPU tests of both and of their per-pixel kernels)
+#          host-timeline (a warm request's host work against its CUDA graphs: `wamrt bench host-timeline`)
 #          ab-edge ab-nano (this tree against an older one carried in .ab-before/ -- `git archive <sha> src` unpacked, less src/wamrt/assets,
 #          there, its sha in .ab-before/SHA -- in one process order per round, ROUNDS rounds alternating which side
 #          goes first: `wamrt bench latency` with ROWS (E5) at 4 steps and LOSSY_ROWS (E7,E6); TRACE=1 traces this
@@ -254,19 +253,16 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              2>&1 | tee "$res/log.txt" ;;
     tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_engine_gpu.py tests/engine/test_bucket_attention.py tests/sampler 2>&1 \
              | tee "$res/log.txt" ;;
-    host-timeline) # Issue 14 moonshot: a warm request's host marks against its GPU graphs, and a cProfile of them
-          # (scripts/host_timeline.py); MODEL (edge), RECIPE (gen-fp8), STEPS (2), ATTENTION (fa4 where installed), FLAGS
-          attn=${ATTENTION:-$(python3 -c 'import flash_attn.cute.interface' 2>/dev/null && echo fa4 || echo cudnn)}
-          timeout "$limit" python3 scripts/host_timeline.py --model "${MODEL:-edge}" --recipe "${RECIPE:-gen-fp8}" \
-             --steps "${STEPS:-2}" --attention "$attn" --flags "${FLAGS:-{\}}" --out "$res" 2>&1 | tee "$res/log.txt" ;;
-    vae-bench) # Issue 14 moonshot: the frame-0 VAE encode's kernel options and a request's encode call, before / today
-          timeout "$limit" python3 scripts/vae_encode_bench.py --out "$res" 2>&1 | tee "$res/log.txt"
-          timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_vae_encode.py 2>&1 \
-             | tail -5 | tee -a "$res/log.txt" ;;
-    decode-probe) # The world decode's norm kernels (compiled vs Triton rows), fused residual and up blocks at the i2v shape, then GPU tests
-          timeout "$limit" python3 scripts/vae_decode_probe.py --out "$res" --runs "${RUNS:-5}" 2>&1 | tee "$res/log.txt"
-          timeout 240 python3 -m pytest -v -p no:cacheprovider -m gpu -s tests/engine/test_vae_decode.py \
-             tests/ops/test_channels_last.py 2>&1 | tee "$res/gpu-tests.txt" | tail -8 | tee -a "$res/log.txt" ;;
+    host-timeline) # A warm request's host marks against its CUDA graphs, and a cProfile of them (`wamrt bench
+          # host-timeline`); MODEL (edge), ROW (E7), ATTENTION (default fa4 where installed), ENGINE_FLAGS (JSON)
+          wamrt bench host-timeline --model "${MODEL:-edge}" --row "${ROW:-E7}" ${ATTENTION:+--attention "$ATTENTION"} \
+             --engine-flags "${ENGINE_FLAGS:-{\}}" --out "$res" 2>&1 | tee "$res/log.txt" ;;
+    vae) # The policy's frame-0 VAE encode and the world decode at the i2v shape, option by option (`wamrt bench vae`;
+          # ~2 min), then the GPU tests of both and of their per-pixel kernels
+          wamrt bench vae --stages "${STAGES:-encode,decode}" --out "$res" 2>&1 | tee "$res/log.txt"
+          timeout 240 python3 -m pytest -v -p no:cacheprovider -m gpu -s tests/engine/test_vae_encode.py \
+             tests/engine/test_vae_decode.py tests/ops/test_channels_last.py 2>&1 | tee "$res/gpu-tests.txt" | tail -8 \
+             | tee -a "$res/log.txt" ;;
     ab-edge|ab-nano) # Issue 14: before / after in one lease (see the usage above)
           before=$(cat .ab-before/SHA)  # carried without its assets (the embedded default model): this tree's
           [ -e .ab-before/src/wamrt/assets ] || ln -s "$PWD/src/wamrt/assets" .ab-before/src/wamrt/assets

@@ -40,10 +40,14 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         ("timeline", _timeline, "a saved --trace request's GPU timeline: busy, idle, segments, gaps"),
         ("decode", _decode, "the Reasoner's decode: prefill and decode tokens/s at batch 1 / 8 / 32 against "
                             "transformers' generate and the HBM floor, random weights (GPU; --tiny: CPU dry run)"),
+        ("vae", _vae, "the VAE's frame-0 encode and world decode, kernel option by kernel option, full size on random "
+                      "weights (GPU; --tiny-vae: CPU dry run)"),
+        ("host-timeline", _host_timeline, "a warm request's host marks against its CUDA graphs on one axis, and a "
+                                          "cProfile of the same requests (GPU; tiny-*: CPU dry run, host marks only)"),
     ):
         ap = commands.add_parser(name, help=help_text, description=help_text)
         add(ap)
-        ap.set_defaults(func=lazy(f"wamrt.bench.{name}:run"))
+        ap.set_defaults(func=lazy(f"wamrt.bench.{name.replace('-', '_')}:run"))
 
 
 def _rows(text: str) -> list[str]:
@@ -247,3 +251,56 @@ def _decode(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--hf-tokens", type=int, default=64,
                     help="transformers' generate baseline: tokens per timed run (0: skip it)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/decode"), help="result folder")
+
+
+def _latent_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected B,C,T,H,W, got {text!r}") from e
+    if len(shape) != 5 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected five positive sizes B,C,T,H,W, got {text!r}")
+    return shape
+
+
+def _vae(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--stages", type=_rows, default=["encode", "decode"],
+                    help="comma-separated: encode (the policy's frame-0 encode at the DROID canvas), decode (the "
+                         "world decode at --latent-shape)")
+    ap.add_argument("--encode-runs", type=int, default=30, help="timed encodes per variant (after one untimed)")
+    ap.add_argument("--tier", default="480", help="the encoded canvas's resolution tier (480: the DROID policy's; 256: "
+                    "a smaller bucket for smoke tests)")
+    ap.add_argument("--decode-runs", type=int, default=5, help="timed decodes per variant (after one untimed)")
+    ap.add_argument("--latent-shape", type=_latent_shape, default=(1, 48, 9, 30, 52),
+                    help="B,C,T,H,W of the decode's normalised latents (default: 33 frames of 480x832)")
+    ap.add_argument("--tiny-vae", action="store_true", help="tiny VAE instead of the Wan2.2 size (smoke tests)")
+    ap.add_argument("--device", default="cuda", help="torch device")
+    ap.add_argument("--out", default="bench/results/latency", help="folder of vae-encode.json / vae-decode.json")
+
+
+def _host_timeline(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="edge", choices=MODELS, help="tiny-* run on the CPU in seconds (smoke tests)")
+    _smoke_arguments(ap)
+    ap.add_argument("--row", default="E7", help="a `wamrt bench latency` row, exact (E5, ...; 4 steps) or lossy "
+                    "(E7, ...: its recipe and steps)")
+    ap.add_argument("--attention", default=None, choices=["cudnn", "fa4", "flash", "efficient", "auto"],
+                    help="Generator attention (default: fa4 where installed, else cudnn; auto off CUDA)")
+    ap.add_argument("--engine-flags", type=_json_object, default={}, metavar="JSON",
+                    help="more EngineConfig fields on top of the row's, e.g. '{\"overlap_encode\": false}'")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed requests first (compiles, captures)")
+    ap.add_argument("--runs", type=int, default=20, help="timed requests, then as many under cProfile")
+    ap.add_argument("--device", default="cuda", help="torch device")
+    ap.add_argument("--out", default="bench/results/latency", help="folder of host-timeline-MODEL-ROW.json and "
+                    "host-profile-MODEL-ROW.txt")
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value

@@ -70,7 +70,7 @@ class FirstFrameEncoder(FrameEncoder):
         self.gemm_attention = gemm_attention  # False: the mid block's attention module itself (SDPA); see _attention
         # cuDNN times its algorithms per convolution shape on the first encode (warm-up, before capture) instead of
         # taking its heuristic's pick. Off by default: the pick can then differ from one process to the next, and
-        # with it the latent's rounding (scripts/vae_encode_bench.py measures what it would buy).
+        # with it the latent's rounding (`wamrt bench vae --stages encode` measures what it would buy).
         self.cudnn_benchmark = cudnn_benchmark
         # A residual block's convolution biases folded into the ops after them (norm2, the residual add) instead of
         # PyTorch's separate bias pass after each cuDNN convolution: H200, the captured encode 3.304 -> 3.096 ms
