@@ -7,8 +7,9 @@ encode (`vae-encode.json`): the policy's frame-0 encode (`engine/vae_encode.py`)
   block's attention as two GEMMs (`gemm_attention`); the residual blocks' convolution biases folded into the ops
   after them (`fold_biases`); the per-pixel Triton kernels (`channels_last_kernels`: the default); then the default
   with cuDNN's timed algorithm choice (`cudnn_benchmark`). Each with its largest error against the fp32 encode.
-* A request's encode call on the host's clock: from the canvas content, padded inside the encode (the default), and
-  from the canvas padded on the host, uploaded from pageable memory (`EngineConfig.canvas_on_device=False`).
+* A request's canvas, bucket and encode call on the host's clock: from the canvas content, padded inside the encode
+  (the default), and from the canvas padded on the host, uploaded from pageable memory
+  (`EngineConfig.canvas_on_device=False`); the canvas and bucket alone (`compose_and_bucket`) and the host pad alone.
 * The kernels of one eager encode, every option off against the default (torch.profiler).
 
 decode (`vae-decode.json`): the world decode (`engine/vae_decode.py`) at the i2v bench's latents (48 x 9 x 30 x 52

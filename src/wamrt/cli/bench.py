@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -295,8 +296,6 @@ def _host_timeline(ap: argparse.ArgumentParser) -> None:
 
 
 def _json_object(text: str) -> dict:
-    import json
-
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
