@@ -274,8 +274,8 @@ def test_gqa_buffers_hold_the_kv_heads_only(policy):
     cfg = policy.model.config
     obs = [sample_observation(0), sample_observation(1)]
     arenas = {}
-    for gqa in (False, True):
-        engine = _graph_engine(policy, cfg_attention="lengths", gqa_buffers=gqa)
+    for gqa in (False, True):  # per-layer buffers: shared ones keep the prefixes at the K/V heads either way
+        engine = _graph_engine(policy, cfg_attention="lengths", gqa_buffers=gqa, shared_kv_buffer=False)
         engine.infer_batch(obs, seeds=[3, 4], steps=1)
         arenas[gqa] = engine.kv_arena.arena.shape[-1]
     assert cfg.num_key_value_heads < cfg.num_attention_heads

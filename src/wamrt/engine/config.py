@@ -98,6 +98,11 @@ class EngineConfig:
     # every row. False: every row to the end (the comparison rows "-all-rows", `wamrt bench world --all-rows`).
     last_layer_read_rows: bool = True
     cuda_graph: bool = True  # the whole loop as one CUDA graph per shape bucket
+    # One K/V step buffer for every layer, each layer's Reasoner prefixes copied into it before its pass (kept once
+    # at the K/V heads; `kv_buffers.py`), instead of one buffer per layer: the buffers of a Nano batch of 8 at a
+    # 512-token width take 2 GiB instead of 31 GiB, for one copy kernel per layer and step (the same values attended,
+    # so the same results). False: per-layer buffers (the comparison rows "-kv-per-layer").
+    shared_kv_buffer: bool = True
     # The VAE encode on a side stream and no host sync until the denoise is done (stage times from CUDA events,
     # engine/stage_clock.py): the requests' host work after the encode (tokens, noise, positions, the graph's
     # inputs) runs while the GPU encodes. False: the host waits after the encode and around the Reasoner prefill

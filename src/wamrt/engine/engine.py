@@ -129,7 +129,7 @@ class Engine(GraphCapture):
         # K/V buffers; those of captured graphs live in its arena, outside the graph pool (see _capture)
         self.kv_arena = KVBufferArena(model.config, self.device, layout=self.cfg_attention, grouped=self.gqa_buffers,
                                       backend=config.attention, bucket_attention=self.bucket_attention,
-                                      rescale=self._rescale)
+                                      rescale=self._rescale, shared=config.shared_kv_buffer)
 
     @classmethod
     def from_policy(cls, policy: Policy, config: EngineConfig = EngineConfig()) -> Engine:
@@ -437,7 +437,8 @@ class Engine(GraphCapture):
         controls = tok.control_segments(self.model.config.latent_patch_size)
         if controls is not None and controls.count < 2:
             controls = None  # one control: ordinary attention
-        for index, (layer, kbuf, vbuf) in enumerate(zip(self.model.layers, bufs.keys, bufs.values, strict=True)):
+        for index, layer in enumerate(self.model.layers):
+            kbuf, vbuf = bufs.layer(index)
             q, g = self._pre(layer, g, update, rope, kbuf, vbuf, bufs.start)
             if index == last and last_layer_rows != "all":
                 q, g, out_tok, clean = read_rows(q, g, tok, last_layer_rows, self.model.config.latent_patch_size,
