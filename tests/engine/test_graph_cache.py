@@ -36,7 +36,9 @@ def test_lru_by_bytes_never_evicts_the_entry_just_added():
     assert list(cache) == [key(3)]
     stats = cache.stats()
     assert stats == {"captures": 3, "entries": 1, "bytes": 500, "evictions": 2, "compatible_hits": 0,
-                     "capture_seconds": [0.5, 0.5, 0.5]}
+                     "capture_seconds": [0.5, 0.5, 0.5],
+                     "captures_by_cause": {"request": 3, "warmup": 0, "background": 0},
+                     "requests": {"exact": 0, "wider": 0, "split": 0, "eager": 0, "waited": 0}}
 
 
 def test_bounds_are_checked():
@@ -62,3 +64,31 @@ def test_a_larger_or_wider_bucket_serves_a_batch_and_the_cheapest_is_chosen():
     assert cache.compatible_hits == 2
     assert key(4).describe() == {"batch": 4, "prefix_width": 448, "latent": [48, 9, 16, 18], "steps": 2,
                                  "cfg_steps": 2}
+
+
+def test_a_batch_without_a_large_enough_bucket_splits_over_smaller_ones():
+    """`split`: the largest captured bucket the requests left fill first, the last chunk padded up to the smallest
+    that holds it; only buckets that serve one request of the batch (wide enough, same sampler); None without any."""
+    cache = GraphCache(max_entries=8)
+    assert cache.split(key(3)) is None
+    cache.add(key(1, 512), entry())
+    assert cache.split(key(3)) == [(1, key(1, 512))] * 3
+    cache.add(key(2), entry())
+    cache.add(key(4, 384), entry())  # too narrow for a 448-wide batch
+    assert cache.split(key(7)) == [(2, key(2)), (2, key(2)), (2, key(2)), (1, key(1, 512))]
+    assert cache.split(key(3)) == [(2, key(2)), (1, key(1, 512))]
+    assert cache.split(key(3, 384)) == [(3, key(4, 384))]
+    assert cache.split(key(3, 600)) is None
+    assert cache.split(key(2, cfg=False)) is None  # another branch structure
+
+
+def test_keys_for_other_batch_sizes_and_counters_by_cause():
+    assert key(4).rows(2) == key(2) and key(1, 512).rows(8) == key(8, 512)
+    assert key(2, cfg=False).rows(4) == key(4, cfg=False)
+    cache = GraphCache(max_entries=4)
+    cache.add(key(1), CapturedGraph(cause="background", pool=("p", 1)))
+    cache.add(key(2), CapturedGraph(cause="warmup", pool=("p", 1)))
+    cache.count("split", 3)
+    stats = cache.stats()
+    assert stats["captures_by_cause"] == {"request": 0, "warmup": 1, "background": 1}
+    assert stats["requests"]["split"] == 3 and cache.pools() == {("p", 1)}

@@ -112,13 +112,27 @@ class EngineConfig:
     # unpadded uint8 content uploaded from pinned memory (`encode_canvases`); False: the host pads and the upload is
     # pageable, as before (the comparison rows "-host-canvas").
     canvas_on_device: bool = True
-    kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU)
+    kv_cache_size: int = 256  # Reasoner K/V entries kept (LRU) ...
+    # ... and their bytes (with their padded copies, kept as many again; 0: no byte bound): a memory plan's budget
+    kv_cache_bytes: int = 0
     graph_cache_size: int = 16  # captured buckets kept (LRU) ...
-    graph_cache_bytes: int = 0  # ... and the device memory their captures added (0: no byte bound)
+    graph_cache_bytes: int = 0  # ... and their static inputs' bytes (0: no byte bound; the pool and arena are shared)
     # With prompt_bucket: the widest prefix the deployment declares. Every batch's prefixes are padded to at
     # least this many tokens, so warm-up captures the graphs every shorter instruction (and every mix) replays;
     # a longer prompt widens its batch to its own bucket (a new graph). 0: the batch's own bucket.
     prompt_width: int = 0
+    # With prompt_bucket: more prefix widths graphs are captured at (rungs, with prompt_width): a batch pads to the
+    # narrowest rung that holds its longest prefix (its own bucket past the widest). A server declares the widest
+    # instruction it accepts as the last rung, so that every request has a graph.
+    prompt_widths: tuple[int, ...] = ()
+    # With prompt_bucket: the batch sizes graphs are captured at; a batch replays the smallest captured one with as
+    # many rows (spare rows hold copies of its last request). () : every batch size its own graph.
+    batch_ladder: tuple[int, ...] = ()
+    # A batch whose bucket has no graph (nor a compatible larger one): True = capture it now, on the request path
+    # (7-35 s at Nano); False = run it on replays of smaller captured buckets, or uncaptured and uncompiled, while
+    # a background thread captures the bucket (`graph_ladder.py`). Isolated requests and CFG-parallel ranks capture
+    # on the request path either way.
+    capture_on_request: bool = True
     # How padded prefix keys are kept out of the Generator attention (prompt buckets): "lse" = one unmasked
     # call over zero keys, then each output row rescaled by its log-sum-exp (a zero key adds exactly exp(0) = 1
     # to the softmax denominator and nothing to the numerator); "mask" = a masked kernel (H200, 4 steps: Edge
@@ -149,3 +163,14 @@ def check_config(config: EngineConfig) -> None:
         raise ValueError(f"prompt_bucket must be >= 0 tokens, got {config.prompt_bucket}")
     if config.prompt_bucket and not (config.reuse_reasoner and config.batch_cfg):
         raise ValueError("prompt_bucket needs reuse_reasoner=True and batch_cfg=True (the K/V-buffer loop)")
+    for name in ("prompt_widths", "batch_ladder"):
+        values = getattr(config, name)
+        if values and not config.prompt_bucket:
+            raise ValueError(f"{name} needs prompt_bucket > 0 (rungs are padded to), got {values}")
+        if any(not isinstance(v, int) or v < 1 for v in values):
+            raise ValueError(f"{name} entries must be integers >= 1, got {values}")
+    if any(w % max(config.prompt_bucket, 1) for w in config.prompt_widths):
+        raise ValueError(f"prompt_widths must be multiples of prompt_bucket {config.prompt_bucket}, "
+                         f"got {config.prompt_widths}")
+    if config.kv_cache_bytes < 0:
+        raise ValueError(f"kv_cache_bytes must be >= 0, got {config.kv_cache_bytes}")

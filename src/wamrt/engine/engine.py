@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Generator, Mapping
+from collections.abc import Collection, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -53,10 +54,11 @@ from ..pipeline.vae import FrameEncoder
 from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
 from .config import EngineConfig, check_config
 from .generator_pass import read_rows, run_to_end, select_requests
-from .graph_cache import GraphCache
+from .graph_cache import GraphCache, graph_pool_bytes
 from .graph_capture import GraphCapture
+from .graph_ladder import BackgroundCapture
 from .kv_buffers import BatchBranch, KVBufferArena, KVBuffers
-from .layer_path import CUBLASLT_WORKSPACE_ENV, build_layer_path, use_workspace_free_gemms
+from .layer_path import CUBLASLT_WORKSPACE_ENV, LayerPath, build_layer_path, use_workspace_free_gemms
 from .prefix_cache import PaddedPrefixes, ReasonerCache
 from .stage_clock import StageClock
 from .vae_encode import FirstFrameEncoder
@@ -67,7 +69,7 @@ ROPE_CACHE_SIZE = 64  # packing layouts (instruction length x geometry) whose Ge
 HOST_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))  # canvas threads of a batch (the rest: server, GPU)
 
 
-class Engine(GraphCapture):
+class Engine(GraphCapture, BackgroundCapture):
     def __init__(
         self,
         model: Cosmos3Transformer,
@@ -91,11 +93,13 @@ class Engine(GraphCapture):
         check_config(config)
         if config.attention == "fa4" and not fa4_available(self.device):
             raise ValueError("attention='fa4' needs flash-attn-4 installed and a Hopper or Blackwell GPU")
-        self.kv_cache = ReasonerCache(model, config.kv_cache_size)
-        self.padded_prefixes = PaddedPrefixes(config.kv_cache_size, self.device)  # prompt buckets
+        self.kv_cache = ReasonerCache(model, config.kv_cache_size, config.kv_cache_bytes)
+        self.padded_prefixes = PaddedPrefixes(config.kv_cache_size, self.device, config.kv_cache_bytes)  # buckets
         self.graphs = GraphCache(config.graph_cache_size, config.graph_cache_bytes)
         self._graph_pool = None  # shared by every captured graph (see _capture)
-        self._kinds_needed: set[bool] | None = None
+        self._capture_lock = threading.RLock()  # one capture at a time (warm-up, or the background thread)
+        self._local = threading.local()  # per thread: which layer path runs, the step kinds a loop needs
+        self._capture_worker = None  # graph_ladder.CaptureWorker, made when a bucket is first wanted
         self._seeds = np.random.default_rng(0)
         self._upcoming_seed = int(self._seeds.integers(0, 2**31))
         self._noise = GaussianPrefetcher()
@@ -110,6 +114,7 @@ class Engine(GraphCapture):
         path = build_layer_path(model, config, self.device)  # which kernels run each piece of a Generator pass
         self._embed, self._pre, self._post, self._finish, self._rescale = (path.embed, path.pre, path.post,
                                                                            path.finish, path.rescale)
+        self._eager_path: LayerPath | None = None  # the same pieces uncompiled (see uncompiled)
         self.head_epilogue, self.fp8_triton_gemms, self.fp8_fast_accum = (path.head_epilogue, path.fp8_triton_gemms,
                                                                           path.fp8_fast_accum)
         # what runs: "auto" resolved here, bucket_attention may fall back to "mask" (below)
@@ -129,7 +134,42 @@ class Engine(GraphCapture):
         # K/V buffers; those of captured graphs live in its arena, outside the graph pool (see _capture)
         self.kv_arena = KVBufferArena(model.config, self.device, layout=self.cfg_attention, grouped=self.gqa_buffers,
                                       backend=config.attention, bucket_attention=self.bucket_attention,
-                                      rescale=self._rescale, shared=config.shared_kv_buffer)
+                                      rescale=self._rescale_here, shared=config.shared_kv_buffer)
+
+    # Per-thread state: a background capture (graph_ladder) and the request path run the loop at once --------------
+    @property
+    def _kinds_needed(self) -> set[bool] | None:
+        """The step kinds (guided or not) the loop being built runs (`_step_batches` skips the others)."""
+        return getattr(self._local, "kinds_needed", None)
+
+    @_kinds_needed.setter
+    def _kinds_needed(self, value: set[bool] | None) -> None:
+        self._local.kinds_needed = value
+
+    @contextmanager
+    def uncompiled(self) -> Iterator[None]:
+        """Run this thread's Generator passes uncompiled: a request served while its bucket is captured elsewhere
+        would otherwise compile its new shape on the request path (the same function, other roundings)."""
+        if self._eager_path is None and self.config.compile:
+            self._eager_path = build_layer_path(self.model, replace(self.config, compile=False), self.device)
+        saved = getattr(self._local, "eager", False)
+        self._local.eager = self.config.compile
+        try:
+            yield
+        finally:
+            self._local.eager = saved
+
+    def _layer_pieces(self) -> tuple:
+        """(embed, pre, post, finish) this thread runs."""
+        if getattr(self._local, "eager", False):
+            p = self._eager_path
+            assert p is not None
+            return p.embed, p.pre, p.post, p.finish
+        return self._embed, self._pre, self._post, self._finish
+
+    def _rescale_here(self, *args: Any) -> torch.Tensor:
+        eager = getattr(self._local, "eager", False) and self._eager_path is not None
+        return (self._eager_path.rescale if eager else self._rescale)(*args)  # type: ignore[union-attr]
 
     @classmethod
     def from_policy(cls, policy: Policy, config: EngineConfig = EngineConfig()) -> Engine:
@@ -153,7 +193,10 @@ class Engine(GraphCapture):
         engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "compile_mode",
                                                        "cuda_graph", "prompt_bucket", "prompt_width",
                                                        "isolate_requests", "overlap_encode",
-                                                       "workspace_free_gemms", "last_layer_read_rows")}
+                                                       "workspace_free_gemms", "last_layer_read_rows",
+                                                       "shared_kv_buffer", "capture_on_request")}
+        engine["batch_ladder"] = list(self.config.batch_ladder)
+        engine["prompt_widths"] = self._width_rungs()
         engine["bucket_attention"] = self.bucket_attention  # the effective ones
         engine["cfg_attention"] = self.cfg_attention
         engine["head_epilogue"] = self.head_epilogue
@@ -166,8 +209,14 @@ class Engine(GraphCapture):
                 "gpu": device_name(self.device), "engine": engine}
 
     def graph_stats(self) -> dict[str, Any]:
-        """Captures, evictions, cache entries and bytes, capture seconds (the server's /metrics reads these)."""
-        return self.graphs.stats()
+        """Captures (by cause), evictions, cache entries and their static inputs' bytes, capture seconds, how requests
+        ran (`GraphCache.requests`), and the allocator's own size of the graph pool every graph shares, with the K/V
+        arena's (the server's /metrics reads these)."""
+        arena = self.kv_arena.arena
+        return {**self.graphs.stats(), "pool_bytes": graph_pool_bytes(self.device, self._graph_pool),
+                "pools": len(self.graphs.pools()),
+                "arena_bytes": 0 if arena is None else arena.numel() * arena.element_size(),
+                "capture": self.capture_progress()}
 
     def infer(self, observation: Mapping[str, Any], *, seed: int | None = None, **overrides: Any) -> ActionChunk:
         result = self.infer_batch([observation], seeds=[seed], **overrides)[0]
@@ -257,6 +306,22 @@ class Engine(GraphCapture):
             self._host_pool = ThreadPoolExecutor(max_workers=HOST_THREADS, thread_name_prefix="wamrt-prep")
         return list(self._host_pool.map(one, observations))
 
+    def warm_up_encoder(self, observation: Mapping[str, Any], batch_sizes: Collection[int]) -> None:
+        """Run the frame-0 encode at every batch size a server forms (on CUDA: capture its graph for each), so that
+        no request waits for one. A bad observation raises its RequestError."""
+        with torch.inference_mode():
+            for b in sorted(set(batch_sizes)):
+                hosts = self._host_inputs([observation] * b)
+                bad = next((h for h in hosts if isinstance(h, Exception)), None)
+                if bad is not None:
+                    raise bad
+                stream = self._encode_stream()
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    encode_canvases(self._canvas_encoder, [h.padded for h in hosts], self.device,  # type: ignore[union-attr]
+                                    self.config.vae_frames, pad_on_device=self.config.canvas_on_device)
+                if stream is not None:
+                    stream.synchronize()
+
     # ---------------------------------------------------------------------------------------------
     def _encode_stream(self) -> torch.cuda.Stream | None:
         """The side stream the VAE encode runs on (CUDA), made to start after the current stream's queued work."""
@@ -281,8 +346,10 @@ class Engine(GraphCapture):
         return ready
 
     def _sync(self) -> None:
+        # The current stream, not the device: the engine's work is queued there (the encode stream joins it), and a
+        # device-wide sync would wait for a background capture's warm-up runs too.
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _denoise(self, preps: list[PreparedDroid], opts: SamplingOptions):
         schedule = opts.make_schedule()
@@ -375,12 +442,19 @@ class Engine(GraphCapture):
         b = self.config.prompt_bucket
         return -(-tokens // b) * b if b else tokens
 
+    def _width_rungs(self) -> list[int]:
+        """The prefix widths graphs are captured at (prompt buckets): `prompt_widths`, and `prompt_width`."""
+        return sorted(set(self.config.prompt_widths) | ({self.config.prompt_width} if self.config.prompt_width
+                                                         else set()))
+
     def _pad_prefixes(self, conds: list[BatchBranch], unconds: list[BatchBranch], width: int | None = None
                       ) -> tuple[list[BatchBranch], list[BatchBranch]]:
-        """Every sequence's Reasoner K/V left-padded with zeros to one width (default: the batch's bucket), with
-        a key mask marking its real tokens (see PaddedPrefixes)."""
+        """Every sequence's Reasoner K/V left-padded with zeros to one width (default: the batch's bucket, raised to
+        the narrowest width rung that holds it), with a key mask marking its real tokens (see PaddedPrefixes)."""
         seqs = conds + unconds
-        width = width or max(self._padded_length(max(s.kv.length for s in seqs)), self.config.prompt_width)
+        if not width:
+            width = self._padded_length(max(s.kv.length for s in seqs))
+            width = min((w for w in self._width_rungs() if w >= width), default=width)
         out = [BatchBranch(s.request, self.padded_prefixes.get(s.kv, width), s.rope) for s in seqs]
         return out[: len(conds)], out[len(conds):]
 
@@ -432,14 +506,15 @@ class Engine(GraphCapture):
         conditioning frames) or "action" (the output's vision is None); see `EngineConfig.last_layer_read_rows`.
         A transfer batch with several controls attends in one pass per control (`control_attention` over `attn`'s
         `per_pass` op: a `kv_buffers.ControlPassAttention`)."""
-        g, update = self._embed(tok), None
+        embed, pre, post, finish = self._layer_pieces()
+        g, update = embed(tok), None
         last, out_tok, clean = len(self.model.layers) - 1, tok, 0
         controls = tok.control_segments(self.model.config.latent_patch_size)
         if controls is not None and controls.count < 2:
             controls = None  # one control: ordinary attention
         for index, layer in enumerate(self.model.layers):
             kbuf, vbuf = bufs.layer(index)
-            q, g = self._pre(layer, g, update, rope, kbuf, vbuf, bufs.start)
+            q, g = pre(layer, g, update, rope, kbuf, vbuf, bufs.start)
             if index == last and last_layer_rows != "all":
                 q, g, out_tok, clean = read_rows(q, g, tok, last_layer_rows, self.model.config.latent_patch_size,
                                                  clean_frames)
@@ -448,10 +523,10 @@ class Engine(GraphCapture):
                                       control_queries=out_tok.controls is not None)
             else:
                 o = attn(q, kbuf, vbuf, causal=False)
-            g, update = self._post(layer, g, o)
+            g, update = post(layer, g, o)
             if index in pause_after:
                 yield
-        out = self._finish(g, update, out_tok)
+        out = finish(g, update, out_tok)
         if clean:
             v = out.vision
             out = replace(out, vision=torch.cat([v.new_zeros(*v.shape[:2], clean, *v.shape[3:]), v], dim=2))

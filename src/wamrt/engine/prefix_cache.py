@@ -3,6 +3,7 @@ changes), padded once per prompt bucket, each entry's layers in one storage (`St
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -57,53 +58,84 @@ def copy_lists(dst: ReasonerKV, src: ReasonerKV) -> tuple[list[torch.Tensor], li
     return out, into
 
 
-class ReasonerCache:
+def kv_nbytes(kv: ReasonerKV) -> int:
+    storage = kv_storage(kv) if isinstance(kv, StackedKV) else None
+    if storage is not None:
+        return storage.numel() * storage.element_size()
+    return sum(t.numel() * t.element_size() for t in kv.keys + kv.values)
+
+
+class _BoundedLRU:
+    """An LRU bounded by entries and (when max_bytes > 0) by the bytes of its values; never evicts the newest.
+    Locked: a background capture pads prefixes while the request path looks them up."""
+
+    def __init__(self, size: int, max_bytes: int = 0) -> None:
+        self.size, self.max_bytes = size, max_bytes
+        self.entries: OrderedDict = OrderedDict()
+        self.nbytes = 0
+        self._lock = threading.Lock()
+
+    def _lookup(self, key):
+        with self._lock:
+            hit = self.entries.get(key)
+            if hit is not None:
+                self.entries.move_to_end(key)
+            return hit
+
+    def _insert(self, key, value, nbytes: int) -> None:
+        with self._lock:
+            old = self.entries.pop(key, None)
+            if old is not None:
+                self.nbytes -= old[1]
+            self.entries[key] = (value, nbytes)
+            self.nbytes += nbytes
+            while len(self.entries) > 1 and (len(self.entries) > self.size
+                                             or (self.max_bytes and self.nbytes > self.max_bytes)):
+                _, (_, dropped) = self.entries.popitem(last=False)
+                self.nbytes -= dropped
+
+
+class ReasonerCache(_BoundedLRU):
     """LRU of per-prompt Reasoner K/V. Text positions are 0..U-1 whatever the image geometry, so the
     token ids alone identify an entry."""
 
-    def __init__(self, model: Cosmos3Transformer, size: int) -> None:
-        self.model, self.size = model, size
-        self.entries: OrderedDict[tuple[int, ...], ReasonerKV] = OrderedDict()
+    def __init__(self, model: Cosmos3Transformer, size: int, max_bytes: int = 0) -> None:
+        super().__init__(size, max_bytes)
+        self.model = model
         self.hits = self.misses = 0
 
     def get(self, ids: torch.Tensor, positions: torch.Tensor, key: tuple[int, ...] | None = None) -> ReasonerKV:
         """The entry of ids [1, U]; `key`: the same ids as a host tuple, if the caller has them (no read-back)."""
         key = tuple(ids[0].tolist()) if key is None else key
-        kv = self.entries.get(key)
-        if kv is not None:
-            self.entries.move_to_end(key)
+        hit = self._lookup(key)
+        if hit is not None:
             self.hits += 1
-            return kv
+            return hit[0]
         self.misses += 1
         rope_und, _ = self.model.rope(positions).split(ids.shape[1])
         kv = StackedKV.of(self.model.prefill_reasoner(ids, rope_und))
-        self.entries[key] = kv
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
+        self._insert(key, kv, kv_nbytes(kv))
         return kv
 
 
-class PaddedPrefixes:
+class PaddedPrefixes(_BoundedLRU):
     """Left-zero-padded copies of cached Reasoner K/V per (entry, width), with the key mask of the real tokens:
     an episode repeating its instruction pads once, not on every request. Zeros, not garbage: a masked key's
     value still enters the kernel's arithmetic. The entry itself is kept to check identity (ids are reused)."""
 
-    def __init__(self, size: int, device: torch.device) -> None:
-        self.size, self.device = size, device
-        self.entries: OrderedDict[tuple[int, int], tuple[ReasonerKV, ReasonerKV]] = OrderedDict()
+    def __init__(self, size: int, device: torch.device, max_bytes: int = 0) -> None:
+        super().__init__(size, max_bytes)
+        self.device = device
 
     def get(self, kv: ReasonerKV, width: int) -> ReasonerKV:
         key = (id(kv), width)
-        hit = self.entries.get(key)
-        if hit is not None and hit[0] is kv:
-            self.entries.move_to_end(key)
-            return hit[1]
+        hit = self._lookup(key)
+        if hit is not None and hit[0][0] is kv:
+            return hit[0][1]
         pad = width - kv.length
         if pad < 0:
             raise ValueError(f"cannot pad a {kv.length}-token prefix to {width}")
         padded = StackedKV.over(torch.nn.functional.pad(kv_storage(kv), (0, 0, pad, 0)),
                                 key_mask=(torch.arange(width, device=self.device) >= pad)[None])
-        self.entries[key] = (kv, padded)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
+        self._insert(key, (kv, padded), kv_nbytes(padded))
         return padded

@@ -164,7 +164,8 @@ class FirstFrameEncoder(FrameEncoder):
                 static_in = x.clone()
                 graph = torch.cuda.CUDAGraph()
                 try:
-                    with torch.cuda.graph(graph, pool=self._pool):
+                    # thread-local: a background capture of the denoising loop may allocate meanwhile
+                    with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                         static_out = fn(static_in)
                 except RuntimeError as e:  # never a failed request: the same walk, launched kernel by kernel
                     self.capture = False

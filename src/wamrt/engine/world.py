@@ -38,7 +38,7 @@ from ..sampler import Anchor, DistilledPlan, cfg_combine, make_anchor
 from .config import EngineConfig
 from .engine import Engine
 from .generator_pass import run_to_end, select_requests
-from .graph_cache import CapturedGraph, CaptureTimer, GraphKey
+from .graph_cache import CapturedGraph, CaptureTimer, GraphKey, tensor_bytes
 from .graph_capture import clone_branch
 from .kv_buffers import BatchBranch
 from .prefix_cache import copy_lists
@@ -351,9 +351,10 @@ class WorldEngine(Engine):
         key = self._world_key(x_v, x_s, branches, spec)
         entry = self.graphs.get(key)
         if entry is None:
-            with CaptureTimer(self.device) as timer:
+            with CaptureTimer(self.device, self._graph_pool_handle()) as timer:
                 entry = self._capture_world(x_v, x_s, static, branches, spec, between=on_segment)
-            entry.seconds, entry.nbytes = timer.seconds, timer.nbytes
+            entry.seconds, entry.pool = timer.seconds, self._graph_pool
+            entry.nbytes = tensor_bytes(entry.inputs, entry.outputs)
             self.graphs.add(key, entry)
         ins = entry.inputs
         dst_tensors = [ins["x_v"], *ins["static"].values()]
@@ -417,8 +418,7 @@ class WorldEngine(Engine):
         any capture, with the device idle: a new shape's capture (5.9 s for Nano i2v at 12 segments a step) then
         holds policy requests up for its longest piece, the first warm-up step with its compile, not the whole.
         Other engines' work in those gaps stays out of this graph pool."""
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
+        pool = self._graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -437,7 +437,7 @@ class WorldEngine(Engine):
             pieces, graphs, finished = loop.pieces(i), [], False
             while not finished:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._graph_pool):
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     try:
                         next(pieces)
                     except StopIteration:
