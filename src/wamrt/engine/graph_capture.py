@@ -51,9 +51,9 @@ class LoopInputs:
         def pick(seqs: list[BatchBranch]) -> list[BatchBranch]:
             return [BatchBranch(s.request - start, s.kv, s.rope) for s in seqs if start <= s.request < stop]
 
-        return LoopInputs(self.x_v[start:stop], self.x_a[start:stop], {k: v[start:stop] for k, v in self.static.items()},
-                          pick(self.conds), pick(self.unconds), self.plan, self.timesteps, self.cfg_steps, self.opts,
-                          self.raw_dim)
+        static = {k: v[start:stop] for k, v in self.static.items()}
+        return LoopInputs(self.x_v[start:stop], self.x_a[start:stop], static, pick(self.conds), pick(self.unconds),
+                          self.plan, self.timesteps, self.cfg_steps, self.opts, self.raw_dim)
 
 
 class GraphCapture:
