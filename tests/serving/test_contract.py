@@ -45,9 +45,11 @@ def test_serve_defaults_match_the_issue() -> None:
     cfg = config_from_args(args)
     assert cfg.prompt_bucket == 32
     assert cfg.engine_settings("cuda:0") == {"attention": "cudnn", "epilogues": "inductor", "prompt_bucket": 32,
-                                             "prompt_width": 0, "isolate_requests": False}  # engine defaults else
+                                             "prompt_width": 0, "isolate_requests": False,
+                                             "capture_on_request": False}  # engine defaults else
     assert cfg.engine_settings("cpu") == {"attention": "auto", "compile": False, "cuda_graph": False,
-                                          "prompt_bucket": 32, "prompt_width": 0, "isolate_requests": False}
+                                          "prompt_bucket": 32, "prompt_width": 0, "isolate_requests": False,
+                                          "capture_on_request": False}
     invariant = config_from_args(build_parser().parse_args(["serve", "--max-batch", "16", "--batch-invariant"]))
     assert invariant.engine_settings("cuda:0")["isolate_requests"] is True  # every request computed alone
     assert (cfg.api_key, cfg.max_batch, cfg.max_wait_ms, cfg.max_queue, cfg.port) == ("k", 2, 1.5, 9, 8123)

@@ -137,7 +137,7 @@ def metrics_url(url: str) -> str:
 
 
 def scrape(url: str, api_key: str | None = None) -> dict[str, float]:
-    """The unlabelled samples of the server's /metrics page ({} when it cannot be read)."""
+    """The samples of the server's /metrics page, labelled ones under `name{labels}` ({} when it cannot be read)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         with urlopen(Request(metrics_url(url), headers=headers), timeout=10) as resp:  # noqa: S310  # loopback only
@@ -146,8 +146,8 @@ def scrape(url: str, api_key: str | None = None) -> dict[str, float]:
         return {}
     samples = {}
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name and not name.startswith("#") and "{" not in name:
+        name, _, value = line.rpartition(" ")
+        if name and not name.startswith("#"):
             try:
                 samples[name] = float(value)
             except ValueError:
@@ -155,16 +155,58 @@ def scrape(url: str, api_key: str | None = None) -> dict[str, float]:
     return samples
 
 
-def graph_captures(url: str, api_key: str | None = None) -> float | None:
-    """`wamrt_graph_captures_total` from the server's /metrics; None when it has none (the eager engine, a
-    server without graphs) or the page cannot be read."""
-    return scrape(url, api_key).get("wamrt_graph_captures_total")
-
-
 # Generation's share of the device during a row (GenerationWorker counters): it shows generation's progress even
 # when no job finishes inside the row (under saturating policy traffic it gets no device time, by design).
 GENERATION_COUNTERS = {"device_s": "wamrt_generation_device_seconds_total",
                        "segments": "wamrt_generation_segments_total"}
+
+
+# How the server ran the row's requests and what it held (the fast engine's /metrics); deltas over the row for the
+# counters, the end of the row for the gauges.
+SERVER_COUNTERS = {"requests_waited_on_capture": 'wamrt_graph_requests_total{path="waited"}',
+                   "requests_on_wider_graph": 'wamrt_graph_requests_total{path="wider"}',
+                   "requests_on_smaller_graphs": 'wamrt_graph_requests_total{path="split"}',
+                   "requests_eager_while_capturing": 'wamrt_graph_requests_total{path="eager"}',
+                   "requests_out_of_memory": "wamrt_out_of_memory_refused_total"}
+SERVER_GAUGES = {"peak_gpu_gib": "wamrt_gpu_memory_peak_reserved_bytes", "graph_pool_gib": "wamrt_graph_pool_bytes",
+                 "graph_arena_gib": "wamrt_graph_arena_bytes"}
+
+
+def server_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, name in SERVER_COUNTERS.items():
+        out[key] = int(after[name] - before.get(name, 0.0)) if name in after else None
+    for key, name in SERVER_GAUGES.items():
+        out[key] = round(after[name] / 2**30, 3) if name in after else None
+    return out
+
+
+def _get_json(url: str, path: str, api_key: str | None = None) -> dict[str, Any] | None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    parsed = urlparse(url)
+    try:
+        with urlopen(Request(f"{'https' if parsed.scheme == 'wss' else 'http'}://{parsed.netloc}{path}",  # noqa: S310
+                             headers=headers), timeout=10) as resp:
+            return json.loads(resp.read())
+    except OSError as exc:  # /readyz answers 503 while warming up: its body still says why
+        body = getattr(exc, "read", None)
+        try:
+            return json.loads(body()) if body else None
+        except (ValueError, OSError):
+            return None
+
+
+def wait_for_graphs(url: str, timeout: float, api_key: str | None = None) -> tuple[float, dict[str, Any] | None]:
+    """Wait until the server is ready and its background captures are done (at most `timeout` s). Returns the
+    seconds waited and the server's warm-up state (/readyz `warmup`; None from a server without one)."""
+    t0 = time.monotonic()
+    while True:
+        ready = _get_json(url, "/readyz", api_key) or {}
+        warmup = ready.get("warmup")
+        graphs = (warmup or {}).get("graphs") or {}
+        if ready.get("ready") and graphs.get("complete", True) or time.monotonic() - t0 >= timeout:
+            return round(time.monotonic() - t0, 1), warmup
+        time.sleep(1.0)
 
 
 def generation_counters(url: str, api_key: str | None = None) -> dict[str, float] | None:
@@ -177,7 +219,7 @@ def generation_counters(url: str, api_key: str | None = None) -> dict[str, float
 def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: int | None = None, warmup: int = 1,
              steps: int | None = None, api_key: str | None = None, obs: dict[str, Any] | None = None,
              prompts: list[str] | None = None, background: dict[str, Any] | None = None,
-             generation_warmup: int = 1) -> dict[str, Any]:
+             generation_warmup: int = 1, graph_wait: float = 600.0) -> dict[str, Any]:
     """Run the lanes and return the summary (the `kind: load` fields). `prompts`: the instructions the lanes
     cycle through (default: `obs`'s own); `requests`: measure this many (rounded up to whole rounds of the
     lanes) with `seconds` as the cap, else run for `seconds` (default 10). `background`: multipart fields of a
@@ -205,11 +247,15 @@ def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: in
     start = threading.Barrier(lanes + 1)
     threads = [threading.Thread(target=_lane, args=(url, api_key, plan, start, stop_at, s), daemon=True)
                for plan, s in zip(plans, stats, strict=True)]
+    waited, warm_state = wait_for_graphs(url, graph_wait, api_key) if graph_wait > 0 else (0.0, None)
+    meta = _get_json(url, "/v1/policy/metadata", api_key) or {}
+    plan = meta.get("memory_plan") or {}
     generation = None
     if background is not None:  # its warm-up runs alone, before the lanes' and before captures are counted
         generation = BackgroundGeneration(url, background, api_key)
         generation.warm_up(generation_warmup)
-    captures_before = graph_captures(url, api_key)  # before the lanes' warm-up: it counts too
+    before = scrape(url, api_key)  # before the lanes' warm-up: it counts too
+    captures_before = before.get("wamrt_graph_captures_total")
     for t in threads:
         t.start()
     try:
@@ -237,7 +283,8 @@ def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: in
             share = round(device_s / elapsed, 4) if elapsed > 0 else None
         background_summary = {**generation.summary(), "device_s": device_s, "segments": segments,
                               "device_share": share}
-    captures_after = graph_captures(url, api_key)
+    after = scrape(url, api_key)
+    captures_after = after.get("wamrt_graph_captures_total")
     lat = np.array([x for s in stats for x in s.latencies_ms])
     hist: Counter = sum((s.batch_sizes for s in stats), Counter())
     errors: Counter = sum((s.errors for s in stats), Counter())
@@ -257,6 +304,10 @@ def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: in
             "p50_ci95_ms": summarize(lat.tolist())["ci95_p50_ms"] if lat.size else None,  # bootstrap of the median
             "batch_hist": {str(k): v for k, v in sorted(hist.items())}, "distinct_prompts": len(observations),
             "prompt_lengths": lengths or None, "graph_captures_after_warmup": captured, "errors": dict(errors),
+            **server_deltas(before, after), "graph_wait_s": waited,
+            "warmup_s": (warm_state or {}).get("seconds"),
+            "graph_ladder_s": ((warm_state or {}).get("graphs") or {}).get("seconds"),
+            "gpu_memory_cap_gib": plan.get("gpu_memory_cap_gib"), "memory_plan_gib": plan.get("total_gib"),
             **({} if background_summary is None else {"background_generation": background_summary})}
 
 
@@ -298,7 +349,8 @@ def run(args: argparse.Namespace) -> int:
             check_baseline(baseline, args.model, args.prompts)
         summary = run_load(args.url, lanes=args.lanes, seconds=args.seconds, requests=args.requests,
                            warmup=args.warmup_requests, steps=args.steps, api_key=args.api_key, prompts=prompts,
-                           background=args.background_generation, generation_warmup=args.generation_warmup)
+                           background=args.background_generation, generation_warmup=args.generation_warmup,
+                           graph_wait=args.graph_wait)
     except (ValueError, OSError) as exc:
         print(f"wamrt bench load: {exc}", file=sys.stderr)
         return 2
@@ -307,8 +359,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"{summary['lanes']} lanes, {summary['seconds']:.1f} s: {summary['requests']} requests, "
           f"{summary['throughput_rps']:.2f} req/s, p50 {summary['p50_ms']} ms, p90 {summary['p90_ms']} ms, "
           f"p99 {summary['p99_ms']} ms; batch sizes {summary['batch_hist']}; prompt lengths "
-          f"{summary['prompt_lengths']}; graph captures after warm-up {summary['graph_captures_after_warmup']}; "
-          f"errors {summary['errors']}")
+          f"{summary['prompt_lengths']}; graph captures after warm-up {summary['graph_captures_after_warmup']}, "
+          f"requests that waited on a capture {summary['requests_waited_on_capture']}, on a wider graph "
+          f"{summary['requests_on_wider_graph']}, on smaller graphs {summary['requests_on_smaller_graphs']}, "
+          f"uncaptured {summary['requests_eager_while_capturing']}; peak GPU {summary['peak_gpu_gib']} GiB (cap "
+          f"{summary['gpu_memory_cap_gib']}); server warm-up {summary['warmup_s']} s; errors {summary['errors']}")
     gen = summary.get("background_generation")
     if gen is not None:
         print(f"background generation: {gen['jobs_completed']} jobs done, {gen['jobs_failed']} failed, "

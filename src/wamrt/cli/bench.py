@@ -205,7 +205,11 @@ def _load(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prompts", default="fixed", metavar="|".join(PROMPT_SETS) + "|FILE",
                     help="instructions the lanes cycle through, each lane from its own offset: fixed = the sample "
                          "instruction; mixed = twelve built-in robot instructions of different token lengths; "
-                         "FILE = one instruction per line")
+                         "fleet = nine of 1 to 254 tokens; FILE = one instruction per line")
+    ap.add_argument("--graph-wait", type=float, default=600.0, metavar="SECONDS",
+                    help="before the row, wait (at most this long) until the server's background CUDA-graph captures "
+                         "are done (its /readyz says so), so that the row measures the server's steady state; 0: "
+                         "measure at once")
     ap.add_argument("--warmup-requests", type=int, default=1, metavar="N",
                     help="unmeasured requests per lane first; with several prompts (and N >= 1) the lanes also send "
                          "every prompt once between them, so no measured request pays a first prefill")

@@ -14,6 +14,7 @@ MAX_GENERATION_JOBS = 4
 GENERATION_STEP_SEGMENTS = 12
 PROMPT_BUCKET = 64
 PARALLEL_CHOICES = ("none", "cfg", "tp", "ulysses", "cfg,ulysses")  # "none" + parallel.launch.MODES
+MAX_PROMPT_TOKENS = 384  # serving.config.ServeConfig.max_prompt_tokens
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -26,7 +27,21 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--port", type=int, default=8000, help="TCP port of HTTP and the websocket")
     ap.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' or 'Api-Key' (probes stay open)")
-    ap.add_argument("--max-batch", type=int, default=8, help="requests per infer_batch call")
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="requests per infer_batch call (default: on a GPU the largest of 8, 4, 2, 1 the memory plan "
+                         "fits; else 8)")
+    ap.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                    help="device memory to plan into and hold to (default: the device's); below it the allocator is "
+                         "capped there, as on a smaller card. The plan is made before the weights load and a part "
+                         "that does not fit fails startup, naming what to change; see docs/deployment.md")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="print the memory plan (or the part that does not fit) and exit, loading nothing")
+    ap.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS, metavar="TOKENS",
+                    help="the longest instruction accepted, in tokens (longer: invalid_request naming prompt); graphs "
+                         f"are captured for instructions up to this long (default {MAX_PROMPT_TOKENS}; 0: no limit)")
+    ap.add_argument("--capture-on-request", action="store_true",
+                    help="a batch whose CUDA graph is missing waits for its capture (7-35 s at Nano) instead of "
+                         "running on other graphs or uncaptured while it is captured in the background")
     ap.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for companions")
     ap.add_argument("--max-queue", type=int, default=64, help="waiting requests before 'busy' (HTTP 429)")
     ap.add_argument("--max-frame-mb", type=float, default=64.0, help="largest websocket frame / HTTP body, MiB")
@@ -35,9 +50,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shift", type=float, default=None, help="flow shift of the sampler (default: the policy's)")
     ap.add_argument("--guidance-interval", type=int, nargs=2, metavar=("LO", "HI"), default=None,
                     help="apply CFG only on steps LO..HI (default: every step)")
-    ap.add_argument("--max-video-pixels", type=int, default=MAX_VIDEO_PIXELS, metavar="N",
-                    help="world generation: largest width x height x frames (x images) of one job "
-                         f"(default {MAX_VIDEO_PIXELS} = 1280x720 x 189 frames); larger ones get 400")
+    ap.add_argument("--max-video-pixels", type=int, default=None, metavar="N",
+                    help="world generation: largest width x height x frames (x images) of one job; larger ones get "
+                         "400 (default: on a GPU the most the memory plan fits, else "
+                         f"{MAX_VIDEO_PIXELS} = 1280x720 x 189 frames)")
     ap.add_argument("--max-generation-jobs", type=int, default=MAX_GENERATION_JOBS, metavar="N",
                     help="world-generation jobs queued or running at once (their own queue; over it: busy, 429)")
     ap.add_argument("--generation-step-segments", type=int, default=GENERATION_STEP_SEGMENTS, metavar="N",

@@ -133,6 +133,9 @@ class EngineConfig:
     # a background thread captures the bucket (`graph_ladder.py`). Isolated requests and CFG-parallel ranks capture
     # on the request path either way.
     capture_on_request: bool = True
+    # A request whose caption (the instruction with the template around it) has more tokens is refused with a
+    # RequestError naming `prompt`, before its Reasoner prefill (0: no limit). A server sets it to its widest rung.
+    max_prompt_tokens: int = 0
     # How padded prefix keys are kept out of the Generator attention (prompt buckets): "lse" = one unmasked
     # call over zero keys, then each output row rescaled by its log-sum-exp (a zero key adds exactly exp(0) = 1
     # to the softmax denominator and nothing to the numerator); "mask" = a masked kernel (H200, 4 steps: Edge
@@ -172,5 +175,7 @@ def check_config(config: EngineConfig) -> None:
     if any(w % max(config.prompt_bucket, 1) for w in config.prompt_widths):
         raise ValueError(f"prompt_widths must be multiples of prompt_bucket {config.prompt_bucket}, "
                          f"got {config.prompt_widths}")
+    if config.max_prompt_tokens < 0:
+        raise ValueError(f"max_prompt_tokens must be >= 0, got {config.max_prompt_tokens}")
     if config.kv_cache_bytes < 0:
         raise ValueError(f"kv_cache_bytes must be >= 0, got {config.kv_cache_bytes}")

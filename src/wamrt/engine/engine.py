@@ -54,7 +54,7 @@ from ..pipeline.vae import FrameEncoder
 from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
 from .config import EngineConfig, check_config
 from .generator_pass import read_rows, run_to_end, select_requests
-from .graph_cache import GraphCache, graph_pool_bytes
+from .graph_cache import GraphCache, device_memory_stats, graph_pool_bytes
 from .graph_capture import GraphCapture
 from .graph_ladder import BackgroundCapture
 from .kv_buffers import BatchBranch, KVBufferArena, KVBuffers
@@ -100,6 +100,7 @@ class Engine(GraphCapture, BackgroundCapture):
         self._capture_lock = threading.RLock()  # one capture at a time (warm-up, or the background thread)
         self._local = threading.local()  # per thread: which layer path runs, the step kinds a loop needs
         self._capture_worker = None  # graph_ladder.CaptureWorker, made when a bucket is first wanted
+        self.out_of_memory = {"retried": 0, "refused": 0}  # requests rerun alone after an OOM / answered with it
         self._seeds = np.random.default_rng(0)
         self._upcoming_seed = int(self._seeds.integers(0, 2**31))
         self._noise = GaussianPrefetcher()
@@ -216,7 +217,8 @@ class Engine(GraphCapture, BackgroundCapture):
         return {**self.graphs.stats(), "pool_bytes": graph_pool_bytes(self.device, self._graph_pool),
                 "pools": len(self.graphs.pools()),
                 "arena_bytes": 0 if arena is None else arena.numel() * arena.element_size(),
-                "capture": self.capture_progress()}
+                "capture": self.capture_progress(), "out_of_memory": dict(self.out_of_memory),
+                "device": device_memory_stats(self.device)}
 
     def infer(self, observation: Mapping[str, Any], *, seed: int | None = None, **overrides: Any) -> ActionChunk:
         result = self.infer_batch([observation], seeds=[seed], **overrides)[0]
@@ -255,10 +257,15 @@ class Engine(GraphCapture, BackgroundCapture):
                 if not self.config.overlap_encode:
                     self._sync()
                 for i, latent0 in zip(group, latents, strict=True):
-                    prep = finish_droid(hosts[i], latent0, model=self.model, encoder=self.encoder,
-                                        tokenizer=self.tokenizer, contract=self.contract, seed=seeds[i],
-                                        device=self.device, noise=self._noise,
-                                        latent_ready=self._after_encode(encode_stream, latent0))
+                    try:
+                        prep = finish_droid(hosts[i], latent0, model=self.model, encoder=self.encoder,
+                                            tokenizer=self.tokenizer, contract=self.contract, seed=seeds[i],
+                                            device=self.device, noise=self._noise,
+                                            latent_ready=self._after_encode(encode_stream, latent0),
+                                            max_prompt_tokens=self.config.max_prompt_tokens)
+                    except RequestError as e:  # an instruction over the limit: its slot only
+                        results[i] = e
+                        continue
                     group_of[i] = g  # its time is known once the device is synchronized (after the denoise)
                     prepared.append((i, prep))
                     self._noise_shape = tuple(prep.inputs.vision.shape)
@@ -268,13 +275,16 @@ class Engine(GraphCapture, BackgroundCapture):
             batches = [[ip] for ip in prepared] if self.config.isolate_requests else [prepared] if prepared else []
             encode_ms: dict[str, float] = {}
             for batch in batches:
-                finals, timings = self._denoise([p for _, p in batch], opts)
+                finals, timings = self._denoise_guarded([p for _, p in batch], opts)
                 encode_ms = encode_ms or clock.ms()  # every encode's events are done: _denoise synchronized
                 for i, prep in batch:
                     prep.timings_ms["vae_encode"] = encode_ms[f"vae_encode{group_of[i]}"]
                 t0 = time.perf_counter()
-                for (i, prep), (xv, xa) in zip(batch, finals, strict=True):
-                    actions = droid_actions(DenoiseResult(xv, xa), self.contract, prep.state)
+                for (i, prep), final in zip(batch, finals, strict=True):
+                    if isinstance(final, BaseException):  # out of device memory even alone
+                        results[i] = final
+                        continue
+                    actions = droid_actions(DenoiseResult(*final), self.contract, prep.state)
                     if not np.isfinite(actions).all():
                         results[i] = FloatingPointError("the model produced non-finite actions")
                         continue
@@ -344,6 +354,38 @@ class Engine(GraphCapture, BackgroundCapture):
             latent.record_stream(current)
 
         return ready
+
+    def _denoise_guarded(self, preps: list[PreparedDroid], opts: SamplingOptions):
+        """`_denoise`, an out-of-memory never the batch's end: the cached blocks released, the batch runs again one
+        request at a time (each on its own graph, or uncaptured), and a request that still does not fit gets the
+        error in its slot (a server answers it with a typed 503) while the others get their actions."""
+        try:
+            return self._denoise(preps, opts)
+        except torch.OutOfMemoryError as exc:
+            self._release_memory()
+            log.warning("out of device memory in a batch of %d (%s): running its requests one at a time", len(preps),
+                        str(exc).splitlines()[0][:200])
+            if len(preps) == 1:
+                self.out_of_memory["refused"] += 1
+                return [exc], {}
+        self.out_of_memory["retried"] += len(preps)
+        finals: list = []
+        timings: dict[str, float] = {}
+        for prep in preps:
+            try:
+                one, timings = self._denoise([prep], opts)
+                finals += one
+            except torch.OutOfMemoryError as exc:
+                self._release_memory()
+                self.out_of_memory["refused"] += 1
+                finals.append(exc)
+        return finals, timings
+
+    def _release_memory(self) -> None:
+        """Hand the caching allocator's unused blocks back (graph pools and live tensors stay)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.empty_cache()
 
     def _sync(self) -> None:
         # The current stream, not the device: the engine's work is queued there (the encode stream joins it), and a

@@ -219,6 +219,14 @@ def graph_pool_bytes(device: torch.device, pool: Any) -> int:
                if s.get("device") == (device.index or 0) and tuple(s.get("segment_pool_id", ())) == want)
 
 
+def device_memory_stats(device: torch.device) -> dict[str, int]:
+    """The caching allocator's reserved, allocated and peak reserved bytes on `device` ({} on the CPU)."""
+    if device.type != "cuda":
+        return {}
+    return {"reserved": int(torch.cuda.memory_reserved(device)), "allocated": int(torch.cuda.memory_allocated(device)),
+            "peak_reserved": int(torch.cuda.max_memory_reserved(device))}
+
+
 class CaptureTimer:
     """Wall time of one capture, and how much the graph pool grew."""
 

@@ -30,7 +30,10 @@ CUDA_CONTEXT_BYTES = 1 * GIB  # context, cuBLAS / cuDNN handles and workspaces, 
 DEFAULT_LADDER = (1, 2, 4, 8)  # batch sizes captured; a batch pads up to the next one
 IMAGE_TOKENS_PER_PIXEL = 1 / 1024  # a single frame: 16 x 16 VAE pixels per latent, 2 x 2 latents per token
 VAE_ENCODE_BYTES_PER_PIXEL = 1024  # first-frame encode: 160 channels at full resolution, bf16, ~3 alive at once
-VAE_DECODE_BYTES_PER_PIXEL = 6144  # decode of one latent frame: 4 frames x 256 channels, bf16, ~3 alive at once
+# The decode's peak per pixel of its largest frame: 256 channels at full resolution, bf16, ~3 alive at once. (A video
+# decodes a latent frame into 4 frames at a time, but has 4k + 1 frames: per pixel of the job it is no worse.)
+VAE_DECODE_BYTES_PER_PIXEL = 1536
+HEADROOM = 0.03  # of the capacity, never planned: allocator fragmentation and the estimates' error
 MAX_GENERATION_SIDE_PIXELS = 8192 * 8192  # the largest frame a generation request may ask for (16..8192 a side)
 
 
@@ -154,11 +157,13 @@ def policy_parts(model: ModelMemory, serving: ServingMemory, max_batch: int) -> 
     eager = 2 * g * eager_row_elements(cfg) * db + arena(1)
     return [
         Part("cuda_context", CUDA_CONTEXT_BYTES, "CUDA context, library handles and workspaces, kernels",
-             "a larger card"),
+             "the card (--gpu-memory)"),
+        Part("headroom", 0, f"{HEADROOM:.0%} of the capacity: fragmentation and the estimates' error",
+             "the card (--gpu-memory)"),
         Part("weights", model.transformer_bytes + model.vae_bytes,
              f"transformer {model.transformer_bytes / GIB:.1f} GiB ({model.recipe or 'bf16'}), "
-             f"VAE {model.vae_bytes / GIB:.1f} GiB", "a smaller recipe (wamrt quantize --recipe gen-fp8+reasoner-w8) "
-                                                       "or a larger card"),
+             f"VAE {model.vae_bytes / GIB:.1f} GiB", "the recipe (wamrt quantize --recipe gen-fp8+reasoner-w8: "
+                                                       "--model the artifact) or the card"),
         Part("prefix_cache", serving.prefix_cache_bytes, "Reasoner K/V of recent prompts and their padded copies",
              "--max-prompt-tokens"),
         Part("step_kv_arena", arena(max_batch), f"K/V step buffers of a batch of {max_batch} at width {width}"
@@ -201,66 +206,59 @@ def _largest_pixels(model: ModelMemory, budget: int) -> int:
 
 
 def plan_serving(model: ModelMemory, serving: ServingMemory, *, capacity: int, device_total: int = 0) -> MemoryPlan:
-    """The plan for `serving` on `capacity` bytes: the largest ladder batch that fits when `max_batch` is None, then
-    the largest generation job in what is left when `max_video_pixels` is None. Raises `MemoryPlanError` naming
-    the first part that does not fit (in the order above) and what to change."""
+    """The plan for `serving` on `capacity` bytes: the largest ladder batch that fits (with a generation job of
+    `max_video_pixels`, when given) when `max_batch` is None, then the largest generation job in what is left when
+    `max_video_pixels` is None. Raises `MemoryPlanError` naming the first part that does not fit (in the order
+    above) and what to change."""
+    generation = model.generation and serving.generation_jobs
+    pixels = serving.max_video_pixels if generation else None
 
-    def fits(parts: list[Part]) -> bool:
-        return sum(p.nbytes for p in parts) <= capacity
-
-    if serving.max_batch is not None:
-        batches = [serving.max_batch]
-    else:
-        batches = sorted({b for b in serving.ladder}, reverse=True)
-    chosen = None
-    for batch in batches:
+    def parts_for(batch: int) -> list[Part]:
         parts = policy_parts(model, serving, batch)
-        if fits(parts):
-            chosen = batch, parts
-            break
-    if chosen is None:
-        _refuse(policy_parts(model, serving, batches[-1]), capacity, explicit_batch=serving.max_batch)
-    batch, parts = chosen  # type: ignore[misc]
+        parts[1] = replace(parts[1], nbytes=int(HEADROOM * capacity))
+        if pixels is not None:
+            parts.append(Part("generation", generation_bytes(model, pixels), f"a world-generation job of up to "
+                              f"{pixels} pixels (worst shape: one frame of them)", "--max-video-pixels"))
+        return parts
+
+    batches = [serving.max_batch] if serving.max_batch is not None else sorted(set(serving.ladder), reverse=True)
+    parts = next((p for p in map(parts_for, batches) if sum(q.nbytes for q in p) <= capacity), None)
+    if parts is None:
+        _refuse(parts_for(batches[-1]), capacity, explicit_batch=serving.max_batch, model=model)
+    assert parts is not None
+    batch = batches[0] if serving.max_batch is not None else max(b for b in batches if parts_for(b) == parts)
+    if generation and pixels is None:
+        left = capacity - sum(p.nbytes for p in parts)
+        pixels = _largest_pixels(model, left)
+        if pixels == 0:
+            raise MemoryPlanError(f"world generation does not fit: {left / GIB:.1f} GiB are left after the policy "
+                                  f"parts ({sum(p.nbytes for p in parts) / GIB:.1f} of {capacity / GIB:.1f} GiB); "
+                                  "lower --max-batch", part="generation", flag="--max-batch")
+        parts.append(Part("generation", generation_bytes(model, pixels), f"a world-generation job of up to {pixels} "
+                          "pixels (worst shape: one frame of them)", "--max-video-pixels"))
     settings: dict[str, Any] = {"max_batch": batch, "ladder": list(ladder_for(batch, serving.ladder)),
                                 "widths": list(serving.widths), "recipe": model.recipe,
-                                "shared_kv_buffer": serving.shared_kv_buffer}
-    if model.generation and serving.generation_jobs:
-        left = capacity - sum(p.nbytes for p in parts)
-        pixels = serving.max_video_pixels
-        if pixels is None:
-            pixels = _largest_pixels(model, left)
-            if pixels == 0:
-                raise MemoryPlanError(f"world generation does not fit: {left / GIB:.1f} GiB are left after the policy "
-                                      f"parts ({sum(p.nbytes for p in parts) / GIB:.1f} of {capacity / GIB:.1f} GiB); "
-                                      "lower --max-batch or give --gpu-memory more", part="generation",
-                                      flag="--max-batch")
-        need = generation_bytes(model, pixels)
-        parts.append(Part("generation", need, f"a world-generation job of up to {pixels} pixels (worst shape: one "
-                                              "frame of them)", "--max-video-pixels"))
-        if not fits(parts):
-            most = _largest_pixels(model, left)
-            raise MemoryPlanError(f"generation ({need / GIB:.1f} GiB for --max-video-pixels {pixels}) does not fit "
-                                  f"the {left / GIB:.1f} GiB left after the policy parts; --max-video-pixels "
-                                  f"{most} fits" if most else "; lower --max-batch", part="generation",
-                                  flag="--max-video-pixels")
-        settings["max_video_pixels"] = pixels
+                                "shared_kv_buffer": serving.shared_kv_buffer, "max_video_pixels": pixels}
     return MemoryPlan(capacity, device_total, parts, settings)
 
 
-def _refuse(parts: list[Part], capacity: int, *, explicit_batch: int | None) -> None:
-    """Raise for the first part that takes the total past `capacity`."""
+def _refuse(parts: list[Part], capacity: int, *, explicit_batch: int | None, model: ModelMemory) -> None:
+    """Raise for the first part that takes the total past `capacity`, naming what to change."""
     total = 0
     for p in parts:
         if total + p.nbytes > capacity:
             left = max(capacity - total, 0)
-            batch = f" (--max-batch {explicit_batch})" if explicit_batch and p.knob == "--max-batch" else ""
+            knob = p.knob
+            if knob == "--max-batch":
+                knob = (f"--max-batch (asked: {explicit_batch}; 1 is the least)" if explicit_batch
+                        else "the recipe (wamrt quantize --recipe gen-fp8+reasoner-w8) or --max-prompt-tokens: "
+                             "--max-batch 1 does not fit either")
+            elif p.name == "generation":
+                most = _largest_pixels(model, left)
+                knob = f"--max-video-pixels ({most} fits)" if most else "--max-video-pixels, or --max-batch"
             raise MemoryPlanError(
-                f"{p.name} ({p.nbytes / GIB:.1f} GiB: {p.detail}){batch} does not fit the {left / GIB:.1f} GiB left "
-                f"of {capacity / GIB:.1f} GiB after {', '.join(q.name for q in parts[: parts.index(p)]) or 'nothing'}"
-                f"; change {p.knob}", part=p.name, flag=p.knob.split()[0] if p.knob.startswith("--") else "--model")
+                f"{p.name} ({p.nbytes / GIB:.1f} GiB: {p.detail}) does not fit the {left / GIB:.1f} GiB left of "
+                f"{capacity / GIB:.1f} GiB after {', '.join(q.name for q in parts[: parts.index(p)] if q.nbytes)}; "
+                f"change {knob}", part=p.name, flag=knob.split()[0] if knob.startswith("--") else "--model")
         total += p.nbytes
     raise AssertionError("_refuse called on a plan that fits")
-
-
-def with_capacity(plan: MemoryPlan, capacity: int) -> MemoryPlan:
-    return replace(plan, capacity=capacity)

@@ -27,6 +27,7 @@ from ..model import (
 )
 from .canvas import PaddedCanvas, compose_droid_canvas, pad_to_bucket, pad_unit_pixels
 from .denoise import Branch, DenoiseInputs, DenoiseResult, SamplingOptions, denoise
+from .errors import RequestError
 from .noise import GaussianPrefetcher, initial_action, state_row_from_observation, vision_noise
 from .normalization import ActionNormalization
 from .observation import PROMPT, check_observation
@@ -192,11 +193,13 @@ def finish_droid(
     device: torch.device,
     noise: GaussianPrefetcher | None = None,
     latent_ready: Callable[[], None] | None = None,
+    max_prompt_tokens: int = 0,
 ) -> PreparedDroid:
     """Prompt, tokens, noise and positions of one request around its frame-0 latent. `latent_ready`, if given, is
     called just before latent0 is first read on the current stream (after every host-to-device copy here): an
     engine that encodes on a side stream makes the current stream wait for it there, so the copies above -- from
-    pageable memory, which waits for the stream's queued work -- do not wait for the encode."""
+    pageable memory, which waits for the stream's queued work -- do not wait for the encode. `max_prompt_tokens`
+    (> 0): a caption of more tokens is a RequestError naming `prompt`, before any device work of its own."""
     timings = dict(host.timings_ms)
     canvas_h, canvas_w, _, _ = host.padded.image_size
     lat_h, lat_w = latent0.shape[-2:]
@@ -204,6 +207,10 @@ def finish_droid(
     prompt = droid_prompt(host.instruction, json_format=contract.prompt_format == "json",
                           canvas_hw=(canvas_h, canvas_w))
     cond_ids = tokenizer.encode(prompt).text_ids
+    if max_prompt_tokens and len(cond_ids) > max_prompt_tokens:
+        raise RequestError(f"{len(cond_ids)} tokens with the caption around the instruction, over this server's "
+                           f"{max_prompt_tokens} (wamrt serve --max-prompt-tokens counts the instruction's)",
+                           field="prompt")
     uncond_ids = tokenizer.encode("").text_ids
     timings["tokenize"] = 1e3 * (time.perf_counter() - t0)
 

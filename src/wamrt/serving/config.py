@@ -49,6 +49,23 @@ class ServeConfig:
     # EngineConfig.prompt_width: every batch's prefixes padded to at least this many tokens, so the warm-up
     # batches run at this width and capture the graphs every shorter instruction (and any mix) replays.
     prompt_width: int = 0
+    # The longest instruction accepted, in tokens of the served tokenizer (0: no limit); a longer one gets
+    # invalid_request naming `prompt`, counted before any device work. `wamrt serve` captures its graphs at two
+    # prefix widths (EngineConfig.prompt_widths): the caption around an instruction of 128 tokens and around one of
+    # this many (`startup.prompt_rungs`), so every accepted instruction has a graph.
+    max_prompt_tokens: int = 384
+    # Filled in by `wamrt serve` from the memory plan and the tokenizer (empty: the engine's defaults): the batch sizes
+    # graphs are captured at, the prefix width rungs, the prefix tokens accepted, the prefix caches' byte budget.
+    batch_ladder: tuple[int, ...] = ()
+    prompt_widths: tuple[int, ...] = ()
+    max_prefix_tokens: int = 0
+    kv_cache_bytes: int = 0
+    # A batch whose graph is missing runs on other graphs or uncaptured while a background thread captures it
+    # (EngineConfig.capture_on_request=False); True: it waits for the capture (--capture-on-request).
+    capture_on_request: bool = False
+    # Device memory the server plans into and holds to (GiB; None: the device's). Below the device's memory the
+    # allocator is capped there (torch.cuda.set_per_process_memory_fraction), as on a smaller card.
+    gpu_memory_gib: float | None = None
     batch_invariant: bool = False  # every request computed alone (EngineConfig.isolate_requests): bit-exact replays
     # The fast engine's kernels on CUDA (EngineConfig.attention / .epilogues). The fastest exact configuration measured
     # on the H200 is attention "fa4" + epilogues "quack" (both from the optional wamrt[kernels]; README, issue 14); the
@@ -109,6 +126,10 @@ class ServeConfig:
             up = -(-self.prompt_width // self.prompt_bucket) * self.prompt_bucket
             raise ServeConfigError(f"{self.prompt_width} is not a multiple of --prompt-bucket {self.prompt_bucket} "
                                    f"(a prefix is padded to whole buckets; use {up})", flag="--prompt-width")
+        if self.max_prompt_tokens < 0:
+            raise ServeConfigError(f"must be >= 0 tokens, got {self.max_prompt_tokens}", flag="--max-prompt-tokens")
+        if self.gpu_memory_gib is not None and not 0 < self.gpu_memory_gib <= 4096:
+            raise ServeConfigError(f"must be in (0, 4096] GiB, got {self.gpu_memory_gib}", flag="--gpu-memory")
         if self.attention not in ATTENTION_CHOICES:
             raise ServeConfigError(f"must be one of {', '.join(ATTENTION_CHOICES)}, got {self.attention!r}",
                                    flag="--attention")
@@ -143,8 +164,14 @@ class ServeConfig:
                 if value != default:
                     raise ServeConfigError(f"{value} runs on a CUDA GPU only (this engine is on {device})", flag=flag)
             base = dict(attention="auto", compile=False, cuda_graph=False)
-        return {**base, "prompt_bucket": self.prompt_bucket, "prompt_width": self.prompt_width,
-                "isolate_requests": self.batch_invariant}
+        out = {**base, "prompt_bucket": self.prompt_bucket, "prompt_width": self.prompt_width,
+               "isolate_requests": self.batch_invariant, "capture_on_request": self.capture_on_request}
+        # what `wamrt serve` planned (left to the engine's defaults when nothing was)
+        for name, value in (("batch_ladder", self.batch_ladder), ("prompt_widths", self.prompt_widths),
+                            ("max_prompt_tokens", self.max_prefix_tokens), ("kv_cache_bytes", self.kv_cache_bytes)):
+            if value:
+                out[name] = value
+        return out
 
     def sampler_defaults(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

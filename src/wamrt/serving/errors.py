@@ -87,6 +87,12 @@ class Cancelled(ServingError):
     code, status = "cancelled", 499
 
 
+class OutOfMemory(ServingError):
+    """The device ran out of memory for this request, even run alone: retry later (the server keeps serving)."""
+
+    code, status = "out_of_memory", 503
+
+
 def as_serving_error(exc: BaseException) -> ServingError:
     """Map any failure to a typed error; internals never leak a traceback to the client."""
     if isinstance(exc, ServingError):
@@ -95,4 +101,7 @@ def as_serving_error(exc: BaseException) -> ServingError:
         return InvalidRequest(str(exc), field=exc.field)
     if isinstance(exc, FloatingPointError):
         return ServingError("the model produced non-finite actions")
+    if type(exc).__name__ == "OutOfMemoryError":  # torch's (not imported here: the serving package loads without it)
+        return OutOfMemory("the GPU ran out of memory for this request; retry, or lower the load (--max-batch, "
+                           "--gpu-memory's plan)")
     return ServingError(f"internal inference error ({type(exc).__name__})")

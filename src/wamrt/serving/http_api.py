@@ -131,7 +131,7 @@ async def healthz(request: Request) -> Response:
 
 async def readyz(request: Request) -> Response:
     s = service_of(request)
-    body = {"ready": s.ready, "queue_depth": s.batcher.depth if s.batcher else 0}
+    body = {"ready": s.ready, "queue_depth": s.batcher.depth if s.batcher else 0, "warmup": s.warmup_state()}
     if s.warmup_error:
         body["error"] = s.warmup_error
     return JSONResponse(body, status_code=200 if s.ready else 503)

@@ -80,8 +80,10 @@ class Metrics:
 
 
 class _GraphCollector:
-    """wamrt_graph_captures_total, wamrt_graph_evictions_total, wamrt_graph_cache_entries / _bytes and the
-    wamrt_graph_capture_seconds histogram, from the engine's own counters (it owns the truth; no double books)."""
+    """The engine's CUDA graphs, from its own counters (it owns the truth; no double books): captures (in all, and by
+    cause), evictions, entries, how requests ran (wamrt_graph_requests_total{path}), the background captures'
+    progress, device memory (the graph pool as the allocator reports it, the K/V arena, the static inputs; the
+    allocator's peak) and the wamrt_graph_capture_seconds histogram."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.stats = stats
@@ -89,10 +91,40 @@ class _GraphCollector:
     def collect(self):
         s = self.stats()
         yield CounterMetricFamily("wamrt_graph_captures", "CUDA graphs captured, warm-up included", value=s["captures"])
+        by_cause = CounterMetricFamily("wamrt_graph_captures_by_cause", "CUDA graphs captured: on the request path "
+                                       "(a request waited), in warm-up, or in the background", labels=["cause"])
+        for cause, n in (s.get("captures_by_cause") or {}).items():
+            by_cause.add_metric([cause], n)
+        yield by_cause
+        paths = CounterMetricFamily("wamrt_graph_requests", "Requests by how their denoising loop ran: exact (its "
+                                    "graph), wider (a graph with more rows or a wider prefix), split (replays of "
+                                    "smaller graphs), eager (uncaptured, while its graph is captured), waited (for a "
+                                    "capture on the request path)", labels=["path"])
+        for path, n in (s.get("requests") or {}).items():
+            paths.add_metric([path], n)
+        yield paths
         yield CounterMetricFamily("wamrt_graph_evictions", "CUDA graphs evicted from the cache", value=s["evictions"])
         yield GaugeMetricFamily("wamrt_graph_cache_entries", "CUDA graphs held", value=s["entries"])
-        yield GaugeMetricFamily("wamrt_graph_cache_bytes", "Device memory the held graphs' captures added",
-                                value=s["bytes"])
+        pool, arena = s.get("pool_bytes", 0), s.get("arena_bytes", 0)
+        yield GaugeMetricFamily("wamrt_graph_pool_bytes", "The memory pool every CUDA graph shares, as the allocator "
+                                "reports its segments", value=pool)
+        yield GaugeMetricFamily("wamrt_graph_arena_bytes", "The K/V step-buffer arena the CUDA graphs share",
+                                value=arena)
+        yield GaugeMetricFamily("wamrt_graph_cache_bytes", "Device memory of the held CUDA graphs: their shared pool "
+                                "(allocator), the K/V arena and their static inputs", value=pool + arena + s["bytes"])
+        capture = s.get("capture") or {}
+        for name, doc in (("planned", "Buckets planned for capture (batch ladder x prefix widths)"),
+                          ("captured", "Planned buckets captured"), ("pending", "Buckets waiting for a capture"),
+                          ("failed", "Background captures that failed (their requests run uncaptured)")):
+            if name in capture:
+                yield GaugeMetricFamily(f"wamrt_graph_capture_{name}", doc, value=capture[name])
+        for outcome, n in (s.get("out_of_memory") or {}).items():
+            yield CounterMetricFamily(f"wamrt_out_of_memory_{outcome}", "Requests rerun alone after the device ran "
+                                      "out of memory" if outcome == "retried" else "Requests answered out_of_memory",
+                                      value=n)
+        for name, value in (s.get("device") or {}).items():
+            yield GaugeMetricFamily(f"wamrt_gpu_memory_{name}_bytes", f"The caching allocator's {name} bytes",
+                                    value=value)
         secs = s["capture_seconds"]
         buckets = [(str(b), sum(x <= b for x in secs)) for b in _CAPTURE_BUCKETS] + [("+Inf", len(secs))]
         yield HistogramMetricFamily("wamrt_graph_capture_seconds", "Wall time of one capture (warm-up + record)",

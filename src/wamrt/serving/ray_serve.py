@@ -48,8 +48,9 @@ class PolicyReplica:
         if parallel != "none":
             from ..parallel import ParallelSpec, start
 
-            self.policy: Any = start(ParallelSpec(parallel, model, world=gpus, device=device,
-                                                  engine=self.config.engine_settings(device), tokenizer="variable"))
+            engine = {**self.config.engine_settings(device), "capture_on_request": True}  # ranks in lockstep
+            self.policy: Any = start(ParallelSpec(parallel, model, world=gpus, device=device, engine=engine,
+                                                  tokenizer="variable"))
         else:
             from ..pipeline.policy import load_policy
 

@@ -21,19 +21,22 @@ from .logs import configure_logging
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
-        host=args.host, port=args.port, api_key=args.api_key, max_batch=args.max_batch,
+        host=args.host, port=args.port, api_key=args.api_key, max_batch=args.max_batch or ServeConfig.max_batch,
         max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, max_frame_bytes=int(args.max_frame_mb * 2**20),
         steps=args.steps, guidance=args.guidance, shift=args.shift,
         guidance_interval=tuple(args.guidance_interval) if args.guidance_interval else None,
         safety_file=args.safety, warmup_requests=args.warmup, model_name=str(args.model),
         prompt_bucket=args.prompt_bucket, prompt_width=args.prompt_width, batch_invariant=args.batch_invariant,
-        max_video_pixels=args.max_video_pixels, max_generation_jobs=args.max_generation_jobs, sampler=args.sampler,
+        max_video_pixels=args.max_video_pixels or ServeConfig.max_video_pixels,
+        max_generation_jobs=args.max_generation_jobs, sampler=args.sampler,
         generation_step_segments=args.generation_step_segments, generation_warmup=tuple(args.generation_warmup),
         attention=args.attention, epilogues=args.epilogues, chat_max_batch=args.chat_max_batch,
         chat_max_queue=args.chat_max_queue, chat_context=args.chat_context,
         chat_max_prompt_tokens=args.chat_max_prompt_tokens, chat_max_tokens=args.chat_max_tokens,
         chat_max_image_pixels=args.chat_max_image_pixels, upsample_max_tokens=args.upsample_max_tokens,
         added_latency_ms=args.added_latency_ms,
+        max_prompt_tokens=args.max_prompt_tokens, gpu_memory_gib=args.gpu_memory,
+        capture_on_request=args.capture_on_request,
     )
 
 
@@ -48,9 +51,7 @@ def uvicorn_config(app: Any, config: ServeConfig, *, log_level: str = "info",
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..model import CheckpointError
-    from ..pipeline.errors import RequestError
-    from ..pipeline.policy import load_policy
+    from .startup import StartupError, load
 
     configure_logging(args.log_level, args.log_format)
     try:
@@ -68,29 +69,16 @@ def run(args: argparse.Namespace) -> int:
         return ray_serve.run(args, config)
     if args.parallel != "none":
         return _run_parallel(args, config)
-    try:
-        policy = load_policy(args.model, device=args.device, tokenizer=getattr(args, "tokenizer", None),
-                             vae=getattr(args, "vae", None))
-    except (RequestError, CheckpointError) as exc:  # a folder that cannot serve: one line, not a traceback
+    try:  # the port, the checkpoint folder and the memory plan before the weights (startup.py)
+        policy, sock, info = load(args, config)
+    except StartupError as exc:
         print(f"wamrt serve: {exc}", file=sys.stderr)
         return 2
-    if args.engine == "fast" or (args.engine == "auto" and policy.device.type == "cuda"):
-        from ..engine import Engine, EngineConfig
-
-        try:
-            settings = config.engine_settings(str(policy.device))
-        except ServeConfigError as exc:
-            print(f"wamrt serve: {exc}", file=sys.stderr)
-            return 2
-        # same infer_batch/metadata contract, batched on the GPU
-        policy = Engine.from_policy(policy, EngineConfig(**settings))
-    elif (config.attention, config.epilogues) != (ServeConfig.attention, ServeConfig.epilogues):
-        flag = "--attention" if config.attention != ServeConfig.attention else "--epilogues"
-        print(f"wamrt serve: {flag}: applies to the fast engine (--engine fast, or auto on CUDA); this server runs "
-              f"the eager reference on {policy.device}", file=sys.stderr)
-        return 2
-    uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level,
-                                  log_format=args.log_format)).run()
+    app = build_app(policy, config)
+    app.state.service.startup_info = info  # the summary line at ready
+    with sock:
+        uvicorn.Server(uvicorn_config(app, config, log_level=args.log_level,
+                                      log_format=args.log_format)).run(sockets=[sock])
     return 0
 
 
@@ -100,7 +88,8 @@ def _run_parallel(args: argparse.Namespace, config: ServeConfig) -> int:
 
     device = args.device or "cuda"
     try:
-        settings = config.engine_settings(device)
+        # ranks decide in lockstep: a missing graph is captured on the request path by all of them
+        settings = {**config.engine_settings(device), "capture_on_request": True}
     except ServeConfigError as exc:
         print(f"wamrt serve: {exc}", file=sys.stderr)
         return 2

@@ -74,6 +74,9 @@ class Service:
         self.batcher: Batcher | None = None
         self.ready = False
         self.warmup_error: str | None = None
+        self.warmup_seconds: float | None = None  # until /readyz turned 200
+        self.startup_info: dict[str, Any] | None = None  # what `wamrt serve` loaded (startup.load): the summary line
+        self._graph_watch: asyncio.Future | None = None
         self._policy_meta = policy.metadata()
         self.metrics.build_info(version=__version__, model=config.model_name,
                                 recipe=self._policy_meta.get("quantization"))
@@ -109,33 +112,82 @@ class Service:
                                                upsampler=self.chat and Upsampler(self.chat, self.config))
             self.metrics.watch_generation(self.generation.stats)
 
+    def _captures_in_background(self) -> bool:
+        """A CUDA-graph engine that captures off the request path (`EngineConfig.capture_on_request=False`)."""
+        engine = self._policy_meta.get("engine") or {}
+        return (bool(engine.get("cuda_graph")) and engine.get("capture_on_request") is False
+                and not engine.get("isolate_requests") and hasattr(self.policy, "plan_ladder"))
+
     async def warm_up(self) -> None:
         """Run the configured warm-up requests through the real path; /readyz turns 200 afterwards."""
-        from ..sample import sample_observation
-
-        exact = getattr(self.policy, "capturing_exact_buckets", contextlib.nullcontext)
+        started = time.monotonic()
         try:
             assert self.batcher is not None
-            with exact():
-                if (self._policy_meta.get("engine") or {}).get("cuda_graph"):
-                    # The engine captures one CUDA graph per batch size on first use: submit k requests at
-                    # once for every k up to max_batch so the batcher forms those batches now, before the
-                    # first lanes arrive, rather than stalling them with captures. Largest first: the first
-                    # capture then sizes the K/V arena every later graph shares. With a declared prompt width
-                    # (--prompt-width) the engine pads these batches to it, so these are the graphs every
-                    # instruction up to that width, in any mix, replays later.
-                    for k in range(self.config.max_batch, 1, -1):
-                        await asyncio.gather(*(self.batcher.run(Job(sample_observation(j), 0, dict(self.defaults)))
-                                               for j in range(k)))
-                for i in range(self.config.warmup_requests):
-                    await self.batcher.run(Job(sample_observation(i), 0, dict(self.defaults)))
+            if self._captures_in_background():
+                await self._warm_up_in_background()
+            else:
+                await self._warm_up_capturing()
             for text in self.config.generation_warmup:
                 await self.warm_up_generation(text)
+            self.warmup_seconds = round(time.monotonic() - started, 1)
             self.ready = True
+            if self.startup_info is not None:
+                from .startup import summary_line
+
+                log.info("%s", summary_line(self.startup_info, self.warmup_state()))
         except Exception as exc:  # keep serving /healthz; /readyz reports the failure
             field = getattr(exc, "field", None)  # a --generation-warmup job the server refuses names its field
             self.warmup_error = f"{type(exc).__name__}: {f'{field}: ' if field else ''}{exc}"
             log.exception("warm-up failed")
+
+    async def _warm_up_in_background(self) -> None:
+        """Ready in seconds: the frame-0 encode's graphs at every batch size, then warm-up requests, which run
+        uncaptured; the CUDA graphs of the batch ladder at every prefix width are captured afterwards on the engine's
+        background thread, while requests run on the graphs captured so far or uncaptured (never waiting)."""
+        from ..sample import sample_observation
+
+        assert self.batcher is not None
+        sizes = range(1, self.config.max_batch + 1)
+        await self.batcher.run(Job({}, None, {}, task=lambda: self.policy.warm_up_encoder(sample_observation(0),
+                                                                                          sizes)))
+        for i in range(max(1, self.config.warmup_requests)):
+            await self.batcher.run(Job(sample_observation(i), 0, dict(self.defaults)))
+        self.policy.plan_ladder()
+        self._graph_watch = asyncio.ensure_future(self._watch_captures())
+
+    async def _watch_captures(self) -> None:
+        while not self.policy.capture_progress()["complete"]:
+            await asyncio.sleep(1.0)
+        progress = self.policy.capture_progress()
+        log.info("CUDA graphs: %d of %d planned captured in the background in %s s (%d failed)",
+                 progress["captured"], progress["planned"], progress["seconds"], progress["failed"])
+
+    def warmup_state(self) -> dict[str, Any]:
+        """What /readyz reports of the warm-up: its seconds, and the background captures' progress."""
+        out: dict[str, Any] = {"seconds": self.warmup_seconds}
+        if hasattr(self.policy, "capture_progress"):
+            out["graphs"] = self.policy.capture_progress()
+        return out
+
+    async def _warm_up_capturing(self) -> None:
+        """Capture on the request path, before ready (isolated requests, `--capture-on-request`)."""
+        from ..sample import sample_observation
+
+        assert self.batcher is not None
+        exact = getattr(self.policy, "capturing_exact_buckets", contextlib.nullcontext)
+        with exact():
+            if (self._policy_meta.get("engine") or {}).get("cuda_graph"):
+                # The engine captures one CUDA graph per batch size on first use: submit k requests at
+                # once for every k up to max_batch so the batcher forms those batches now, before the
+                # first lanes arrive, rather than stalling them with captures. Largest first: the first
+                # capture then sizes the K/V arena every later graph shares. With a declared prompt width
+                # (--prompt-width) the engine pads these batches to it, so these are the graphs every
+                # instruction up to that width, in any mix, replays later.
+                for k in range(self.config.max_batch, 1, -1):
+                    await asyncio.gather(*(self.batcher.run(Job(sample_observation(j), 0, dict(self.defaults)))
+                                           for j in range(k)))
+            for i in range(self.config.warmup_requests):
+                await self.batcher.run(Job(sample_observation(i), 0, dict(self.defaults)))
 
     async def warm_up_generation(self, text: str) -> None:
         """One `--generation-warmup` job through the generation thread (the path requests take), unmetered."""
@@ -149,12 +201,16 @@ class Service:
                  time.monotonic() - started)
 
     def stop(self) -> None:
+        if self._graph_watch is not None:
+            self._graph_watch.cancel()
         if self.generation:
             self.generation.stop()
         if self.chat:
             self.chat.stop()
         if self.batcher:
             self.batcher.stop()
+        if hasattr(self.policy, "stop_background_capture"):
+            self.policy.stop_background_capture()
 
     # --- metadata ----------------------------------------------------------------------------------
     def handshake(self) -> dict[str, Any]:
