@@ -182,3 +182,42 @@ def test_graph_captures_during_a_row_are_counted_from_the_metrics() -> None:
     assert one["graph_captures_after_warmup"] == 0 and one["prompt_lengths"] == [tokens("wave")]
     assert two["graph_captures_after_warmup"] == 1 and two["batch_hist"] == {"2": 4}
     assert two["prompt_lengths"] == sorted({tokens("wave"), tokens("open the drawer")})
+
+
+def test_the_fleet_set_spans_one_to_over_250_instruction_tokens() -> None:
+    """Issue 40's mix: at least nine instructions from 1 to >= 250 tokens of their own (tokens, not characters,
+    under `random:SIZE`'s tokenizer), within `wamrt serve`'s default limit, across its two prefix widths."""
+    from wamrt.bench.prompts import FLEET_INSTRUCTIONS
+    from wamrt.serving.config import ServeConfig
+
+    own = sorted(len(TokenizingFake.tokenizer.pieces(p)) for p in FLEET_INSTRUCTIONS)
+    assert len(own) >= 9 and own[0] == 1 and own[-1] >= 250
+    assert own[-1] <= ServeConfig.max_prompt_tokens and len(set(own)) == len(own)
+    captions = [tokens(droid_prompt(p, json_format=False, canvas_hw=(540, 640))) for p in FLEET_INSTRUCTIONS]
+    assert min(captions) <= 256 < max(captions) <= 512  # both default widths of random:nano (tests/serving/...)
+    assert load_prompts("fleet") == list(FLEET_INSTRUCTIONS)
+
+
+def test_a_server_capturing_in_the_background_reports_its_warm_up_and_no_request_waits(tiny_policy: Any) -> None:
+    """Issue 40 on the CPU: the server is ready before its graphs (batch ladder 1, 2 x two prefix widths) are
+    captured; /readyz reports their progress; the load row waits for them and then counts no capture and no request
+    that waited for one, with every field the GPU bars read."""
+    import httpx
+
+    mix = ["wave", "open the drawer"]
+    lengths = sorted(tiny_policy.tokenizer.encode(droid_prompt(p, json_format=False, canvas_hw=(540, 640))).und_len
+                     for p in mix)
+    widths = tuple(-(-n // 64) * 64 for n in lengths)
+    config = dict(steps=1, max_batch=2, prompt_bucket=64, batch_ladder=(1, 2), prompt_widths=widths)
+    engine = _graph_engine(tiny_policy, **config)
+    with ServerThread(engine, ServeConfig(**config)) as server:
+        early = httpx.get(server.http_url + "/readyz").json()
+        row = run_load(server.ws_url, lanes=2, requests=4, warmup=0, prompts=mix)
+        late = httpx.get(server.http_url + "/readyz").json()
+    assert early["ready"] and early["warmup"]["graphs"]["planned"] == 4
+    assert late["warmup"]["graphs"]["complete"] and late["warmup"]["graphs"]["captured"] == 4
+    assert row["errors"] == {} and row["graph_captures_after_warmup"] == 0
+    assert row["requests_waited_on_capture"] == 0 and row["requests_eager_while_capturing"] == 0
+    assert row["warmup_s"] == early["warmup"]["seconds"] and row["graph_wait_s"] >= 0
+    assert row["peak_gpu_gib"] is None and row["gpu_memory_cap_gib"] is None  # a CPU server has no allocator peak
+    assert engine.graphs.stats()["captures_by_cause"] == {"request": 0, "warmup": 0, "background": 4}

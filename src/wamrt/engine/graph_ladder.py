@@ -14,12 +14,15 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from .graph_cache import GraphKey
 from .graph_capture import LoopInputs
+from .kv_buffers import BatchBranch
+from .prefix_cache import StackedKV, kv_storage
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +130,19 @@ class CaptureWorker:
                 self._cond.notify_all()
 
 
+def _within(inputs: LoopInputs, width: int | None) -> LoopInputs:
+    """`inputs` with every Reasoner prefix cut to its last `width` tokens: a capture needs the shapes only (a replay
+    copies each request's own prefixes in), and a narrow rung must be captured from a longer instruction too."""
+    if width is None:
+        return inputs
+
+    def cut(seqs: list[BatchBranch]) -> list[BatchBranch]:
+        return [s if s.kv.length <= width else
+                BatchBranch(s.request, StackedKV.over(kv_storage(s.kv)[..., -width:, :]), s.rope) for s in seqs]
+
+    return replace(inputs, conds=cut(inputs.conds), unconds=cut(inputs.unconds))
+
+
 class BackgroundCapture:
     """The engine's side of captures off the request path (a part of `Engine`, like `GraphCapture`): buckets wanted
     by requests or planned by a server, captured by the `CaptureWorker` thread."""
@@ -161,19 +177,20 @@ class BackgroundCapture:
         template = inputs or self._last_inputs
         if template is None:
             raise ValueError("plan_ladder needs a batch's inputs: serve one request first")
-        one = template.rows(0, 1)
         widths = self._width_rungs() or [None]  # type: ignore[attr-defined]
-        keys = []
+        planned: dict[GraphKey, LoopInputs] = {}
         for batch in sorted(set(self.config.batch_ladder) | {1}):  # type: ignore[attr-defined]
             for width in reversed(widths):
+                one = _within(template.rows(0, 1), width)
                 conds, unconds = (self._pad_prefixes(one.conds, one.unconds, width=width)  # type: ignore[attr-defined]
                                   if self.config.prompt_bucket else (one.conds, one.unconds))  # type: ignore[attr-defined]
                 key = self._graph_key(one.x_v, one.x_a, conds, unconds, one.timesteps,  # type: ignore[attr-defined]
                                       one.cfg_steps, one.opts, one.raw_dim)
-                keys.append(key.rows(batch) if key.bucketed else key)
-        for key in dict.fromkeys(keys):
-            self.want_bucket(key, template, planned=True)
-        return list(dict.fromkeys(keys))
+                planned.setdefault(key.rows(batch) if key.bucketed else key, one)
+        for key, inputs in planned.items():
+            self.want_bucket(key, inputs, planned=True)
+        self._last_inputs = template
+        return list(planned)
 
     def capture_progress(self) -> dict[str, Any]:
         """The background captures: planned, captured, failed, pending, complete, seconds since the first."""

@@ -238,18 +238,22 @@ def init_random_(model: Cosmos3Transformer, seed: int = 0) -> Cosmos3Transformer
         for name, p in model.named_parameters():
             # Draw on the parameter's device: filling billions of values on the host would take minutes.
             gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32, device=p.device)
-            owner = name.split(".")[-2] if "." in name else ""
-            if "norm" in owner:
-                value = 1.0 + 0.1 * noise
-            elif p.ndim == 1 or name.endswith("bias.weight"):
-                value = 0.1 * noise
-            elif name == "embed_tokens.weight":
-                value = noise
-            elif name.endswith("fc.weight"):  # [domains, in*out]
-                mod = model.get_submodule(name.rsplit(".", 2)[0])
-                value = noise / math.sqrt(mod.in_features)
-            else:
-                value = noise / math.sqrt(p.shape[-1])
-            p.copy_(value.to(p.dtype))
+            p.copy_(random_value(model, name, p.shape, gen, p.device).to(p.dtype))
     return model
+
+
+def random_value(model: torch.nn.Module, name: str, shape: torch.Size | tuple[int, ...], gen: torch.Generator,
+                 device: torch.device) -> torch.Tensor:
+    """The float32 value `init_random_` gives parameter `name` of `model`."""
+    noise = torch.randn(shape, generator=gen, dtype=torch.float32, device=device)
+    owner = name.split(".")[-2] if "." in name else ""
+    if "norm" in owner:
+        return 1.0 + 0.1 * noise
+    if len(shape) == 1 or name.endswith("bias.weight"):
+        return 0.1 * noise
+    if name == "embed_tokens.weight":
+        return noise
+    if name.endswith("fc.weight"):  # [domains, in*out]
+        mod = model.get_submodule(name.rsplit(".", 2)[0])
+        return noise / math.sqrt(mod.in_features)
+    return noise / math.sqrt(shape[-1])

@@ -25,7 +25,7 @@ from .layout import POLICY_CONFIG, CheckpointLayout, check_components, resolve_l
 from .normalization import KEY as NORM_KEY
 from .normalization import ActionNormalization
 from .prefix import TRAINED_KEY
-from .random_weights import random_tokenizer, random_transformer, random_vae
+from .random_weights import random_quantized_transformer, random_tokenizer, random_transformer, random_vae
 from .tokens import CaptionTokenizer
 from .vae import FrameEncoder, load_vae, read_vae_config
 
@@ -228,10 +228,11 @@ def load_policy(
         # Random weights at a registered size (edge, nano, super, tiny-*): for load tests and serving, with
         # a stand-in tokenizer whose token count follows the text, so lanes with different instructions
         # send different prefix lengths (`wamrt bench latency` builds its own, fixed-length, workload).
+        # random:SIZE@RECIPE: quantized by a `wamrt quantize` recipe, built quantized (never the bf16 model first)
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        size = name.split(":", 1)[1]
+        size, _, recipe = name.split(":", 1)[1].partition("@")
         return random_policy(size, dev, dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32),
-                             tiny_vae=size.startswith("tiny"), tokenizer="variable")
+                             tiny_vae=size.startswith("tiny"), tokenizer="variable", recipe=recipe or None)
     root = checkpoint_root(name)
     if not root.exists():
         raise RequestError(f"no checkpoint at {root} (built-in models: {', '.join(BUILTIN_MODELS)})",
@@ -273,12 +274,19 @@ def load_policy(
 
 def random_policy(size: str, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16, *,
                   layers: int | None = None, tiny_vae: bool = False, prompt_format: str = "plain",
-                  tokenizer: str = "fixed") -> Policy:
+                  tokenizer: str = "fixed", recipe: str | None = None) -> Policy:
     """`tokenizer`: "fixed" (performance.md's 125 / 30 tokens whatever the text; `wamrt bench latency`) or
-    "variable" (the count follows the text; `wamrt serve --model random:SIZE`)."""
+    "variable" (the count follows the text; `wamrt serve --model random:SIZE`). `recipe`: the weights quantized by
+    that `wamrt quantize` recipe (built quantized, `random_quantized_transformer`)."""
     dev = torch.device(device)
     tok = random_tokenizer(tokenizer, get_config(size).vocab_size)  # checked before the (large) build
-    model = random_transformer(size, dev, dtype, layers=layers)
+    if recipe is not None:
+        if layers is not None:
+            raise ValueError("layers and recipe together are not supported")
+        model = random_quantized_transformer(size, dev, dtype, recipe)
+    else:
+        model = random_transformer(size, dev, dtype, layers=layers)
     encoder = FrameEncoder(random_vae(dev, dtype, tiny=tiny_vae))
     return Policy(model, encoder, tok, DroidContract(prompt_format=prompt_format),  # type: ignore[arg-type]
-                  SamplingOptions(), name=f"{size} (random weights)")
+                  SamplingOptions(), name=f"{size} (random weights{', ' + recipe if recipe else ''})",
+                  quantization=recipe)

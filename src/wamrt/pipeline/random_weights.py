@@ -100,6 +100,41 @@ def random_transformer(size: str, device: torch.device, dtype: torch.dtype, *, l
     return model.eval().requires_grad_(False)
 
 
+def random_quantized_transformer(size: str, device: torch.device, dtype: torch.dtype, recipe: str, *,
+                                 seed: int = 0) -> Cosmos3Transformer:
+    """A random model at `size` quantized by `recipe` (`random:SIZE@RECIPE`), built one module at a time: each
+    quantized linear from a random `dtype` matrix of its own (the only full-precision copy alive), so the device
+    never holds more than the quantized model and one matrix (Nano gen-fp8+reasoner-w8: 14.2 GiB, where the bf16
+    model it would otherwise be quantized from is 27.1). Values are drawn as `init_random_` draws them (not the same
+    stream: `random:SIZE` and `random:SIZE@RECIPE` are different random models)."""
+    from ..model.checkpoint import FP32_PREFIXES, random_value
+    from ..quant.fp8 import Fp8Linear
+    from ..quant.swap import QUANTIZED_TYPES, quantize_model
+
+    with torch.device("meta"):
+        model = Cosmos3Transformer(get_config(size))
+    quantize_model(model, recipe)  # on the meta device: the recipe's module structure
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, module in list(model.named_modules()):
+            if isinstance(module, QUANTIZED_TYPES):
+                linear = torch.nn.Linear(module.in_features, module.out_features, module.bias is not None,
+                                         device=device, dtype=dtype)
+                for pname, p in linear.named_parameters():
+                    p.copy_(random_value(model, f"{name}.{pname}", p.shape, gen, device).to(dtype))
+                owner_name, _, attr = name.rpartition(".")
+                quantized = (Fp8Linear.from_linear(linear, kernel=module.kernel) if isinstance(module, Fp8Linear)
+                             else type(module).from_linear(linear))
+                setattr(model.get_submodule(owner_name) if owner_name else model, attr, quantized)
+            elif any(p.is_meta for p in module.parameters(recurse=False)):
+                module.to_empty(device=device, recurse=False)
+                for pname, p in module.named_parameters(recurse=False):
+                    full = f"{name}.{pname}" if name else pname
+                    value = random_value(model, full, p.shape, gen, device)
+                    p.data = value if full.startswith(FP32_PREFIXES) else value.to(dtype)
+    return model.eval().requires_grad_(False)
+
+
 def random_vae(device: torch.device, dtype: torch.dtype, *, tiny: bool = False, seed: int = 1) -> AutoencoderKLWan:
     cfg = dict(TINY_VAE if tiny else WAN22_VAE, latents_mean=list(WAN22_LATENT_MEAN),
                latents_std=list(WAN22_LATENT_STD))
