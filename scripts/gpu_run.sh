@@ -39,6 +39,12 @@
 #          15 Hz: scripts/lever_gates.sh; SIZES, TASKS, LEVERS split the ~50 min of rollouts over calls)
 # `load` also needs the server stack as wheels in .whl/ (starlette, uvicorn, websockets, python-multipart);
 #   LOAD_REQUESTS (default 100) sizes each of its rows (1, 4, 8 lanes, mixed instructions).
+# `load-plan` (issue 40; same wheels): `wamrt serve --model random:nano --gpu-memory 80` with no other tuning flag, lanes
+#   cycling the `fleet` instructions (1-254 tokens), 1 / 4 / 8 lanes x LOAD_REQUESTS (100), after the engine row the
+#   server is compared with (E5-serve, alone on the GPU first). Optional rows, a part each: `load-plan-edge24` (Edge bf16,
+#   24 GiB), `load-plan-fp8-24` (Nano gen-fp8+reasoner-w8, 24 GiB), 1 and 4 lanes; `load-plan-i2v` (Nano, 80 GiB, an i2v
+#   job beside 1 lane; needs PyAV). PLAN_MODEL / GPU_MEMORY / PLAN_LANES / PLAN_LATENCY / PLAN_SERVE_ARGS override them
+#   (the CPU dry run: PLAN_MODEL=tiny-droid LATENCY_ARGS="--model tiny-qwen --tiny-vae --device cpu").
 # `world-serve` (same wheels, plus PyAV for the MP4 replies): policy lanes with and without back-to-back i2v jobs
 #   on the same server; ROW_SECONDS (default 50) per row, the whole part fits WORLD_SERVE_BUDGET (default 480 s);
 #   STEP_SEGMENTS sets the server's --generation-step-segments (default 12).
@@ -67,6 +73,45 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 wamrt() { timeout "$limit" python3 -m wamrt.cli "$@"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+
+# serve_plan LABEL MODEL GIB PORT LANES [serve flags...]: issue 40's rows. `wamrt serve` with the memory cap (and the
+# given flags only), device memory sampled every 0.5 s, then `bench load --prompts fleet` rows at each lane count, each
+# after the server's background captures are done (--graph-wait), the later ones against the 1-lane row. Writes
+# $res/LABEL-LANES.json, LABEL-server.txt, -metrics.txt, -metadata.json, -readyz.json, -gpu-memory.csv.
+serve_plan() {
+  local label=$1 model=$2 gib=$3 port=$4 lanes=$5; shift 5
+  local t_start; t_start=$(date +%s)
+  nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 500 > "$res/$label-gpu-memory.csv" \
+    2>/dev/null &
+  local mem=$!
+  python3 -m wamrt.cli serve --model "$model" --gpu-memory "$gib" --port "$port" "$@" > "$res/$label-server.txt" 2>&1 &
+  local srv=$!
+  for _ in $(seq 1 240); do
+    curl -sf "http://127.0.0.1:$port/readyz" >/dev/null && break; kill -0 "$srv" 2>/dev/null || break; sleep 1
+  done
+  echo "$label: ready after $(( $(date +%s) - t_start )) s ($(grep -m1 'wamrt serve' "$res/$label-server.txt" \
+    | cut -c1-300))" | tee -a "$res/log.txt"
+  curl -s "http://127.0.0.1:$port/v1/metadata" > "$res/$label-metadata.json"
+  for spec_n in $lanes; do  # N lanes, or N+gen: N lanes beside back-to-back GEN_FIELDS jobs (against N alone)
+    local n=${spec_n%+gen} extra=() base=()
+    if [ "$n" != "$spec_n" ]; then
+      extra=(--background-generation "$GEN_FIELDS" --generation-warmup 0)
+      [ -f "$res/$label-$n.json" ] && base=(--baseline "$res/$label-$n.json")
+    elif [ "$n" != 1 ] && [ -f "$res/$label-1.json" ]; then
+      base=(--baseline "$res/$label-1.json")
+    fi
+    local left=$(( limit - 45 - ($(date +%s) - t0) ))
+    [ "$left" -lt 60 ] && { echo "$label: skipping $spec_n lanes: ${left} s left" | tee -a "$res/log.txt"; continue; }
+    # the graph wait and the row share what is left; a row of ~100 Nano requests takes ~70 s
+    timeout "$left" python3 -m wamrt.cli bench load --url "ws://127.0.0.1:$port" --lanes "$n" --prompts fleet \
+      --requests "${LOAD_REQUESTS:-100}" --seconds "$(( left > 200 ? 150 : left - 50 ))" --graph-wait "$(( left - 60 ))" \
+      --model "$label" "${base[@]}" "${extra[@]}" --out "$res/$label-${spec_n/+/-}.json" 2>&1 | tee -a "$res/log.txt"
+  done
+  curl -s "http://127.0.0.1:$port/readyz" > "$res/$label-readyz.json"
+  curl -s "http://127.0.0.1:$port/metrics" | grep -E '^wamrt_(graph|gpu|out_of|errors|generation)' > "$res/$label-metrics.txt"
+  kill "$srv"; wait "$srv"; kill "$mem" 2>/dev/null
+}
+
 for spec in "$@"; do
   part=${spec%%:*}; limit=540; [ "$spec" != "$part" ] && limit=${spec#*:}
   res=/tmp/res-$part
@@ -121,6 +166,34 @@ for spec in "$@"; do
           done
           curl -s http://127.0.0.1:8765/metrics | grep '^wamrt_graph' > "$res/graph-metrics.txt"
           kill "$srv"; wait "$srv" ;;
+    load-plan|load-plan-edge24|load-plan-fp8-24)
+          # Issue 40. load-plan: first the engine row the server is compared with (E5-serve: its engine config at 4
+          # steps, cuDNN attention as on a machine without flash-attn-4), alone on the GPU; its compiled kernels stay
+          # in Inductor's cache for the server's batch-1 shapes. Then the server, no tuning flag but the cap.
+          case $part in
+            load-plan) label=nano80; model=${PLAN_MODEL:-random:nano}; gib=${GPU_MEMORY:-80}; lanes=${PLAN_LANES:-1 4 8}
+                       latency=${PLAN_LATENCY:-1} ;;
+            load-plan-edge24) label=edge24; model=${PLAN_MODEL:-random:edge}; gib=${GPU_MEMORY:-24}
+                              lanes=${PLAN_LANES:-1 4}; latency=${PLAN_LATENCY:-0} ;;
+            load-plan-fp8-24) label=nanofp8-24; model=${PLAN_MODEL:-random:nano@gen-fp8+reasoner-w8}
+                              gib=${GPU_MEMORY:-24}; lanes=${PLAN_LANES:-1 4}; latency=${PLAN_LATENCY:-0} ;;
+          esac
+          if [ "$latency" = 1 ]; then
+            timeout 200 python3 -m wamrt.cli bench latency ${LATENCY_ARGS:---model nano} --rows E5-serve \
+              --full-rows E5-serve --steps 4 --warmup "${WARMUP:-10}" --runs "${RUNS:-20}" --out "$res/latency" 2>&1 \
+              | grep -v 'UserWarning\|exe_args' | tee -a "$res/log.txt"
+          fi
+          serve_plan "$label" "$model" "$gib" 8767 "$lanes" ${PLAN_SERVE_ARGS:-}
+          python3 -m wamrt.bench.load_plan "$res" 2>&1 | tee -a "$res/log.txt" ;;
+    load-plan-i2v) # Issue 40: the 80 GiB server with an i2v job (480x832, 33 frames, 35 steps) beside 1 lane; the job
+          # size is a flag (the plan's own default leaves generation less than that job's worst-shape estimate).
+          GEN_FIELDS='{"prompt": "A robot arm picks up the red block and places it in the blue bowl.", "size":
+            "832x480", "num_frames": "33", "num_inference_steps": "35", "guidance_scale": "6", "seed": "0",
+            "input_reference": "@sample"}'
+          # row 1: one lane alone; row 1+gen: the same lane beside the jobs (p99 against row 1's)
+          serve_plan nano80-i2v "${PLAN_MODEL:-random:nano}" "${GPU_MEMORY:-80}" 8768 "${PLAN_LANES:-1 1+gen}" \
+            --max-video-pixels "${VIDEO_PIXELS:-13178880}" --generation-warmup "$GEN_FIELDS" ${PLAN_SERVE_ARGS:-}
+          python3 -m wamrt.bench.load_plan "$res" 2>&1 | tee -a "$res/log.txt" ;;
     world-serve) # Policy latency while world generation runs on the same server (docs/serving.md, "Scheduling"):
           # row A: 1 lane, mixed instructions, no generation; row B: the same while image -> video jobs (480x832,
           # 33 frames, 35 steps, guidance 6: `world`'s i2v row) run back to back on /v1/videos/sync; row D: 4 lanes,

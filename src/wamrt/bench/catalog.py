@@ -69,13 +69,24 @@ ROWS: dict[str, tuple[str, dict]] = {
                           dict(epilogues="quack", last_layer_read_rows=False)),
     # E5 with diffusers' own encode of the conditioning frame (the comparison row for the 2D first-frame encode).
     "E5-vae-diffusers": ("E5 with diffusers' VAE encode of frame 0", dict(vae_encode="diffusers")),
+    # The engine `wamrt serve --model random:SIZE` builds with no tuning flags (serving/startup.py): 64-token buckets,
+    # its two prefix widths (the caption around 128 and 384 instruction tokens: 256 and 512 under random:SIZE's
+    # tokenizer) and its batch ladder; this workload's 125-token prompt pads to 256. The row a server's 1-lane p50 is
+    # compared with (issue 40).
+    "E5-serve": ("E5 as `wamrt serve` runs it by default (buckets of 64, widths 256 / 512, batch ladder 1-8)",
+                 dict(prompt_bucket=64, prompt_widths=(256, 512), batch_ladder=(1, 2, 4, 8))),
+    # The server's engine with one K/V step buffer per layer (before shared_kv_buffer): its comparison row.
+    "E5-serve-kv-per-layer": ("E5-serve with one K/V step buffer per layer",
+                              dict(prompt_bucket=64, prompt_widths=(256, 512), batch_ladder=(1, 2, 4, 8),
+                                   shared_kv_buffer=False)),
 }
 
 # Opt-in rows: E5-autotune spends minutes autotuning at Nano, which the default waterfall run cannot afford.
 DEFAULT_ROWS = [r for r in ROWS if r not in ("E5-bucket", "E5-bucket-mask", "E5-autotune", "E5-cudnn", "E5-quack",
                                              "E5-quack-bucket", "E5-quack-lengths", "E5-quack-gqa",
                                              "E5-quack-heads", "E5-quack-heads-gqa", "E5-quack-heads-gqa-sync",
-                                             "E5-quack-all-rows", "E5-vae-diffusers")]
+                                             "E5-quack-all-rows", "E5-vae-diffusers", "E5-serve",
+                                             "E5-serve-kv-per-layer")]
 
 # `wamrt bench world`: the modes and their default shapes (diffusers' Cosmos3OmniPipeline defaults).
 WORLD_MODES: dict[str, dict[str, Any]] = {"t2i": {"num_frames": 1, "size": (1024, 1024)},

@@ -176,8 +176,10 @@ def load(args: argparse.Namespace, config: ServeConfig) -> tuple[Any, socket.soc
     except BaseException:
         sock.close()
         raise
-    info = {"model": config.model_name, "device": _device_name(device), "recipe": getattr(policy, "quantization", None)
-            or "bf16", "load_s": round(loaded, 1), "engine": _engine_line(policy), "plan": plan}
+    dtype = str(getattr(getattr(policy, "model", None), "dtype", "")).removeprefix("torch.")
+    info = {"model": config.model_name, "device": _device_name(device),
+            "recipe": getattr(policy, "quantization", None) or dtype or "unquantized", "load_s": round(loaded, 1),
+            "engine": _engine_line(policy), "plan": plan}
     if plan is not None:
         config.extra_metadata["memory_plan"] = plan.as_dict()
     return policy, sock, info
