@@ -15,9 +15,9 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Generator, Iterator, Mapping
+from collections.abc import Collection, Generator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -60,6 +60,7 @@ from .graph_ladder import BackgroundCapture
 from .kv_buffers import BatchBranch, KVBufferArena, KVBuffers
 from .layer_path import CUBLASLT_WORKSPACE_ENV, LayerPath, build_layer_path, use_workspace_free_gemms
 from .prefix_cache import PaddedPrefixes, ReasonerCache
+from .served import Served
 from .stage_clock import StageClock
 from .vae_encode import FirstFrameEncoder
 
@@ -69,7 +70,7 @@ ROPE_CACHE_SIZE = 64  # packing layouts (instruction length x geometry) whose Ge
 HOST_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))  # canvas threads of a batch (the rest: server, GPU)
 
 
-class Engine(GraphCapture, BackgroundCapture):
+class Engine(GraphCapture, BackgroundCapture, Served):
     def __init__(
         self,
         model: Cosmos3Transformer,
@@ -136,41 +137,6 @@ class Engine(GraphCapture, BackgroundCapture):
         self.kv_arena = KVBufferArena(model.config, self.device, layout=self.cfg_attention, grouped=self.gqa_buffers,
                                       backend=config.attention, bucket_attention=self.bucket_attention,
                                       rescale=self._rescale_here, shared=config.shared_kv_buffer)
-
-    # Per-thread state: a background capture (graph_ladder) and the request path run the loop at once --------------
-    @property
-    def _kinds_needed(self) -> set[bool] | None:
-        """The step kinds (guided or not) the loop being built runs (`_step_batches` skips the others)."""
-        return getattr(self._local, "kinds_needed", None)
-
-    @_kinds_needed.setter
-    def _kinds_needed(self, value: set[bool] | None) -> None:
-        self._local.kinds_needed = value
-
-    @contextmanager
-    def uncompiled(self) -> Iterator[None]:
-        """Run this thread's Generator passes uncompiled: a request served while its bucket is captured elsewhere
-        would otherwise compile its new shape on the request path (the same function, other roundings)."""
-        if self._eager_path is None and self.config.compile:
-            self._eager_path = build_layer_path(self.model, replace(self.config, compile=False), self.device)
-        saved = getattr(self._local, "eager", False)
-        self._local.eager = self.config.compile
-        try:
-            yield
-        finally:
-            self._local.eager = saved
-
-    def _layer_pieces(self) -> tuple:
-        """(embed, pre, post, finish) this thread runs."""
-        if getattr(self._local, "eager", False):
-            p = self._eager_path
-            assert p is not None
-            return p.embed, p.pre, p.post, p.finish
-        return self._embed, self._pre, self._post, self._finish
-
-    def _rescale_here(self, *args: Any) -> torch.Tensor:
-        eager = getattr(self._local, "eager", False) and self._eager_path is not None
-        return (self._eager_path.rescale if eager else self._rescale)(*args)  # type: ignore[union-attr]
 
     @classmethod
     def from_policy(cls, policy: Policy, config: EngineConfig = EngineConfig()) -> Engine:
@@ -316,22 +282,6 @@ class Engine(GraphCapture, BackgroundCapture):
             self._host_pool = ThreadPoolExecutor(max_workers=HOST_THREADS, thread_name_prefix="wamrt-prep")
         return list(self._host_pool.map(one, observations))
 
-    def warm_up_encoder(self, observation: Mapping[str, Any], batch_sizes: Collection[int]) -> None:
-        """Run the frame-0 encode at every batch size a server forms (on CUDA: capture its graph for each), so that
-        no request waits for one. A bad observation raises its RequestError."""
-        with torch.inference_mode():
-            for b in sorted(set(batch_sizes)):
-                hosts = self._host_inputs([observation] * b)
-                bad = next((h for h in hosts if isinstance(h, Exception)), None)
-                if bad is not None:
-                    raise bad
-                stream = self._encode_stream()
-                with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    encode_canvases(self._canvas_encoder, [h.padded for h in hosts], self.device,  # type: ignore[union-attr]
-                                    self.config.vae_frames, pad_on_device=self.config.canvas_on_device)
-                if stream is not None:
-                    stream.synchronize()
-
     # ---------------------------------------------------------------------------------------------
     def _encode_stream(self) -> torch.cuda.Stream | None:
         """The side stream the VAE encode runs on (CUDA), made to start after the current stream's queued work."""
@@ -354,38 +304,6 @@ class Engine(GraphCapture, BackgroundCapture):
             latent.record_stream(current)
 
         return ready
-
-    def _denoise_guarded(self, preps: list[PreparedDroid], opts: SamplingOptions):
-        """`_denoise`, an out-of-memory never the batch's end: the cached blocks released, the batch runs again one
-        request at a time (each on its own graph, or uncaptured), and a request that still does not fit gets the
-        error in its slot (a server answers it with a typed 503) while the others get their actions."""
-        try:
-            return self._denoise(preps, opts)
-        except torch.OutOfMemoryError as exc:
-            self._release_memory()
-            log.warning("out of device memory in a batch of %d (%s): running its requests one at a time", len(preps),
-                        str(exc).splitlines()[0][:200])
-            if len(preps) == 1:
-                self.out_of_memory["refused"] += 1
-                return [exc], {}
-        self.out_of_memory["retried"] += len(preps)
-        finals: list = []
-        timings: dict[str, float] = {}
-        for prep in preps:
-            try:
-                one, timings = self._denoise([prep], opts)
-                finals += one
-            except torch.OutOfMemoryError as exc:
-                self._release_memory()
-                self.out_of_memory["refused"] += 1
-                finals.append(exc)
-        return finals, timings
-
-    def _release_memory(self) -> None:
-        """Hand the caching allocator's unused blocks back (graph pools and live tensors stay)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-            torch.cuda.empty_cache()
 
     def _sync(self) -> None:
         # The current stream, not the device: the engine's work is queued there (the encode stream joins it), and a
