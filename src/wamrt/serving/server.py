@@ -69,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
         return ray_serve.run(args, config)
     if args.parallel != "none":
         return _run_parallel(args, config)
+    if getattr(args, "plan_only", False):
+        from .startup import print_plan
+
+        return print_plan(args, config)
     try:  # the port, the checkpoint folder and the memory plan before the weights (startup.py)
         policy, sock, info = load(args, config)
     except StartupError as exc:

@@ -109,6 +109,26 @@ def plan_memory(args: argparse.Namespace, config: ServeConfig, device: str) -> M
     return plan
 
 
+def print_plan(args: argparse.Namespace, config: ServeConfig) -> int:
+    """`wamrt serve --plan-only`: the plan for the model on the device (or --gpu-memory), nothing loaded."""
+    import sys
+
+    try:
+        check_model(config.model_name)
+        device = resolve_device(args.device)
+        plan = plan_memory(args, config, device)
+    except StartupError as exc:
+        print(f"wamrt serve: {exc}", file=sys.stderr)
+        return 2
+    if plan is None:
+        print("wamrt serve: no memory plan for a CPU device without --gpu-memory", file=sys.stderr)
+        return 2
+    print(f"{config.model_name} on {plan.capacity / GIB:g} GiB: max batch {config.max_batch} (ladder "
+          f"{'/'.join(map(str, config.batch_ladder))}), prefix widths {'/'.join(map(str, plan.settings['widths']))}, "
+          f"world generation up to {plan.settings.get('max_video_pixels')} pixels; {plan.describe()}")
+    return 0
+
+
 def prompt_rungs(policy: Any, config: ServeConfig) -> tuple[tuple[int, ...], int]:
     """The prefix widths graphs are captured at and the most prefix tokens accepted, from the served tokenizer: the
     caption around an instruction of `NARROW_INSTRUCTION_TOKENS` tokens (or `--prompt-width`), and around one of
