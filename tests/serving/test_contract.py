@@ -35,8 +35,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a 
 def test_serve_defaults_match_the_issue() -> None:
     args = build_parser().parse_args(["serve"])
     assert (args.model, args.host, args.port, args.api_key) == ("tiny-droid", "127.0.0.1", 8000, None)
-    assert (args.max_batch, args.max_wait_ms, args.max_queue, args.warmup) == (8, 5.0, 64, 1)
+    assert (args.max_batch, args.max_wait_ms, args.max_queue, args.warmup) == (None, 5.0, 64, 1)  # None: planned
     cfg = config_from_args(args)
+    assert cfg.max_batch == 8 and cfg.gpu_memory_gib is None and cfg.max_prompt_tokens == 384  # 8 without a plan
+    assert cfg.capture_on_request is False  # no request waits for a CUDA graph capture (issue 40)
     assert cfg.sampler_defaults() == {}  # the policy's own: 4 steps, guidance 3.0, shift 5.0 (+ Edge interval)
     assert cfg.safety_file is None and cfg.max_frame_bytes == 64 * 2**20 and cfg.prompt_bucket == 64
     args = build_parser().parse_args(["serve", "--api-key", "k", "--max-batch", "2", "--max-wait-ms", "1.5",
