@@ -99,6 +99,7 @@ class ModelMemory:
     recipe: str | None = None  # the quantization recipe of the weights (None: the model dtype)
     dtype_bytes: int = 2  # activations and K/V (bf16)
     generation: bool = True  # the model can generate worlds (a VAE decoder and a caption tokenizer)
+    chat_bytes: int = 0  # the Reasoner chat's own weights (lm_head, vision tower); 0: the server will not chat
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ class ServingMemory:
     prefix_cache_bytes: int = GIB  # Reasoner K/V of recent prompts and their padded copies
     max_video_pixels: int | None = None
     generation_jobs: bool = True  # serve world generation beside the policy
+    chat_rows: int = 4  # Reasoner chat: requests decoded together (rows of one K/V cache) ...
+    chat_context: int = 8192  # ... of this many tokens each
 
 
 def activation_row_elements(config: Cosmos3Config) -> int:
@@ -177,6 +180,9 @@ def policy_parts(model: ModelMemory, serving: ServingMemory, max_batch: int) -> 
         Part("eager", eager, "a request run uncaptured while its graph is captured (one at a time)", "--max-batch"),
         Part("vae_encode", VAE_ENCODE_BYTES_PER_PIXEL * serving.canvas_pixels * max_batch,
              f"the first-frame encode's graphs, up to {max_batch} frames", "--max-batch"),
+        Part("chat", model.chat_bytes + serving.chat_rows * serving.chat_context * per_token if model.chat_bytes else 0,
+             f"the Reasoner chat: lm_head and vision weights, a K/V cache of {serving.chat_rows} x "
+             f"{serving.chat_context} tokens", "--chat-max-batch (0: no chat) or --chat-context"),
     ]
 
 

@@ -35,7 +35,12 @@ def loaded_itemsize(name: str, itemsize: int, floating: bool, dtype_bytes: int) 
 
 def safetensors_bytes(files: list[Path], *, dtype_bytes: int = 2) -> int:
     """Bytes the tensors of `files` take once loaded (`loaded_itemsize`), from their headers alone."""
-    total = 0
+    return sum(tensor_bytes(files, dtype_bytes=dtype_bytes).values())
+
+
+def tensor_bytes(files: list[Path], *, dtype_bytes: int = 2) -> dict[str, int]:
+    """Each tensor's bytes once loaded (`loaded_itemsize`), by key, from the files' headers alone."""
+    out: dict[str, int] = {}
     for f in files:
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
@@ -46,9 +51,9 @@ def safetensors_bytes(files: list[Path], *, dtype_bytes: int = 2) -> int:
             if name == "__metadata__":
                 continue
             size = DTYPE_BYTES.get(info["dtype"], 4)
-            total += math.prod(info["shape"]) * loaded_itemsize(name, size, info["dtype"] in FLOAT_DTYPES,
-                                                                dtype_bytes)
-    return total
+            out[name] = math.prod(info["shape"]) * loaded_itemsize(name, size, info["dtype"] in FLOAT_DTYPES,
+                                                                   dtype_bytes)
+    return out
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -101,10 +106,38 @@ def checkpoint_memory(root: Path) -> ModelMemory:
         recipe = json.loads((folder / "recipe.json").read_text()).get("recipe", {}).get("name")
     vae = next((c for c in (root / "vae", root.parent / "vae") if (c / "config.json").is_file()), None)
     vae_bytes = safetensors_bytes(_weight_files(vae)) if vae is not None else 0
-    tokenizer = any((c / n).is_file() for c in (root / "tokenizer", root, root.parent / "tokenizer")
-                    for n in ("tokenizer.json", "tokenizer_config.json"))
-    return ModelMemory(cfg, safetensors_bytes(_weight_files(folder)), vae_bytes, recipe,
-                       generation=vae is not None and tokenizer)
+    tokenizers = [c for c in (root / "tokenizer", root, root.parent / "tokenizer")
+                  if (c / "tokenizer.json").is_file() or (c / "tokenizer_config.json").is_file()]
+    sizes = tensor_bytes(_weight_files(folder))
+    head = sum(sizes.pop(k) for k in ("lm_head.weight", "model.lm_head.weight") if k in sizes)  # not the engine's
+    return ModelMemory(cfg, sum(sizes.values()), vae_bytes, recipe, generation=vae is not None and bool(tokenizers),
+                       chat_bytes=_chat_weights(root, head, tokenizers))
+
+
+def _chat_weights(root: Path, head: int, tokenizers: list[Path]) -> int:
+    """The Reasoner chat's own weights (lm_head, the vision tower) when the server will chat (`reasoner_of`: an
+    lm_head and a tokenizer with a chat template), else 0."""
+    templated = any((t / "chat_template.jinja").is_file() or (t / "chat_template.json").is_file()
+                    or "chat_template" in _json(t / "tokenizer_config.json") for t in tokenizers)
+    if not templated:
+        return 0
+    from ..reasoner.load import LM_HEAD_KEYS, vision_parts, weight_files
+
+    files = weight_files(root)
+    if not head:
+        head = sum(tensor_bytes(sorted({files[k] for k in LM_HEAD_KEYS if k in files})).get(k, 0)
+                   for k in LM_HEAD_KEYS)
+    if not head:
+        return 0
+    parts = vision_parts(root, files)
+    return head + (safetensors_bytes(parts[1]) if parts is not None else 0)
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def model_memory(name: str) -> ModelMemory:
@@ -139,7 +172,8 @@ def serving_memory(config: ServeConfig, *, max_batch: int | None, max_video_pixe
     widths = config.prompt_widths or tuple(sorted({up(128 + 128), up(128 + config.max_prompt_tokens)}))
     # The prefix caches: a GiB unless given (about 30 Nano prompts of 150 tokens, and their padded copies)
     return ServingMemory(max_batch=max_batch, widths=widths, grouped_buffers=grouped_buffers,
-                         max_video_pixels=max_video_pixels, prefix_cache_bytes=config.kv_cache_bytes or GIB)
+                         max_video_pixels=max_video_pixels, prefix_cache_bytes=config.kv_cache_bytes or GIB,
+                         chat_rows=config.chat_max_batch, chat_context=config.chat_context)
 
 
 def make_plan(config: ServeConfig, device: str, *, model: ModelMemory | None = None,
