@@ -154,6 +154,18 @@ class GraphCache:
                 self.entries.move_to_end(k)
             return chunks
 
+    def compatible_entry(self, key: GraphKey) -> tuple[GraphKey, CapturedGraph] | None:
+        """`compatible`, with its entry held: a background capture may evict the bucket before it replays."""
+        with self._lock:
+            found = self.compatible(key)
+            return None if found is None else (found, self.entries[found])
+
+    def split_entries(self, key: GraphKey) -> list[tuple[int, GraphKey, CapturedGraph]] | None:
+        """`split`, with each bucket's entry held."""
+        with self._lock:
+            chunks = self.split(key)
+            return None if chunks is None else [(n, k, self.entries[k]) for n, k in chunks]
+
     def add(self, key: GraphKey, entry: CapturedGraph) -> None:
         with self._lock:
             self.entries[key] = entry

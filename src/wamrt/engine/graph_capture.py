@@ -96,10 +96,10 @@ class GraphCapture:
         # An isolated request never runs on a wider or larger graph: its bits would depend on what was captured.
         reuse = self.reuse_compatible_graphs and exact is not None and not self.config.isolate_requests
         if reuse:
-            larger = self.graphs.compatible(key)
+            larger = self.graphs.compatible_entry(key)
             if larger is not None:
                 self.graphs.count("wider", n)
-                return self._replay_fitted(larger, x_v, x_a, static, *exact)
+                return self._replay_fitted(*larger, x_v, x_a, static, *exact)
         if self._captures_on_request():
             cause = "warmup" if self._in_warmup else "request"
             entry = self._capture_timed(key, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts,
@@ -112,14 +112,15 @@ class GraphCapture:
         if exact is not None:
             self.want_bucket(self._ladder_key(key), LoopInputs(x_v, x_a, static, *exact, plan, timesteps, cfg_steps,
                                                                 opts, raw_dim))
-        chunks = self.graphs.split(key) if reuse else None
+        chunks = self.graphs.split_entries(key) if reuse else None
         if chunks is not None:
             self.graphs.count("split", n)
             inputs = LoopInputs(x_v, x_a, static, *exact, plan, timesteps, cfg_steps, opts, raw_dim)  # type: ignore[misc]
             outs, start = [], 0
-            for rows, bucket in chunks:
+            for rows, bucket, entry in chunks:
                 part = inputs.rows(start, start + rows)
-                outs.append(self._replay_fitted(bucket, part.x_v, part.x_a, part.static, part.conds, part.unconds))
+                outs.append(self._replay_fitted(bucket, entry, part.x_v, part.x_a, part.static, part.conds,
+                                                part.unconds))
                 start += rows
             return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
         self.graphs.count("eager", n)
@@ -142,12 +143,11 @@ class GraphCapture:
                                        p.opts, p.raw_dim))
         return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
-    def _replay_fitted(self, key: GraphKey, x_v, x_a, static: dict, conds: list[BatchBranch],
+    def _replay_fitted(self, key: GraphKey, entry: CapturedGraph, x_v, x_a, static: dict, conds: list[BatchBranch],
                        unconds: list[BatchBranch]):
+        """Replay `entry` (held: even if evicted meanwhile) with the batch grown and padded to its bucket `key`."""
         n = x_v.shape[0]
         x_v, x_a, static, conds, unconds = self._fit_rows(key, x_v, x_a, static, conds, unconds)
-        entry = self.graphs.get(key)
-        assert entry is not None, "a bucket found in the cache was evicted before its replay"  # only this thread adds
         out = self._replay_entry(entry, x_v, x_a, static, conds, unconds)
         return out[0][:n], out[1][:n]
 
