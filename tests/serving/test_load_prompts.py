@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from oracle.fake_policy import FakePolicy
+from oracle.graph_standin import record_by_rerun
 
 from wamrt.bench.load import plan_lanes, run_load
 from wamrt.bench.prompts import MIXED_INSTRUCTIONS, load_prompts
@@ -112,25 +113,12 @@ def test_bench_load_prompt_file_by_request_count(tmp_path, obs: dict[str, Any],
     assert "not a file" in capsys.readouterr().err
 
 
-class _Rerun:
-    """A CUDA graph's stand-in on the CPU (as in tests/engine/test_engine_cpu.py): replay re-runs the closure."""
-
-    def __init__(self, run, outputs) -> None:
-        self.run, self.outputs = run, outputs
-
-    def replay(self) -> None:
-        for dst, src in zip(self.outputs, self.run(), strict=True):
-            dst.copy_(src)
-
-
 def _graph_engine(policy: Any, **kw: Any) -> Any:
     from wamrt.engine import Engine, EngineConfig
 
     class RerunGraphEngine(Engine):
         def _record(self, entry, run):
-            outputs = run()
-            entry.graph = _Rerun(run, outputs)
-            return outputs
+            return record_by_rerun(entry, run)
 
     engine = RerunGraphEngine.from_policy(policy, EngineConfig(**ServeConfig(**kw).engine_settings("cpu")))
     engine.config = replace(engine.config, cuda_graph=True)  # the graph path (and its warm-up), minus the GPU
