@@ -251,14 +251,16 @@ class GraphCapture:
         return self.kv_arena.elements([stretch(seqs) for seqs in kinds])
 
     def _warm(self, run) -> None:
-        """Run the loop twice on a side stream (compile, autotune, cuDNN plan selection happen here, not in capture).
+        """Run the loop on a side stream (compile, autotune, cuDNN plan selection happen here, not in capture): twice
+        before the engine's first capture (the process's lazy initialisations), once before later ones (a new shape
+        compiles and picks its kernels on its first run; a second is ~5 s of GPU time at Nano batch 8).
         (CUDA-specific: nothing to warm on the CPU, where tests stand in for the capture.)"""
         if self.device.type != "cuda":
             return
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):
+            for _ in range(2 if self.graphs.captures == 0 else 1):
                 run()
         torch.cuda.current_stream(self.device).wait_stream(side)
 
