@@ -184,7 +184,6 @@ for spec in "$@"; do
               | grep -v 'UserWarning\|exe_args' | tee -a "$res/log.txt"
           fi
           serve_plan "$label" "$model" "$gib" 8767 "$lanes" ${PLAN_SERVE_ARGS:-}
-          # what the rows leave out: the 8-lane row when the part ran short (see log.txt)
           python3 -m wamrt.bench.load_plan "$res" 2>&1 | tee -a "$res/log.txt" ;;
     load-plan-i2v) # Issue 40: the 80 GiB server with an i2v job (480x832, 33 frames, 35 steps) beside 1 lane; the job
           # size is a flag (the plan's own default leaves generation less than that job's worst-shape estimate).
