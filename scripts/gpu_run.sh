@@ -45,6 +45,7 @@
 #   24 GiB), `load-plan-fp8-24` (Nano gen-fp8+reasoner-w8, 24 GiB), 1 and 4 lanes; `load-plan-i2v` (Nano, 80 GiB, an i2v
 #   job beside 1 lane; needs PyAV). PLAN_MODEL / GPU_MEMORY / PLAN_LANES / PLAN_LATENCY / PLAN_SERVE_ARGS override them
 #   (the CPU dry run: PLAN_MODEL=tiny-droid LATENCY_ARGS="--model tiny-qwen --tiny-vae --device cpu").
+#   `graph-tests`: tests/engine/test_graph_memory_gpu.py (the shared pool against the allocator, background captures).
 # `world-serve` (same wheels, plus PyAV for the MP4 replies): policy lanes with and without back-to-back i2v jobs
 #   on the same server; ROW_SECONDS (default 50) per row, the whole part fits WORLD_SERVE_BUDGET (default 480 s);
 #   STEP_SEGMENTS sets the server's --generation-step-segments (default 12).
@@ -323,6 +324,9 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
           timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_epilogues.py \
              tests/engine/test_vae_encode.py 2>&1 | tail -20 | tee -a "$res/log.txt" ;;
     world-tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_world_engine_gpu.py tests/engine/test_vae_decode.py \
+             2>&1 | tee "$res/log.txt" ;;
+    graph-tests) # Issue 40: one pool near the largest graph, /metrics = the allocator, background captures under load
+          timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_graph_memory_gpu.py \
              2>&1 | tee "$res/log.txt" ;;
     tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engine/test_engine_gpu.py tests/engine/test_bucket_attention.py tests/sampler 2>&1 \
              | tee "$res/log.txt" ;;
