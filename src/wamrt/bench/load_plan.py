@@ -27,6 +27,12 @@ def device_peak_gib(csv: Path) -> float | None:
     return round(max(used) / 1024, 2) if used else None
 
 
+def _most(rows: dict[str, dict[str, Any]], field: str) -> Any:
+    """The largest value of `field` over the rows; None when no row has one (a server without that metric)."""
+    values = [r[field] for r in rows.values() if r.get(field) is not None]
+    return max(values) if values else None
+
+
 def bars(folder: Path) -> dict[str, Any]:
     rows: dict[str, dict[str, dict[str, Any]]] = {}
     for f in sorted(folder.glob("*.json")):
@@ -44,12 +50,10 @@ def bars(folder: Path) -> dict[str, Any]:
         got: dict[str, Any] = {
             "gpu_memory_cap_gib": one.get("gpu_memory_cap_gib"), "warmup_s": one.get("warmup_s"),
             "graph_ladder_s": one.get("graph_ladder_s"),
-            "graph_captures_after_warmup": max((r.get("graph_captures_after_warmup") or 0 for r in by_lanes.values()),
-                                               default=None),
-            "requests_waited_on_capture": sum(r.get("requests_waited_on_capture") or 0 for r in by_lanes.values()),
+            "graph_captures_after_warmup": _most(by_lanes, "graph_captures_after_warmup"),
+            "requests_waited_on_capture": _most(by_lanes, "requests_waited_on_capture"),
             "errors": {n: r.get("errors") for n, r in by_lanes.items() if r.get("errors")},
-            "peak_gpu_gib": max((r["peak_gpu_gib"] for r in by_lanes.values() if r.get("peak_gpu_gib") is not None),
-                                default=None),
+            "peak_gpu_gib": _most(by_lanes, "peak_gpu_gib"),
             "device_peak_gib": device_peak_gib(folder / f"{label}-gpu-memory.csv"),
             "p50_ms": {n: r.get("p50_ms") for n, r in by_lanes.items()},
             "p99_ms": {n: r.get("p99_ms") for n, r in by_lanes.items()},
