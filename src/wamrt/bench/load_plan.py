@@ -33,6 +33,11 @@ def _most(rows: dict[str, dict[str, Any]], field: str) -> Any:
     return max(values) if values else None
 
 
+def _total(rows: dict[str, dict[str, Any]], field: str) -> Any:
+    values = [r[field] for r in rows.values() if r.get(field) is not None]
+    return sum(values) if values else None
+
+
 def bars(folder: Path) -> dict[str, Any]:
     rows: dict[str, dict[str, dict[str, Any]]] = {}
     for f in sorted(folder.glob("*.json")):
@@ -51,7 +56,7 @@ def bars(folder: Path) -> dict[str, Any]:
             "gpu_memory_cap_gib": one.get("gpu_memory_cap_gib"), "warmup_s": one.get("warmup_s"),
             "graph_ladder_s": one.get("graph_ladder_s"),
             "graph_captures_after_warmup": _most(by_lanes, "graph_captures_after_warmup"),
-            "requests_waited_on_capture": _most(by_lanes, "requests_waited_on_capture"),
+            "requests_waited_on_capture": _total(by_lanes, "requests_waited_on_capture"),
             "errors": {n: r.get("errors") for n, r in by_lanes.items() if r.get("errors")},
             "peak_gpu_gib": _most(by_lanes, "peak_gpu_gib"),
             "device_peak_gib": device_peak_gib(folder / f"{label}-gpu-memory.csv"),
