@@ -52,7 +52,7 @@ def test_a_missing_or_empty_checkpoint_folder_fails_before_loading(no_loading, c
     assert "--model" in _one_line(capsys.readouterr().err)
     (tmp_path / "transformer").mkdir()
     assert main(["serve", "--model", str(tmp_path)]) == 2
-    assert "no config.json" in _one_line(capsys.readouterr().err)
+    assert "no transformer" in _one_line(capsys.readouterr().err)
     assert main(["serve", "--model", "random:nano@no-such-recipe"]) == 2
     assert "unknown recipe" in _one_line(capsys.readouterr().err)
     assert no_loading == []

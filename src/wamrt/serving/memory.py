@@ -93,62 +93,51 @@ def random_model_memory(spec: str) -> ModelMemory:
     return ModelMemory(cfg, _meta_bytes(model, 2), _meta_bytes(vae, 2), recipe or None)
 
 
-def checkpoint_memory(root: Path) -> ModelMemory:
-    """A checkpoint folder (a pipeline root with transformer/ and vae/, or a transformer folder; a `wamrt quantize`
-    artifact included), from its config and safetensors headers."""
-    from ..model import resolve_transformer_folder
+def checkpoint_memory(root: Path, *, tokenizer: str | None = None, vae: str | None = None) -> ModelMemory:
+    """A checkpoint folder of any layout `pipeline.layout.resolve_layout` reads (a `wamrt quantize` artifact
+    included), from its configs and safetensors headers; `tokenizer` / `vae` as `--tokenizer` / `--vae`."""
     from ..model.checkpoint import read_config
+    from ..pipeline.layout import resolve_layout
 
-    folder = resolve_transformer_folder(root)
-    cfg = read_config(folder)
+    layout = resolve_layout(root, tokenizer=tokenizer, vae=vae)
+    cfg = read_config(layout.transformer)
     recipe = None
-    if (folder / "recipe.json").is_file():
-        recipe = json.loads((folder / "recipe.json").read_text()).get("recipe", {}).get("name")
-    vae = next((c for c in (root / "vae", root.parent / "vae") if (c / "config.json").is_file()), None)
-    vae_bytes = safetensors_bytes(_weight_files(vae)) if vae is not None else 0
-    tokenizers = [c for c in (root / "tokenizer", root, root.parent / "tokenizer")
-                  if (c / "tokenizer.json").is_file() or (c / "tokenizer_config.json").is_file()]
-    sizes = tensor_bytes(_weight_files(folder))
-    head = sum(sizes.pop(k) for k in ("lm_head.weight", "model.lm_head.weight") if k in sizes)  # not the engine's
-    return ModelMemory(cfg, sum(sizes.values()), vae_bytes, recipe, generation=vae is not None and bool(tokenizers),
-                       chat_bytes=_chat_weights(root, head, tokenizers))
+    if layout.quantized is not None:
+        recipe = json.loads((layout.quantized / "recipe.json").read_text()).get("recipe", {}).get("name")
+        files = _weight_files(layout.quantized)
+    else:
+        files = sorted(set((layout.transformer_weights() or {}).values()))
+    sizes = tensor_bytes(files)
+    head = sum(sizes.pop(k) for k in list(sizes) if k.removeprefix("transformer.") in LM_HEAD_KEYS)  # not the engine's
+    vae_bytes = safetensors_bytes(_weight_files(layout.vae)) if layout.vae is not None else 0
+    chat = 0
+    if head and layout.tokenizer is not None and _has_chat_template(layout.tokenizer):
+        vision = sorted(set(layout.vision_encoder_weights().values()))
+        chat = head + (safetensors_bytes(vision) if vision else 0)
+    return ModelMemory(cfg, sum(sizes.values()), vae_bytes, recipe,
+                       generation=layout.vae is not None and layout.tokenizer is not None, chat_bytes=chat)
 
 
-def _chat_weights(root: Path, head: int, tokenizers: list[Path]) -> int:
-    """The Reasoner chat's own weights (lm_head, the vision tower) when the server will chat (`reasoner_of`: an
-    lm_head and a tokenizer with a chat template), else 0."""
-    templated = any((t / "chat_template.jinja").is_file() or (t / "chat_template.json").is_file()
-                    or "chat_template" in _json(t / "tokenizer_config.json") for t in tokenizers)
-    if not templated:
-        return 0
-    from ..reasoner.load import LM_HEAD_KEYS, vision_parts, weight_files
-
-    files = weight_files(root)
-    if not head:
-        head = sum(tensor_bytes(sorted({files[k] for k in LM_HEAD_KEYS if k in files})).get(k, 0)
-                   for k in LM_HEAD_KEYS)
-    if not head:
-        return 0
-    parts = vision_parts(root, files)
-    return head + (safetensors_bytes(parts[1]) if parts is not None else 0)
+LM_HEAD_KEYS = ("lm_head.weight", "model.lm_head.weight")  # reasoner.load.LM_HEAD_KEYS
 
 
-def _json(path: Path) -> dict[str, Any]:
+def _has_chat_template(tokenizer: Path) -> bool:
+    """The tokenizer folder carries a chat template (what `reasoner_of` needs to serve chat)."""
+    if (tokenizer / "chat_template.jinja").is_file() or (tokenizer / "chat_template.json").is_file():
+        return True
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
+        config = json.loads((tokenizer / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
-        return {}
+        return False
+    return isinstance(config, dict) and "chat_template" in config
 
 
-def model_memory(name: str) -> ModelMemory:
-    from ..pipeline.builtin import BUILTIN_MODELS, builtin_path
-    from ..pipeline.policy import TRAINED_MODELS, trained_path
+def model_memory(name: str, *, tokenizer: str | None = None, vae: str | None = None) -> ModelMemory:
+    from ..pipeline.policy import checkpoint_root
 
     if name.startswith("random:"):
         return random_model_memory(name)
-    if name in BUILTIN_MODELS:
-        return checkpoint_memory(builtin_path(name))
-    return checkpoint_memory(trained_path(name) if name in TRAINED_MODELS else Path(name))
+    return checkpoint_memory(checkpoint_root(name), tokenizer=tokenizer, vae=vae)
 
 
 def device_memory(device: str) -> int:
@@ -176,10 +165,10 @@ def serving_memory(config: ServeConfig, *, max_batch: int | None, max_video_pixe
                          chat_rows=config.chat_max_batch, chat_context=config.chat_context)
 
 
-def make_plan(config: ServeConfig, device: str, *, model: ModelMemory | None = None,
-              max_batch: int | None = None, max_video_pixels: int | None = None) -> MemoryPlan:
+def make_plan(config: ServeConfig, device: str, *, model: ModelMemory | None = None, max_batch: int | None = None,
+              max_video_pixels: int | None = None, tokenizer: str | None = None, vae: str | None = None) -> MemoryPlan:
     """The plan for serving `config.model_name` on `device` (raises `MemoryPlanError`, naming the part)."""
-    model = model or model_memory(config.model_name)
+    model = model or model_memory(config.model_name, tokenizer=tokenizer, vae=vae)
     total = device_memory(device)
     capacity = int(config.gpu_memory_gib * GIB) if config.gpu_memory_gib else total
     if not capacity:

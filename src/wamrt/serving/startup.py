@@ -26,10 +26,12 @@ class StartupError(Exception):
     """A startup failure, said in one line that names the flag or the file."""
 
 
-def check_model(name: str) -> None:
-    """The checkpoint folder exists and holds a config (or `name` is a built-in / random model), before loading."""
-    from ..model import get_config
+def check_model(name: str, *, tokenizer: str | None = None, vae: str | None = None) -> None:
+    """The checkpoint folder exists and holds what it must (`pipeline.layout.resolve_layout`: a transformer config
+    and weights, a tokenizer, a VAE), or `name` is a built-in / random model: before anything loads."""
+    from ..model import CheckpointError, get_config
     from ..pipeline.builtin import BUILTIN_MODELS
+    from ..pipeline.layout import resolve_layout
     from ..pipeline.policy import TRAINED_MODELS
 
     if name.startswith("random:"):
@@ -46,16 +48,16 @@ def check_model(name: str) -> None:
         return
     if name in BUILTIN_MODELS or name in TRAINED_MODELS:
         return
-    root = Path(name)
-    if not root.exists():
+    if not Path(name).exists():
         raise StartupError(f"--model {name}: no such folder (built-in models: {', '.join(BUILTIN_MODELS)}, "
                            "random:SIZE)")
-    if not root.is_dir():
-        raise StartupError(f"--model {name}: not a folder (a checkpoint is a folder with config.json)")
-    configs = [root / "config.json", root / "transformer" / "config.json"]
-    if not any(c.is_file() for c in configs):
-        raise StartupError(f"--model {name}: no config.json there nor in {root / 'transformer'} (a diffusers "
-                           "pipeline folder, a transformer folder, or a `wamrt quantize` artifact)")
+    try:
+        layout = resolve_layout(name, tokenizer=tokenizer, vae=vae)
+        layout.require_tokenizer()
+        layout.require_vae()
+    except CheckpointError as exc:
+        flag = {"tokenizer": "--tokenizer", "vae": "--vae"}.get(getattr(exc, "field", None) or "", "--model")
+        raise StartupError(f"{f'--model {name}' if flag == '--model' else flag}: {exc}") from None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -91,7 +93,8 @@ def plan_memory(args: argparse.Namespace, config: ServeConfig, device: str) -> M
     if not device.startswith("cuda") and config.gpu_memory_gib is None:
         return None
     try:
-        plan = make_plan(config, device, max_batch=args.max_batch, max_video_pixels=args.max_video_pixels)
+        plan = make_plan(config, device, max_batch=args.max_batch, max_video_pixels=args.max_video_pixels,
+                         tokenizer=getattr(args, "tokenizer", None), vae=getattr(args, "vae", None))
     except MemoryPlanError as exc:
         raise StartupError(f"memory plan: {exc}") from None
     except (OSError, ValueError) as exc:  # an unreadable checkpoint header
@@ -114,7 +117,7 @@ def print_plan(args: argparse.Namespace, config: ServeConfig) -> int:
     import sys
 
     try:
-        check_model(config.model_name)
+        check_model(config.model_name, tokenizer=getattr(args, "tokenizer", None), vae=getattr(args, "vae", None))
         device = resolve_device(args.device)
         plan = plan_memory(args, config, device)
     except StartupError as exc:
@@ -174,7 +177,7 @@ def load(args: argparse.Namespace, config: ServeConfig) -> tuple[Any, socket.soc
     from ..pipeline.policy import load_policy
 
     t0 = time.monotonic()
-    check_model(config.model_name)
+    check_model(config.model_name, tokenizer=getattr(args, "tokenizer", None), vae=getattr(args, "vae", None))
     sock = bind(config.host, config.port)
     try:
         device = resolve_device(args.device)
