@@ -174,6 +174,8 @@ def build_engine(policy: Any, config: ServeConfig, device: str) -> Any:
 def load(args: argparse.Namespace, config: ServeConfig) -> tuple[Any, socket.socket, dict[str, Any]]:
     """Everything before the app: checks, the port, the plan, the weights, the engine. Returns the policy (or
     engine), the bound socket and what the summary line reports. Raises StartupError."""
+    from ..model import CheckpointError
+    from ..pipeline.errors import RequestError
     from ..pipeline.policy import load_policy
 
     t0 = time.monotonic()
@@ -185,6 +187,8 @@ def load(args: argparse.Namespace, config: ServeConfig) -> tuple[Any, socket.soc
         try:
             policy = load_policy(args.model, device=device, tokenizer=getattr(args, "tokenizer", None),
                                  vae=getattr(args, "vae", None))
+        except (RequestError, CheckpointError) as exc:  # they name their file or field already
+            raise StartupError(str(exc)) from None
         except Exception as exc:  # noqa: BLE001  # one line naming the flag; the traceback goes to the debug log
             log.debug("loading %s failed", args.model, exc_info=True)
             raise StartupError(f"--model {args.model}: cannot load it: {type(exc).__name__}: "
