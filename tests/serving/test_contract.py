@@ -102,7 +102,7 @@ def test_readyz_waits_for_warm_up(obs: dict[str, Any]) -> None:
         while httpx.get(url + "/readyz").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.05)
         ready = httpx.get(url + "/readyz").json()
-        assert ready == {"ready": True, "queue_depth": 0, "warmup": {"seconds": ready["warmup"]["seconds"]}}
+        assert ready == {"ready": True, "warmup": {"seconds": ready["warmup"]["seconds"]}}  # no queue, no errors
         assert ready["warmup"]["seconds"] >= 1.0  # the warm-up request's second, reported (no graphs to capture)
         assert policy.calls[:1] == [1]  # the warm-up went through the real engine path
     finally:

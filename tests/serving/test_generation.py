@@ -509,7 +509,7 @@ def test_policy_latency_with_and_without_generation(world_server: ServerThread) 
             with httpx.Client(base_url=url, timeout=120) as gen:
                 while not stop.is_set():
                     r = gen.post("/v1/videos/sync", data=job)
-                    (done if r.status_code == 200 else errors).append(r.status_code)
+                    (done if r.status_code == 200 else errors).append((r.status_code, r.text[:300]))
 
         lane = threading.Thread(target=generation_lane)
         segment_before, jobs_before = worker.segment_max_ms, worker.jobs_run

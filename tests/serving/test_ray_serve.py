@@ -48,7 +48,8 @@ def endpoint(tmp_path_factory):
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
                  configure_logging=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = ServeConfig(max_batch=4, warmup_requests=0, model_name="tiny-droid")
+        # max_policy_steps: the 150-step requests below (default: 4 x the checkpoint's 4)
+        config = ServeConfig(max_batch=4, warmup_requests=0, model_name="tiny-droid", max_policy_steps=150)
         opts = deployment_options(replicas=2, gpus_per_replica=0, cpus_per_replica=1, max_batch=4)
         serve.run(application("tiny-droid", device="cpu", serve_config=config, **opts), name="wamrt",
                   route_prefix="/")

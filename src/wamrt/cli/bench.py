@@ -36,6 +36,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         ("parallel", _parallel, "latency on 2 GPUs: --parallel cfg (vs one GPU) or tp (Super); --world: t2v steps/s "
                                 "over 1-8 GPUs (cfg, ulysses, cfg+ulysses)"),
         ("load", _load, "closed-loop websocket lanes against a loopback server"),
+        ("soak", _soak, "a tiny server in its own process under mixed good, bad and abandoned traffic: 5xx, RSS "
+                        "growth, policy p99 with vs without the bad traffic (CPU)"),
         ("waterfall", _waterfall, "one chart from committed latency result files (rows of several runs, each "
                                   "labelled with its commit)"),
         ("timeline", _timeline, "a saved --trace request's GPU timeline: busy, idle, segments, gaps"),
@@ -307,3 +309,15 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
+def _soak(ap: argparse.ArgumentParser) -> None:
+    # Defaults repeat bench.soak's (DEFAULT_SERVE); the runner is imported when the command runs.
+    serve = "--model tiny-world --device cpu --steps 1 --max-batch 4"
+    ap.add_argument("--requests", type=int, default=10_000, help="requests of the mixed phase")
+    ap.add_argument("--baseline", type=int, default=None,
+                    help="requests of the baseline (the mix without its bad kinds; default: a tenth of --requests, "
+                         ">= 100)")
+    ap.add_argument("--clients", type=int, default=2, help="closed-loop clients (1-8)")
+    ap.add_argument("--serve", default=serve, metavar="FLAGS",
+                    help=f"`wamrt serve` flags of the server under test (default: {serve})")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the clients' draws from the mix")
+    ap.add_argument("--out", default=None, help="write the kind: soak JSON result here")

@@ -19,6 +19,7 @@ COMMAND_EXTRAS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("serve",): ("server",),
     ("generate",): ("server",),
     ("bench", "load"): ("server",),
+    ("bench", "soak"): ("server",),
     ("demo",): ("server", "sim"),
     ("rollout",): ("sim",),
     ("eval", "gate"): ("sim",),

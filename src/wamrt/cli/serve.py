@@ -38,7 +38,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="print the memory plan (or the part that does not fit) and exit, loading nothing")
     ap.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS, metavar="TOKENS",
                     help="the longest instruction accepted, in tokens (longer: invalid_request naming prompt); graphs "
-                         f"are captured for instructions up to this long (default {MAX_PROMPT_TOKENS}; 0: no limit)")
+                         f"are captured for instructions up to this long (default {MAX_PROMPT_TOKENS})")
     ap.add_argument("--capture-on-request", action="store_true",
                     help="a batch whose CUDA graph is missing waits for its capture (7-35 s at Nano) instead of "
                          "running on other graphs or uncaptured while it is captured in the background")
@@ -125,6 +125,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-replicas", type=int, default=None,
                     help="with --ray: autoscale between --replicas and this on ongoing requests per replica "
                          "(default: no autoscaling)")
+    add_limit_arguments(ap)
     ap.add_argument("--added-latency-ms", type=float, default=0.0, metavar="MS",
                     help="hold every policy reply back this long (a small model at a large one's latency)")
     ap.add_argument("--log-level", default="info", type=str.lower,
@@ -132,3 +133,37 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-format", default="text", choices=["text", "json"],
                     help="json: one JSON object per line (ts, level, logger, message; request lines add surface, "
                          "request_id, model, batch_size, latency_ms, outcome, status)")
+
+
+# Request and connection bounds (serving/limits.py, connections.py; docs/serving.md "Limits and threat model"):
+# flag -> (ServeConfig field, type, default, help). None = derived from the served model.
+LIMIT_FLAGS: dict[str, tuple[str, type, float | int | None, str]] = {
+    "--max-generation-prompt-tokens": ("max_generation_prompt_tokens", int, 1024,
+                                       "a world generation prompt's or negative prompt's tokens (chat template "
+                                       "included)"),
+    "--max-policy-steps": ("max_policy_steps", int, None, "denoising steps one policy / dynamics request may ask for "
+                           "(default: 4 x the checkpoint's, or --steps)"),
+    "--max-image-pixels": ("max_image_pixels", int, 3840 * 2160,
+                           "one decoded picture: a view, a conditioning image or video frame"),
+    "--max-step-ms": ("max_step_ms", float, None, "world generation: the estimated time of one denoising step "
+                      "(default: 250 ms, x --generation-step-segments on CUDA)"),
+    "--max-job-s": ("max_job_s", float, 900.0, "world generation: the estimated device time of one job"),
+    "--body-timeout-s": ("body_timeout_s", float, 60.0, "a request body must arrive within this (else 408)"),
+    "--header-timeout-s": ("header_timeout_s", float, 10.0, "a request head must arrive within this (else closed)"),
+    "--keep-alive-s": ("keep_alive_s", float, 5.0, "an idle keep-alive connection is closed after this"),
+    "--ws-ping-s": ("ws_ping_s", float, 20.0, "websocket ping interval; a pong later than this closes the socket"),
+    "--ws-idle-s": ("ws_idle_s", float, 600.0, "a websocket without a message for this long is closed (1001)"),
+    "--max-connections": ("max_connections", int, 1024,
+                          "open connections, HTTP and websocket (past it: 429 and closed)"),
+    "--shutdown-grace-s": ("shutdown_grace_s", float, 10.0,
+                           "SIGTERM: accepted work finishes and the process exits within this"),
+    "--ready-stall-s": ("ready_stall_s", float, 60.0,
+                        "/readyz turns 503 while a batch or a generation segment has held the engine this long"),
+}
+
+
+def add_limit_arguments(ap: argparse.ArgumentParser) -> None:
+    group = ap.add_argument_group("limits", "per-request and connection bounds; see docs/serving.md")
+    for flag, (dest, kind, default, text) in LIMIT_FLAGS.items():
+        group.add_argument(flag, dest=dest, type=kind, default=default,
+                           help=f"{text} (default {'derived' if default is None else default})")

@@ -23,6 +23,7 @@ import msgpack
 import numpy as np
 
 MAX_DIMS = 8
+MAX_IMAGE_PIXELS = 3840 * 2160  # one decoded PNG/JPEG, read from its header before decoding (4K UHD)
 # Tuples are sequences on the wire; numbers stay numbers. Anything else is refused, never pickled.
 _ALLOWED_KINDS = "biuf"
 
@@ -138,11 +139,12 @@ def unpackb(data: bytes, *, max_bytes: int | None = None) -> Any:
 
 # --- JSON ------------------------------------------------------------------------------------------
 
-def json_array(value: Any, field: str) -> Any:
+def json_array(value: Any, field: str, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
     """One JSON value of an observation -> numpy where it is an array.
 
     `{"b64": ..., "dtype": "uint8", "shape": [H, W, 3]}` is raw bytes when the size matches the shape,
-    else an encoded PNG/JPEG; nested lists become arrays; strings and numbers pass through.
+    else an encoded PNG/JPEG (of at most `max_pixels`); nested lists become arrays; strings and numbers pass
+    through.
     """
     if isinstance(value, dict) and "b64" in value:
         try:
@@ -154,7 +156,7 @@ def json_array(value: Any, field: str) -> Any:
             shape = _shape(value["shape"])
             if len(raw) == math.prod(shape) * dtype.itemsize:
                 return _array(raw, dtype, shape)
-        return _decode_image(raw, field)
+        return decode_image(raw, field, max_pixels)
     if isinstance(value, list):
         try:
             arr = np.asarray(value)
@@ -166,15 +168,23 @@ def json_array(value: Any, field: str) -> Any:
     return value
 
 
-def _decode_image(raw: bytes, field: str) -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError
+def decode_image(raw: bytes, field: str, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
+    """PNG/JPEG bytes -> uint8 RGB [H, W, 3]. The size comes from the header (`Image.open` reads nothing
+    more) and is checked against `max_pixels` before any pixel is decoded."""
+    from PIL import Image
 
     try:
         with Image.open(io.BytesIO(raw)) as im:
+            w, h = im.size
+            if w * h > max_pixels:
+                raise WireError(f"{w}x{h} = {w * h} pixels is over the {max_pixels}-pixel limit", field=field)
             return np.asarray(im.convert("RGB"))
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise WireError(f"not a PNG/JPEG image and not raw bytes of the given shape ({exc})",
-                        field=field) from exc
+    except WireError:
+        raise
+    except Exception as exc:  # noqa: BLE001  # UnidentifiedImageError, DecompressionBombError, truncated data...
+        # Not Pillow's text: it names the BytesIO by its heap address.
+        raise WireError(f"not a PNG/JPEG image and not raw bytes of the given shape ({type(exc).__name__})",
+                        field=field) from None
 
 
 def to_jsonable(obj: Any) -> Any:

@@ -38,7 +38,9 @@ def build_app(policy: BatchPolicy, config: ServeConfig | None = None) -> ApiKeyM
         finally:
             warm.cancel()
             app.state.video_jobs.cancel_all()
-            await asyncio.get_running_loop().run_in_executor(None, service.stop)
+            # After the drain (connections.DrainingServer) the threads are idle; a stuck one is a daemon and is
+            # not waited for past the grace.
+            await asyncio.get_running_loop().run_in_executor(None, service.stop, config.shutdown_grace_s / 2)
 
     routes = [
         WebSocketRoute("/", openpi_socket),

@@ -93,6 +93,7 @@ class DeviceGate:
         # turns, so the device runs one of the three kinds of work at a time (a CUDA-graph capture on one thread
         # never meets another thread's kernels).
         self._generation_holders = 0
+        self.generation_since: float | None = None  # monotonic start of the background segment holding the device
         self.generation_waits = 0  # segments that waited for policy work (test / metrics hook)
 
     def add_demand(self, n: int) -> None:
@@ -127,11 +128,14 @@ class DeviceGate:
             if cancelled():
                 raise GenerationCancelled("cancelled")
             self._generation_holders += 1
+            self.generation_since = time.monotonic()
             self.generation_waits += waited
 
     def release_generation(self) -> None:
         with self._cond:
             self._generation_holders -= 1
+            if not self._generation_holders:
+                self.generation_since = None
             self._cond.notify_all()
 
 
@@ -153,6 +157,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._stopped = False
         self.in_flight = 0
+        self.running_since: float | None = None  # monotonic start of the batch / task on the engine (readiness)
         self.batches_run = 0
         self._thread = threading.Thread(target=self._worker, name="wamrt-engine", daemon=True)
         self._thread.start()
@@ -236,18 +241,24 @@ class Batcher:
             del batch  # hold no finished job (nor its observation) while waiting for the next one
 
     def _process(self, batch: list[Job]) -> None:
-        now = time.monotonic()
-        live: list[Job] = []
-        for job in batch:
-            if not job.future.set_running_or_notify_cancel():
-                continue  # client left while queued
-            if job.deadline is not None and now > job.deadline:
-                job.future.set_exception(StaleObservation("observation expired while queued"))
-                continue
-            live.append(job)
-        if live:
-            with self.gate.policy():
-                self._run(live, now)
+        # The device first (a generation segment may still hold it), then who is still there: a client that
+        # left meanwhile costs no engine work.
+        with self.gate.policy():
+            now = time.monotonic()
+            live: list[Job] = []
+            for job in batch:
+                if not job.future.set_running_or_notify_cancel():
+                    continue  # client left while queued
+                if job.deadline is not None and now > job.deadline:
+                    job.future.set_exception(StaleObservation("observation expired while queued"))
+                    continue
+                live.append(job)
+            if live:
+                self.running_since = now
+                try:
+                    self._run(live, now)
+                finally:
+                    self.running_since = None
 
     def _run(self, jobs: list[Job], start: float) -> None:
         if jobs[0].task is not None:

@@ -29,10 +29,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..pipeline.errors import RequestError
+from .body import read_body
 from .chat_worker import ChatJob, ChatUpdate
 from .errors import Cancelled, InvalidRequest, NotFound, ServingError
 from .fields import as_float, as_int
-from .http_api import read_body, service_of, until_disconnect
+from .http_api import service_of, until_disconnect
+from .limits import loads_json
 from .logs import log_request
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -218,11 +220,10 @@ async def chat_completions(request: Request) -> Response:
     try:
         if service.chat is None:
             raise InvalidRequest(f"the served checkpoint has no Reasoner chat: {service.reasoner_note}", field="model")
-        try:
-            fields = json.loads(await read_body(request, service.config.max_frame_bytes))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidRequest(f"malformed JSON: {exc}") from exc
-        prompt, params, stream, include_usage = await asyncio.to_thread(parse_chat, fields, service)
+        service.accepting()
+        body = await read_body(request, service.limits)
+        fields = await service.offload(loads_json, body, limits=service.limits)
+        prompt, params, stream, include_usage = await service.offload(parse_chat, fields, service)
         job = ChatJob(prompt, params, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u), rid)
         service.chat.submit(job)
     except Exception as exc:  # noqa: BLE001  # typed, in OpenAI's shape

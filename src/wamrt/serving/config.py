@@ -7,6 +7,7 @@ from typing import Any
 
 from .errors import ServeConfigError
 from .generation_settings import resolve_sampler, warmup_fields
+from .limits import Limits
 
 ATTENTION_CHOICES = ("cudnn", "flash", "efficient", "fa4")
 EPILOGUE_CHOICES = ("inductor", "quack")
@@ -49,7 +50,7 @@ class ServeConfig:
     # EngineConfig.prompt_width: every batch's prefixes padded to at least this many tokens, so the warm-up
     # batches run at this width and capture the graphs every shorter instruction (and any mix) replays.
     prompt_width: int = 0
-    # The longest instruction accepted, in tokens of the served tokenizer (0: no limit); a longer one gets
+    # The longest instruction accepted, in tokens of the served tokenizer (>= 1); a longer one gets
     # invalid_request naming `prompt`, counted before any device work. `wamrt serve` captures its graphs at two
     # prefix widths (EngineConfig.prompt_widths): the caption around an instruction of 128 tokens and around one of
     # this many (`startup.prompt_rungs`), so every accepted instruction has a graph.
@@ -78,6 +79,22 @@ class ServeConfig:
     # Every policy reply held back this long after it is computed (the batch slot is free meanwhile): a small
     # CPU model answering at a large model's latency, for the real-time client's wall-clock runs (issue 41).
     added_latency_ms: float = 0.0
+    # Per-request bounds (limits.py; docs/serving.md "Limits"). None = derived from the served model.
+    max_generation_prompt_tokens: int = 1024  # a world generation prompt's tokens (chat template included)
+    max_policy_steps: int | None = None  # None: 4 x the checkpoint's default steps (or --steps)
+    max_image_pixels: int = 3840 * 2160  # one decoded picture: a view, a conditioning image or video frame
+    max_step_ms: float | None = None  # world generation: estimated denoising step; None: 250 ms per segment
+    max_job_s: float = 900.0  # world generation: estimated device time of one job
+    # Connections (server.py / connections.py): the whole body, the request head, idle keep-alive, websocket
+    # ping interval (= its timeout) and idle time, open connections, SIGTERM drain, a stalled engine for /readyz.
+    body_timeout_s: float = 60.0
+    header_timeout_s: float = 10.0
+    keep_alive_s: float = 5.0
+    ws_ping_s: float = 20.0
+    ws_idle_s: float = 600.0
+    max_connections: int = 1024
+    shutdown_grace_s: float = 10.0
+    ready_stall_s: float = 60.0
     extra_metadata: dict[str, Any] = field(default_factory=dict)
     # The Reasoner's chat (`/v1/chat/completions`, prompt upsampling; serving/chat.py): requests decoded at once (rows
     # of one K/V cache, 0 = no chat), waiting requests before busy, the context (prompt + output tokens) of a row,
@@ -90,7 +107,30 @@ class ServeConfig:
     chat_max_image_pixels: int = 4096 * 4096
     upsample_max_tokens: int = 1024
 
+    def limits(self, default_steps: int | None = None) -> Limits:
+        """The per-request bounds; `default_steps` (the checkpoint's) sizes the default --max-policy-steps."""
+        steps = self.max_policy_steps or 4 * (self.steps or default_steps or 4)
+        return Limits(body_bytes=self.max_frame_bytes, body_timeout_s=self.body_timeout_s,
+                      image_pixels=self.max_image_pixels, instruction_tokens=self.max_prompt_tokens,
+                      prompt_tokens=self.max_generation_prompt_tokens, policy_steps=steps)
+
     def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ServeConfigError("an empty key would accept an empty bearer token; omit the flag to serve "
+                                   "without a key", flag="--api-key")
+        for flag, value in (("--max-prompt-tokens", self.max_prompt_tokens),
+                            ("--max-generation-prompt-tokens", self.max_generation_prompt_tokens), ("--max-image-pixels",
+                            self.max_image_pixels), ("--max-connections", self.max_connections),
+                            ("--max-policy-steps", self.max_policy_steps or 1)):
+            if value < 1:
+                raise ServeConfigError(f"must be >= 1, got {value}", flag=flag)
+        for flag, seconds in (("--max-step-ms", self.max_step_ms or 1.0), ("--max-job-s", self.max_job_s),
+                              ("--body-timeout-s", self.body_timeout_s), ("--header-timeout-s", self.header_timeout_s),
+                              ("--keep-alive-s", self.keep_alive_s), ("--ws-ping-s", self.ws_ping_s),
+                              ("--ws-idle-s", self.ws_idle_s), ("--shutdown-grace-s", self.shutdown_grace_s),
+                              ("--ready-stall-s", self.ready_stall_s)):
+            if not seconds > 0:
+                raise ServeConfigError(f"must be > 0, got {seconds}", flag=flag)
         if self.max_video_pixels < 16 * 16:
             raise ServeConfigError(f"must be >= 256 pixels, got {self.max_video_pixels}", flag="--max-video-pixels")
         if self.max_generation_jobs < 1:
@@ -126,8 +166,6 @@ class ServeConfig:
             up = -(-self.prompt_width // self.prompt_bucket) * self.prompt_bucket
             raise ServeConfigError(f"{self.prompt_width} is not a multiple of --prompt-bucket {self.prompt_bucket} "
                                    f"(a prefix is padded to whole buckets; use {up})", flag="--prompt-width")
-        if self.max_prompt_tokens < 0:
-            raise ServeConfigError(f"must be >= 0 tokens, got {self.max_prompt_tokens}", flag="--max-prompt-tokens")
         if self.gpu_memory_gib is not None and not 0 < self.gpu_memory_gib <= 4096:
             raise ServeConfigError(f"must be in (0, 4096] GiB, got {self.gpu_memory_gib}", flag="--gpu-memory")
         if self.attention not in ATTENTION_CHOICES:

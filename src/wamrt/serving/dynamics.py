@@ -28,6 +28,7 @@ from ..pipeline.errors import RequestError
 from ..pipeline.generic import TIERS, generic_request
 from .errors import InvalidRequest
 from .fields import as_float, as_int
+from .limits import DEFAULT_LIMITS, SAMPLER_RANGES, Limits, check_prompt, loads_json, open_image
 from .media import encode_mp4  # noqa: F401  # re-exported: MP4 encoding lives in media.py
 
 DYNAMICS_MODES = ("forward_dynamics", "inverse_dynamics")
@@ -64,79 +65,86 @@ def _domain(extra: dict[str, Any]) -> str:
     return "droid_lerobot"
 
 
-def decode_video(raw: bytes, name: str, *, first: int | None = None, max_pixels: int | None = None) -> np.ndarray:
-    """MP4 (or any container PyAV reads) -> uint8 [T, H, W, 3]; at most MAX_CHUNK + 1 frames, or with `first` the
-    first that many (decoding stops there); `max_pixels` bounds the pixels of the frames kept, counted before each
-    frame is kept."""
+def decode_video(raw: bytes, name: str, *, max_frames: int = MAX_CHUNK + 1, keep: str = "first",
+                 max_pixels: int | None = None, limits: Limits = DEFAULT_LIMITS) -> np.ndarray:
+    """MP4 (or any container PyAV reads) -> uint8 [T, H, W, 3], decoding only what is used: the first
+    `max_frames` (decoding stops there) or, with `keep="last"`, the last ones (earlier frames are dropped as
+    they are decoded). The frame size comes from the stream header and is checked before decoding; frames x
+    pixels decoded are bounded by `limits.decoded_pixels`, so a small file claiming 257 frames of 1080p costs
+    a 400, not gigabytes; `max_pixels` (--max-video-pixels) bounds the pixels of the frames kept."""
     try:
         import av
     except ImportError as exc:  # pragma: no cover - av ships with the server extra
         raise InvalidRequest("this server cannot decode videos (PyAV is not installed)", field=name) from exc
-    frames: list[np.ndarray] = []
+    from collections import deque
+
     try:
         with av.open(io.BytesIO(raw)) as container:
             if not container.streams.video:
                 raise InvalidRequest("holds no video stream", field=name)
             stream = container.streams.video[0]
-            if stream.codec_context.width * stream.codec_context.height > MAX_PIXELS:
-                raise InvalidRequest(f"frames over {MAX_PIXELS} pixels", field=name)
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if width * height > min(MAX_PIXELS, limits.image_pixels):
+                raise InvalidRequest(f"{width}x{height} frames are over {min(MAX_PIXELS, limits.image_pixels)} pixels",
+                                     field=name)
+            budget = max(1, limits.decoded_pixels // max(width * height, 1))  # frames this upload may decode
+            if keep == "first" and max_frames > budget:
+                max_frames = budget + 1  # decode one past the budget: a longer video is refused below
+            frames: deque[np.ndarray] = deque(maxlen=max_frames if keep == "last" else None)
+            decoded = 0
             for frame in container.decode(stream):
-                if first is not None and len(frames) >= first:
-                    break
-                if first is None and len(frames) > MAX_CHUNK:
-                    raise InvalidRequest(f"more than {MAX_CHUNK + 1} frames", field=name)
-                if max_pixels is not None and (len(frames) + 1) * frame.width * frame.height > max_pixels:
+                decoded += 1
+                if decoded > budget:
+                    raise InvalidRequest(f"more than {budget} frames of {width}x{height} to decode (a "
+                                         f"{limits.decoded_pixels}-pixel budget per upload)", field=name)
+                if max_pixels is not None and (len(frames) + 1) * width * height > max_pixels:
                     raise InvalidRequest(f"its frames hold more than this server's {max_pixels} pixels "
                                          f"(--max-video-pixels)", field=name)
                 frames.append(frame.to_ndarray(format="rgb24"))
+                if keep == "first" and len(frames) >= max_frames:
+                    break
     except InvalidRequest:
         raise
     except Exception as exc:  # noqa: BLE001  # av.error.* and friends: not a readable video
-        raise InvalidRequest(f"not a readable image or video ({type(exc).__name__})", field=name) from exc
+        raise InvalidRequest(f"not a readable image or video ({type(exc).__name__})", field=name) from None
     if not frames:
         raise InvalidRequest("holds no frames", field=name)
     return np.stack(frames)
 
 
 def _data_url(value: Any, name: str, key: str) -> bytes:
-    ref = value
-    if isinstance(ref, str):
-        import json
-
-        try:
-            ref = json.loads(ref)
-        except ValueError as exc:
-            raise InvalidRequest(f"is not valid JSON ({exc})", field=name) from exc
+    ref = loads_json(value, field=name) if isinstance(value, str) else value
     url = ref.get(key, "") if isinstance(ref, dict) else ""
     if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
         raise InvalidRequest(f"only data: URLs are accepted in {key}", field=name)
     try:
-        return base64.b64decode(url.split(",", 1)[1], validate=True)
+        raw = base64.b64decode(url.split(",", 1)[1], validate=True)
     except ValueError as exc:
         raise InvalidRequest(f"bad base64 ({exc})", field=name) from exc
+    if not raw:
+        raise InvalidRequest("is empty", field=name)
+    return raw
 
 
-def _media(raw: bytes, name: str) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Upload bytes -> (image, None) for a still image, (None, video) for a video."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(raw)) as im:
-            if getattr(im, "n_frames", 1) == 1:
-                if im.width * im.height > MAX_PIXELS:
-                    raise InvalidRequest(f"image over {MAX_PIXELS} pixels", field=name)
-                return np.asarray(im.convert("RGB")), None
-    except (UnidentifiedImageError, OSError, ValueError):
-        pass
-    return None, decode_video(raw, name)
+def _media(raw: bytes, name: str, frames: int, keep: str, limits: Limits) -> tuple[np.ndarray | None,
+                                                                                   np.ndarray | None]:
+    """Upload bytes -> (image, None) for a still image, (None, video) for a video (`decode_video`)."""
+    if not raw:
+        raise InvalidRequest("is empty", field=name)
+    image = open_image(raw, name, min(MAX_PIXELS, limits.image_pixels), allow_frames=True)
+    if image is not None:
+        return image, None
+    return None, decode_video(raw, name, max_frames=frames, keep=keep, limits=limits)
 
 
-def _conditioning(fields: dict[str, Any], extra: dict[str, Any]) -> tuple[np.ndarray | None, np.ndarray | None,
-                                                                            str]:
-    """(image, video, field name) from the request's upload / references / inline arrays."""
+def _conditioning(fields: dict[str, Any], extra: dict[str, Any], *, frames: int = MAX_CHUNK + 1,
+                  keep: str = "first", limits: Limits = DEFAULT_LIMITS
+                  ) -> tuple[np.ndarray | None, np.ndarray | None, str]:
+    """(image, video, field name) from the request's upload / references / inline arrays; of an uploaded video
+    only the `frames` at the `keep` end ("first" / "last") are decoded."""
     if "video" in extra:
         try:
-            video = json_array(extra["video"], "extra_params.video")
+            video = json_array(extra["video"], "extra_params.video", max_pixels=limits.image_pixels)
         except WireError as exc:
             raise InvalidRequest(exc.args[0], field="extra_params.video") from exc
         if not isinstance(video, np.ndarray) or video.dtype != np.uint8 or video.ndim != 4 or video.shape[-1] != 3:
@@ -145,24 +153,29 @@ def _conditioning(fields: dict[str, Any], extra: dict[str, Any]) -> tuple[np.nda
         return None, video, "extra_params.video"
     upload = fields.get("input_reference")
     if isinstance(upload, bytes | bytearray):
-        image, video = _media(bytes(upload), "input_reference")
+        image, video = _media(bytes(upload), "input_reference", frames, keep, limits)
         return image, video, "input_reference"
+    if upload == "":
+        raise InvalidRequest("is empty", field="input_reference")
     if fields.get("video_reference"):
-        return None, decode_video(_data_url(fields["video_reference"], "video_reference", "video_url"),
-                                  "video_reference"), "video_reference"
+        raw = _data_url(fields["video_reference"], "video_reference", "video_url")
+        return None, decode_video(raw, "video_reference", max_frames=frames, keep=keep, limits=limits), \
+            "video_reference"
     if fields.get("image_reference") or isinstance(upload, str):
         name = "image_reference" if fields.get("image_reference") else "input_reference"
-        image, video = _media(_data_url(fields.get(name), name, "image_url"), name)
+        image, video = _media(_data_url(fields.get(name), name, "image_url"), name, frames, keep, limits)
         return image, video, name
     return None, None, "input_reference"
 
 
-def build_dynamics(fields: dict[str, Any], extra: dict[str, Any], mode: str, defaults: dict[str, Any]
-                   ) -> DynamicsRequest:
+def build_dynamics(fields: dict[str, Any], extra: dict[str, Any], mode: str, defaults: dict[str, Any], *,
+                   limits: Limits = DEFAULT_LIMITS, tokenizer: Any = None) -> DynamicsRequest:
     """Form/JSON fields of a FD/ID `/v1/videos` request -> a validated `DynamicsRequest` (typed 400s).
 
-    CPU work (decoding uploads, PIL conversion): call it off the event loop."""
+    CPU work (decoding uploads, PIL conversion, tokenizing the prompts with `tokenizer`): call it off the
+    event loop."""
     prompt = fields["prompt"]
+    check_prompt(prompt, "prompt", tokenizer, limits.prompt_tokens)
     domain = _domain(extra)
     try:
         dom = resolve_domain(domain)
@@ -172,7 +185,10 @@ def build_dynamics(fields: dict[str, Any], extra: dict[str, Any], mode: str, def
     if not isinstance(rad, int) or isinstance(rad, bool) or rad != dom.raw_action_dim:
         raise InvalidRequest(f"must be {dom.raw_action_dim} for domain {dom.name!r}",
                              field="extra_params.raw_action_dim")
-    image, video, source = _conditioning(fields, extra)
+    # FD conditions on one frame: of a video upload only the first is decoded. ID decodes one frame past the
+    # longest chunk, so that a longer video is refused (below) rather than cut.
+    image, video, source = _conditioning(fields, extra, frames=1 if mode == "forward_dynamics" else MAX_CHUNK + 2,
+                                         limits=limits)
     raw_actions = None
     if mode == "inverse_dynamics":
         if video is None:
@@ -218,7 +234,7 @@ def build_dynamics(fields: dict[str, Any], extra: dict[str, Any], mode: str, def
     tier = as_int(extra.get("image_size", extra.get("resolution", 480)), "extra_params.image_size", 1, 10_000)
     if tier not in TIERS:
         raise InvalidRequest(f"must be one of {list(TIERS)}", field="extra_params.image_size")
-    fps = as_float(fields["fps"], "fps") if fields.get("fps") not in (None, "") else None
+    fps = as_float(fields["fps"], "fps", *SAMPLER_RANGES["fps"]) if fields.get("fps") not in (None, "") else None
     sampler = dict(DEFAULT_SAMPLER)
     sampler.update({k: v for k, v in defaults.items() if k in sampler})
     for top, key in (("num_inference_steps", "steps"), ("guidance_scale", "guidance"), ("flow_shift", "shift")):
@@ -227,11 +243,9 @@ def build_dynamics(fields: dict[str, Any], extra: dict[str, Any], mode: str, def
     for key, name in (("num_steps", "steps"), ("guidance", "guidance"), ("shift", "shift")):
         if key in extra:
             sampler[name] = extra[key]
-    sampler["steps"] = as_int(sampler["steps"], "num_inference_steps", 1, 1000)
-    sampler["guidance"] = as_float(sampler["guidance"], "guidance_scale")
-    sampler["shift"] = as_float(sampler["shift"], "flow_shift")
-    if sampler["guidance"] < 0 or sampler["shift"] <= 0:
-        raise InvalidRequest("guidance must be >= 0 and shift > 0", field="guidance_scale")
+    sampler["steps"] = as_int(sampler["steps"], "num_inference_steps", 1, limits.policy_steps)
+    sampler["guidance"] = as_float(sampler["guidance"], "guidance_scale", *SAMPLER_RANGES["guidance"])
+    sampler["shift"] = as_float(sampler["shift"], "flow_shift", *SAMPLER_RANGES["shift"])
     if "guidance_interval" in extra:
         raise InvalidRequest("guidance_interval applies to action_mode 'policy' only",
                              field="extra_params.guidance_interval")
@@ -244,6 +258,8 @@ def build_dynamics(fields: dict[str, Any], extra: dict[str, Any], mode: str, def
     negative = fields.get("negative_prompt") or None
     if negative is not None and not isinstance(negative, str):
         raise InvalidRequest("must be a string", field="negative_prompt")
+    if negative is not None:
+        check_prompt(negative, "negative_prompt", tokenizer, limits.prompt_tokens)
     kwargs: dict[str, Any] = {
         "prompt": prompt, "domain": dom.name, "chunk_size": chunk, "image": image,
         "video": video, "raw_actions": raw_actions, "resolution_tier": tier,

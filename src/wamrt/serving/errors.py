@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+from starlette.requests import ClientDisconnect
 
 from ..client.wire import WireError
 from ..pipeline.errors import RequestError
@@ -16,6 +19,16 @@ class ServeConfigError(ValueError):
         self.flag = flag
 
 
+MAX_MESSAGE_CHARS = 300  # a message echoing a request value (`got {value!r}`) never echoes megabytes back
+_HEAP_ADDRESS = re.compile(r"\s*at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{8,}")  # `<... object at 0x7f...>`, bare addresses
+
+
+def clean_message(text: str) -> str:
+    """One line, no heap addresses, at most MAX_MESSAGE_CHARS: what a client may read of an error."""
+    text = _HEAP_ADDRESS.sub("", " ".join(str(text)[: 4 * MAX_MESSAGE_CHARS].split()))
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
+
+
 class ServingError(Exception):
     """An error the server reports to the client. `code` is stable API; `message` is for humans."""
 
@@ -23,8 +36,9 @@ class ServingError(Exception):
     status = 500
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
+        message = clean_message(message)
         super().__init__(message)
-        self.message, self.field = message, field
+        self.message, self.field = message, None if field is None else clean_message(field)
 
     def body(self, request_id: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"type": "error", "code": self.code, "message": self.message}
@@ -51,6 +65,12 @@ class Conflict(ServingError):
     """The resource is not in a state that allows the request (e.g. the content of an unfinished job)."""
 
     code, status = "conflict", 409
+
+
+class RequestTimeout(ServingError):
+    """The body did not arrive within `--body-timeout-s`."""
+
+    code, status = "request_timeout", 408
 
 
 class PayloadTooLarge(ServingError):
@@ -99,6 +119,8 @@ def as_serving_error(exc: BaseException) -> ServingError:
         return exc
     if isinstance(exc, RequestError | WireError):
         return InvalidRequest(str(exc), field=exc.field)
+    if isinstance(exc, ClientDisconnect):
+        return Cancelled("client disconnected")
     if isinstance(exc, FloatingPointError):
         return ServingError("the model produced non-finite actions")
     if type(exc).__name__ == "OutOfMemoryError":  # torch's (not imported here: the serving package loads without it)

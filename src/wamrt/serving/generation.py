@@ -91,6 +91,7 @@ class GenerationJob:
         self.future: Future = Future()
         self.enqueued = time.monotonic()
         self._cancel = threading.Event()
+        self.shutdown_reason: str | None = None  # cancelled by a server shutdown: the job answers not_ready
 
     def cancelled(self) -> bool:
         return self._cancel.is_set()
@@ -163,6 +164,24 @@ class GenerationWorker:
         if job.future.set_running_or_notify_cancel():
             job.future.set_exception(Cancelled("job cancelled"))
 
+    def cancel_queued(self, reason: str) -> None:
+        """Shutdown: every queued job ends now, answering not_ready with `reason`."""
+        with self._cond:
+            leftover = list(self._pending)
+            self._pending.clear()
+        for job in leftover:
+            job.shutdown_reason = reason
+            job._cancel.set()
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(NotReady(reason))
+
+    def cancel_running(self, reason: str) -> None:
+        """Shutdown: the running job stops at its next step boundary, answering not_ready with `reason`."""
+        job = self.running
+        if job is not None:
+            job.shutdown_reason = reason
+            job._cancel.set()
+
     def stop(self, timeout: float = 30.0) -> None:
         with self._cond:
             self._stopped = True
@@ -203,7 +222,8 @@ class GenerationWorker:
             outcome = self._generate(job)
         except GenerationCancelled:
             # A fresh exception: the caught one's traceback would keep the unwound frames (and their tensors).
-            job.future.set_exception(Cancelled("job cancelled"))
+            reason = job.shutdown_reason
+            job.future.set_exception(NotReady(reason) if reason else Cancelled("job cancelled"))
         except Exception as exc:  # noqa: BLE001  # the job's own error goes to its caller, typed
             if not isinstance(exc, ServingError | RequestError):
                 log.exception("generation job %s failed", job.request_id)

@@ -7,7 +7,6 @@ the field as the client sent it; call it off the event loop.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -16,6 +15,7 @@ from ..pipeline.errors import RequestError
 from .dynamics import _conditioning
 from .errors import InvalidRequest
 from .fields import as_float, as_int
+from .limits import DEFAULT_LIMITS, SAMPLER_RANGES, GenerationCost, Limits, check_prompt, loads_json
 from .transfer_fields import CHUNK_KEYS, TRANSFER_KEYS, TransferFields, transfer_field, transfer_fields
 from .world_model import WorldModel
 
@@ -109,7 +109,7 @@ def _num_frames(fields: dict[str, Any], fps: float, default: int) -> int:
     if _present(fields.get("num_frames")):
         n = as_int(fields["num_frames"], "num_frames", 1, MAX_FRAMES)
     elif _present(fields.get("seconds")):
-        seconds = as_float(fields["seconds"], "seconds")
+        seconds = as_float(fields["seconds"], "seconds", 0.0, MAX_FRAMES / fps)
         if seconds <= 0:
             raise InvalidRequest(f"must be > 0, got {fields['seconds']!r}", field="seconds")
         n = 4 * max(1, round(seconds * fps / 4)) + 1  # the nearest clip length the VAE can represent
@@ -126,10 +126,7 @@ def _num_frames(fields: dict[str, Any], fps: float, default: int) -> int:
 def _extra(fields: dict[str, Any]) -> dict[str, Any]:
     extra = fields.get("extra_params") or {}
     if isinstance(extra, str):
-        try:
-            extra = json.loads(extra)
-        except ValueError as exc:
-            raise InvalidRequest(f"is not valid JSON ({exc})", field="extra_params") from exc
+        extra = loads_json(extra, field="extra_params")
     if not isinstance(extra, dict):
         raise InvalidRequest("must be a JSON object", field="extra_params")
     for key in extra:
@@ -154,16 +151,13 @@ def _sampling(fields: dict[str, Any], extra: dict[str, Any], defaults: dict[str,
               schedule: DistilledSchedule | None, notes: list[str]) -> dict[str, Any]:
     """`num_inference_steps`, `guidance_scale` and `flow_shift` (or `extra_params.flow_shift`) -> the sampler
     settings the job runs with: {sampler, steps, guidance, shift}."""
-    steps = as_int(fields["num_inference_steps"], "num_inference_steps", 1, 1000) \
+    steps = as_int(fields["num_inference_steps"], "num_inference_steps", *SAMPLER_RANGES["generation_steps"]) \
         if _present(fields.get("num_inference_steps")) else None
-    guidance = as_float(fields["guidance_scale"], "guidance_scale") if _present(fields.get("guidance_scale")) else None
-    if guidance is not None and guidance < 0:
-        raise InvalidRequest(f"must be >= 0, got {guidance}", field="guidance_scale")
+    guidance = as_float(fields["guidance_scale"], "guidance_scale", *SAMPLER_RANGES["guidance"]) \
+        if _present(fields.get("guidance_scale")) else None
     shift_src = "flow_shift" if _present(fields.get("flow_shift")) else "extra_params.flow_shift"
     shift_val = fields.get("flow_shift") if _present(fields.get("flow_shift")) else extra.get("flow_shift")
-    shift = as_float(shift_val, shift_src) if _present(shift_val) else None
-    if shift is not None and shift <= 0:
-        raise InvalidRequest(f"must be > 0, got {shift}", field=shift_src)
+    shift = as_float(shift_val, shift_src, *SAMPLER_RANGES["shift"]) if _present(shift_val) else None
     if schedule is None:
         return {"sampler": "unipc", "steps": defaults["steps"] if steps is None else steps,
                 "guidance": defaults["guidance"] if guidance is None else guidance,
@@ -184,9 +178,11 @@ def _sampling(fields: dict[str, Any], extra: dict[str, Any], defaults: dict[str,
 
 
 def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: Kind = "video",
-                     max_pixels: int, model_name: str = "") -> GenerationRequest:
+                     max_pixels: int, model_name: str = "", limits: Limits = DEFAULT_LIMITS,
+                     cost: GenerationCost | None = None) -> GenerationRequest:
     """Form/JSON fields of a generation request -> a validated `GenerationRequest`, or `InvalidRequest` naming
-    the field. CPU work (decoding uploads, PIL conversion): call it off the event loop."""
+    the field. `limits` bounds the prompts' tokens and the decoded uploads, `cost` the time of a step and of
+    the job. CPU work (tokenizing, decoding uploads, PIL conversion): call it off the event loop."""
     from ..pipeline.world import world_request
 
     if world is None:
@@ -198,6 +194,9 @@ def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: 
     negative = fields.get("negative_prompt")
     if _present(negative) and not isinstance(negative, str):
         raise InvalidRequest("must be a string", field="negative_prompt")
+    text_tokens = check_prompt(prompt, "prompt", world.tokenizer, limits.prompt_tokens)
+    if _present(negative):
+        text_tokens = max(text_tokens, check_prompt(negative, "negative_prompt", world.tokenizer, limits.prompt_tokens))
     for name in UNSUPPORTED:
         if _present(fields.get(name)):
             raise InvalidRequest("is not supported by this runtime", field=name)
@@ -221,9 +220,7 @@ def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: 
                                  field=f"extra_params.{transfer.hints[0]}")
         defaults = {**defaults, **transfer.defaults, **_transfer_shape(transfer)}
 
-    fps = as_float(fields["fps"], "fps") if _present(fields.get("fps")) else defaults["fps"]
-    if not 0 < fps <= 240:
-        raise InvalidRequest(f"must be in (0, 240], got {fps}", field="fps")
+    fps = as_float(fields["fps"], "fps", *SAMPLER_RANGES["fps"]) if _present(fields.get("fps")) else defaults["fps"]
     width, height, size_field = _size(fields, defaults)
     num_frames = _num_frames(fields, fps, defaults["num_frames"]) if kind == "video" else 1
     count = as_int(fields["n"], "n", 1, MAX_IMAGES) if kind == "image" and _present(fields.get("n")) else 1
@@ -266,6 +263,12 @@ def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: 
 
     image = video = None
     source = "input_reference"
+    keep = extra.get("condition_video_keep", "first")
+    frames_idx = extra.get("condition_frame_indexes_vision")
+    if kind == "video":
+        for name in ("input_reference", "image_reference", "video_reference"):
+            if name in fields and fields[name] in ("", b""):
+                raise InvalidRequest("is empty", field=name)  # an empty upload is a mistake, not "no reference"
     if transfer.hints and "video" in extra:
         raise InvalidRequest("video transfer takes its source in input_reference", field="extra_params.video")
     if kind == "video" and not transfer.hints:
@@ -276,15 +279,16 @@ def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: 
             raise InvalidRequest(f"give one conditioning input (an image or a video), got {' and '.join(given)}",
                                  field=given[1])
         if given:
-            image, video, source = _conditioning(fields, extra)
-    keep = extra.get("condition_video_keep", "first")
-    frames_idx = extra.get("condition_frame_indexes_vision")
-    if video is not None and isinstance(frames_idx, list) and frames_idx and isinstance(keep, str) \
-            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in frames_idx):
-        need = 4 * max(frames_idx) + 1  # only these frames are encoded: drop the rest of the upload now
-        video = video[:need] if keep == "first" else video[-need:]
-    elif video is not None and frames_idx is None:
-        video = video[:5] if keep == "first" else video[-5:]  # default condition frames (0, 1): 5 pixel frames
+            # Only the frames that become clean latents are decoded: 4 * max(index) + 1 at the `keep` end
+            # (default indexes (0, 1): 5 frames); the rest of an upload is never decoded.
+            need = 5
+            if isinstance(frames_idx, list) and frames_idx and all(
+                    isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_FRAMES for i in frames_idx):
+                need = 4 * max(frames_idx) + 1
+            image, video, source = _conditioning(fields, extra, frames=need,
+                                                 keep=keep if keep in ("first", "last") else "first", limits=limits)
+            if video is not None:
+                video = video[:need] if keep != "last" else video[-need:]  # inline arrays arrive whole
 
     kwargs: dict[str, Any] = {
         "prompt": prompt, "negative_prompt": negative if _present(negative) else None, "image": image,
@@ -302,6 +306,10 @@ def build_generation(fields: dict[str, Any], world: WorldModel | None, *, kind: 
         msg = str(exc)[len(exc.field) + 2:] if exc.field else str(exc)
         raise InvalidRequest(msg, field=name) from exc
     chunks = 1 if checked.chunks is None else len(checked.chunks.spans)
+    if cost is not None:  # one step (of one chunk), and the whole job, within this server's time bounds
+        cost.check(num_frames=num_frames if chunks == 1 else checked.chunks.frames, height=height, width=width,
+                   steps=sampling["steps"], count=count * chunks, text_tokens=text_tokens,
+                   branches=1 if world.schedule is not None else 2, size_field=size_field)
     if checked.transfer is not None:
         sampling.update(controls=list(checked.transfer.keys), control_guidance=checked.transfer.control_guidance)
     if chunks > 1:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -11,10 +10,11 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from ..client.wire import WireError, json_array, packb, to_jsonable, unpackb
-from .errors import Cancelled, InvalidRequest, PayloadTooLarge, ServingError, UnsupportedMediaType
+from ..client.wire import json_array, packb, to_jsonable
+from .body import read_body
+from .errors import Cancelled, InvalidRequest, ServingError, UnsupportedMediaType
+from .limits import Limits, loads_json
 from .logs import log_request
-from .observation import parse_request
 from .service import InferOutcome, Service, new_request_id
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
@@ -27,20 +27,6 @@ def service_of(request: Request) -> Service:
 
 def is_msgpack(content_type: str | None) -> bool:
     return (content_type or "").split(";")[0].strip().lower() in MSGPACK_TYPES
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing anything over `limit` bytes before buffering it all."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"body of {declared} bytes exceeds the {limit}-byte limit")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"body exceeds the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -66,20 +52,30 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def decode_json_observation(body: bytes) -> Any:
-    try:
-        msg = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise WireError(f"malformed JSON: {exc}") from exc
+def decode_json_observation(body: bytes, limits: Limits) -> Any:
+    msg = loads_json(body, limits=limits)
     if not isinstance(msg, dict):
         raise InvalidRequest("request must be a JSON object")
-    return {k: json_array(v, k) if k not in ("params", "prompt", "session_id", "endpoint") else v
-            for k, v in msg.items()}
+    return {k: json_array(v, k, max_pixels=limits.image_pixels)
+            if k not in ("params", "prompt", "session_id", "endpoint") else v for k, v in msg.items()}
+
+
+def parse_policy_body(service: Service, body: bytes, use_msgpack: bool) -> Any:
+    """A `/v1/policy/infer` body -> a checked request (parse pool)."""
+    if use_msgpack:
+        return service.policy_frame(body)
+    return service.policy_request(decode_json_observation(body, service.limits))
+
+
+# After these the rest of the body is not read: the connection is closed rather than drained.
+_CLOSE_AFTER = ("payload_too_large", "request_timeout")
 
 
 def error_response(err: ServingError, *, msgpack: bool, request_id: str | None = None) -> Response:
     body = err.body(request_id)
-    headers = {"X-Request-Id": request_id} if request_id else None
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    if err.code in _CLOSE_AFTER:
+        headers["Connection"] = "close"
     if msgpack:
         return Response(packb(body), status_code=err.status, media_type=MSGPACK_TYPES[0], headers=headers)
     return JSONResponse(body, status_code=err.status, headers=headers)
@@ -98,9 +94,8 @@ async def policy_infer(request: Request) -> Response:
         ctype = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
         if not use_msgpack and ctype not in ("application/json", ""):
             raise UnsupportedMediaType(f"send application/msgpack or application/json, not {ctype!r}")
-        body = await read_body(request, service.config.max_frame_bytes)
-        msg = unpackb(body) if use_msgpack else decode_json_observation(body)
-        req = parse_request(msg)
+        body = await read_body(request, service.limits)
+        req = await service.offload(parse_policy_body, service, body, use_msgpack)
         if req.endpoint == "reset":
             log_request(service, "http", rid, received, outcome="reset")
             reply: dict[str, Any] = {"status": "reset successful", "request_id": rid}
@@ -130,11 +125,11 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
+    """200 or 503, `{"ready": ..., "warmup": {"seconds", "graphs"}}`: the warm-up's progress and nothing more for an
+    anonymous caller (why not ready is logged; queue depth and errors are on the authenticated /metrics)."""
     s = service_of(request)
-    body = {"ready": s.ready, "queue_depth": s.batcher.depth if s.batcher else 0, "warmup": s.warmup_state()}
-    if s.warmup_error:
-        body["error"] = s.warmup_error
-    return JSONResponse(body, status_code=200 if s.ready else 503)
+    ready, _why = s.readiness()
+    return JSONResponse({"ready": ready, "warmup": s.public_warmup_state()}, status_code=200 if ready else 503)
 
 
 async def metrics(request: Request) -> Response:

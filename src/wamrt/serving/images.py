@@ -11,7 +11,6 @@ batches; a client that hangs up cancels it.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 
@@ -28,9 +27,10 @@ async def create_image(request: Request) -> Response:
     async def work() -> Response:
         service, received = service_of(request), time.monotonic()
         cfg = service.config
-        fields = await _read_fields(request, cfg.max_frame_bytes)
-        req = await asyncio.to_thread(build_generation, fields, service.world, kind="image",
-                                      max_pixels=cfg.max_video_pixels, model_name=cfg.model_name)
+        fields = await _read_fields(request, service)
+        req = await service.offload(build_generation, fields, service.world, kind="image",
+                                    max_pixels=cfg.max_video_pixels, model_name=cfg.model_name,
+                                    limits=service.limits, cost=service.cost)
         out = await until_disconnect(request, service.generate(req, surface="images"))
         rec = {"inference_time_s": out.timing["total_ms"] / 1e3, "peak_memory_mb": _peak_memory_mb()}
         body = {"created": int(time.time()),

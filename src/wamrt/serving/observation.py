@@ -2,7 +2,8 @@
 
 The observation goes through `wamrt.pipeline.observation.check_observation`, the contract `Policy.infer` runs
 too (same keys, same defaults, same errors), so a bad observation is answered without queueing; the pixel work
-(canvas, resizes) stays in the policy on the engine thread. Control keys (`CONTROL_KEYS`) are read here.
+(canvas, resizes) stays in the policy on the engine thread. Control keys (`CONTROL_KEYS`) are read here. It runs
+in the parse pool (`Service.offload`), off the event loop.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from ..pipeline.errors import RequestError
-from ..pipeline.observation import check_observation
+from ..pipeline.observation import EXT0, EXT1, EXT2, IMAGE, WRIST, check_observation
 from .errors import InvalidRequest, StaleObservation
+from .limits import DEFAULT_LIMITS, SAMPLER_RANGES, Limits
 
 CONTROL_KEYS = frozenset({
     "endpoint", "session_id", "seed", "reset", "params", "timestamp", "max_age_ms", "embodiment", "request_id",
@@ -26,6 +28,10 @@ PARAM_ALIASES = {"num_steps": "steps", "steps": "steps", "num_inference_steps": 
                  "guidance": "guidance", "guidance_scale": "guidance", "shift": "shift", "flow_shift": "shift",
                  "guidance_interval": "guidance_interval"}
 PARAM_FLAGS = frozenset({"structured", "return_video"})
+IMAGE_KEYS = (IMAGE, WRIST, EXT0, EXT1, EXT2)
+# A capture time this far ahead of the server's clock is refused: it would push the deadline past max_age_ms.
+MAX_CLOCK_SKEW_MS = 1000.0
+MAX_AGE_MS = 3_600_000.0  # an hour; a larger max_age_ms bounds nothing
 
 
 @dataclass
@@ -51,8 +57,9 @@ def _str_key(key: Any) -> str:
     return key
 
 
-def parse_request(msg: Any, *, reset_only_ok: bool = True) -> ParsedRequest:
-    """Split one decoded message. Raises InvalidRequest / StaleObservation with the offending field."""
+def parse_request(msg: Any, *, reset_only_ok: bool = True, limits: Limits = DEFAULT_LIMITS) -> ParsedRequest:
+    """Split one decoded message. Raises InvalidRequest / StaleObservation with the offending field. The prompt's
+    token count and the step bound are the service's (`Service.check_policy`): they need the served model."""
     if not isinstance(msg, Mapping):
         raise InvalidRequest(f"request must be a map, got {type(msg).__name__}")
     msg = {_str_key(k): v for k, v in msg.items()}
@@ -79,7 +86,7 @@ def parse_request(msg: Any, *, reset_only_ok: bool = True) -> ParsedRequest:
     out.seed = _seed(msg.get("seed"))
     out.overrides, out.flags = parse_params(msg.get("params"))
     out.deadline = _deadline(msg.get("timestamp"), msg.get("max_age_ms"))
-    out.observation = _observation(msg, out.notes)
+    out.observation = _observation(msg, out.notes, limits.image_pixels)
     return out
 
 
@@ -135,17 +142,20 @@ def _param_value(name: str, value: Any) -> Any:
     if name == "guidance_interval":
         if value is None:
             return None
+        lo_ok, hi_ok = SAMPLER_RANGES["guidance_interval"]
         if (not isinstance(value, list | tuple | np.ndarray) or len(value) != 2
-                or not all(isinstance(v, int | float | np.number) for v in value)):
-            raise InvalidRequest(f"must be [lo, hi] or null, got {value!r}", field=where)
+                or not all(isinstance(v, int | float | np.number) and not isinstance(v, bool)
+                           and math.isfinite(v) and float(v).is_integer() and lo_ok <= v <= hi_ok for v in value)):
+            raise InvalidRequest(f"must be [lo, hi] of integers in [{lo_ok}, {hi_ok}] or null", field=where)
         lo, hi = (int(v) for v in value)
         if lo >= hi:
-            raise InvalidRequest(f"must have lo < hi, got {value!r}", field=where)
+            raise InvalidRequest(f"must have lo < hi, got [{lo}, {hi}]", field=where)
         return (lo, hi)
     if not isinstance(value, int | float | np.number) or isinstance(value, bool) or not math.isfinite(value):
-        raise InvalidRequest(f"must be a finite number, got {value!r}", field=where)
-    if (name == "shift" and value <= 0) or (name == "guidance" and value < 0):
-        raise InvalidRequest(f"out of range: {value!r}", field=where)
+        raise InvalidRequest(f"must be a finite number, got {type(value).__name__}", field=where)
+    lo_ok, hi_ok = SAMPLER_RANGES[name]
+    if not lo_ok <= value <= hi_ok:
+        raise InvalidRequest(f"must be in [{lo_ok:g}, {hi_ok:g}], got {float(value):g}", field=where)
     return float(value)
 
 
@@ -157,16 +167,29 @@ def _deadline(timestamp: Any, max_age_ms: Any) -> float | None:
         if not isinstance(value, int | float | np.number) or isinstance(value, bool) or not math.isfinite(value):
             raise InvalidRequest("must be a finite number (both timestamp and max_age_ms are needed)",
                                  field=name)
-    if max_age_ms <= 0:
-        raise InvalidRequest("must be > 0", field="max_age_ms")
+    if not 0 < max_age_ms <= MAX_AGE_MS:
+        raise InvalidRequest(f"must be in (0, {MAX_AGE_MS:.0f}] ms", field="max_age_ms")
     age_ms = 1e3 * (time.time() - float(timestamp))
+    if age_ms < -MAX_CLOCK_SKEW_MS:
+        raise InvalidRequest(f"is {-age_ms:.0f} ms in the future by this server's clock (more than "
+                             f"{MAX_CLOCK_SKEW_MS:.0f} ms: are the clocks synchronised?)", field="timestamp")
     if age_ms > max_age_ms:
         raise StaleObservation(f"observation is {age_ms:.0f} ms old, max age {max_age_ms} ms", field="timestamp")
-    return time.monotonic() + (float(max_age_ms) - age_ms) / 1e3
+    # A capture time slightly ahead (clock skew) counts as age 0: never more than max_age_ms from now.
+    return time.monotonic() + (float(max_age_ms) - max(age_ms, 0.0)) / 1e3
 
 
-def _observation(msg: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
-    """The shared contract (`check_observation`); its RequestError becomes the surfaces' InvalidRequest."""
+def _observation(msg: Mapping[str, Any], notes: list[str], max_pixels: int) -> dict[str, Any]:
+    """The shared contract (`check_observation`), after this server's pixel bound (--max-image-pixels) on every
+    view, read from its shape before any conversion allocates; its RequestError becomes the surfaces'
+    InvalidRequest."""
+    for key in IMAGE_KEYS:
+        value = msg.get(key)
+        if isinstance(value, np.ndarray) and value.ndim == 3:
+            chw = value.shape[0] == 3 and value.shape[-1] != 3
+            h, w = value.shape[1:] if chw else value.shape[:2]
+            if h * w > max_pixels:
+                raise InvalidRequest(f"{w}x{h} is over the {max_pixels}-pixel limit (--max-image-pixels)", field=key)
     try:
         checked = check_observation(msg, also_known=CONTROL_KEYS)
     except RequestError as exc:

@@ -10,12 +10,15 @@
 Errors never close the socket: on `/` they are a text frame holding the JSON error (openpi clients
 raise on any text frame, so they see the failure), on the vLLM path a msgpack error map. Only frames
 over the size limit close it (1009, the websocket rule). A client that hangs up mid-request cancels
-its queued job.
+its queued job. Frames are decoded and checked in the parse pool (`Service.policy_frame`), off the event
+loop. A socket silent for `--ws-idle-s` is closed (1001); during a shutdown drain a socket gets the reply of
+its request in flight, then a close (1012, "service restart").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -23,10 +26,10 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..client.wire import packb, unpackb
+from ..client.wire import packb
 from .errors import InvalidRequest, ServingError
 from .logs import log_request
-from .observation import ParsedRequest, parse_request
+from .observation import ParsedRequest
 from .service import InferOutcome, Service, new_request_id
 
 VLLM_PATH = "/v1/realtime/robot/openpi"
@@ -38,6 +41,7 @@ class Connection:
     session_id: str | None = None
     fresh: bool = True  # next inference starts a session (first call, reset, new session_id)
     prev_total_ms: float | None = None
+    busy: bool = False  # a request of this socket is being parsed, run or answered (a shutdown drain waits)
 
 
 def _reply(conn: Connection, req: ParsedRequest, out: InferOutcome) -> Any:
@@ -73,16 +77,24 @@ async def openpi_socket(ws: WebSocket) -> None:
         await ws.accept()
         await ws.send_bytes(packb(service.handshake()))
         while True:
-            message = await (pending or ws.receive())
-            pending = None
+            if service.draining:
+                await _close(ws, 1012)  # after the reply of the last request: the drain is done with this socket
+                return
+            pending = pending or asyncio.ensure_future(ws.receive())
+            done, _ = await asyncio.wait({pending}, timeout=service.config.ws_idle_s)
+            if not done:
+                await _close(ws, 1001, "idle")
+                return
+            message, pending = pending.result(), None
             if message["type"] == "websocket.disconnect":
                 return
             received = time.monotonic()
             rid = new_request_id("ws")
+            conn.busy = True
             try:
                 if message.get("bytes") is None:
                     raise InvalidRequest("send binary msgpack frames, not text")
-                req = parse_request(unpackb(message["bytes"]))
+                req = await service.offload(service.policy_frame, message["bytes"])
                 if req.endpoint == "reset" or req.reset:
                     conn.fresh, conn.session_id = True, req.session_id or conn.session_id
                 if req.endpoint == "reset":
@@ -112,12 +124,20 @@ async def openpi_socket(ws: WebSocket) -> None:
                 err = service.count_error(exc)
                 log_request(service, "ws", rid, received, error=err)
                 await _send_error(ws, conn, err, rid)
+            finally:
+                conn.busy = False
     except WebSocketDisconnect:
         return
     finally:
         service.connections.discard(conn)
         if pending is not None and not pending.done():
             pending.cancel()
+
+
+async def _close(ws: WebSocket, code: int, reason: str = "") -> None:
+    """Close from the server side; a peer that left meanwhile is not an error."""
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+        await ws.close(code, reason)
 
 
 async def _send_reset(ws: WebSocket, conn: Connection) -> None:

@@ -16,6 +16,7 @@ from ..net import free_port
 from .app import build_app
 from .batcher import BatchPolicy
 from .config import ServeConfig, ServeConfigError
+from .connections import DrainingServer, guarded_h11
 from .logs import configure_logging
 
 
@@ -34,20 +35,48 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         chat_max_queue=args.chat_max_queue, chat_context=args.chat_context,
         chat_max_prompt_tokens=args.chat_max_prompt_tokens, chat_max_tokens=args.chat_max_tokens,
         chat_max_image_pixels=args.chat_max_image_pixels, upsample_max_tokens=args.upsample_max_tokens,
-        added_latency_ms=args.added_latency_ms,
-        max_prompt_tokens=args.max_prompt_tokens, gpu_memory_gib=args.gpu_memory,
-        capture_on_request=args.capture_on_request,
+        added_latency_ms=args.added_latency_ms, gpu_memory_gib=args.gpu_memory,
+        capture_on_request=args.capture_on_request, **{name: getattr(args, name) for name in LIMIT_FIELDS},
     )
+
+
+# ServeConfig fields of the request and connection bounds (limits.py, connections.py), flags in cli/serve.py.
+LIMIT_FIELDS = ("max_prompt_tokens", "max_generation_prompt_tokens", "max_policy_steps", "max_image_pixels",
+                "max_step_ms", "max_job_s", "body_timeout_s", "header_timeout_s", "keep_alive_s", "ws_ping_s",
+                "ws_idle_s", "max_connections", "shutdown_grace_s", "ready_stall_s")
 
 
 def uvicorn_config(app: Any, config: ServeConfig, *, log_level: str = "info",
                    log_format: str = "text") -> uvicorn.Config:
-    # ws_max_size bounds inbound frames (over it: close 1009); h11 keeps the dependency set small. JSON logs: uvicorn
-    # leaves its loggers to the root handler (logs.configure_logging) instead of its own text handlers.
+    # ws_max_size bounds inbound frames (over it: close 1009); h11 (with a head deadline and a connection cap,
+    # connections.py) rather than httptools: one parser everywhere, and the dependency set stays small. JSON logs:
+    # uvicorn leaves its loggers to the root handler (logs.configure_logging) instead of its own text handlers.
     own_logging = {"log_config": None} if log_format == "json" else {}
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, ws="websockets-sansio",
-                          ws_max_size=config.max_frame_bytes, ws_ping_interval=None, lifespan="on",
-                          timeout_graceful_shutdown=5, **own_logging)
+                          http=guarded_h11(config.header_timeout_s, config.max_connections),
+                          ws_max_size=config.max_frame_bytes, ws_ping_interval=config.ws_ping_s,
+                          ws_ping_timeout=config.ws_ping_s, timeout_keep_alive=config.keep_alive_s,
+                          h11_max_incomplete_event_size=16 * 1024, lifespan="on",
+                          timeout_graceful_shutdown=config.shutdown_grace_s, **own_logging)
+
+
+def server_for(app: Any, config: ServeConfig, *, log_level: str = "info", log_format: str = "text") -> uvicorn.Server:
+    """The uvicorn server of `app` (from `build_app`), draining its service on SIGTERM."""
+    return DrainingServer(uvicorn_config(app, config, log_level=log_level, log_format=log_format),
+                          app.state.service, config.shutdown_grace_s)
+
+
+def warn_if_open(config: ServeConfig) -> None:
+    """A server reachable from other hosts without a key serves anyone who finds it: say so at startup."""
+    import ipaddress
+
+    try:
+        loopback = ipaddress.ip_address(config.host).is_loopback
+    except ValueError:
+        loopback = config.host == "localhost"
+    if config.api_key is None and not loopback:
+        print(f"wamrt serve: WARNING: listening on {config.host} without --api-key: anyone who can reach this port "
+              "can drive the policy", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         from .startup import print_plan
 
         return print_plan(args, config)
+    warn_if_open(config)
     try:  # the port, the checkpoint folder and the memory plan before the weights (startup.py)
         policy, sock, info = load(args, config)
     except StartupError as exc:
@@ -81,8 +111,7 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(policy, config)
     app.state.service.startup_info = info  # the summary line at ready
     with sock:
-        uvicorn.Server(uvicorn_config(app, config, log_level=args.log_level,
-                                      log_format=args.log_format)).run(sockets=[sock])
+        server_for(app, config, log_level=args.log_level, log_format=args.log_format).run(sockets=[sock])
     return 0
 
 
@@ -106,8 +135,7 @@ def _run_parallel(args: argparse.Namespace, config: ServeConfig) -> int:
         print(f"wamrt serve: --parallel {args.parallel}: {exc}", file=sys.stderr)
         return 2
     try:
-        uvicorn.Server(uvicorn_config(build_app(policy, config), config, log_level=args.log_level,
-                                      log_format=args.log_format)).run()
+        server_for(build_app(policy, config), config, log_level=args.log_level, log_format=args.log_format).run()
     finally:
         policy.close()
     return 0
@@ -122,7 +150,7 @@ class ServerThread:
         self.config.host = "127.0.0.1"
         self.config.port = self.config.port if self.config.port not in (0, 8000) else free_port()
         self.app = build_app(policy, self.config)
-        self.server = uvicorn.Server(uvicorn_config(self.app, self.config, log_level=log_level))
+        self.server = server_for(self.app, self.config, log_level=log_level)
         self.thread = threading.Thread(target=self.server.run, name="wamrt-uvicorn", daemon=True)
         self.wait_ready = wait_ready
 

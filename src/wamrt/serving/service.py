@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,12 +21,14 @@ from .batcher import Batcher, BatchPolicy, BatchResult, Job
 from .chat_worker import ChatWorker
 from .config import ServeConfig
 from .dynamics import DynamicsRequest, generic_runner
-from .errors import InvalidRequest, NotReady, ServingError, as_serving_error
+from .errors import Busy, InvalidRequest, NotReady, ServingError, as_serving_error
 from .generation import GenerationJob, GenerationOutcome, GenerationWorker
 from .generation_request import GenerationRequest, build_generation
 from .generation_settings import warmup_fields
+from .limits import GenerationCost, check_prompt, unpack_msgpack
+from .heap import trim_periodically
 from .metrics import Metrics
-from .observation import ParsedRequest
+from .observation import PROMPT, ParsedRequest, parse_request
 from .safety import SafetyEnvelope
 from .upsampling import Upsampler
 from .world_model import world_model_of
@@ -34,6 +38,9 @@ log = logging.getLogger("wamrt.serving")
 _PRE_STAGES = ("preprocess", "tokenize", "pack")
 _POST_STAGES = ("postprocess",)
 _TOKEN_COUNTS_KEPT = 4096  # distinct captions whose token count is remembered (reply metadata.prompt_tokens)
+# Parsing and decoding run on PARSE_THREADS threads; past MAX_PARSING requests being parsed at once, `busy` (429).
+PARSE_THREADS, MAX_PARSING = 2, 64
+TRIM_INTERVAL_S = 10.0  # freed heap pages go back to the system this often (memory.py)
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -98,9 +105,20 @@ class Service:
         self.chat: ChatWorker | None = None
         self._tokenizer = getattr(policy, "tokenizer", None)
         self._token_counts: dict[str, int] = {}
+        self.limits = config.limits(self._policy_meta.get("num_steps"))
+        # World generation's step-time model (a FLOP count of the checkpoint against a measured device rate).
+        self.cost = None if self.world is None else GenerationCost.of(
+            self.world.model, max_step_ms=config.max_step_ms, max_job_s=config.max_job_s,
+            step_segments=config.generation_step_segments)
+        self._pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="wamrt-parse")
+        self._parsing = 0
+        self.draining = False  # SIGTERM: new work gets not_ready (503); accepted work finishes (`drain`)
+        self._stop_trim = threading.Event()
+        self._last_readiness = "warming up"
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
+        trim_periodically(TRIM_INTERVAL_S, self._stop_trim)  # flat RSS (memory.py)
         self.batcher = Batcher(self.policy, max_batch=self.config.max_batch, max_wait_ms=self.config.max_wait_ms,
                                max_queue=self.config.max_queue, observer=self.metrics)
         if self.reasoner is not None:  # its own thread and queue, the device shared the same way
@@ -169,6 +187,13 @@ class Service:
             out["graphs"] = self.policy.capture_progress()
         return out
 
+    def public_warmup_state(self) -> dict[str, Any]:
+        """`warmup_state` for the open /readyz: counts and seconds, no error text."""
+        out = self.warmup_state()
+        if "graphs" in out:
+            out["graphs"] = {k: v for k, v in out["graphs"].items() if k != "errors"}
+        return out
+
     async def _warm_up_capturing(self) -> None:
         """Capture on the request path, before ready (isolated requests, `--capture-on-request`)."""
         from ..sample import sample_observation
@@ -193,24 +218,101 @@ class Service:
         """One `--generation-warmup` job through the generation thread (the path requests take), unmetered."""
         fields = await asyncio.to_thread(warmup_fields, text)
         req = await asyncio.to_thread(build_generation, fields, self.world, max_pixels=self.config.max_video_pixels,
-                                      model_name=self.config.model_name)
+                                      model_name=self.config.model_name, limits=self.limits, cost=self.cost)
         job = self.enqueue_generation(req, request_id=new_request_id("gen-warmup"))
         started = time.monotonic()
         await asyncio.wrap_future(job.future)
         log.info("generation warm-up %s x %s frames: %.1f s", req.record["size"], req.kwargs["num_frames"],
                  time.monotonic() - started)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop_trim.set()
         if self._graph_watch is not None:
             self._graph_watch.cancel()
         if self.generation:
-            self.generation.stop()
+            self.generation.stop(timeout)
         if self.chat:
-            self.chat.stop()
+            self.chat.stop(timeout)
         if self.batcher:
-            self.batcher.stop()
+            self.batcher.stop(timeout)
         if hasattr(self.policy, "stop_background_capture"):
             self.policy.stop_background_capture()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- parsing: every decode and check of a request body runs here, off the event loop ---------------
+    async def offload(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run `fn` on the parse pool: the event loop keeps answering probes and other lanes meanwhile."""
+        if self._parsing >= MAX_PARSING:
+            raise Busy(f"{MAX_PARSING} requests are being parsed; retry later")
+        self._parsing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        finally:
+            self._parsing -= 1
+
+    def policy_frame(self, frame: bytes) -> ParsedRequest:
+        """One msgpack frame (websocket or `/v1/policy/infer`) -> a checked request (parse pool)."""
+        return self.policy_request(unpack_msgpack(frame, self.limits))
+
+    def policy_request(self, msg: Any) -> ParsedRequest:
+        """A decoded observation map -> a checked request (parse pool)."""
+        req = parse_request(msg, limits=self.limits)
+        self.check_policy(req)
+        return req
+
+    def check_policy(self, req: ParsedRequest) -> None:
+        """The bounds that need the served model: prompt tokens by its tokenizer, steps by --max-policy-steps."""
+        if req.endpoint == "reset":
+            return
+        check_prompt(req.observation[PROMPT], PROMPT, self._tokenizer, self.limits.instruction_tokens,
+                     flag="--max-prompt-tokens", template=False)
+        steps = req.overrides.get("steps")
+        if steps is not None and steps > self.limits.policy_steps:
+            raise InvalidRequest(f"{steps} steps is over this server's {self.limits.policy_steps} "
+                                 "(--max-policy-steps)", field="params.steps")
+
+    # --- readiness and drain ------------------------------------------------------------------------
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why not): warmed up, not draining, the queue not full, no batch or generation segment
+        running past --ready-stall-s. A change is logged (the open /readyz says only ready or not)."""
+        ready, why = self._readiness()
+        if why != self._last_readiness:
+            (log.info if ready else log.warning)("readiness: %s", why)
+            self._last_readiness = why
+        return ready, why
+
+    def _readiness(self) -> tuple[bool, str]:
+        if not self.ready:
+            return False, "warm-up failed" if self.warmup_error else "warming up"
+        if self.draining:
+            return False, "shutting down"
+        assert self.batcher is not None
+        if self.batcher.depth >= self.config.max_queue:
+            return False, "queue full"
+        now, stall = time.monotonic(), self.config.ready_stall_s
+        for name, since in (("engine", self.batcher.running_since), ("generation", self.batcher.gate.generation_since)):
+            if since is not None and now - since > stall:
+                return False, f"{name} busy for {now - since:.0f} s (over --ready-stall-s {stall:g})"
+        return True, "ready"
+
+    async def drain(self, deadline: float) -> None:
+        """SIGTERM: new work is refused (not_ready, 503); queued and running policy work finishes; queued
+        generation jobs are cancelled now and a running one at half the remaining time (each answering
+        not_ready); returns when nothing is left or at `deadline` (time.monotonic())."""
+        self.draining = True
+        cancel_generation_at = time.monotonic() + (deadline - time.monotonic()) / 2
+        if self.generation is not None:
+            self.generation.cancel_queued("server is shutting down")
+        while time.monotonic() < deadline:
+            policy_busy = self.batcher is not None and (self.batcher.depth or self.batcher.in_flight)
+            generating = self.generation is not None and self.generation.running is not None
+            if generating and time.monotonic() >= cancel_generation_at:
+                assert self.generation is not None
+                self.generation.cancel_running("server is shutting down")
+            replying = any(getattr(c, "busy", False) for c in self.connections)
+            if not (policy_busy or generating or replying):
+                return
+            await asyncio.sleep(0.02)
 
     # --- metadata ----------------------------------------------------------------------------------
     def handshake(self) -> dict[str, Any]:
@@ -252,10 +354,16 @@ class Service:
             n = self._token_counts[caption] = len(self._tokenizer.encode(caption).text_ids)
         return n
 
-    def enqueue(self, req: ParsedRequest) -> Future:
-        """Queue one request now (raises Busy at once when the queue is full)."""
+    def accepting(self) -> None:
+        """Raise NotReady unless new work is taken (engine started, no shutdown drain)."""
         if self.batcher is None:
             raise NotReady("engine not started")
+        if self.draining:
+            raise NotReady("server is shutting down")
+
+    def enqueue(self, req: ParsedRequest) -> Future:
+        """Queue one request now (raises Busy at once when the queue is full)."""
+        self.accepting()
         job = Job(req.observation, req.seed, {**self.defaults, **req.overrides}, deadline=req.deadline)
         return self.batcher.submit(job)
 
@@ -305,8 +413,7 @@ class Service:
 
     def enqueue_dynamics(self, req: DynamicsRequest) -> Future:
         """Queue one FD/ID request: it runs alone on the engine thread (raises Busy when the queue is full)."""
-        if self.batcher is None:
-            raise NotReady("engine not started")
+        self.accepting()
         runner = self.generic
         if runner is None:
             raise InvalidRequest("this engine serves action_mode 'policy' only", field="extra_params.action_mode")
@@ -349,9 +456,9 @@ class Service:
                            on_progress: Any = None) -> GenerationJob:
         """Queue one world-generation job on the generation thread (raises Busy when its queue is full)."""
         if self.generation is None:
-            if self.batcher is None:
-                raise NotReady("engine not started")
+            self.accepting()
             raise InvalidRequest("this engine has no world-generation path", field="model")
+        self.accepting()
         if req.upsample and self.chat is None:
             raise InvalidRequest(f"the served checkpoint cannot upsample prompts: {self.reasoner_note}",
                                  field="upsample_prompt")

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..pipeline.controls import COMPUTED_HINTS, HINT_KEYS, TRANSFER_GUIDANCE, TRANSFER_SHIFT
-from .dynamics import _data_url, decode_video
+from .dynamics import MAX_CHUNK, _data_url, decode_video
 from .errors import InvalidRequest
 from .fields import as_float, as_int
 
@@ -69,6 +69,14 @@ def _hint(value: Any, key: str) -> dict[str, Any]:
     return dict(value)
 
 
+def _decode(raw: bytes, name: str, first: int | None, max_pixels: int) -> np.ndarray:
+    """The first `first` frames (decoding stops there), or all of at most MAX_CHUNK + 1."""
+    frames = decode_video(raw, name, max_frames=MAX_CHUNK + 2 if first is None else first, max_pixels=max_pixels)
+    if first is None and len(frames) > MAX_CHUNK + 1:
+        raise InvalidRequest(f"more than {MAX_CHUNK + 1} frames", field=name)
+    return frames
+
+
 def _uploads(fields: dict[str, Any], max_pixels: int, first: int | None) -> dict[str, np.ndarray]:
     refs = [] if fields.get("control_reference") in (None, "", b"") else _as_list(fields["control_reference"])
     types = [] if fields.get("control_type") in (None, "") else _as_list(fields["control_type"])
@@ -82,7 +90,7 @@ def _uploads(fields: dict[str, Any], max_pixels: int, first: int | None) -> dict
         if kind in out:
             raise InvalidRequest(f"two {kind} controls uploaded", field="control_type")
         raw = bytes(ref) if isinstance(ref, bytes | bytearray) else _data_url(ref, "control_reference", "video_url")
-        out[kind] = decode_video(raw, "control_reference", first=first, max_pixels=max_pixels)
+        out[kind] = _decode(raw, "control_reference", first, max_pixels)
     return out
 
 
@@ -100,7 +108,7 @@ def _source(fields: dict[str, Any], max_pixels: int, first: int | None) -> np.nd
                              field="input_reference")
     else:
         return None
-    frames = decode_video(raw, name, first=first, max_pixels=max_pixels)
+    frames = _decode(raw, name, first, max_pixels)
     if len(frames) == 1:
         raise InvalidRequest("video transfer needs a source video, got a single frame", field=name)
     return frames

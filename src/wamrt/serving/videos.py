@@ -33,20 +33,21 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
-from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..client.wire import _decode_image, json_array, to_jsonable
+from ..client.wire import decode_image, json_array, to_jsonable
 from ..pipeline.controls import HINT_KEYS
 from ..pipeline.observation import GRIPPER, IMAGE, JOINTS, PROMPT
 from ..pipeline.prefix import PREFIX_KEY, PREFIX_MODE_KEY, parse_action_prefix
-from .dynamics import DYNAMICS_MODES, DynamicsRequest, build_dynamics
-from .errors import Busy, Cancelled, Conflict, InvalidRequest, NotFound, PayloadTooLarge
+from .body import parse_fields, read_body
+from .dynamics import DYNAMICS_MODES, DynamicsRequest, _data_url, build_dynamics
+from .errors import Busy, Cancelled, Conflict, InvalidRequest, NotFound
 from .fields import as_float, as_int
 from .generation import GenerationOutcome
 from .generation_request import GenerationRequest, build_generation
-from .http_api import service_of, until_disconnect
+from .http_api import error_response, service_of, until_disconnect
+from .limits import DEFAULT_LIMITS, Limits, loads_json
 from .logs import log_request, logged_reply
 from .media import encode_mp4
 from .observation import parse_params, parse_request
@@ -77,53 +78,30 @@ def _peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _json_field(value: Any, name: str) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError as exc:
-            raise InvalidRequest(f"is not valid JSON ({exc})", field=name) from exc
-    return value
+def _json_field(value: Any, name: str, limits: Limits = DEFAULT_LIMITS) -> Any:
+    return loads_json(value, field=name, limits=limits) if isinstance(value, str) else value
 
 
-async def _read_fields(request: Request, limit: int) -> dict[str, Any]:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"body of {declared} bytes exceeds the {limit}-byte limit")
-    ctype = (request.headers.get("content-type") or "").lower()
-    if ctype.startswith("application/json"):
-        try:
-            body = json.loads(await request.body())
-        except ValueError as exc:
-            raise InvalidRequest(f"malformed JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise InvalidRequest("request must be a JSON object")
-        return body
-    if not ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        raise InvalidRequest("send multipart/form-data (or application/json)")
-    # files: input_reference and one control_reference per transfer hint
-    form = await request.form(max_files=1 + len(HINT_KEYS), max_fields=64, max_part_size=limit)
-    out: dict[str, Any] = {}
-    for key, value in form.multi_items():
-        if isinstance(value, UploadFile):
-            value = await value.read(limit + 1)
-            if len(value) > limit:
-                raise PayloadTooLarge(f"{key} exceeds the {limit}-byte limit")
-        if key in REPEATED_FIELDS:
-            out.setdefault(key, []).append(value)
-        else:
-            out[key] = value
-    return out
+async def _read_fields(request: Request, service: Service) -> dict[str, Any]:
+    """The request's fields: the body read under its byte and time bounds, parsed in the parse pool."""
+    body = await read_body(request, service.limits)
+    return await service.offload(form_fields, body, request.headers.get("content-type"), service.limits)
 
 
-def _mode(fields: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
+def form_fields(body: bytes, content_type: str | None, limits: Limits) -> dict[str, Any]:
+    """`body.parse_fields` with this API's repeated fields (one per transfer control) and its file count: the
+    input_reference and one control_reference per transfer hint."""
+    return parse_fields(body, content_type, limits, repeated=REPEATED_FIELDS, max_files=1 + len(HINT_KEYS))
+
+
+def _mode(fields: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> tuple[str, dict[str, Any], str]:
     """(prompt, extra_params, mode) with typed errors for each. mode: `extra_params.action_mode` when given
     (policy / forward_dynamics / inverse_dynamics); else policy when a policy input is present (POLICY_KEYS),
     else GENERATE."""
     prompt = fields.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidRequest("is required", field="prompt")
-    extra = _json_field(fields.get("extra_params") or {}, "extra_params")
+    extra = _json_field(fields.get("extra_params") or {}, "extra_params", limits)
     if not isinstance(extra, dict):
         raise InvalidRequest("must be a JSON object", field="extra_params")
     transfer = [k for k in HINT_KEYS if k in extra] or (["control_reference"] if fields.get("control_reference")
@@ -141,24 +119,35 @@ def _mode(fields: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
     return prompt, extra, mode
 
 
-async def parse_job(fields: dict[str, Any], service: Service) -> tuple[Any, dict[str, Any]]:
-    """Fields -> (ParsedRequest | DynamicsRequest | GenerationRequest, job-record extras). FD/ID and generation
-    parsing (video decoding, frame conversion) runs in a worker thread."""
-    _prompt, extra, mode = _mode(fields)
+async def read_job(request: Request, service: Service) -> tuple[Any, dict[str, Any]]:
+    """The request's body -> (ParsedRequest | DynamicsRequest | GenerationRequest, job-record extras): read
+    under its bounds, then parsed, decoded and checked in the parse pool (`parse_job`)."""
+    body = await read_body(request, service.limits)
+    return await service.offload(parse_job, body, request.headers.get("content-type"), service)
+
+
+def parse_job(body: bytes, content_type: str | None, service: Service) -> tuple[Any, dict[str, Any]]:
+    """Body -> (request, job-record extras), every check made; CPU work (tokenizing, video decoding, frame
+    conversion), so it runs in the parse pool."""
+    fields = form_fields(body, content_type, service.limits)
+    _prompt, extra, mode = _mode(fields, service.limits)
     if mode == "policy":
-        return build_request(fields)
+        req, record = build_request(fields, service.limits)
+        service.check_policy(req)
+        return req, record
     if mode == GENERATE:
         cfg = service.config
-        greq = await asyncio.to_thread(build_generation, fields, service.world, kind="video",
-                                       max_pixels=cfg.max_video_pixels, model_name=cfg.model_name)
+        greq = build_generation(fields, service.world, kind="video", max_pixels=cfg.max_video_pixels,
+                                model_name=cfg.model_name, limits=service.limits, cost=service.cost)
         return greq, greq.record
-    dreq = await asyncio.to_thread(build_dynamics, fields, extra, mode, service.defaults)
+    dreq = build_dynamics(fields, extra, mode, service.defaults, limits=service.limits,
+                          tokenizer=getattr(service.policy, "tokenizer", None))
     return dreq, dreq.record
 
 
-def build_request(fields: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def build_request(fields: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> tuple[Any, dict[str, Any]]:
     """Form/JSON fields of an `action_mode: policy` request -> (ParsedRequest, job-record extras)."""
-    prompt, extra, mode = _mode(fields)
+    prompt, extra, mode = _mode(fields, limits)
     if mode != "policy":
         raise InvalidRequest(f"expected action_mode 'policy', got {mode!r}", field="extra_params.action_mode")
     if extra.get("domain_name", DROID_DOMAIN[0]) != DROID_DOMAIN[0] or extra.get("domain_id", 8) != 8:
@@ -171,20 +160,22 @@ def build_request(fields: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     if robot is not None:
         if not isinstance(robot, dict):
             raise InvalidRequest("must be an object with openpi keys", field="extra_params.robot_obs")
-        obs = {k: json_array(v, k) if k not in ("prompt", "session_id") else v for k, v in robot.items()}
-    image = fields.get("input_reference") or fields.get("image_reference")
+        obs = {k: json_array(v, k, max_pixels=limits.image_pixels) if k not in ("prompt", "session_id") else v
+               for k, v in robot.items()}
+    for name in ("input_reference", "image_reference"):
+        if name in fields and fields[name] in ("", b""):
+            raise InvalidRequest("is empty", field=name)
+    name = "input_reference" if fields.get("input_reference") else "image_reference"
+    image = fields.get(name)
     if isinstance(image, str):  # image_reference = JSON {"image_url": "data:image/png;base64,..."}
-        ref = _json_field(image, "image_reference")
-        url = ref.get("image_url", "") if isinstance(ref, dict) else ""
-        if not url.startswith("data:") or "," not in url:
-            raise InvalidRequest("only data: URLs are accepted", field="image_reference")
-        import base64
-
-        image = base64.b64decode(url.split(",", 1)[1])
+        image = _data_url(image, name, "image_url")
     if isinstance(image, bytes | bytearray) and IMAGE not in obs:
-        obs[IMAGE] = _decode_image(bytes(image), "input_reference")
+        obs[IMAGE] = decode_image(bytes(image), name, limits.image_pixels)
     if "action" in extra and JOINTS not in obs:  # TensorRT-LLM style: the current 8-value state
-        state = np.asarray(extra["action"], dtype=np.float32).reshape(-1)
+        try:
+            state = np.asarray(extra["action"], dtype=np.float32).reshape(-1)
+        except (TypeError, ValueError, OverflowError):
+            state = np.zeros(0, np.float32)
         if state.shape != (8,):
             raise InvalidRequest("must be the 8-value state [7 joints, gripper]", field="extra_params.action")
         obs[JOINTS], obs[GRIPPER] = state[:7], state[7:]
@@ -203,9 +194,9 @@ def build_request(fields: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     if "session_id" in extra:
         obs["session_id"] = extra["session_id"]
     params: dict[str, Any] = {}
-    for key, name in _TOP_LEVEL_PARAMS.items():
+    for key, param in _TOP_LEVEL_PARAMS.items():
         if fields.get(key) not in (None, ""):
-            params[name] = as_int(fields[key], key, 1, 1000) if name == "steps" else as_float(fields[key], key)
+            params[param] = as_int(fields[key], key, 1, 1000) if param == "steps" else as_float(fields[key], key)
     for key in ("num_steps", "guidance", "shift", "guidance_interval"):
         if key in extra:
             params[key] = extra[key]
@@ -216,7 +207,7 @@ def build_request(fields: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     parse_params(obs.get("params"))  # early, typed errors for bad sampler values
     record = {"model": fields.get("model"), "prompt": prompt, "size": fields.get("size") or "640x540",
               "seconds": str(fields.get("seconds") or "4")}
-    return parse_request(obs), record
+    return parse_request(obs, limits=limits), record
 
 
 def _action(out: InferOutcome) -> dict[str, Any]:
@@ -415,13 +406,12 @@ async def _guard(request: Request, work: Any, surface: str) -> Response:
     except Exception as exc:  # noqa: BLE001  # typed (4xx) or internal_error, never a traceback
         err, rid = service.count_error(exc), new_request_id(surface)
         log_request(service, surface, rid, received, error=err)
-        return JSONResponse(err.body(rid), status_code=err.status, headers={"X-Request-Id": rid})
+        return error_response(err, msgpack=False, request_id=rid)
 
 
 async def create_video(request: Request) -> Response:
     async def work() -> Response:
-        service = service_of(request)
-        req, extras = await parse_job(await _read_fields(request, service.config.max_frame_bytes), service)
+        req, extras = await read_job(request, service_of(request))
         return JSONResponse(jobs_of(request).create(req, extras))
     return await _guard(request, work(), "videos")
 
@@ -429,7 +419,7 @@ async def create_video(request: Request) -> Response:
 async def create_video_sync(request: Request) -> Response:
     async def work() -> Response:
         service, received = service_of(request), time.monotonic()
-        req, _extras = await parse_job(await _read_fields(request, service.config.max_frame_bytes), service)
+        req, _extras = await read_job(request, service)
         if isinstance(req, DynamicsRequest):
             return logged_reply(service, "videos_sync", received, await _dynamics_sync(request, service, req))
         if isinstance(req, GenerationRequest):
