@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
-from ..pipeline.observation import JOINTS
+from ..pipeline.observation import JOINTS, PROMPT
 from .batcher import Batcher, BatchPolicy, BatchResult, Job
 from .chat_worker import ChatWorker
 from .config import ServeConfig
@@ -28,7 +28,7 @@ from .generation_settings import warmup_fields
 from .limits import GenerationCost, check_prompt, unpack_msgpack
 from .heap import trim_periodically
 from .metrics import Metrics
-from .observation import PROMPT, ParsedRequest, parse_request
+from .observation import ParsedRequest, parse_request
 from .safety import SafetyEnvelope
 from .upsampling import Upsampler
 from .world_model import world_model_of
