@@ -45,6 +45,7 @@ from websockets.sync.client import connect
 
 from wamrt.bench.server_process import ServerProcess
 from wamrt.client.wire import packb, unpackb
+from wamrt.pipeline.controls import HINT_KEYS
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -141,7 +142,7 @@ def test_a_huge_picture_is_refused_from_its_header(world: ServerProcess) -> None
 def test_a_long_generation_prompt_is_refused_uncounted(world: ServerProcess, chars: int) -> None:
     form = {"prompt": "a" * chars, "size": "32x32", "num_frames": "1", "num_inference_steps": "1"}
     checked(world, lambda: httpx.post(world.url + "/v1/videos/sync", data=form, timeout=60),
-            lambda r: "--max-prompt-tokens" in typed(r, 400, "prompt")["message"], probe=True)
+            lambda r: "--max-generation-prompt-tokens" in typed(r, 400, "prompt")["message"], probe=True)
     neg = httpx.post(world.url + "/v1/images/generations", json={**form, "prompt": "p", "negative_prompt": "a" * chars},
                      timeout=60)
     typed(neg, 400, "negative_prompt")
@@ -365,7 +366,7 @@ def test_malformed_forms_are_400s(world: ServerProcess) -> None:
     with httpx.Client(base_url=world.url, timeout=60) as c:
         r = c.post("/v1/videos", content=b"--x\r\n", headers={"content-type": "multipart/form-data"})
         typed(r, 400, "content-type")
-        files = {f"f{i}": (f"{i}.png", png(8, 8)) for i in range(5)}
+        files = {f"f{i}": (f"{i}.png", png(8, 8)) for i in range(2 + len(HINT_KEYS))}  # a reference + every hint, + 1
         assert "files" in typed(c.post("/v1/videos", data={"prompt": "p"}, files=files), 400)["message"]
         fields = {f"k{i}": "v" for i in range(65)}
         assert "fields" in typed(c.post("/v1/videos", data=fields), 400)["message"]

@@ -119,8 +119,8 @@ class ServeConfig:
             raise ServeConfigError("an empty key would accept an empty bearer token; omit the flag to serve "
                                    "without a key", flag="--api-key")
         for flag, value in (("--max-prompt-tokens", self.max_prompt_tokens),
-                            ("--max-generation-prompt-tokens", self.max_generation_prompt_tokens), ("--max-image-pixels",
-                            self.max_image_pixels), ("--max-connections", self.max_connections),
+                            ("--max-generation-prompt-tokens", self.max_generation_prompt_tokens),
+                            ("--max-image-pixels", self.max_image_pixels), ("--max-connections", self.max_connections),
                             ("--max-policy-steps", self.max_policy_steps or 1)):
             if value < 1:
                 raise ServeConfigError(f"must be >= 1, got {value}", flag=flag)

@@ -25,8 +25,8 @@ from .errors import Busy, InvalidRequest, NotReady, ServingError, as_serving_err
 from .generation import GenerationJob, GenerationOutcome, GenerationWorker
 from .generation_request import GenerationRequest, build_generation
 from .generation_settings import warmup_fields
-from .limits import GenerationCost, check_prompt, unpack_msgpack
 from .heap import trim_periodically
+from .limits import GenerationCost, check_prompt, unpack_msgpack
 from .metrics import Metrics
 from .observation import ParsedRequest, parse_request
 from .safety import SafetyEnvelope
