@@ -208,13 +208,15 @@ def test_readyz_turns_503_while_the_queue_is_full() -> None:
 
     from wamrt.serving import ServeConfig, ServerThread
 
-    with ServerThread(FakePolicy(delay=0.3), ServeConfig(max_batch=1, max_wait_ms=0.0, max_queue=2)) as server, \
+    with ServerThread(FakePolicy(delay=1.0), ServeConfig(max_batch=1, max_wait_ms=0.0, max_queue=2)) as server, \
             httpx.Client(base_url=server.http_url, timeout=30) as c:
         flood = [threading.Thread(target=lambda: c.post("/v1/policy/infer", content=OBS_BLOB, headers=MSGPACK))
                  for _ in range(3)]  # one running, two queued: the queue is full
         for t in flood:
             t.start()
-        time.sleep(0.15)
+        deadline = time.monotonic() + 5  # the three requests reach the batcher (a loaded machine: not at once)
+        while server.service.batcher.depth < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert server.service.batcher.depth == 2
         r = httpx.get(server.http_url + "/readyz")
         assert r.status_code == 503 and r.json()["ready"] is False and "queue_depth" not in r.json()
