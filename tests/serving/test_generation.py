@@ -159,8 +159,10 @@ def test_sync_text_to_video_with_sound_is_a_playable_mp4(world_server: ServerThr
     # The JSON form (Accept: application/json): the same video (same seed) in b64_json, and the job's facts. The
     # frames are compared decoded: x264 is not bit-reproducible in this process (the same frames came out in 4
     # versions in 30 encodes, 1.1 levels apart on average, against 34.6 levels of coding loss on this noise).
-    body = httpx.post(url + "/v1/videos/sync", data=_vllm_omni_form(), headers={"accept": "application/json"},
-                      timeout=60).json()
+    reply = httpx.post(url + "/v1/videos/sync", data=_vllm_omni_form(), headers={"accept": "application/json"},
+                       timeout=60)
+    body = reply.json()
+    assert body["id"] == reply.headers["x-request-id"] and body["id"].startswith("video_sync-")  # one id, as logged
     json_frames, json_audio = _streams(base64.b64decode(body["data"][0]["b64_json"]))
     assert json_frames.shape == frames.shape and json_audio == audio
     assert np.abs(json_frames.astype(int) - frames.astype(int)).mean() <= REENCODE_MEAN_ABS_TOL
@@ -191,6 +193,7 @@ def test_images_generations(world_server: ServerThread) -> None:
             "num_inference_steps": 3, "guidance_scale": 7.0, "seed": 5}
     r = httpx.post(url + "/v1/images/generations", json=body, timeout=60)
     assert r.status_code == 200, r.text
+    assert r.json()["id"] == r.headers["x-request-id"] and r.json()["id"].startswith("image-")
     images = [np.asarray(Image.open(io.BytesIO(base64.b64decode(d["b64_json"])))) for d in r.json()["data"]]
     assert [im.shape for im in images] == [(48, 32, 3)] * 2
     assert not np.array_equal(images[0], images[1])  # image k uses seed + k

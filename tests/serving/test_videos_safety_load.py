@@ -71,6 +71,7 @@ def test_video_sync_with_input_reference(fake_server: ServerThread, obs: dict[st
     assert r.headers["x-request-id"].startswith("video_sync-") and float(r.headers["x-inference-time-s"]) > 0
     assert json.loads(r.headers["x-stage-durations"])
     body = r.json()
+    assert body["id"] == r.headers["x-request-id"]  # the id the server logged
     assert body["data"][0]["action"]["shape"] == [32, 8] and body["data"][0]["b64_json"] is None
 
 

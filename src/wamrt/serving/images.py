@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from .generation_request import build_generation
 from .http_api import service_of, until_disconnect
 from .logs import logged_reply
+from .service import new_request_id
 from .videos import _guard, _headers, _peak_memory_mb, _read_fields
 
 
@@ -31,9 +32,10 @@ async def create_image(request: Request) -> Response:
         req = await service.offload(build_generation, fields, service.world, kind="image",
                                     max_pixels=cfg.max_video_pixels, model_name=cfg.model_name,
                                     limits=service.limits, cost=service.cost)
-        out = await until_disconnect(request, service.generate(req, surface="images"))
+        out = await until_disconnect(request, service.generate(req, surface="images",
+                                                               request_id=new_request_id("image")))
         rec = {"inference_time_s": out.timing["total_ms"] / 1e3, "peak_memory_mb": _peak_memory_mb()}
-        body = {"created": int(time.time()),
+        body = {"created": int(time.time()), "id": out.request_id,
                 "data": [{"b64_json": base64.b64encode(png).decode(), "url": None,
                           "revised_prompt": out.upsampled["prompt"] if out.upsampled else None} for png in out.pngs],
                 "stage_durations": out.stage_durations, **rec, "timing": out.timing,
@@ -41,7 +43,7 @@ async def create_image(request: Request) -> Response:
                              **({"notes": out.notes} if out.notes else {}),
                              **({"upsampled_prompt": out.upsampled} if out.upsampled else {})}}
         return logged_reply(service, "images", received,
-                            JSONResponse(body, headers=_headers(service, f"image-{out.request_id}", rec,
+                            JSONResponse(body, headers=_headers(service, out.request_id, rec,
                                                                 out.stage_durations)))
 
     return await _guard(request, work(), "images")

@@ -478,8 +478,9 @@ class Service:
         self.metrics.timing(surface, out.timing)
         return out
 
-    async def generate(self, req: GenerationRequest, *, surface: str) -> GenerationOutcome:
-        return await self.run_generation(self.enqueue_generation(req), surface=surface)
+    async def generate(self, req: GenerationRequest, *, surface: str,
+                       request_id: str | None = None) -> GenerationOutcome:
+        return await self.run_generation(self.enqueue_generation(req, request_id=request_id), surface=surface)
 
     def count_error(self, exc: BaseException) -> ServingError:
         err = as_serving_error(exc)

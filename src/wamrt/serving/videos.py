@@ -424,10 +424,11 @@ async def create_video_sync(request: Request) -> Response:
             return logged_reply(service, "videos_sync", received, await _dynamics_sync(request, service, req))
         if isinstance(req, GenerationRequest):
             return logged_reply(service, "videos_sync", received, await _generation_sync(request, service, req))
-        out = await until_disconnect(request, service.infer(req, surface="videos_sync", received=time.monotonic()))
+        out = await until_disconnect(request, service.infer(req, surface="videos_sync", received=time.monotonic(),
+                                                            request_id=new_request_id("video_sync")))
         rec: dict[str, Any] = {}
         VideoJobs.fill(rec, out)
-        headers = {"X-Request-Id": f"video_sync-{out.request_id}", "X-Model": service.config.model_name,
+        headers = {"X-Request-Id": out.request_id, "X-Model": service.config.model_name,
                    "X-Inference-Time-S": f"{rec['inference_time_s']:.6f}",
                    "X-Stage-Durations": json.dumps(out.stage_durations),
                    "X-Peak-Memory-MB": f"{rec['peak_memory_mb']:.1f}"}
@@ -444,8 +445,9 @@ async def create_video_sync(request: Request) -> Response:
 async def _dynamics_sync(request: Request, service: Service, req: DynamicsRequest) -> Response:
     """FD: the MP4 itself (vLLM-Omni's sync answer), or JSON with `b64_json` under `Accept: application/json`;
     ID: the JSON form with `action`."""
-    out = await until_disconnect(request, service.run_dynamics(req, surface="videos_sync", received=time.monotonic()))
-    rec: dict[str, Any] = {"id": f"video_sync-{out.request_id}"}
+    out = await until_disconnect(request, service.run_dynamics(req, surface="videos_sync", received=time.monotonic(),
+                                                               request_id=new_request_id("video_sync")))
+    rec: dict[str, Any] = {"id": out.request_id}
     mp4 = await dynamics_record(rec, out, req)
     headers = {"X-Request-Id": rec["id"], "X-Model": service.config.model_name,
                "X-Inference-Time-S": f"{rec['inference_time_s']:.6f}",
@@ -467,8 +469,9 @@ async def _dynamics_sync(request: Request, service: Service, req: DynamicsReques
 async def _generation_sync(request: Request, service: Service, req: GenerationRequest) -> Response:
     """The MP4 itself (vLLM-Omni's sync answer), or JSON with it in `data[0].b64_json` under
     `Accept: application/json`. A client that hangs up cancels the job at its next denoising step."""
-    out = await until_disconnect(request, service.generate(req, surface="videos_sync"))
-    rec: dict[str, Any] = {"id": f"video_sync-{out.request_id}"}
+    out = await until_disconnect(request, service.generate(req, surface="videos_sync",
+                                                           request_id=new_request_id("video_sync")))
+    rec: dict[str, Any] = {"id": out.request_id}
     generation_record(rec, out, req)
     headers = _headers(service, rec["id"], rec, out.stage_durations, out.timing)
     assert out.mp4 is not None
