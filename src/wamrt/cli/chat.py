@@ -15,6 +15,8 @@ from typing import Any
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="tiny-world", help="checkpoint folder or built-in name (default: tiny-world)")
     ap.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's text_tokenizer/ or tokenizer/)")
+    ap.add_argument("--vae", help="VAE folder (default: the checkpoint's vae/)")
     ap.add_argument("--system", help="a system message (the checkpoints have none by default)")
     ap.add_argument("--prompt", help="answer this one message and exit")
     ap.add_argument("--image", type=Path, help="attach an image to the first message")
@@ -44,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed)
-        reasoner, why = reasoner_of(load_policy(args.model, device=args.device), args.model, max_len=args.context)
+        policy = load_policy(args.model, device=args.device, tokenizer=args.tokenizer, vae=args.vae)
+        reasoner, why = reasoner_of(policy, args.model, max_len=args.context)
     except (RequestError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

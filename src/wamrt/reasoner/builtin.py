@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-ROOT_INDEX = "model.safetensors.index.json"
+from ..pipeline.layout import ROOT_INDEX
+
 # A tiny tower of the Nano / Super layout (patch 16, temporal patch 2, spatial merge 2, DeepStack features).
 TINY_VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=16, temporal_patch_size=2,
                    spatial_merge_size=2, num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
