@@ -12,6 +12,8 @@ the CPU GEMMs block their sums depends on the threads they get. A missing or dou
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -117,3 +119,68 @@ def test_cfg_parallel_with_prompt_buckets_equals_single_process(cache):
         engine = front.engine  # rank 0's
         engine._lengths = (13, 5)
         assert engine._bucket_lengths([], []) == (16, 16)
+
+
+@pytest.fixture(scope="module")
+def saved_elsewhere(tmp_path_factory) -> tuple[str, str]:
+    """A diffusers `save_pretrained` folder whose tokenizer was moved out of it: (folder, tokenizer folder)."""
+    from oracle.checkpoints import save_diffusers_pipeline
+
+    root = tmp_path_factory.mktemp("saved")
+    folder = save_diffusers_pipeline(root / "diffusers")
+    return str(folder), str(shutil.move(folder / "text_tokenizer", root / "tok"))
+
+
+@pytest.mark.parametrize("mode", ["cfg", "tp"])  # cfg: load_policy on every rank; tp: every rank reads its slices
+def test_saved_folder_with_the_tokenizer_passed_equals_single_process(cache, saved_elsewhere, mode):
+    folder, tok = saved_elsewhere
+    single = Engine.from_policy(load_policy(folder, device="cpu", tokenizer=tok), EngineConfig(**ECONF))
+    assert single.options.shift == 7.0  # the saved scheduler's flow_shift: every rank reads the same layout
+    with start(ParallelSpec(mode, folder, 2, "cpu", engine=ECONF, tokenizer_dir=tok)) as front:
+        _compare(front, single, CASES[:1])
+        assert front.policy.options.shift == single.options.shift
+        if mode == "tp":
+            local = front.policy.model
+            assert local.config.num_attention_heads * 2 == local.tp.full_config.num_attention_heads
+
+
+@pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager")
+def test_serve_parallel_with_tokenizer_answers_openpi_client(cache, saved_elsewhere, tmp_path):
+    """`wamrt serve --parallel cfg --tokenizer DIR` (refused before the flags reached the ranks) answers the
+    official openpi client."""
+    import subprocess
+    import sys
+
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from wamrt.cli.demo import _wait_ready
+    from wamrt.net import free_port
+
+    folder, tok = saved_elsewhere
+    port, log = free_port(), tmp_path / "server.log"
+    proc = subprocess.Popen([sys.executable, "-m", "wamrt.cli", "serve", "--model", folder, "--tokenizer", tok,
+                             "--parallel", "cfg", "--gpus", "2", "--device", "cpu", "--port", str(port),
+                             "--steps", "1", "--warmup", "0"], stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        try:
+            _wait_ready(port, proc, timeout_s=240.0)
+        except (RuntimeError, TimeoutError) as exc:
+            raise AssertionError(f"{exc}:\n{log.read_text()}") from exc
+        client = WebsocketClientPolicy(f"ws://127.0.0.1:{port}")
+        meta = client.get_server_metadata()
+        assert meta["policy"]["engine"]["parallel"] == "cfg" and meta["model"] == folder
+        out = client.infer(sample_observation(0))
+        assert out["actions"].shape == (32, 8) and np.isfinite(out["actions"]).all()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_a_folder_that_cannot_serve_fails_before_any_rank_starts(saved_elsewhere, tmp_path):
+    from wamrt.model import CheckpointError
+
+    folder, _ = saved_elsewhere
+    with pytest.raises(CheckpointError, match="--tokenizer"):
+        start(ParallelSpec("cfg", folder, 2, "cpu"))
+    with pytest.raises(CheckpointError, match="--tokenizer"):
+        start(ParallelSpec("tp", folder, 2, "cpu", tokenizer_dir=str(tmp_path)))

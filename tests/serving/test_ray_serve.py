@@ -144,3 +144,21 @@ def test_two_replicas_serve_ws_and_http_and_survive_a_replica_kill(endpoint):
         assert r.status_code == 200, r.text
     kept.close()
     doomed.close()
+
+
+def test_a_saved_folder_with_its_tokenizer_elsewhere(endpoint, tmp_path):
+    """Deployed as a Serve config file deploys it (`build`, its `args`), `tokenizer:` replaces the folder's own on
+    the replica: the diffusers `save_pretrained` folder serves with its text_tokenizer/ moved out."""
+    import shutil
+
+    from oracle.checkpoints import save_diffusers_pipeline
+
+    from wamrt.serving.ray_serve import build
+
+    folder = save_diffusers_pipeline(tmp_path / "diffusers")
+    tok = shutil.move(folder / "text_tokenizer", tmp_path / "tok")
+    serve.run(build({"model": str(folder), "tokenizer": str(tok), "device": "cpu", "max_batch": 2,
+                     "warmup_requests": 0, "steps": 1}), name="wamrt", route_prefix="/")
+    with PolicyClient(f"ws://127.0.0.1:{endpoint}") as client:
+        assert client.metadata["model"] == str(folder) and client.metadata["sampler"]["shift"] == 7.0
+        assert client.infer(sample_observation(0))["actions"].shape == (32, 8)

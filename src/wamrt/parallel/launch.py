@@ -50,6 +50,10 @@ class ParallelSpec:
     # random:SIZE only: "fixed" = performance.md's 125 / 30 tokens (timing), "variable" = the count follows the
     # text (serving, like `load_policy("random:SIZE")`); see pipeline.random_weights
     tokenizer: str = "fixed"
+    # A checkpoint folder: the tokenizer / VAE folders that replace its own (`--tokenizer` / `--vae`); every rank
+    # resolves the same layout with them (`pipeline.layout.resolve_layout`).
+    tokenizer_dir: str | None = None
+    vae_dir: str | None = None
     seed: int = 0
     # World modes: EngineConfig fields over `WORLD_ENGINE_CONFIG` for the world engine (attention, compile,
     # compile_mode and cuda_graph come from `engine` unless set here, as a one-GPU server's WorldEngine takes them
@@ -88,28 +92,21 @@ def build_policy(spec: ParallelSpec, rank: int, device: torch.device):
                       name=f"{size} (random weights)")
     from ..pipeline.builtin import BUILTIN_MODELS
 
-    if spec.mode != "tp" or name in BUILTIN_MODELS:
-        policy = load_policy(name, device=device, dtype=dtype)
-        if spec.mode == "tp":  # a built-in (tiny) model: load it whole, keep this rank's shard
-            from .tp import shard_model
+    sliced = spec.mode == "tp" and name not in BUILTIN_MODELS
 
-            shard_model(policy.model, rank, spec.world)
-        return policy
-    # A checkpoint folder: read only this rank's slices of the transformer.
-    from ..pipeline import policy as pp
-    from ..pipeline.layout import resolve_layout
-    from ..pipeline.tokens import CaptionTokenizer
-    from ..pipeline.vae import FrameEncoder, load_vae
-    from .tp import load_sharded
+    def read_slices(layout, dev: torch.device, dt: torch.dtype):  # noqa: ANN001, ANN202 - CheckpointLayout
+        from .tp import load_sharded
 
-    layout = resolve_layout(name)
-    model = load_sharded(layout.transformer, rank, spec.world, device, dtype)
-    encoder = FrameEncoder(load_vae(layout.require_vae(), device=device, dtype=dtype))
-    tok = CaptionTokenizer.from_pretrained(layout.require_tokenizer())
-    extra = pp.read_policy_config(layout)
-    gi = extra.get("guidance_interval")
-    return Policy(model, encoder, tok, pp.contract_from_config(extra),
-                  SamplingOptions(guidance_interval=tuple(gi) if gi else None), name=name)
+        return load_sharded(layout.transformer, rank, spec.world, dev, dt, weights=layout.transformer_weights())
+
+    # A checkpoint folder under "tp": only this rank's slices of the transformer are read.
+    policy = load_policy(name, device=device, dtype=dtype, tokenizer=spec.tokenizer_dir, vae=spec.vae_dir,
+                         transformer_loader=read_slices if sliced else None)
+    if spec.mode == "tp" and not sliced:  # a built-in (tiny) model: loaded whole, this rank's shard kept
+        from .tp import shard_model
+
+        shard_model(policy.model, rank, spec.world)
+    return policy
 
 
 def world_config(spec: ParallelSpec):
@@ -310,6 +307,16 @@ def start(spec: ParallelSpec, *, policy: Any = None, timeout: float = 1800.0) ->
 
     if spec.model in BUILTIN_MODELS:
         builtin_path(spec.model)  # build the cached folder once here, not racing in every rank
+    if not spec.model.startswith("random:"):  # a folder that cannot serve is one line, before any rank starts
+        from ..pipeline.layout import resolve_layout
+        from ..pipeline.policy import checkpoint_root
+
+        layout = resolve_layout(checkpoint_root(spec.model), tokenizer=spec.tokenizer_dir, vae=spec.vae_dir)
+        layout.require_tokenizer()
+        layout.require_vae()
+        if spec.mode == "tp" and layout.quantized is not None:
+            raise ValueError(f"{spec.model} is a `wamrt quantize` artifact; tp reads the slices of an unquantized "
+                             "checkpoint folder")
     if spec.mode in WORLD_MODES:  # a layout that does not fit fails here, in one line, before any rank starts
         from .world import WorldLayout
 

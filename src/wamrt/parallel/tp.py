@@ -161,8 +161,9 @@ def random_sharded(size: str, rank: int, world: int, device: torch.device, dtype
 
 
 def load_sharded(path: str | Path, rank: int, world: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                 *, group=None) -> Cosmos3Transformer:
-    """A diffusers-layout checkpoint folder, reading only this rank's slice of each sharded tensor."""
+                 *, group=None, weights: dict[str, Path] | None = None) -> Cosmos3Transformer:
+    """A diffusers-layout checkpoint folder, reading only this rank's slice of each sharded tensor. `weights`: the
+    tensor -> shard map (`CheckpointLayout.transformer_weights()`, a hub root index's), default the folder's own."""
     from ..model import checkpoint as ckpt
 
     folder = ckpt.resolve_folder(path)
@@ -170,7 +171,7 @@ def load_sharded(path: str | Path, rank: int, world: int, device: torch.device, 
     model = _meta_shard(cfg, rank, world, group, dtype)
     slices = model.tp.slices
     expected = dict(model.named_parameters())
-    mapping = ckpt.weight_files(folder)
+    mapping = weights if weights is not None else ckpt.weight_files(folder)
     assert mapping is not None
     by_file: dict[Path, list[str]] = {}
     for k, f in mapping.items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -205,6 +205,7 @@ def load_policy(
     vae: str | Path | None = None,
     prompt_format: PromptFormat | None = None,
     options: SamplingOptions | None = None,
+    transformer_loader: Callable[[CheckpointLayout, torch.device, torch.dtype], Any] | None = None,
 ) -> Policy:
     """Load a policy (transformer + VAE + tokenizer) from a checkpoint folder or a built-in name.
 
@@ -219,6 +220,8 @@ def load_policy(
     prompt_format: "plain" or "json" captions (default: the checkpoint's wamrt.json, else plain).
     options: sampling defaults (default: the DROID server's, with the shift of the checkpoint's scheduler config
         when it sets one: `layout.scheduler_defaults`).
+    transformer_loader: builds the transformer from the resolved layout instead of reading it whole (a
+        tensor-parallel rank reads its slices: `wamrt.parallel.launch`); everything else loads as it does here.
 
     A folder whose parts disagree (VAE statistics vs z_dim, latent channels, vocabulary, action width, domain
     count, tensor shapes) raises CheckpointError, one line naming the file and the field.
@@ -259,6 +262,8 @@ def load_policy(
 
         model = load_artifact(layout.quantized, dev, dt)
         quantization = json.loads((layout.quantized / "recipe.json").read_text()).get("recipe", {}).get("name")
+    elif transformer_loader is not None:
+        model = transformer_loader(layout, dev, dt)
     else:
         model = load_transformer(layout.transformer, device=dev, dtype=dt, weights=layout.transformer_weights())
     encoder = FrameEncoder(load_vae(vae_dir, device=dev, dtype=dt))

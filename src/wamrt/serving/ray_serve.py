@@ -33,10 +33,12 @@ log = logging.getLogger("wamrt.serving")
 
 @serve.ingress()  # late-bound: __serve_build_asgi_app__ returns the replica's own app
 class PolicyReplica:
-    """One engine: `model` on this replica's GPU(s) (`parallel` cfg/tp over `gpus`), or the CPU."""
+    """One engine: `model` on this replica's GPU(s) (`parallel` cfg/tp over `gpus`), or the CPU; `tokenizer` / `vae`
+    replace the checkpoint's own folders (`--tokenizer` / `--vae`; paths every replica's host can read)."""
 
     def __init__(self, model: str = "tiny-droid", device: str | None = None, gpus: int = 1, parallel: str = "none",
-                 serve_config: dict[str, Any] | None = None) -> None:
+                 serve_config: dict[str, Any] | None = None, tokenizer: str | None = None,
+                 vae: str | None = None) -> None:
         import ray
         import torch
 
@@ -50,11 +52,11 @@ class PolicyReplica:
 
             engine = {**self.config.engine_settings(device), "capture_on_request": True}  # ranks in lockstep
             self.policy: Any = start(ParallelSpec(parallel, model, world=gpus, device=device, engine=engine,
-                                                  tokenizer="variable"))
+                                                  tokenizer="variable", tokenizer_dir=tokenizer, vae_dir=vae))
         else:
             from ..pipeline.policy import load_policy
 
-            self.policy = load_policy(model, device=device)
+            self.policy = load_policy(model, device=device, tokenizer=tokenizer, vae=vae)
             if self.policy.device.type == "cuda":
                 from ..engine import Engine, EngineConfig
 
@@ -85,27 +87,29 @@ def deployment_options(*, replicas: int = 1, max_replicas: int | None = None, gp
 
 
 def application(model: str, *, device: str | None = None, gpus: int = 1, parallel: str = "none",
-                serve_config: ServeConfig | None = None, **options: Any):
+                serve_config: ServeConfig | None = None, tokenizer: str | None = None, vae: str | None = None,
+                **options: Any):
     """A bound Serve application (for `serve.run`)."""
     cfg = dataclasses.asdict(serve_config or ServeConfig(model_name=model))
     dep = serve.deployment(PolicyReplica, name="PolicyReplica", **options)
-    return dep.bind(model, device, gpus, parallel, cfg)
+    return dep.bind(model, device, gpus, parallel, cfg, tokenizer, vae)
 
 
 def build(args: dict[str, Any]):
     """Application builder for a Serve config file (`import_path: wamrt.serving.ray_serve:build`).
-    `args`: model, device, gpus, parallel and any ServeConfig field (max_batch, steps, api_key, ...).
+    `args`: model, device, gpus, parallel, tokenizer, vae and any ServeConfig field (max_batch, steps, api_key, ...).
     Replica counts, autoscaling and resources come from the file's `deployments:` section."""
     args = dict(args)
     model = str(args.pop("model", "tiny-droid"))
     device, gpus, parallel = args.pop("device", None), int(args.pop("gpus", 1)), str(args.pop("parallel", "none"))
+    tokenizer, vae = args.pop("tokenizer", None), args.pop("vae", None)
     fields = {f.name for f in dataclasses.fields(ServeConfig)}
     unknown = sorted(set(args) - fields)
     if unknown:
         raise ValueError(f"unknown wamrt Serve args: {unknown}")
     config = ServeConfig(model_name=model, **args)
     dep = serve.deployment(PolicyReplica, name="PolicyReplica")
-    return dep.bind(model, device, gpus, parallel, dataclasses.asdict(config))
+    return dep.bind(model, device, gpus, parallel, dataclasses.asdict(config), tokenizer, vae)
 
 
 def run(args: argparse.Namespace, config: ServeConfig) -> int:
@@ -122,7 +126,8 @@ def run(args: argparse.Namespace, config: ServeConfig) -> int:
     opts = deployment_options(replicas=args.replicas, max_replicas=args.max_replicas, gpus_per_replica=per_replica,
                               max_batch=config.max_batch)
     serve.run(application(str(args.model), device=device, gpus=args.gpus, parallel=args.parallel,
-                          serve_config=config, **opts), name="wamrt", route_prefix="/")
+                          serve_config=config, tokenizer=args.tokenizer, vae=args.vae, **opts),
+              name="wamrt", route_prefix="/")
     print(f"wamrt on Ray Serve: {args.replicas} replica(s) at http://{config.host}:{config.port} (Ctrl-C stops)",
           flush=True)
     try:

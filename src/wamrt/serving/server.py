@@ -88,10 +88,6 @@ def run(args: argparse.Namespace) -> int:
     except ServeConfigError as exc:
         print(f"wamrt serve: {exc}", file=sys.stderr)
         return 2
-    if (getattr(args, "tokenizer", None) or getattr(args, "vae", None)) and (args.parallel != "none" or args.ray):
-        print("wamrt serve: --tokenizer/--vae: not supported with --parallel or --ray; keep the tokenizer and VAE in "
-              "the checkpoint folder", file=sys.stderr)
-        return 2
     if getattr(args, "ray", False):
         from . import ray_serve  # needs ray[serve]
 
@@ -129,7 +125,7 @@ def _run_parallel(args: argparse.Namespace, config: ServeConfig) -> int:
     try:
         # World layouts split every step of a generation job into segments only on CUDA, as one GPU does.
         policy = start(ParallelSpec(args.parallel, str(args.model), world=args.gpus, device=device, engine=settings,
-                                    tokenizer="variable",
+                                    tokenizer="variable", tokenizer_dir=args.tokenizer, vae_dir=args.vae,
                                     step_segments=config.generation_step_segments if device.startswith("cuda") else 1))
     except ValueError as exc:  # a layout the GPUs or heads do not divide, GPUs missing
         print(f"wamrt serve: --parallel {args.parallel}: {exc}", file=sys.stderr)
