@@ -6,21 +6,12 @@ import numpy as np
 import pytest
 from oracle.graph_standin import record_by_rerun
 
-from wamrt import load_policy
 from wamrt.engine import Engine, EngineConfig
 from wamrt.sample import sample_observation
 
 TOL = 2e-5  # fp32, different summation orders (batched GEMMs, per-sequence attention)
 SHORT = "pick up the cube"
 LONG = "pick up the red cube and put it on the blue pad, then push the green cylinder next to the yellow bowl"
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("WAMRT_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield load_policy("tiny-droid", device="cpu")
-    mp.undo()
 
 
 # vae_frames=5 instead of the reference's 33: the same latent frame 0, at a fraction of the CPU time.

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from oracle.graph_standin import record_by_rerun
 
-from wamrt import load_policy
 from wamrt.engine import Engine, EngineConfig
 from wamrt.sample import sample_observation
 
@@ -21,14 +20,6 @@ BUCKET = 64
 SHORT = "pick up the cube"
 LONG = ("pick up the red cube and put it on the blue pad, then push the green cylinder next to the yellow bowl and "
         "wave at the camera three times before you return to the start")
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("WAMRT_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield load_policy("tiny-droid", device="cpu")
-    mp.undo()
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,20 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert scale > 0 and err <= LATENT_REL_TOL * scale, f"{what}: {err:.3e} > {LATENT_REL_TOL} * {scale:.3e}"
 
 
+def count_last_layer_rows(engine: Any) -> list[int]:
+    """From now on, the row count of every pass of the engine's last layer, appended to the list returned."""
+    seen: list[int] = []
+    post, last = engine._post, engine.model.layers[-1]
+
+    def counting(layer, g, o):  # noqa: ANN001, ANN202 - the layer path's post hook
+        if layer is last:
+            seen.append(g.shape[1])
+        return post(layer, g, o)
+
+    engine._post = counting
+    return seen
+
+
 def _assert_same_result(got, want) -> None:
     _assert_close(got.video_latents, want.video_latents, "video latents")
     assert got.frames is not None and want.frames is not None and got.frames.shape == want.frames.shape
@@ -289,7 +303,7 @@ def test_world_last_layer_skips_the_conditioning_frames(stack, case: str, clean:
     """EngineConfig.last_layer_read_rows on world requests: after its K/V stores the last layer runs without the
     request's leading clean latent frames (their velocity is zero), at every step. Same latents and sound as the
     engine with every row, and as run_world; the last layer saw one frame's rows fewer per clean frame."""
-    model, assets, sound = stack
+    sound = stack[2]
     if case.startswith("video2video"):
         video = [picture(40, 70, k) for k in range(5)]
         kw = {**_request("image2video", 7), "image": None, "num_frames": V2V_FRAMES, "video": video}
@@ -298,19 +312,10 @@ def test_world_last_layer_skips_the_conditioning_frames(stack, case: str, clean:
     else:
         kw = _request(case, 7)
     want = _reference(stack, **kw)
-    last_layer = model.layers[-1]
     results, rows_seen = {}, {}
     for pruned in (True, False):
         engine = _engine(stack, last_layer_read_rows=pruned)
-        seen: list[int] = []
-        post = engine._post
-
-        def counting_post(layer, g, o, post=post, seen=seen):
-            if layer is last_layer:
-                seen.append(g.shape[1])
-            return post(layer, g, o)
-
-        engine._post = counting_post
+        seen = count_last_layer_rows(engine)
         generator = torch.Generator().manual_seed(kw["generator"].initial_seed())
         results[pruned] = engine.run(sound_decoder=sound, **{**kw, "generator": generator})
         rows_seen[pruned] = seen

@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 import torch
 from oracle.assets import picture
-from test_world_engine import HEIGHT, WIDTH, RerunWorldEngine, _assert_same_result, _engine, _reference, stack  # noqa: F401
+from test_world_engine import (  # noqa: F401
+    HEIGHT,
+    WIDTH,
+    RerunWorldEngine,
+    _assert_same_result,
+    _engine,
+    _reference,
+    count_last_layer_rows,
+    stack,
+)
 
 STEPS = 3
 
@@ -49,20 +58,11 @@ def test_world_engine_transfer_matches_run_world(stack, case: str, bucket: int) 
 def test_world_engine_transfer_last_layer_skips_the_control_rows(stack) -> None:  # noqa: F811
     """With last_layer_read_rows the last layer runs the target's rows only (the controls' and, for the no-control
     pass, all of its own): same result as every row, and as run_world."""
-    model = stack[0]
     want = _reference(stack, **_request("edge_blur", 2))
     rows, results = {}, {}
     for pruned in (True, False):
         engine = _engine(stack, last_layer_read_rows=pruned)
-        seen: list[int] = []
-        post = engine._post
-
-        def counting(layer, g, o, post=post, seen=seen):
-            if layer is model.layers[-1]:
-                seen.append(g.shape[1])
-            return post(layer, g, o)
-
-        engine._post = counting
+        seen = count_last_layer_rows(engine)
         results[pruned] = engine.run(**_request("edge_blur", 2))
         rows[pruned] = seen
     _assert_same_result(results[True], want)

@@ -12,20 +12,21 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import httpx
 import numpy as np
 import openai
 import pytest
+from oracle.latency import percentile, policy_request_ms
 from PIL import Image
 
-from wamrt.client.wire import packb, unpackb
+from wamrt.client.wire import packb
 from wamrt.sample import sample_observation
 from wamrt.serving import ServeConfig, ServerThread
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # the sound tokenizer's weight_norm
-MSGPACK = {"Content-Type": "application/msgpack"}
 
 
 @pytest.fixture(scope="module")
@@ -165,10 +166,6 @@ def test_upsample_prompt_on_generation_jobs(server: ServerThread) -> None:
         assert len(base64.b64decode(r.json()["data"][0]["b64_json"])) > 0
 
 
-def _percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
-
-
 def test_policy_latency_while_a_long_chat_streams(server: ServerThread, client: openai.OpenAI) -> None:
     """Closed-loop policy requests alone and while one chat stream decodes continuously (ignore_eos, thousands of
     tokens), in alternating blocks so the shared box's drifting load hits both alike. The chat thread takes the
@@ -181,12 +178,7 @@ def test_policy_latency_while_a_long_chat_streams(server: ServerThread, client: 
     busy: list[float] = []
     steps = 0
     with httpx.Client(base_url=server.http_url, timeout=60) as http:
-        def policy_ms() -> float:
-            t0 = time.perf_counter()
-            r = http.post("/v1/policy/infer", content=blob, headers=MSGPACK)
-            assert r.status_code == 200, r.text
-            assert unpackb(r.content)["actions"].shape == (32, 8)
-            return 1e3 * (time.perf_counter() - t0)
+        policy_ms = partial(policy_request_ms, http, blob)
 
         for _ in range(3):
             policy_ms()
@@ -218,8 +210,8 @@ def test_policy_latency_while_a_long_chat_streams(server: ServerThread, client: 
             while chat.running and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert chat.running == 0  # the hung-up stream's row was freed
-    q50, q99 = statistics.median(quiet), _percentile(quiet, 99)
-    b50, b99 = statistics.median(busy), _percentile(busy, 99)
+    q50, q99 = statistics.median(quiet), percentile(quiet, 99)
+    b50, b99 = statistics.median(busy), percentile(busy, 99)
     print(f"\npolicy latency ms: solo p50 {q50:.1f} p99 {q99:.1f} | with a chat stream p50 {b50:.1f} p99 {b99:.1f} "
           f"| chat decode steps meanwhile {steps}, longest segment {chat.segment_max_ms:.1f} ms")
     assert steps >= len(busy) // 2  # chat really decoded in the gaps between the policy requests

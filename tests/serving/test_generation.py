@@ -19,6 +19,7 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import av
@@ -27,9 +28,10 @@ import numpy as np
 import pytest
 import torch
 from oracle.generation_jobs import poll_job, wait_generation_idle
+from oracle.latency import percentile, policy_request_ms
 from PIL import Image
 
-from wamrt.client.wire import packb, unpackb
+from wamrt.client.wire import packb
 from wamrt.sample import sample_observation
 from wamrt.serving import ServeConfig, ServerThread
 from wamrt.serving.batcher import DeviceGate
@@ -40,7 +42,6 @@ from wamrt.serving.world_model import world_model_of
 
 # gc.get_objects() touches lazy torch attributes that warn on access; the sound tokenizer uses weight_norm.
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
-MSGPACK = {"content-type": "application/msgpack"}
 MAX_PIXELS = 128 * 128 * 33  # the world server's --max-video-pixels
 REENCODE_MEAN_ABS_TOL = 3.0  # mean |difference| (0-255) of two H.264 encodes of the same frames
 SOUND_RATE = 16_000  # tiny-world's sound tokenizer
@@ -473,10 +474,6 @@ def test_generation_through_a_world_engine_yields_and_stays_exact(world_server: 
     assert same_media(split_alone, alone) and same_media(split_meddled, alone)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
-
-
 def test_policy_latency_with_and_without_generation(world_server: ServerThread) -> None:
     """Closed-loop policy requests (HTTP, msgpack) before, during and after continuous generation (a lane of
     back-to-back /v1/videos/sync jobs: 128x128, 33 frames, 12 steps, so steps, VAE decode frames and sound all
@@ -495,12 +492,7 @@ def test_policy_latency_with_and_without_generation(world_server: ServerThread) 
            "generate_sound": "true", "seed": "2"}
 
     with httpx.Client(base_url=url, timeout=60) as http:
-        def policy_ms() -> float:
-            t0 = time.perf_counter()
-            r = http.post("/v1/policy/infer", content=blob, headers=MSGPACK)
-            assert r.status_code == 200, r.text
-            assert unpackb(r.content)["actions"].shape == (32, 8)
-            return 1e3 * (time.perf_counter() - t0)
+        policy_ms = partial(policy_request_ms, http, blob)
 
         for _ in range(2):
             policy_ms()
@@ -529,8 +521,8 @@ def test_policy_latency_with_and_without_generation(world_server: ServerThread) 
     worker.segment_max_ms = max(segment, segment_before)
     assert not errors and worker.jobs_run > jobs_before  # generation really ran meanwhile
 
-    q50, q99 = statistics.median(quiet), _percentile(quiet, 99)
-    b50, b99 = statistics.median(busy), _percentile(busy, 99)
+    q50, q99 = statistics.median(quiet), percentile(quiet, 99)
+    b50, b99 = statistics.median(busy), percentile(busy, 99)
     print(f"\npolicy latency ms: quiet p50 {q50:.1f} p99 {q99:.1f} | with generation p50 {b50:.1f} p99 {b99:.1f} "
           f"| longest generation segment {segment:.1f} ms | generation jobs finished {len(done)}")
     assert b99 <= 1.5 * q99 + segment, (quiet, busy, segment)

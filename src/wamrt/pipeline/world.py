@@ -377,28 +377,7 @@ def run_world(
     encoder: FrameEncoder,
     tokenizer: CaptionTokenizer | Any,
     *,
-    prompt: str,
-    negative_prompt: str | None = None,
-    image: ImageInput | None = None,
-    video: VideoInput | None = None,
-    condition_latent_frames: Sequence[int] | None = None,
-    condition_video_keep: str = "first",
-    num_frames: int = 189,
-    height: int = 720,
-    width: int = 1280,
-    fps: float = 24.0,
-    enable_sound: bool = False,
     sound_decoder: SoundDecoder | Cosmos3AVAEAudioTokenizer | None = None,
-    use_system_prompt: bool = True,
-    use_resolution_template: bool = True,
-    use_duration_template: bool = True,
-    controls: Mapping[str, Any] | None = None,
-    control_source: VideoInput | None = None,
-    control_guidance: float | None = None,
-    control_guidance_interval: Sequence[float] | None = None,
-    emphasize_control: bool = True,
-    num_video_frames_per_chunk: int | None = None,
-    num_conditional_frames: int = 1,
     steps: int = 35,
     guidance: float = 6.0,
     shift: float = 10.0,
@@ -408,9 +387,12 @@ def run_world(
     on_chunk: Callable[[int, int], None] | None = None,
     denoiser: Denoiser = denoise,
     decoder: PixelDecoder = decode_pixels,
+    **request: Any,
 ) -> WorldResult:
     """One world request end to end (the reference's `pipe(prompt, ...)` without `action`).
 
+    `request`: the fields of `world_request` (prompt, image / video conditioning, size, frames, sound, templates,
+    transfer controls, chunking), validated there with its defaults.
     `shift` is the flow shift of the checkpoint's UniPC scheduler (10 in diffusers' Cosmos 3 examples).
     `decode=False` returns latents only (sound latents too, undecoded). `on_step(i, steps)` is called after
     each denoising step (see `denoise`); an exception it raises stops the request there.
@@ -426,29 +408,7 @@ def run_world(
     """
     t_start = time.perf_counter()
     opts = diffusers_sampling(steps, guidance, shift)
-    req = world_request(
-        prompt=prompt,
-        negative_prompt=negative_prompt,
-        image=image,
-        video=video,
-        condition_latent_frames=condition_latent_frames,
-        condition_video_keep=condition_video_keep,
-        num_frames=num_frames,
-        height=height,
-        width=width,
-        fps=fps,
-        enable_sound=enable_sound,
-        use_system_prompt=use_system_prompt,
-        use_resolution_template=use_resolution_template,
-        use_duration_template=use_duration_template,
-        controls=controls,
-        control_source=control_source,
-        control_guidance=control_guidance,
-        control_guidance_interval=control_guidance_interval,
-        emphasize_control=emphasize_control,
-        num_video_frames_per_chunk=num_video_frames_per_chunk,
-        num_conditional_frames=num_conditional_frames,
-    )
+    req = world_request(**request)
     if req.transfer is not None:
         opts = replace(opts, control_guidance=req.transfer.control_guidance,
                        control_guidance_interval=req.transfer.control_guidance_interval)
