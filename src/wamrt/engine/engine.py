@@ -6,6 +6,10 @@ denoising loop (every step, the sampler included) as one CUDA graph per shape bu
 Each technique is a switch in `EngineConfig`, so the latency waterfall (E0 ... E5) runs the same
 code with more of them on. Every configuration computes the same function as the eager reference
 (`wamrt.pipeline.denoise`) up to bf16 rounding; tests hold it to that.
+
+A batch's way in (seeds, validation, canvases, the frame-0 VAE encode, tokens) is `admission.py`; what a server
+needs beyond one batch (per-thread state, encoder warm-up, out-of-memory reruns) is `served.py`; graph capture is
+`graph_capture.py` and `graph_ladder.py`. This file is the denoising loop.
 """
 
 from __future__ import annotations
@@ -16,8 +20,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Generator, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -37,21 +39,16 @@ from ..pipeline.droid import (
     OBSERVED_LATENT_FRAMES,
     ActionChunk,
     DroidContract,
-    DroidHostInputs,
     PreparedDroid,
     droid_actions,
-    droid_host_inputs,
     droid_metadata,
-    encode_canvases,
-    finish_droid,
 )
-from ..pipeline.errors import RequestError
-from ..pipeline.noise import GaussianPrefetcher
 from ..pipeline.policy import Policy, device_name, validate_options
 from ..pipeline.prefix import ActionAnchor, apply_anchor, empty_anchor
 from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder
 from ..sampler import cfg_combine, euler_plan, guidance_active, unipc_plan
+from .admission import RequestAdmission
 from .config import EngineConfig, check_config
 from .generator_pass import read_rows, run_to_end, select_requests
 from .graph_cache import GraphCache, device_memory_stats, graph_pool_bytes
@@ -67,10 +64,9 @@ from .vae_encode import FirstFrameEncoder
 log = logging.getLogger(__name__)
 
 ROPE_CACHE_SIZE = 64  # packing layouts (instruction length x geometry) whose Generator RoPE tables are kept
-HOST_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))  # canvas threads of a batch (the rest: server, GPU)
 
 
-class Engine(GraphCapture, BackgroundCapture, Served):
+class Engine(RequestAdmission, GraphCapture, BackgroundCapture, Served):
     def __init__(
         self,
         model: Cosmos3Transformer,
@@ -102,12 +98,7 @@ class Engine(GraphCapture, BackgroundCapture, Served):
         self._local = threading.local()  # per thread: which layer path runs, the step kinds a loop needs
         self._capture_worker = None  # graph_ladder.CaptureWorker, made when a bucket is first wanted
         self.out_of_memory = {"retried": 0, "refused": 0}  # requests rerun alone after an OOM / answered with it
-        self._seeds = np.random.default_rng(0)
-        self._upcoming_seed = int(self._seeds.integers(0, 2**31))
-        self._noise = GaussianPrefetcher()
-        self._noise_shape: tuple[int, ...] | None = None
-        self._host_pool: ThreadPoolExecutor | None = None  # batch preprocessing (see _host_inputs)
-        self._vae_stream: torch.cuda.Stream | None = None  # the VAE encode's side stream (see infer_batch)
+        self._init_admission()  # seeds, noise, host threads, the encode stream (admission.py)
         self._plans: dict[tuple, Any] = {}
         self._ropes: OrderedDict[tuple, Rope] = OrderedDict()  # Generator RoPE per packing layout (LRU)
         self._backend = BackendAttention(generator=config.attention if config.attention != "gqa" else "auto")
@@ -144,18 +135,6 @@ class Engine(GraphCapture, BackgroundCapture, Served):
                    name=policy.name, quantization=policy.quantization)
 
     # ---------------------------------------------------------------------------------------------
-    def next_seed(self) -> int:
-        """The framework server's seed sequence. The seed after it is known now; its noise is drawn on
-        a background thread while this request's denoising loop occupies the GPU (see _denoise)."""
-        seed, self._upcoming_seed = self._upcoming_seed, int(self._seeds.integers(0, 2**31))
-        return seed
-
-    def _prefetch_noise(self) -> None:
-        # Called once the GPU has the whole loop queued: the numpy draw holds the GIL, so run earlier
-        # it would stall this request's own host-side preprocessing.
-        if self._noise_shape is not None:
-            self._noise.prefetch(self._upcoming_seed, self._noise_shape)
-
     def metadata(self) -> dict[str, Any]:
         engine = {k: getattr(self.config, k) for k in ("attention", "batch_cfg", "compile", "compile_mode",
                                                        "cuda_graph", "prompt_bucket", "prompt_width",
@@ -198,53 +177,16 @@ class Engine(GraphCapture, BackgroundCapture, Served):
         """Requests of one shape bucket in one pass. A bad request yields its error in its slot."""
         opts = self.options.updated(**overrides)
         validate_options(opts)
-        seeds = seeds or [None] * len(observations)
         t_start = time.perf_counter()
-        results: list[ActionChunk | Exception] = [None] * len(observations)  # type: ignore[list-item]
-        prepared: list[tuple[int, PreparedDroid]] = []
         with torch.inference_mode():
-            # Seeds in request order, a failing request's included: the sequence stays the framework server's.
-            seeds = [self.next_seed() if s is None else s for s in seeds]
-            hosts = self._host_inputs(observations)
-            ok = [i for i, h in enumerate(hosts) if not isinstance(h, Exception)]
-            for i, h in enumerate(hosts):
-                if isinstance(h, Exception):
-                    results[i] = h
-            # One VAE call for the batch (each request is charged the call), or one per request when isolated. On
-            # CUDA it runs on a side stream and nothing waits for it on the host: the requests' host work below
-            # (tokens, noise, positions; stage_clock.py) runs while the GPU encodes.
-            clock, encode_stream, group_of = StageClock(self.device), self._encode_stream(), {}
-            for g, group in enumerate([[i] for i in ok] if self.config.isolate_requests else [ok] if ok else []):
-                clock.start(f"vae_encode{g}", encode_stream)
-                with torch.cuda.stream(encode_stream) if encode_stream is not None else nullcontext():
-                    latents = encode_canvases(self._canvas_encoder, [hosts[i].padded for i in group], self.device,
-                                              self.config.vae_frames, pad_on_device=self.config.canvas_on_device)
-                clock.stop(f"vae_encode{g}", encode_stream)
-                if not self.config.overlap_encode:
-                    self._sync()
-                for i, latent0 in zip(group, latents, strict=True):
-                    try:
-                        prep = finish_droid(hosts[i], latent0, model=self.model, encoder=self.encoder,
-                                            tokenizer=self.tokenizer, contract=self.contract, seed=seeds[i],
-                                            device=self.device, noise=self._noise,
-                                            latent_ready=self._after_encode(encode_stream, latent0),
-                                            max_prompt_tokens=self.config.max_prompt_tokens)
-                    except RequestError as e:  # an instruction over the limit: its slot only
-                        results[i] = e
-                        continue
-                    group_of[i] = g  # its time is known once the device is synchronized (after the denoise)
-                    prepared.append((i, prep))
-                    self._noise_shape = tuple(prep.inputs.vision.shape)
-            # Longest prefixes first: a graph's key (the prefix lengths in batch order) then depends on which
-            # requests share the batch, not on the order they arrived in. Results go back by index.
-            prepared.sort(key=lambda ip: _prefix_lengths(ip[1].inputs), reverse=True)
+            admitted = self._admit(observations, seeds)
+            results: list[ActionChunk | Exception] = admitted.results
+            prepared = admitted.prepared
             batches = [[ip] for ip in prepared] if self.config.isolate_requests else [prepared] if prepared else []
-            encode_ms: dict[str, float] = {}
             for batch in batches:
                 finals, timings = self._denoise_guarded([p for _, p in batch], opts)
-                encode_ms = encode_ms or clock.ms()  # every encode's events are done: _denoise synchronized
                 for i, prep in batch:
-                    prep.timings_ms["vae_encode"] = encode_ms[f"vae_encode{group_of[i]}"]
+                    prep.timings_ms["vae_encode"] = admitted.encode_ms(i)
                 t0 = time.perf_counter()
                 for (i, prep), final in zip(batch, finals, strict=True):
                     if isinstance(final, BaseException):  # out of device memory even alone
@@ -266,45 +208,7 @@ class Engine(GraphCapture, BackgroundCapture, Served):
                     r.timings_ms["total"] = total
         return results
 
-    def _host_inputs(self, observations: list[Mapping[str, Any]]) -> list[DroidHostInputs | RequestError]:
-        """Validation and canvases of a batch, in threads when it has several requests: the resizes are torch
-        CPU ops that release the GIL, and one at a time they bounded a 16-lane server at ~35 requests/s."""
-
-        def one(obs: Mapping[str, Any]) -> DroidHostInputs | RequestError:
-            try:
-                return droid_host_inputs(obs, self.contract)
-            except RequestError as e:
-                return e
-
-        if len(observations) == 1:
-            return [one(observations[0])]
-        if self._host_pool is None:
-            self._host_pool = ThreadPoolExecutor(max_workers=HOST_THREADS, thread_name_prefix="wamrt-prep")
-        return list(self._host_pool.map(one, observations))
-
     # ---------------------------------------------------------------------------------------------
-    def _encode_stream(self) -> torch.cuda.Stream | None:
-        """The side stream the VAE encode runs on (CUDA), made to start after the current stream's queued work."""
-        if self.device.type != "cuda" or not self.config.overlap_encode:
-            return None
-        if self._vae_stream is None:
-            self._vae_stream = torch.cuda.Stream(self.device)
-        self._vae_stream.wait_stream(torch.cuda.current_stream(self.device))
-        return self._vae_stream
-
-    def _after_encode(self, encode_stream: torch.cuda.Stream | None, latent: torch.Tensor):
-        """finish_droid's latent_ready: the current stream waits (on the GPU) for the encode; the latent, allocated on
-        the encode stream, stays reserved until the current stream's queued work has read it."""
-        if encode_stream is None:
-            return None
-
-        def ready() -> None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_stream(encode_stream)
-            latent.record_stream(current)
-
-        return ready
-
     def _sync(self) -> None:
         # The current stream, not the device: the engine's work is queued there (the encode stream joins it), and a
         # device-wide sync would wait for a background capture's warm-up runs too.
@@ -586,6 +490,3 @@ class Engine(GraphCapture, BackgroundCapture, Served):
                 x_a = apply_anchor(x_a, anchor, sigmas[i + 1])
         return x_v, x_a
 
-
-def _prefix_lengths(inp: DenoiseInputs) -> tuple[int, int]:
-    return inp.cond.input_ids.shape[1], inp.uncond.input_ids.shape[1] if inp.uncond is not None else 0
