@@ -26,6 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 
 from ..provenance import environment
@@ -96,14 +97,19 @@ def run(args: argparse.Namespace) -> int:
 
     env = environment()  # at the start: the code under test (a commit made during the run is not it)
     samples: list[tuple[float, int]] = []  # (monotonic, rss bytes)
+    heap: list[tuple[float, int | None]] = []  # (monotonic, the server's wamrt_heap_in_use_bytes)
     base, mixed, warm = _Recorder(), _Recorder(), _Recorder()
     seconds = {"baseline": 0.0, "mixed": 0.0}
     with ServerProcess.serve(args.serve.split()) as server:
         stop = threading.Event()
 
         def sample() -> None:
+            k = 0
             while not stop.is_set():
                 samples.append((time.monotonic(), server.rss()))
+                if k % 10 == 0:  # the C heap's own books every 5 s: a leak against kept pages
+                    heap.append((time.monotonic(), _heap_in_use(server.url)))
+                k += 1
                 stop.wait(0.5)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -125,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         log_tail = server.log()[-4000:]
         mixed_end = time.monotonic()
     result = summarize_soak(args, base.outcomes, mixed.outcomes, samples, (mixed_start, mixed_end), seconds,
-                            warm.outcomes, env)
+                            warm.outcomes, env, heap)
     result["server_log_tail"] = log_tail
     text = json.dumps(result, indent=2)
     if args.out:
@@ -138,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
 
 def summarize_soak(args: argparse.Namespace, base: list[tuple[float, Outcome]], mixed: list[tuple[float, Outcome]],
                    samples: list[tuple[float, int]], span: tuple[float, float], seconds: dict[str, float],
-                   warm: list[tuple[float, Outcome]], env: dict[str, Any]) -> dict[str, Any]:
+                   warm: list[tuple[float, Outcome]], env: dict[str, Any],
+                   heap: list[tuple[float, int | None]] = ()) -> dict[str, Any]:
     outs = [o for _, o in mixed]
     statuses = Counter(str(o.status) for o in outs)
     by_kind: dict[str, Counter] = {}
@@ -158,6 +165,10 @@ def summarize_soak(args: argparse.Namespace, base: list[tuple[float, Outcome]], 
     p99_ratio = s_with["p99_ms"] / s_without["p99_ms"]
     growth = 100.0 * (rss_end - rss_mid) / rss_mid
     step = max(1, len(samples) // 200)
+    heap_mid = [b for t, b in heap if b is not None and abs(t - half) <= max(15.0, (stop - start) / 40)]
+    heap_end = [b for t, b in heap if b is not None and t >= stop - max(30.0, (stop - start) / 20)]
+    heap_growth = (100.0 * (np.median(heap_end) - np.median(heap_mid)) / np.median(heap_mid)
+                   if heap_mid and heap_end else None)
     return {
         "kind": "soak",
         "command": f"wamrt bench soak --requests {args.requests} --clients {args.clients} --seed {args.seed} "
@@ -170,10 +181,24 @@ def summarize_soak(args: argparse.Namespace, base: list[tuple[float, Outcome]], 
         "rss_mb": {"start": samples[0][1] / 2**20, "after_warm_up": _at(samples, start) / 2**20,
                    "mid": rss_mid / 2**20, "end": rss_end / 2**20, "max": max(r for _, r in samples) / 2**20,
                    "series": [[round(t - samples[0][0], 1), round(r / 2**20, 1)] for t, r in samples[::step]]},
+        # The C heap in use (glibc's books, /metrics): flat here under a growing RSS is pages the allocator keeps
+        "heap_in_use_growth_pct": heap_growth,
+        "heap_in_use_mb": [[round(t - samples[0][0], 1), round(b / 2**20, 1)] for t, b in heap if b is not None],
         "policy_without_bad_traffic": s_without, "policy_with_bad_traffic": s_with, "p99_ratio": p99_ratio,
         "bars": {"status_5xx": 0, "rss_growth_pct_max": 5.0, "p99_ratio_max": 1.5},
         "passed": fives == 0 and growth <= 5.0 and p99_ratio <= 1.5,
     }
+
+
+def _heap_in_use(url: str) -> int | None:
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("wamrt_heap_in_use_bytes "):
+            return int(float(line.split()[1]))
+    return None
 
 
 def _at(samples: list[tuple[float, int]], when: float) -> float:

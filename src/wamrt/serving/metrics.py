@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..provenance import git_sha
+from .heap import heap_stats
 
 _CAPTURE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -48,6 +49,7 @@ class Metrics:
                           registry=r)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ... (Linux /proc)
         PlatformCollector(registry=r)  # python_info
+        r.register(_HeapCollector())
 
     def build_info(self, *, version: str, model: str, recipe: str | None) -> None:
         self.build.info({"version": version, "git_sha": _git_sha(), "model": model, "recipe": recipe or "none"})
@@ -77,6 +79,19 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _HeapCollector:
+    """The C heap's own books (`heap.heap_stats`): what a leak grows, against what the allocator merely keeps."""
+
+    def collect(self):
+        stats = heap_stats()
+        if stats is None:
+            return
+        yield GaugeMetricFamily("wamrt_heap_in_use_bytes", "C heap bytes in use (glibc mallinfo2: chunks in use "
+                                "plus mmapped blocks)", value=stats["in_use"])
+        yield GaugeMetricFamily("wamrt_heap_free_bytes", "C heap bytes freed but kept by the allocator",
+                                value=stats["free"])
 
 
 class _GraphCollector:
