@@ -21,7 +21,7 @@ from .batcher import Batcher, BatchPolicy, BatchResult, Job
 from .chat_worker import ChatWorker
 from .config import ServeConfig
 from .dynamics import DynamicsRequest, generic_runner
-from .errors import Busy, InvalidRequest, NotReady, ServingError, as_serving_error
+from .errors import Busy, InvalidRequest, NotReady, ServingError, as_serving_error, drop_tracebacks
 from .generation import GenerationJob, GenerationOutcome, GenerationWorker
 from .generation_request import GenerationRequest, build_generation
 from .generation_settings import warmup_fields
@@ -40,7 +40,9 @@ _POST_STAGES = ("postprocess",)
 _TOKEN_COUNTS_KEPT = 4096  # distinct captions whose token count is remembered (reply metadata.prompt_tokens)
 # Parsing and decoding run on PARSE_THREADS threads; past MAX_PARSING requests being parsed at once, `busy` (429).
 PARSE_THREADS, MAX_PARSING = 2, 64
-TRIM_INTERVAL_S = 10.0  # freed heap pages go back to the system this often (memory.py)
+# Freed heap pages go back to the system this often (heap.py). A trim costs ~1 ms; at 10 s the RSS swung by
+# +-30 MB between trims and the soak's median drifted up with the pages kept (docs/serving.md, soak).
+TRIM_INTERVAL_S = 1.0
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -118,7 +120,7 @@ class Service:
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        trim_periodically(TRIM_INTERVAL_S, self._stop_trim)  # flat RSS (memory.py)
+        trim_periodically(TRIM_INTERVAL_S, self._stop_trim)  # flat RSS (heap.py)
         self.batcher = Batcher(self.policy, max_batch=self.config.max_batch, max_wait_ms=self.config.max_wait_ms,
                                max_queue=self.config.max_queue, observer=self.metrics)
         if self.reasoner is not None:  # its own thread and queue, the device shared the same way
@@ -483,9 +485,13 @@ class Service:
         return await self.run_generation(self.enqueue_generation(req, request_id=request_id), surface=surface)
 
     def count_error(self, exc: BaseException) -> ServingError:
+        """`exc` as the typed error the client gets, counted; an internal failure is logged with its traceback.
+        The tracebacks are dropped then (`drop_tracebacks`): the request's body is freed with its handler."""
         err = as_serving_error(exc)
         self.metrics.errors.labels(err.code).inc()
         if type(err) is ServingError:  # an internal failure: log it, the client only gets the type
-            log.error("internal error: %r", exc)
+            log.error("internal error: %r", exc, exc_info=exc)
+        drop_tracebacks(exc)
+        drop_tracebacks(err)
         return err
 
