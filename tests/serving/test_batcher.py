@@ -140,3 +140,22 @@ def test_warm_up_forms_every_batch_size_for_a_graph_engine():
         pass
     assert policy.calls[0] == 4, policy.calls
     assert set(range(1, 5)) <= set(policy.calls), policy.calls
+
+
+def test_a_finished_job_is_freed_without_the_cycle_collector(obs: dict[str, Any]) -> None:
+    """The job's future keeps its done-callbacks: one holding the job made a job <-> future cycle, and the
+    observation (megabytes) waited for Python's full collection, minutes apart under load."""
+    import gc
+    import weakref
+
+    b = Batcher(FakePolicy(), max_batch=1, max_wait_ms=0, max_queue=4)
+    gc.disable()
+    try:
+        job = _job(obs)
+        ref = weakref.ref(job)
+        b.submit(job).result(5)
+        del job
+        assert ref() is None
+    finally:
+        gc.enable()
+        b.stop()

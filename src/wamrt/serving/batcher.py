@@ -24,6 +24,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from concurrent.futures import Future
@@ -177,7 +178,10 @@ class Batcher:
             self.gate.add_demand(1)
             self._notify_depth()
             self._cond.notify_all()
-        job.future.add_done_callback(lambda f, j=job: f.cancelled() and self._discard(j))
+        # A weak reference: the future keeps its callbacks after it is done, so a callback holding the job would
+        # make a job <-> future cycle that keeps the observation (megabytes) until a full collection.
+        ref = weakref.ref(job)
+        job.future.add_done_callback(lambda f: f.cancelled() and (j := ref()) is not None and self._discard(j))
         job.future.add_done_callback(lambda _f: self.gate.add_demand(-1))  # exactly once, however it ends
         return job.future
 
