@@ -143,4 +143,3 @@ def drop_tracebacks(exc: BaseException | None) -> None:
         seen.add(id(e))
         e.__traceback__ = None
         stack += [e.__cause__, e.__context__]
-

@@ -41,7 +41,7 @@ _TOKEN_COUNTS_KEPT = 4096  # distinct captions whose token count is remembered (
 # Parsing and decoding run on PARSE_THREADS threads; past MAX_PARSING requests being parsed at once, `busy` (429).
 PARSE_THREADS, MAX_PARSING = 2, 64
 # Freed heap pages go back to the system this often (heap.py). A trim costs ~1 ms; at 10 s the RSS swung by
-# +-30 MB between trims and the soak's median drifted up with the pages kept (docs/serving.md, soak).
+# +-30 MB between trims (docs/serving.md, soak).
 TRIM_INTERVAL_S = 1.0
 
 
