@@ -16,11 +16,10 @@ STAGE_ORDER = ("encode_call", "encode_returned", "finish_droid_call", "finish_dr
 
 
 def test_host_timeline_marks_a_request_in_order_and_leaves_the_engine_as_it_was(tmp_path, monkeypatch):
-    from wamrt.engine import Engine
-    from wamrt.engine import engine as engine_module
+    from wamrt.engine import Engine, admission
 
     def patched() -> tuple:
-        return (Engine._denoise, Engine._sequences, engine_module.encode_canvases, engine_module.finish_droid,
+        return (Engine._denoise, Engine._sequences, admission.encode_canvases, admission.finish_droid,
                 torch.cuda.CUDAGraph.replay)
 
     before = patched()

@@ -69,6 +69,22 @@ def test_chat_not_streaming(client: openai.OpenAI) -> None:
     assert again.choices[0].message.content == choice.message.content  # greedy: the same answer
 
 
+def _metric(server: ServerThread, name: str) -> float:
+    text = httpx.get(server.http_url + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_chat_metrics_count_requests_tokens_and_the_first_token(server: ServerThread, client: openai.OpenAI) -> None:
+    before = {n: _metric(server, n) for n in ("wamrt_chat_requests_total", "wamrt_chat_tokens_total",
+                                              "wamrt_chat_first_token_seconds_count")}
+    client.chat.completions.create(model="tiny-world", messages=[{"role": "user", "content": "count"}],
+                                   max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+    assert _metric(server, "wamrt_chat_requests_total") - before["wamrt_chat_requests_total"] == 1
+    assert _metric(server, "wamrt_chat_tokens_total") - before["wamrt_chat_tokens_total"] == 7
+    assert _metric(server, "wamrt_chat_first_token_seconds_count") - before["wamrt_chat_first_token_seconds_count"] == 1
+    assert _metric(server, "wamrt_chat_device_seconds_total") > 0 and _metric(server, "wamrt_chat_running") == 0
+
+
 def test_chat_streaming_with_an_image(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_url()}},
                                              {"type": "text", "text": "What is this?"}]}]

@@ -64,8 +64,10 @@ class Marks:
 @contextmanager
 def instrumented(marks: Marks) -> Iterator[None]:
     """The engine's stages and every CUDA graph replay leave marks while inside; all is as it was after."""
-    from ..engine import Engine
-    from ..engine import engine as engine_module
+    from ..engine import (
+        Engine,
+        admission,  # where the engine calls the encode and finish_droid
+    )
 
     with ExitStack() as undo:
         def patch(owner, name: str, before: str, after: str) -> None:
@@ -93,8 +95,8 @@ def instrumented(marks: Marks) -> Iterator[None]:
 
         torch.cuda.CUDAGraph.replay = timed_replay
         undo.callback(setattr, torch.cuda.CUDAGraph, "replay", replay)
-        patch(engine_module, "encode_canvases", "encode_call", "encode_returned")
-        patch(engine_module, "finish_droid", "finish_droid_call", "finish_droid_returned")
+        patch(admission, "encode_canvases", "encode_call", "encode_returned")
+        patch(admission, "finish_droid", "finish_droid_call", "finish_droid_returned")
         patch(Engine, "_sequences", "sequences_call", "sequences_returned")
         patch(Engine, "_denoise", "denoise_call", "denoise_returned")
         yield

@@ -49,10 +49,12 @@ class ChatJob:
 
 
 class ChatWorker:
-    def __init__(self, reasoner: Any, gate: DeviceGate, *, max_batch: int, max_queue: int) -> None:
+    def __init__(self, reasoner: Any, gate: DeviceGate, *, max_batch: int, max_queue: int,
+                 on_first_token: Callable[[float], None] | None = None) -> None:
         if max_batch < 1 or max_queue < 1:
             raise ValueError("max_batch and max_queue must be >= 1")
         self.reasoner, self.gate, self.max_batch, self.max_queue = reasoner, gate, max_batch, max_queue
+        self.on_first_token = on_first_token  # seconds from queued to the first token (Metrics.first_token)
         self.batch: Any = None  # DecodeBatch, made on the first request
         self._pending: deque[ChatJob] = deque()
         self._cond = threading.Condition()
@@ -181,6 +183,8 @@ class ChatWorker:
                 job.sink(ChatUpdate(error=as_serving_error(exc)))
                 continue
             job.seq = event.seq
+            if self.on_first_token is not None:
+                self.on_first_token(time.monotonic() - job.enqueued)
             self._deliver([event])
 
     def _deliver(self, events: list[Any]) -> None:

@@ -50,6 +50,8 @@ class Metrics:
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ... (Linux /proc)
         PlatformCollector(registry=r)  # python_info
         r.register(_HeapCollector())
+        self.chat_first_token = Histogram("wamrt_chat_first_token_seconds", "Chat: queued -> first token (the wait "
+                                          "for the device and the prefill)", buckets=_LATENCY_BUCKETS, registry=r)
 
     def build_info(self, *, version: str, model: str, recipe: str | None) -> None:
         self.build.info({"version": version, "git_sha": _git_sha(), "model": model, "recipe": recipe or "none"})
@@ -72,6 +74,14 @@ class Metrics:
     def watch_graphs(self, stats: Callable[[], dict[str, Any]]) -> None:
         """Export the engine's CUDA-graph cache (`Engine.graph_stats`) on every scrape."""
         self.registry.register(_GraphCollector(stats))
+
+    def watch_chat(self, stats: Callable[[], dict[str, Any]]) -> None:
+        """Export the Reasoner's decode thread (`ChatWorker.stats`) on every scrape."""
+        self.registry.register(_ChatCollector(stats))
+
+    def first_token(self, seconds: float) -> None:
+        """A chat request's first token, `seconds` after it was queued (prefill and the wait for the device)."""
+        self.chat_first_token.observe(seconds)
 
     def watch_generation(self, stats: Callable[[], dict[str, Any]]) -> None:
         """Export the world-generation worker's counters (`GenerationWorker.stats`) on every scrape."""
@@ -144,6 +154,25 @@ class _GraphCollector:
         buckets = [(str(b), sum(x <= b for x in secs)) for b in _CAPTURE_BUCKETS] + [("+Inf", len(secs))]
         yield HistogramMetricFamily("wamrt_graph_capture_seconds", "Wall time of one capture (warm-up + record)",
                                     buckets=buckets, sum_value=sum(secs))
+
+
+class _ChatCollector:
+    """wamrt_chat_requests_total, _tokens_total, _steps_total (decode steps, every live request a token each),
+    _device_seconds_total (tokens over it: the decode rate), _segment_max_seconds (a policy request's worst wait
+    behind chat), _running and _queued, from the decode thread's own counters."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        for name, text in (("requests", "Chat and upsampling requests admitted"), ("tokens", "Tokens decoded"),
+                           ("steps", "Decode steps"), ("device_seconds", "Device time the Reasoner held")):
+            yield CounterMetricFamily(f"wamrt_chat_{name}", text, value=s[name])
+        yield GaugeMetricFamily("wamrt_chat_segment_max_seconds", "Longest device segment of the Reasoner so far",
+                                value=s["segment_max_seconds"])
+        yield GaugeMetricFamily("wamrt_chat_running", "Chat requests decoding", value=s["running"])
+        yield GaugeMetricFamily("wamrt_chat_queued", "Chat requests waiting for a row", value=s["queued"])
 
 
 class _GenerationCollector:

@@ -125,7 +125,8 @@ class Service:
                                max_queue=self.config.max_queue, observer=self.metrics)
         if self.reasoner is not None:  # its own thread and queue, the device shared the same way
             self.chat = ChatWorker(self.reasoner, self.batcher.gate, max_batch=self.config.chat_max_batch,
-                                   max_queue=self.config.chat_max_queue)
+                                   max_queue=self.config.chat_max_queue, on_first_token=self.metrics.first_token)
+            self.metrics.watch_chat(self.chat.stats)
         if self.world is not None:  # its own thread and queue; the device is shared through the batcher's gate
             self.generation = GenerationWorker(self.world, self.batcher.gate,
                                                max_jobs=self.config.max_generation_jobs,
