@@ -533,10 +533,10 @@ def test_stored_videos_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """Finished jobs' MP4s stay in memory up to MAX_CONTENT_BYTES in all; beyond, the oldest finished jobs go."""
     from types import SimpleNamespace
 
-    from wamrt.serving import videos
+    from wamrt.serving import video_jobs
 
-    monkeypatch.setattr(videos, "MAX_CONTENT_BYTES", 250)
-    jobs = videos.VideoJobs(SimpleNamespace(config=ServeConfig()))  # type: ignore[arg-type]
+    monkeypatch.setattr(video_jobs, "MAX_CONTENT_BYTES", 250)
+    jobs = video_jobs.VideoJobs(SimpleNamespace(config=ServeConfig()))  # type: ignore[arg-type]
     for i, status in enumerate(("completed", "in_progress", "completed", "completed")):
         jobs.records[f"v{i}"] = {"status": status}
     jobs.content["v1"] = b"x" * 100  # unfinished jobs are never evicted (not that one would hold content)

@@ -18,6 +18,7 @@ from .config import ServeConfig
 from .openapi import openapi_spec
 from .openpi_ws import VLLM_PATH, openpi_socket
 from .service import Service
+from .video_jobs import VideoJobs
 
 
 async def _openapi(request: Request) -> Response:
@@ -65,7 +66,7 @@ def build_app(policy: BatchPolicy, config: ServeConfig | None = None) -> ApiKeyM
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.service = service
-    app.state.video_jobs = videos.VideoJobs(service)
+    app.state.video_jobs = VideoJobs(service)
     outer = ApiKeyMiddleware(app, config.api_key, on_reject=service.count_error)
     outer.state = app.state  # type: ignore[attr-defined]  # tests reach the service through the wrapper
     return outer

@@ -21,7 +21,8 @@ from .generation_request import build_generation
 from .http_api import service_of, until_disconnect
 from .logs import logged_reply
 from .service import new_request_id
-from .videos import _guard, _headers, _peak_memory_mb, _read_fields
+from .video_jobs import _peak_memory_mb
+from .videos import _guard, _headers, _read_fields
 
 
 async def create_image(request: Request) -> Response:
