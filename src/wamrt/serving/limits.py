@@ -166,10 +166,11 @@ def open_image(raw: bytes, field: str, max_pixels: int = DEFAULT_LIMITS.image_pi
 # --- prompt tokens --------------------------------------------------------------------------------------
 
 def check_prompt(text: str, field: str, tokenizer: Any, max_tokens: int, *,
-                 flag: str = "--max-generation-prompt-tokens", template: bool = True) -> int:
-    """Tokens of `text` by the served `tokenizer` (its chat template included, or with `template=False` the text's
-    own: the tokens around an empty caption subtracted) -- or its UTF-8 byte count, an upper bound, when that is
-    already within `max_tokens` -- or InvalidRequest naming `flag` when over `max_tokens`. One over
+                 flag: str = "--max-generation-prompt-tokens", template_tokens: int | None = None) -> int:
+    """Tokens of `text` by the served `tokenizer` (its chat template included, or the text's own when
+    `template_tokens`, the template's tokens around an empty caption, is given) -- or its UTF-8 byte count, an
+    upper bound, when that is already within `max_tokens` -- or InvalidRequest naming `flag` when over
+    `max_tokens`. One over
     `MAX_BYTES_PER_TOKEN * max_tokens` characters or bytes is refused uncounted, so a megabyte is never
     tokenized. Without a tokenizer the byte count is the bound (never fewer than a byte-level BPE's tokens)."""
     if len(text) > MAX_BYTES_PER_TOKEN * max_tokens:
@@ -180,10 +181,10 @@ def check_prompt(text: str, field: str, tokenizer: Any, max_tokens: int, *,
     if n_bytes > MAX_BYTES_PER_TOKEN * max_tokens or tokenizer is None:
         raise InvalidRequest(f"{n_bytes} bytes is over the {max_tokens}-token limit ({flag})", field=field)
     tokens = len(tokenizer.encode(text).text_ids)
-    if not template:
-        tokens -= len(tokenizer.encode("").text_ids)
+    if template_tokens is not None:
+        tokens -= template_tokens
     if tokens > max_tokens:
-        what = "chat template included" if template else "the instruction's own"
+        what = "chat template included" if template_tokens is None else "the instruction's own"
         raise InvalidRequest(f"{tokens} tokens ({what}) is over this server's {max_tokens} ({flag})", field=field)
     return tokens
 

@@ -106,6 +106,8 @@ class Service:
             self.reasoner, self.reasoner_note = reasoner_of(policy, config.model_name, max_len=config.chat_context)
         self.chat: ChatWorker | None = None
         self._tokenizer = getattr(policy, "tokenizer", None)
+        # The caption template's own tokens, counted once: an instruction's tokens are its caption's minus these.
+        self._template_tokens = len(self._tokenizer.encode("").text_ids) if self._tokenizer is not None else 0
         self._token_counts: dict[str, int] = {}
         self.limits = config.limits(self._policy_meta.get("num_steps"))
         # World generation's step-time model (a FLOP count of the checkpoint against a measured device rate).
@@ -268,7 +270,7 @@ class Service:
         if req.endpoint == "reset":
             return
         check_prompt(req.observation[PROMPT], PROMPT, self._tokenizer, self.limits.instruction_tokens,
-                     flag="--max-prompt-tokens", template=False)
+                     flag="--max-prompt-tokens", template_tokens=self._template_tokens)
         steps = req.overrides.get("steps")
         if steps is not None and steps > self.limits.policy_steps:
             raise InvalidRequest(f"{steps} steps is over this server's {self.limits.policy_steps} "
