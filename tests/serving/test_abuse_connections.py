@@ -206,20 +206,22 @@ def test_readyz_says_only_ready_and_turns_503_when_the_engine_is_stalled(guarded
 def test_readyz_turns_503_while_the_queue_is_full() -> None:
     from oracle.fake_policy import FakePolicy
 
+    from wamrt.sample import sample_observation
     from wamrt.serving import ServeConfig, ServerThread
+    from wamrt.serving.batcher import Job
 
-    with ServerThread(FakePolicy(delay=1.0), ServeConfig(max_batch=1, max_wait_ms=0.0, max_queue=2)) as server, \
-            httpx.Client(base_url=server.http_url, timeout=30) as c:
-        flood = [threading.Thread(target=lambda: c.post("/v1/policy/infer", content=OBS_BLOB, headers=MSGPACK))
-                 for _ in range(3)]  # one running, two queued: the queue is full
-        for t in flood:
-            t.start()
-        deadline = time.monotonic() + 5  # the three requests reach the batcher (a loaded machine: not at once)
-        while server.service.batcher.depth < 2 and time.monotonic() < deadline:
+    with ServerThread(FakePolicy(delay=1.0), ServeConfig(max_batch=1, max_wait_ms=0.0, max_queue=2)) as server:
+        # Straight into the batcher (HTTP requests on a loaded machine reach it too far apart to fill the queue):
+        # one running, two queued, the queue is full.
+        batcher = server.service.batcher
+        futures = [batcher.submit(Job(sample_observation(0), 0, {}))]
+        deadline = time.monotonic() + 5
+        while batcher.depth and time.monotonic() < deadline:  # the first one taken by the engine thread
             time.sleep(0.01)
-        assert server.service.batcher.depth == 2
+        futures += [batcher.submit(Job(sample_observation(i), 0, {})) for i in (1, 2)]
+        assert batcher.depth == 2
         r = httpx.get(server.http_url + "/readyz")
         assert r.status_code == 503 and r.json()["ready"] is False and "queue_depth" not in r.json()
-        for t in flood:
-            t.join(30)
+        for f in futures:
+            f.result(30)
         assert httpx.get(server.http_url + "/readyz").status_code == 200
