@@ -76,6 +76,8 @@ def test_python_dash_m_wamrt_runs_the_cli():
 @pytest.mark.parametrize("blocked,argv,message", [
     ("uvicorn", ["serve", "--port", "8123"], "`wamrt serve` needs the server extra: pip install 'wamrt[server]'"),
     ("msgpack", ["generate", "--prompt", "p", "--out", "x.mp4"], "`wamrt generate` needs the server extra"),
+    ("av", ["generate", "--prompt", "p", "--out", "x.mp4"], "`wamrt generate` needs the video extra: pip install "
+                                                           "'wamrt[video]'"),
     ("mujoco", ["rollout", "--task", "lift"], "`wamrt rollout` needs the sim extra: pip install 'wamrt[sim]'"),
     ("pyarrow", ["export", "lerobot", "--demos", "d", "--out", "o"], "`wamrt export lerobot` needs the sim extra"),
 ])
@@ -86,6 +88,16 @@ def test_a_missing_extra_is_named_before_the_arguments_are_parsed(blocked, argv,
     assert res.returncode == 2
     assert message in res.stderr and f"missing: {blocked}" in res.stderr
     assert "unrecognized arguments" not in res.stderr and "OpenGL" not in res.stderr
+
+
+def test_serve_and_bench_load_start_without_pyav():
+    # MP4 is optional for a server (a typed 501 on MP4 requests, tests/serving/test_dynamics.py); a policy server or
+    # a load client on a machine without PyAV is not refused at the command line.
+    res = _python("import sys; sys.modules['av'] = None; from wamrt.cli.dispatch import missing_extra; "
+                  "print([missing_extra(a) for a in (['serve'], ['bench', 'load'], ['generate'])])")
+    assert res.returncode == 0, res.stderr
+    serve, load, generate = eval(res.stdout)
+    assert serve is None and load is None and "missing: av" in generate
 
 
 def test_without_mujoco_the_simulator_names_mujoco_not_opengl():

@@ -264,3 +264,30 @@ def test_tiny_model_forward_and_inverse_dynamics(tiny_server: Any) -> None:
     assert action["shape"] == [4, ROW] and action["action_mode"] == "inverse_dynamics"
     assert np.isfinite(np.asarray(action["data"])).all()
     assert r.json()["metadata"]["seed"] == 4
+
+
+def test_without_pyav_mp4_requests_get_a_501_and_policies_are_served(fake_server: ServerThread, obs: dict[str, Any],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # A server started without PyAV (the server extra installs it; `wamrt serve` no longer requires it) refuses
+    # what reads or writes MP4 before any job exists, says so in its metadata, and serves policies as before.
+    from wamrt.serving import media
+
+    url = fake_server.http_url
+    monkeypatch.setattr(media, "has_pyav", lambda: False)
+    assert httpx.get(url + "/v1/metadata").json()["mp4"] is False
+    jobs_before = len(fake_server.app.state.video_jobs.records)
+    cases = {"extra_params.action_mode": (_fd_form(), {"input_reference": ("f.png", _png())}),
+             "prompt": ({"prompt": "a robot arm stacks cups", "size": "64x48"}, None)}
+    for field, (form, files) in cases.items():
+        for path in ("/v1/videos", "/v1/videos/sync"):
+            r = httpx.post(url + path, data=form, files=files)
+            assert r.status_code == 501, (path, r.status_code, r.text)
+            err = r.json()
+            assert err["code"] == "not_available" and err["field"] == field and "PyAV" in err["message"], err
+    assert len(fake_server.app.state.video_jobs.records) == jobs_before
+    r = httpx.post(url + "/v1/policy/infer", content=packb(obs), headers={"content-type": "application/msgpack"},
+                   timeout=30)
+    assert r.status_code == 200 and unpackb(r.content)["actions"].shape[0] > 0
+    monkeypatch.undo()
+    assert httpx.get(url + "/v1/metadata").json()["mp4"] is True
+    _good_fd_sync(url)

@@ -11,13 +11,16 @@ from collections.abc import Callable, Sequence
 
 # Import names a command needs, by the extra that installs them (pyproject's optional-dependencies).
 EXTRA_MODULES = {
-    "server": ("uvicorn", "starlette", "websockets", "msgpack", "prometheus_client", "av"),
+    # PyAV is in the server extra, but a server without it still serves policies, images and chat (MP4
+    # requests get a typed 501, `serving.media.require_pyav`); `generate` writes MP4 and asks for it.
+    "server": ("uvicorn", "starlette", "websockets", "msgpack", "prometheus_client"),
     "sim": ("mujoco", "pyarrow", "pandas", "av"),
+    "video": ("av",),
 }
 # Command path (the leading positional words) -> the extras it needs.
 COMMAND_EXTRAS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("serve",): ("server",),
-    ("generate",): ("server",),
+    ("generate",): ("server", "video"),
     ("bench", "load"): ("server",),
     ("bench", "soak"): ("server",),
     ("demo",): ("server", "sim"),

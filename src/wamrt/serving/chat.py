@@ -75,6 +75,9 @@ def _image(raw: bytes, field: str, max_pixels: int) -> Any:
 
 def _video(raw: bytes, field: str, max_pixels: int) -> tuple[Any, float]:
     """A data-URL video -> (uint8 [T, H, W, 3], fps); at most `max_pixels` decoded over all frames."""
+    from .media import require_pyav
+
+    require_pyav(field)
     import av
     import numpy as np
 

@@ -29,7 +29,7 @@ from ..pipeline.generic import TIERS, generic_request
 from .errors import InvalidRequest
 from .fields import as_float, as_int
 from .limits import DEFAULT_LIMITS, SAMPLER_RANGES, Limits, check_prompt, loads_json, open_image
-from .media import encode_mp4  # noqa: F401  # re-exported: MP4 encoding lives in media.py
+from .media import encode_mp4, require_pyav  # noqa: F401  # encode_mp4 re-exported: MP4 encoding lives in media.py
 
 DYNAMICS_MODES = ("forward_dynamics", "inverse_dynamics")
 MAX_CHUNK = 256  # actions per request (chunk + 1 video frames); bounds decode and memory
@@ -72,11 +72,10 @@ def decode_video(raw: bytes, name: str, *, max_frames: int = MAX_CHUNK + 1, keep
     they are decoded). The frame size comes from the stream header and is checked before decoding; frames x
     pixels decoded are bounded by `limits.decoded_pixels`, so a small file claiming 257 frames of 1080p costs
     a 400, not gigabytes; `max_pixels` (--max-video-pixels) bounds the pixels of the frames kept."""
-    try:
-        import av
-    except ImportError as exc:  # pragma: no cover - av ships with the server extra
-        raise InvalidRequest("this server cannot decode videos (PyAV is not installed)", field=name) from exc
+    require_pyav(name)
     from collections import deque
+
+    import av
 
     try:
         with av.open(io.BytesIO(raw)) as container:

@@ -99,6 +99,11 @@ class Busy(ServingError):
     code, status = "busy", 429
 
 
+class NotAvailable(ServingError):
+    """The request needs something this server was started without (an optional package such as PyAV)."""
+    code, status = "not_available", 501
+
+
 class NotReady(ServingError):
     code, status = "not_ready", 503
 

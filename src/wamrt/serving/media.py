@@ -7,10 +7,13 @@ resampled to the nearest AAC rate (what `audio_rate` reports).
 
 from __future__ import annotations
 
+import importlib.util
 import io
 from fractions import Fraction
 
 import numpy as np
+
+from .errors import NotAvailable
 
 # The sample rates FFmpeg's AAC encoder accepts (MPEG-4 sampling frequency table).
 AAC_RATES = (96000, 88200, 64000, 48000, 44100, 32000, 24000, 22050, 16000, 12000, 11025, 8000, 7350)
@@ -24,6 +27,19 @@ def audio_rate(sample_rate: int) -> int:
         return sample_rate
     above = [r for r in AAC_RATES if r >= sample_rate]
     return min(above) if above else max(AAC_RATES)
+
+
+def has_pyav() -> bool:
+    """Whether PyAV can be imported (found without importing it). The server extra installs it; a server
+    without it still serves policies, images and chat, and refuses what needs MP4 (`require_pyav`)."""
+    return importlib.util.find_spec("av") is not None
+
+
+def require_pyav(field: str) -> None:
+    """Refuse a request that reads or writes MP4 video on a server without PyAV, before any work is done."""
+    if not has_pyav():
+        raise NotAvailable("this server cannot read or write MP4 video: PyAV is not installed "
+                           "(pip install 'wamrt[server]')", field=field)
 
 
 def _rate(fps: float) -> Fraction:

@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import __version__
 from ..pipeline.observation import JOINTS, PROMPT
+from . import media
 from .batcher import Batcher, BatchPolicy, BatchResult, Job
 from .chat_worker import ChatWorker
 from .config import ServeConfig
@@ -339,6 +340,7 @@ class Service:
                         "guidance_interval": list(gi) if gi else None},
             "max_batch": self.config.max_batch, "max_frame_bytes": self.config.max_frame_bytes,
             "safety_envelope": self.safety is not None, "policy": pm,
+            "mp4": media.has_pyav(),  # False: MP4 requests (/v1/videos generation and dynamics, chat videos) get a 501
             "reasoner": self.reasoner.describe() if self.reasoner is not None else {"chat": False,
                                                                                    "note": self.reasoner_note},
             **self.config.extra_metadata,

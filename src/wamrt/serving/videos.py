@@ -43,6 +43,7 @@ from .generation_request import GenerationRequest, build_generation
 from .http_api import error_response, service_of, until_disconnect
 from .limits import DEFAULT_LIMITS, Limits, loads_json
 from .logs import log_request, logged_reply
+from .media import require_pyav
 from .observation import parse_params, parse_request
 from .service import Service, new_request_id
 from .video_jobs import (
@@ -122,6 +123,8 @@ def parse_job(body: bytes, content_type: str | None, service: Service) -> tuple[
         req, record = build_request(fields, service.limits)
         service.check_policy(req)
         return req, record
+    # every other mode answers with MP4 (dynamics and transfer also read it): refused before any decoding
+    require_pyav("extra_params.action_mode" if mode != GENERATE else "prompt")
     if mode == GENERATE:
         cfg = service.config
         greq = build_generation(fields, service.world, kind="video", max_pixels=cfg.max_video_pixels,
