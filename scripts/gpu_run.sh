@@ -94,6 +94,11 @@ serve_plan() {
     | cut -c1-300))" | tee -a "$res/log.txt"
   curl -s "http://127.0.0.1:$port/v1/metadata" > "$res/$label-metadata.json"
   for spec_n in $lanes; do  # N lanes, or N+gen: N lanes beside back-to-back GEN_FIELDS jobs (against N alone)
+    if ! kill -0 "$srv" 2>/dev/null; then
+      { echo "$label: the server exited; no rows (its last lines:)"; tail -3 "$res/$label-server.txt"; } \
+        | tee -a "$res/log.txt"
+      break
+    fi
     local n=${spec_n%+gen} extra=() base=()
     if [ "$n" != "$spec_n" ]; then
       extra=(--background-generation "$GEN_FIELDS" --generation-warmup 0)

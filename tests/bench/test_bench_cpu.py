@@ -178,3 +178,18 @@ def test_world_bench_large_modes_write_per_step_rows(tmp_path, monkeypatch):
     assert t2v["sound"] is True and t2v["generator_tokens"]["sound"] > 0 and "sound_decode" in t2v["stages_ms"]
     assert transfer["controls"] == ["edge"] and {"controls", "control_encode"} <= set(transfer["stages_ms"])
     assert transfer["peer_mode"] == "text2video" and transfer["flops_ratio_vs_peer"] > 1
+
+
+def test_graph_wait_gives_up_on_a_server_that_is_gone():
+    # On the H200 a server died at startup and `bench load --graph-wait` polled its closed port for ~7 minutes.
+    import socket
+    import time
+
+    from wamrt.bench.load import wait_for_graphs
+
+    with socket.socket() as s:  # a port nothing listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    waited, warmup = wait_for_graphs(f"ws://127.0.0.1:{port}", timeout=60.0, unreachable_s=0.5)
+    assert warmup is None and 0.5 <= waited < 5 and time.monotonic() - t0 < 10

@@ -73,3 +73,25 @@ def test_shared_kv_buffers_plan_a_fraction_of_per_layer_ones():
     assert arena(False) > 10 * arena(True) and arena(True) < 4 * GIB  # one buffer pair + prefixes, not 36 pairs
     with pytest.raises(MemoryPlanError, match="max-batch"):  # per-layer buffers: batch 8 misses even 141 GiB
         plan_serving(NANO, ServingMemory(max_batch=8, shared_kv_buffer=False), capacity=141 * GIB)
+
+
+@pytest.mark.parametrize("device,index", [("cuda", 3), ("cuda:1", 1)])
+def test_the_memory_cap_names_a_device_index(device, index, monkeypatch):
+    # `--device cuda` (the default) once reached torch.cuda.set_per_process_memory_fraction as torch.device("cuda"),
+    # which torch refuses: the capped server died at startup on the H200 (load-plan at 81a6a07).
+    from wamrt.serving.memory import cap_device
+
+    calls = []
+
+    def set_fraction(fraction, dev):
+        if not isinstance(dev, int):
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{dev}")
+        calls.append((fraction, dev))
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    plan = plan_serving(NANO, ServingMemory(), capacity=80 * GIB, device_total=140 * GIB)
+    assert plan.capped
+    assert cap_device(plan, device) == pytest.approx(80.0)
+    assert calls == [(pytest.approx(80 / 140), index)]
+    assert cap_device(plan, "cpu") is None and len(calls) == 1

@@ -196,17 +196,25 @@ def _get_json(url: str, path: str, api_key: str | None = None) -> dict[str, Any]
             return None
 
 
-def wait_for_graphs(url: str, timeout: float, api_key: str | None = None) -> tuple[float, dict[str, Any] | None]:
+def wait_for_graphs(url: str, timeout: float, api_key: str | None = None, *,
+                    unreachable_s: float = 30.0) -> tuple[float, dict[str, Any] | None]:
     """Wait until the server is ready and its background captures are done (at most `timeout` s). Returns the
-    seconds waited and the server's warm-up state (/readyz `warmup`; None from a server without one)."""
-    t0 = time.monotonic()
+    seconds waited and the server's warm-up state (/readyz `warmup`; None from a server without one). Gives up
+    once /readyz has not answered at all for `unreachable_s` (a server binds its port before it loads, so that
+    is a server that died, not one still warming up)."""
+    t0 = last_answer = time.monotonic()
     while True:
-        ready = _get_json(url, "/readyz", api_key) or {}
+        reply = _get_json(url, "/readyz", api_key)
+        now = time.monotonic()
+        if reply is not None:
+            last_answer = now
+        ready = reply or {}
         warmup = ready.get("warmup")
         graphs = (warmup or {}).get("graphs") or {}
-        if ready.get("ready") and graphs.get("complete", True) or time.monotonic() - t0 >= timeout:
-            return round(time.monotonic() - t0, 1), warmup
-        time.sleep(1.0)
+        if (ready.get("ready") and graphs.get("complete", True) or now - t0 >= timeout
+                or now - last_answer >= unreachable_s):
+            return round(now - t0, 1), warmup
+        time.sleep(min(1.0, unreachable_s / 4))
 
 
 def generation_counters(url: str, api_key: str | None = None) -> dict[str, float] | None:

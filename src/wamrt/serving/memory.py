@@ -184,5 +184,8 @@ def cap_device(plan: MemoryPlan, device: str) -> float | None:
         return None
     import torch
 
-    torch.cuda.set_per_process_memory_fraction(plan.capacity / plan.device_total, torch.device(device))
+    # The allocator's cap is per device index, and it refuses a bare "cuda" (the default `--device`).
+    index = torch.device(device).index
+    torch.cuda.set_per_process_memory_fraction(plan.capacity / plan.device_total,
+                                               torch.cuda.current_device() if index is None else index)
     return plan.capacity / GIB
