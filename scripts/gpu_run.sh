@@ -366,8 +366,9 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              tests/engine/test_fp8_fusion.py::test_gen_fp8_engine_replays_its_compiled_self_with_fast_accumulation \
              2>&1 | tee "$res/log.txt" ;;
     decode) # Issue 42: the Reasoner's text decode at DECODE_SIZE (default nano), random weights: prefill tokens/s,
-          # batch 1 (eager and CUDA-graph steps) / 8 / 32 decode tokens/s against the HBM floor, transformers' generate
-          # on the same weights as the baseline; then the graph-vs-eager GPU test. ~2 min at Nano.
+          # batch 1 (eager and CUDA-graph steps) / 8 / 32 decode tokens/s against the HBM floor, unfused and with the
+          # layers' small kernels compiled (reasoner/fused.py), transformers' generate on the same weights as the
+          # baseline; then the graph-vs-eager GPU tests. 76 s at Nano unfused (602b653); give it decode:300.
           wamrt bench decode --size "${DECODE_SIZE:-nano}" --prompt-tokens "${PROMPT_TOKENS:-512}" \
              --new-tokens "${NEW_TOKENS:-128}" --hf-tokens "${HF_TOKENS:-64}" --out "$res" 2>&1 | tee "$res/log.txt"
           timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/reasoner/test_reasoner_gpu.py 2>&1 \

@@ -27,3 +27,21 @@ def test_graph_decode_equals_eager(tmp_path) -> None:
                     done[e.seq.tag] = e.seq.tokens
         runs[graphs] = [done[0], done[1]]
     assert runs[True] == runs[False]
+
+
+def test_fused_graph_decode_equals_eager(tmp_path) -> None:
+    # The compiled decode layers (reasoner/fused.py) captured in the graphs: the eager step's greedy tokens.
+    tiny = build_tiny_reasoner(tmp_path, vision=False)
+    r = tiny.reasoner
+    r.lm.to("cuda")
+    prompts = [r.prepare([{"role": "user", "content": t}]) for t in ("Hi there.", "A longer prompt about robots.")]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    runs = {}
+    for fused in (False, True):
+        done = {}
+        for events in r.generate(prompts, params, cuda_graphs=fused, fused=fused):
+            for e in events:
+                if e.finish_reason:
+                    done[e.seq.tag] = e.seq.tokens
+        runs[fused] = [done[0], done[1]]
+    assert runs[True] == runs[False]

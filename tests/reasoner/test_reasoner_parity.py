@@ -181,3 +181,39 @@ def test_cached_decode_equals_full_reforward_every_step(tiny) -> None:
     finally:
         del r.lm.decode_step
     assert len(seen_logits) == 23 and all(len(s.tokens) == 24 for s in seqs)
+
+
+def test_fused_decode_layers_equal_the_model_layers(tiny) -> None:
+    """The compiled decode layers (reasoner/fused.py: the layer's code split around attention, Inductor-compiled)
+    give the logits of `MoTLayer.reasoner` at every step of a two-row batch, so the same greedy tokens."""
+    from torch._dynamo.utils import counters
+
+    from wamrt.reasoner.engine import DecodeBatch
+
+    r = tiny.reasoner
+    prompts = [r.prepare([{"role": "user", "content": c}]) for c in ("Short.", "A longer prompt about robots.")]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    logits, tokens = {}, {}
+    graphs_before = counters["stats"]["unique_graphs"]
+    original = r.lm.decode_step
+    for fused in (False, True):
+        seen = []
+
+        def spy(*args, _seen=seen, **kw):
+            out = original(*args, **kw)
+            _seen.append(out.clone())
+            return out
+
+        batch = DecodeBatch(r, 2, cuda_graphs=False, fused=fused)
+        assert (batch.layer_fn is not None) == fused
+        r.lm.decode_step = spy
+        try:
+            seqs = [batch.admit(p, params).seq for p in prompts]
+            while batch.live:
+                batch.step()
+        finally:
+            del r.lm.decode_step
+        logits[fused], tokens[fused] = torch.stack(seen), [s.tokens for s in seqs]
+    assert counters["stats"]["unique_graphs"] - graphs_before >= 2  # the two regions compiled (not a fallback)
+    assert tokens[True] == tokens[False]
+    _close(logits[True], logits[False])

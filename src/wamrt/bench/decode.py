@@ -40,16 +40,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: float) -> dict:
+def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: float, fused: bool = False) -> dict:
     from ..reasoner.engine import DecodeBatch
     from ..reasoner.sampling import SamplingParams
 
     dev = reasoner.lm.device
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    db = DecodeBatch(reasoner, batch, cuda_graphs=graphs)
+    db = DecodeBatch(reasoner, batch, cuda_graphs=graphs, fused=fused)
     steps_ms: list[float] = []
     tokens: list[int] = []
-    for timed in (False, True):  # the first pass captures the graphs its spans need
+    for timed in (False, True):  # the first pass captures the graphs its spans need (and compiles, fused)
         seqs = [db.admit(prompt, params).seq for _ in range(batch)]
         while db.live:
             _sync(dev)
@@ -59,9 +59,16 @@ def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: 
                 steps_ms.append(1e3 * (time.perf_counter() - t0))
         tokens = seqs[0].tokens
     stats = summarize(steps_ms)
-    return {"kind": "latency", "mode": "decode", "batch": batch, "cuda_graph": graphs,
+    if fused and db.layer_fn is None or db.graphs is not None and db.graphs.layer_fn is not db.layer_fn:
+        fused = False  # the compile failed and the step ran the eager layers (logged): not a fused row
+    return {"kind": "latency", "mode": "decode", "batch": batch, "cuda_graph": graphs, "fused": fused,
             "tokens_per_s": batch * 1e3 / stats["p50_ms"], "step": stats,
             "floor_fraction": floor_ms / stats["p50_ms"], "tokens": tokens}
+
+
+def _agreeing(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy runs share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _hf_baseline(model, head, ids: torch.Tensor, new: int) -> dict:
@@ -141,16 +148,20 @@ def run(args: argparse.Namespace) -> int:
         pre = summarize(prefill_ms)
         rows = [_decode_row(reasoner, prompt, 1, min(args.new_tokens, 32), False, floor_ms)] if graphs else []
         rows += [_decode_row(reasoner, prompt, b, args.new_tokens, graphs, floor_ms) for b in args.batches]
+        if graphs and args.fused:
+            rows += [_decode_row(reasoner, prompt, b, args.new_tokens, graphs, floor_ms, fused=True)
+                     for b in args.batches]
         hf = _hf_baseline(model, head, torch.tensor([ids], device=device), args.hf_tokens) if args.hf_tokens > 1 \
             else None
-    ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs)
+    ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs and not r["fused"])
     if graphs:  # the graph replays compute what the eager steps do
         eager = rows[0]["tokens"]
         ours1["greedy_tokens_equal_eager"] = ours1["tokens"][:len(eager)] == eager
+        for r in rows:  # fused kernels round differently: how far greedy decoding goes before it parts
+            if r["fused"] and r["batch"] == 1:
+                r["greedy_tokens_agreeing_unfused"] = _agreeing(r["tokens"], ours1["tokens"])
     if hf is not None:
-        agree = next((i for i, (a, b) in enumerate(zip(ours1["tokens"], hf["tokens"], strict=False)) if a != b),
-                     min(len(ours1["tokens"]), len(hf["tokens"])))
-        hf["greedy_tokens_agreeing"] = agree
+        hf["greedy_tokens_agreeing"] = _agreeing(ours1["tokens"], hf["tokens"])
         hf["speedup_ours_batch1"] = ours1["tokens_per_s"] / hf["tokens_per_s"]
     for r in rows:
         del r["tokens"]
@@ -169,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{size} Reasoner ({weight_bytes / 1e9:.2f} GB, floor {floor_ms:.2f} ms/step) on {result['gpu']}")
     print(f"prefill {len(ids)} tokens: {result['prefill']['tokens_per_s']:.0f} tokens/s ({pre['p50_ms']:.1f} ms)")
     for r in rows:
-        print(f"decode batch {r['batch']:>2} {'graph' if r['cuda_graph'] else 'eager'}: {r['tokens_per_s']:8.1f} "
+        kind = ("graph" if r["cuda_graph"] else "eager") + ("+fused" if r["fused"] else "")
+        print(f"decode batch {r['batch']:>2} {kind}: {r['tokens_per_s']:8.1f} "
               f"tokens/s, step {r['step']['p50_ms']:.2f} ms (CI {r['step']['ci95_p50_ms'][0]:.2f}-"
               f"{r['step']['ci95_p50_ms'][1]:.2f}), floor fraction {r['floor_fraction']:.2f}")
     if hf is not None:

@@ -257,6 +257,8 @@ def _decode(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefill-reps", type=int, default=5, help="timed prefills (after one warm-up)")
     ap.add_argument("--hf-tokens", type=int, default=64,
                     help="transformers' generate baseline: tokens per timed run (0: skip it)")
+    ap.add_argument("--no-fused", dest="fused", action="store_false",
+                    help="skip the graph rows with the layers' small kernels compiled (reasoner/fused.py)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/decode"), help="result folder")
 
 

@@ -60,7 +60,8 @@ class DecodeSeq:
 class DecodeBatch:
     """`rows` sequences at most, each up to `max_len` tokens (prompt and output) in the cache."""
 
-    def __init__(self, reasoner: Reasoner, rows: int, *, cuda_graphs: bool | None = None) -> None:
+    def __init__(self, reasoner: Reasoner, rows: int, *, cuda_graphs: bool | None = None,
+                 fused: bool = False) -> None:
         self.reasoner, self.lm = reasoner, reasoner.lm
         # +1: the last cache position is the graphs' scratch space, never a sequence's; a whole number of MIN_SPAN
         # positions, so every span a step reads is one too (attention kernels want aligned key masks).
@@ -68,11 +69,18 @@ class DecodeBatch:
         self.cache = KVCache.empty(self.lm.transformer, rows, length)
         self.rows: list[DecodeSeq | None] = [None] * rows
         use_graphs = self.lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        # fused: the layers' small kernels compiled into two regions (`fused.FusedDecodeLayer`); off by default until
+        # an H200 row shows the gain (`wamrt bench decode` times both)
+        self.layer_fn = None
+        if fused:
+            from .fused import FusedDecodeLayer
+
+            self.layer_fn = FusedDecodeLayer()
         self.graphs = None
         if use_graphs:
             from .graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.lm, self.cache)
+            self.graphs = DecodeGraphs(self.lm, self.cache, self.layer_fn)
 
     @property
     def live(self) -> list[DecodeSeq]:
@@ -119,7 +127,7 @@ class DecodeBatch:
         if self.graphs is not None:
             logits = self.graphs.step(t, i, r, span)
         else:
-            logits = self.lm.decode_step(self.cache, t, i, r, span)
+            logits = self.lm.decode_step(self.cache, t, i, r, span, self.layer_fn)
         if all(s.params.greedy and s.sampler.seen is None for s in live):  # one argmax for the batch
             rows = torch.tensor([s.row for s in live], device=dev)
             return self._accept(live, list(logits[rows].argmax(-1)))
@@ -219,12 +227,12 @@ class Reasoner:
         return embeds, DeepStack(mask, stacks)
 
     def generate(self, prompts: Sequence[PreparedPrompt], params: SamplingParams | Sequence[SamplingParams], *,
-                 on_step: Callable[[], None] | None = None, cuda_graphs: bool | None = None
+                 on_step: Callable[[], None] | None = None, cuda_graphs: bool | None = None, fused: bool = False
                  ) -> Iterator[list[TokenEvent]]:
         """Decode `prompts` as one batch; yields the events of each prefill and each step (`on_step` runs between
         any two of them: where a server gives the device to other work)."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        batch = DecodeBatch(self, len(prompts), cuda_graphs=cuda_graphs)
+        batch = DecodeBatch(self, len(prompts), cuda_graphs=cuda_graphs, fused=fused)
         for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
             if on_step is not None and i:
                 on_step()

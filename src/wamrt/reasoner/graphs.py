@@ -8,11 +8,14 @@ never hands to a sequence, so capturing in the middle of live sequences leaves t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from .lm import KVCache, ReasonerLM
+from .lm import KVCache, LayerFn, ReasonerLM
+
+log = logging.getLogger("wamrt.reasoner")
 
 
 @dataclass
@@ -25,10 +28,10 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, lm: ReasonerLM, cache: KVCache) -> None:
+    def __init__(self, lm: ReasonerLM, cache: KVCache, layer_fn: LayerFn | None = None) -> None:
         if lm.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
-        self.lm, self.cache = lm, cache
+        self.lm, self.cache, self.layer_fn = lm, cache, layer_fn
         self.entries: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -54,13 +57,20 @@ class DecodeGraphs:
         rope_pos = torch.zeros(rows, dtype=torch.float32, device=dev)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up off the capture (cuBLAS workspaces, lazy inits)
+        with torch.cuda.stream(side):  # warm-up off the capture (cuBLAS workspaces, lazy inits, compiling)
             for _ in range(2):
-                self.lm.decode_step(self.cache, tokens, index, rope_pos, span)
+                try:
+                    self.lm.decode_step(self.cache, tokens, index, rope_pos, span, self.layer_fn)
+                except Exception as exc:  # a compiler failure costs speed, not the chat: the eager layers remain
+                    if self.layer_fn is None:
+                        raise
+                    log.warning("fused decode layers failed to compile (%s); decoding with the eager layers",
+                                str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                    self.layer_fn = None
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = self.lm.decode_step(self.cache, tokens, index, rope_pos, span)
+            logits = self.lm.decode_step(self.cache, tokens, index, rope_pos, span, self.layer_fn)
         entry = _Graph(graph, tokens, index, rope_pos, logits)
         self.entries[(rows, span)] = entry
         return entry

@@ -11,6 +11,7 @@ to the hidden states of the media tokens after the first layers, one feature map
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model import Cosmos3Transformer, Rope, sdpa_attention
+
+LayerFn = Callable[..., torch.Tensor]  # (layer, u [B, 1, h], rope, attention) -> the next u
 
 
 @dataclass
@@ -142,14 +145,16 @@ class ReasonerLM(nn.Module):
         return self._logits(u) if all_logits else self._logits(u[:, -1:])[:, 0]
 
     def decode_step(self, cache: KVCache, tokens: torch.Tensor, index: torch.Tensor, rope_pos: torch.Tensor,
-                    span: int) -> torch.Tensor:
+                    span: int, layer_fn: LayerFn | None = None) -> torch.Tensor:
         """One token for each of the first B cache rows: tokens [B] long, index [B] long (its cache position),
         rope_pos [B] float (its MRoPE position, equal on the three axes) -> logits [B, V]. Keys beyond `span` are
-        not read: pass the smallest span that covers every row's index."""
+        not read: pass the smallest span that covers every row's index. `layer_fn(layer, u, rope, attention)`
+        runs one layer's Reasoner half (default: `MoTLayer.reasoner`; `fused.FusedDecodeLayer` compiles it)."""
         b = tokens.shape[0]
         u = self.embed(tokens)[:, None]  # [B, 1, h]
         rope = self.rope(rope_pos.float()[:, None, None].expand(b, 3, 1))
         mask = torch.arange(span, device=tokens.device)[None] <= index[:, None]  # [B, span]
         for i, layer in enumerate(self.transformer.layers):
-            u, _, _ = layer.reasoner(u, rope, _DecodeAttention(cache, i, index, mask))
+            attention = _DecodeAttention(cache, i, index, mask)
+            u = layer.reasoner(u, rope, attention)[0] if layer_fn is None else layer_fn(layer, u, rope, attention)
         return self._logits(u)[:, 0]
