@@ -146,3 +146,18 @@ def test_flags_override_and_name_themselves(saved: Path, tmp_path: Path, capsys)
     assert "--vae" in capsys.readouterr().err
     assert main(["infer", "--model", str(folder), "--device", "cpu", "--tokenizer", str(tmp_path)]) == 2
     assert "--tokenizer" in capsys.readouterr().err
+
+
+def test_parallel_layouts_read_the_config_of_every_layout(saved: Path, hub: Path) -> None:
+    # `wamrt serve --parallel` checks a world layout against the model's heads before any rank starts; it reads the
+    # config through the same resolver as the loaders; a quantized random model once failed there (`random:nano@gen-fp8`
+    # was looked up as a size named "nano@gen-fp8").
+    from wamrt.model import get_config
+    from wamrt.parallel.launch import ParallelSpec, model_config
+
+    expected = json.loads((saved / "transformer" / "config.json").read_text())
+    for folder in (saved, hub, saved / "transformer"):
+        cfg = model_config(ParallelSpec(mode="ulysses", model=str(folder)))
+        assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (expected["num_attention_heads"],
+                                                                     expected["num_key_value_heads"])
+    assert model_config(ParallelSpec(mode="cfg", model="random:tiny-qwen@gen-fp8")) == get_config("tiny-qwen")

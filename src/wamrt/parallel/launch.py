@@ -365,17 +365,16 @@ def start(spec: ParallelSpec, *, policy: Any = None, timeout: float = 1800.0) ->
 
 
 def model_config(spec: ParallelSpec):
-    """The transformer configuration `spec.model` names, read without its weights."""
-    from pathlib import Path
-
-    from ..model import get_config, resolve_transformer_folder
+    """The transformer configuration `spec.model` names (`random:SIZE[@RECIPE]`, a folder in any layout
+    `resolve_layout` reads, a built-in or trained model name), read without its weights."""
+    from ..model import get_config
     from ..model.checkpoint import read_config
-    from ..pipeline.builtin import BUILTIN_MODELS, builtin_path
+    from ..pipeline.layout import resolve_layout
+    from ..pipeline.policy import checkpoint_root
 
     if spec.model.startswith("random:"):
-        return get_config(spec.model.split(":", 1)[1])
-    root = builtin_path(spec.model) if spec.model in BUILTIN_MODELS else Path(spec.model)
-    return read_config(resolve_transformer_folder(root))
+        return get_config(spec.model.split(":", 1)[1].partition("@")[0])
+    return read_config(resolve_layout(checkpoint_root(spec.model)).transformer)
 
 
 __all__ = ["MODES", "WORLD_MODES", "ParallelPolicy", "ParallelSpec", "build_engine", "build_policy", "model_config",
