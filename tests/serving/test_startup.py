@@ -69,6 +69,18 @@ def test_a_plan_that_does_not_fit_fails_before_loading_naming_the_part(no_loadin
     assert "--max-batch (asked: 8" in _one_line(capsys.readouterr().err)
 
 
+def test_an_allocator_that_refuses_the_cap_is_one_line_before_loading(no_loading, capsys, monkeypatch) -> None:
+    # On the H200 torch refused the cap for a device without an index (fixed in memory.cap_device); whatever the
+    # allocator refuses is one line naming --gpu-memory, not a traceback.
+    def refuse(plan: Any, device: str) -> None:
+        raise ValueError("Expected a torch.device with a specified index or an integer, but got:cuda")
+
+    monkeypatch.setattr("wamrt.serving.memory.cap_device", refuse)
+    assert main(["serve", "--model", "random:nano", "--gpu-memory", "80", "--device", "cpu", "--port", "0"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "--gpu-memory 80: cannot cap the allocator" in line and "specified index" in line and no_loading == []
+
+
 def test_the_plan_shows_in_metadata_and_the_summary_line_and_readyz_reports_the_warm_up(caplog) -> None:
     from wamrt.serving.server import config_from_args
     from wamrt.serving.startup import load

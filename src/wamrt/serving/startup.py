@@ -104,7 +104,12 @@ def plan_memory(args: argparse.Namespace, config: ServeConfig, device: str) -> M
     if plan.settings.get("max_video_pixels"):
         config.max_video_pixels = plan.settings["max_video_pixels"]
     config.kv_cache_bytes = plan.part("prefix_cache").nbytes
-    cap = cap_device(plan, device)
+    try:
+        cap = cap_device(plan, device)
+    except (RuntimeError, ValueError) as exc:  # one line naming the flag; the traceback goes to the debug log
+        log.debug("capping the allocator failed", exc_info=True)
+        raise StartupError(f"--gpu-memory {config.gpu_memory_gib:g}: cannot cap the allocator on {device}: "
+                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
     log.info("memory plan: %s; max batch %d (ladder %s), prefix widths %s, world generation up to %s pixels%s",
              plan.describe(), config.max_batch, "/".join(map(str, config.batch_ladder)),
              "/".join(map(str, plan.settings["widths"])), plan.settings.get("max_video_pixels"),
