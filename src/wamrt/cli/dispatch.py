@@ -11,10 +11,11 @@ from collections.abc import Callable, Sequence
 
 # Import names a command needs, by the extra that installs them (pyproject's optional-dependencies).
 EXTRA_MODULES = {
-    # PyAV is in the server extra, but a server without it still serves policies, images and chat (MP4
-    # requests get a typed 501, `serving.media.require_pyav`); `generate` writes MP4 and asks for it.
+    # PyAV is in the server and sim extras, but only what writes or reads MP4 asks for it: a server without it
+    # still serves policies, images and chat (MP4 requests get a typed 501, `serving.media.require_pyav`), and
+    # rollouts, gates, grids and demo recording never touch it (the H200's image has no PyAV).
     "server": ("uvicorn", "starlette", "websockets", "msgpack", "prometheus_client"),
-    "sim": ("mujoco", "pyarrow", "pandas", "av"),
+    "sim": ("mujoco", "pyarrow", "pandas"),
     "video": ("av",),
 }
 # Command path (the leading positional words) -> the extras it needs.
@@ -23,12 +24,12 @@ COMMAND_EXTRAS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("generate",): ("server", "video"),
     ("bench", "load"): ("server",),
     ("bench", "soak"): ("server",),
-    ("demo",): ("server", "sim"),
+    ("demo",): ("server", "sim", "video"),  # it writes the first episode's MP4
     ("rollout",): ("sim",),
     ("eval", "gate"): ("sim",),
     ("eval", "grid"): ("sim",),
     ("demos", "record"): ("sim",),
-    ("export", "lerobot"): ("sim",),
+    ("export", "lerobot"): ("sim", "video"),
     ("train", "record"): ("sim",),
 }
 
