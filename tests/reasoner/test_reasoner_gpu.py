@@ -1,4 +1,5 @@
-"""The decode step replayed as a CUDA graph computes what the eager step does (GPU only)."""
+"""The decode step replayed as a CUDA graph (with the model's layers, or the compiled ones of reasoner/fused.py)
+computes what the eager step does (GPU only)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def test_graph_decode_equals_eager(tmp_path) -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_graph_decode_equals_eager(tmp_path, fused: bool) -> None:
+    # fused: the compiled decode layers (reasoner/fused.py) captured in the graphs
     tiny = build_tiny_reasoner(tmp_path, vision=False)
     r = tiny.reasoner
     r.lm.to("cuda")
@@ -21,27 +24,9 @@ def test_graph_decode_equals_eager(tmp_path) -> None:
     runs = {}
     for graphs in (False, True):
         done = {}
-        for events in r.generate(prompts, params, cuda_graphs=graphs):
+        for events in r.generate(prompts, params, cuda_graphs=graphs, fused=fused and graphs):
             for e in events:
                 if e.finish_reason:
                     done[e.seq.tag] = e.seq.tokens
         runs[graphs] = [done[0], done[1]]
-    assert runs[True] == runs[False]
-
-
-def test_fused_graph_decode_equals_eager(tmp_path) -> None:
-    # The compiled decode layers (reasoner/fused.py) captured in the graphs: the eager step's greedy tokens.
-    tiny = build_tiny_reasoner(tmp_path, vision=False)
-    r = tiny.reasoner
-    r.lm.to("cuda")
-    prompts = [r.prepare([{"role": "user", "content": t}]) for t in ("Hi there.", "A longer prompt about robots.")]
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    runs = {}
-    for fused in (False, True):
-        done = {}
-        for events in r.generate(prompts, params, cuda_graphs=fused, fused=fused):
-            for e in events:
-                if e.finish_reason:
-                    done[e.seq.tag] = e.seq.tokens
-        runs[fused] = [done[0], done[1]]
     assert runs[True] == runs[False]
