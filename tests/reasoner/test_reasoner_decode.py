@@ -160,8 +160,8 @@ def test_graph_bookkeeping_on_cpu(tiny, monkeypatch) -> None:
     captures = []
 
     class EagerGraphs(graphs.DecodeGraphs):
-        def __init__(self, lm, cache) -> None:
-            self.lm, self.cache, self.entries = lm, cache, {}
+        def __init__(self, lm, cache, layer_fn=None) -> None:
+            self.lm, self.cache, self.layer_fn, self.entries = lm, cache, layer_fn, {}
 
         def capture(self, rows: int, span: int):
             index = torch.full((rows,), self.scratch, dtype=torch.long)
