@@ -59,8 +59,8 @@ def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: 
                 steps_ms.append(1e3 * (time.perf_counter() - t0))
         tokens = seqs[0].tokens
     stats = summarize(steps_ms)
-    if fused and db.layer_fn is None or db.graphs is not None and db.graphs.layer_fn is not db.layer_fn:
-        fused = False  # the compile failed and the step ran the eager layers (logged): not a fused row
+    # a failed compile leaves the graphs on the eager layers (logged): not a fused row then
+    fused = fused and (db.graphs is None or db.graphs.layer_fn is not None)
     return {"kind": "latency", "mode": "decode", "batch": batch, "cuda_graph": graphs, "fused": fused,
             "tokens_per_s": batch * 1e3 / stats["p50_ms"], "step": stats,
             "floor_fraction": floor_ms / stats["p50_ms"], "tokens": tokens}

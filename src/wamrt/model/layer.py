@@ -115,13 +115,20 @@ class MoTLayer(nn.Module):
 
         With need_output=False (the last layer) only the K/V the Generator reads are computed.
         """
-        q, k, k_gen, v = self.self_attn.reasoner_qkv(self.input_layernorm(u), rope)
+        q, k, k_gen, v = self.reasoner_pre(u, rope)
         if not need_output:
             return None, k_gen, v
-        o = attn(q, k, v, causal=True, key_mask=None)  # [B, H, U, d]
+        return self.reasoner_post(u, attn(q, k, v, causal=True, key_mask=None)), k_gen, v
+
+    def reasoner_pre(self, u: torch.Tensor, rope: Rope
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """u [B, U, h] -> q [B, H, U, d], k, k_for_gen, v [B, K, U, d]: the Reasoner half up to its attention."""
+        return self.self_attn.reasoner_qkv(self.input_layernorm(u), rope)
+
+    def reasoner_post(self, u: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """o [B, H, U, d] attention output -> next u [B, U, h]."""
         u = u + self.self_attn.to_out(o.transpose(1, 2).flatten(2))
-        u = u + self.mlp(self.post_attention_layernorm(u))
-        return u, k_gen, v
+        return u + self.mlp(self.post_attention_layernorm(u))
 
     def generator(
         self,

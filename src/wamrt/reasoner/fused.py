@@ -20,19 +20,18 @@ from ..model import Rope
 
 
 def _before_attention(layer: Any, u: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # MoTLayer.reasoner up to its attention call; the Generator's k_for_gen is not returned, so Inductor drops it.
-    q, k, _k_gen, v = layer.self_attn.reasoner_qkv(layer.input_layernorm(u), rope)
+    # The Generator's k_for_gen is not returned, so Inductor drops its work.
+    q, k, _k_gen, v = layer.reasoner_pre(u, rope)
     return q, k, v
 
 
 def _after_attention(layer: Any, u: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    # MoTLayer.reasoner after its attention call.
-    u = u + layer.self_attn.to_out(o.transpose(1, 2).flatten(2))
-    return u + layer.mlp(layer.post_attention_layernorm(u))
+    return layer.reasoner_post(u, o)
 
 
 class FusedDecodeLayer:
-    """`layer_fn` for `ReasonerLM.decode_step`: the same math as `MoTLayer.reasoner`, in two compiled regions."""
+    """`layer_fn` for `ReasonerLM.decode_step`: `MoTLayer.reasoner_pre` and `reasoner_post` compiled, attention
+    eager between them."""
 
     def __init__(self, mode: str | None = None) -> None:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
