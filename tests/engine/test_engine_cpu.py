@@ -438,3 +438,21 @@ def test_prefixed_and_plain_requests_share_a_batch_and_a_larger_graph(policy):
     assert np.abs(single - policy.infer(c, seed=6, steps=2).actions).max() <= TOL
     assert np.abs(single[:12] - c["action_prefix"]).max() <= PREFIX_TOL
     assert graphs.graphs.captures == 1 and graphs.graphs.compatible_hits == 1
+
+
+def test_prepared_host_inputs_give_the_same_actions_as_the_observations(policy):
+    """A caller may validate and compose canvases itself (`droid_host_inputs` with the engine's contract: the grid's
+    simulator processes do): the engine takes them as they are and computes the same actions, bit for bit; a bad
+    observation beside them still gets its own error."""
+    from wamrt.pipeline.droid import DroidHostInputs, droid_host_inputs
+
+    engine = Engine.from_policy(policy, EngineConfig(attention="auto", compile=False, cuda_graph=False))
+    obs = [sample_observation(0), dict(sample_observation(1), action_prefix=np.full((3, 8), 0.1, np.float32))]
+    want = engine.infer_batch(obs, seeds=[5, 6], steps=1)
+    prepared = [droid_host_inputs(o, engine.contract) for o in obs]
+    bad = dict(sample_observation(2), prompt=7)
+    got = engine.infer_batch([*prepared, bad], seeds=[5, 6, 7], steps=1)
+    assert all(isinstance(p, DroidHostInputs) for p in prepared)
+    for w, g in zip(want, got[:2], strict=True):
+        assert np.array_equal(w.actions, g.actions) and w.prefix_rows == g.prefix_rows
+    assert type(got[2]).__name__ == "RequestError" and got[2].field == "prompt"

@@ -115,6 +115,39 @@ def test_grid_runs_cells_shares_d0_and_pairs_them(tmp_path):
     assert "| 3 | prefix |" in path.read_text()
 
 
+def test_grid_workers_prepare_an_engines_requests(tmp_path, monkeypatch):
+    """With an Engine behind a grid policy, the simulator processes validate and compose each request's canvas
+    (one core each) and the engine admits them as they are: the same episodes as when the engine's own process
+    does that work (the grid's throughput bound on the H200 at 716c9e3). Both at one torch thread: the canvas's
+    fp32 bilinear resize with its truncating cast can differ by 1 in a pixel between thread counts."""
+    import torch
+
+    from wamrt import load_policy
+    from wamrt.engine import Engine, EngineConfig
+    from wamrt.eval.grid import LocalBackend, plan_cells, run_grid
+
+    monkeypatch.setenv("WAMRT_CACHE", str(tmp_path / "cache"))
+    engine = Engine.from_policy(load_policy("tiny-droid", device="cpu"),
+                                EngineConfig(attention="auto", compile=False, cuda_graph=False))
+    cells = plan_cells(["pick_place"], [2], ["prefix"])
+    runs, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for prepared in (True, False):
+            backend = LocalBackend(engine, steps=1)
+            assert backend.host_contract is engine.contract
+            if not prepared:
+                backend.host_contract = None  # the engine's process composes the canvases
+            runs[prepared] = run_grid(cells, [0], {"base": backend}, workers=1, lanes=1, max_batch=2, max_steps=10,
+                                      env_kwargs={"exterior_hw": (32, 56)})
+    finally:
+        torch.set_num_threads(threads)
+    a, b = runs[True].results[0][0], runs[False].results[0][0]
+    assert a.error is None and a.requests >= 2 and a.realtime["delays"] == [2]
+    assert a.realtime == b.realtime and a.trace == b.trace  # the same rows ran: jerk sums, stalls, delays
+    assert LocalBackend(WigglePolicy()).host_contract is None  # a policy that is no Engine gets observations
+
+
 def test_grid_refuses_unknown_strategies():
     from wamrt.eval.grid import plan_cells
 

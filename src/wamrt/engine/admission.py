@@ -105,9 +105,13 @@ class RequestAdmission:
 
     def _host_inputs(self, observations: list[Mapping[str, Any]]) -> list[DroidHostInputs | RequestError]:
         """Validation and canvases of a batch, in threads when it has several requests: the resizes are torch
-        CPU ops that release the GIL, and one at a time they bounded a 16-lane server at ~35 requests/s."""
+        CPU ops that release the GIL, and one at a time they bounded a 16-lane server at ~35 requests/s. An item
+        that already is a `DroidHostInputs` (made by the caller with `droid_host_inputs` and this engine's
+        `contract`, e.g. in the strategy x delay grid's simulator processes) is taken as it is."""
 
-        def one(obs: Mapping[str, Any]) -> DroidHostInputs | RequestError:
+        def one(obs: Mapping[str, Any] | DroidHostInputs) -> DroidHostInputs | RequestError:
+            if isinstance(obs, DroidHostInputs):
+                return obs
             try:
                 return droid_host_inputs(obs, self.contract)
             except RequestError as e:
