@@ -24,7 +24,7 @@
 #          peer-edge peer-nano (issue 14: ROWS at 4 and 2 steps with the diffusers peer in the same process)
 #          kernels (issue 14: `wamrt bench kernels --sweep` and the GPU tests of the epilogue GEMMs and the VAE encode)
 #          grid (issue 41: the strategy x delay grid, `wamrt eval grid`, of panda-droid and the prefix-trained checkpoint
-#          that prefix-train leaves at /tmp/wamrt-prefix/ckpt (or TRAINED=FOLDER); scripts/realtime_grid.sh, ~9 min with
+#          that prefix-train leaves at /tmp/wamrt-prefix/ckpt (or TRAINED=FOLDER); scripts/realtime_grid.sh, resumable, with
 #          BUDGET_S 330 s of episodes: give it grid:560; carry .whl and .gl)
 #          grid-wall (issue 41: the 15 Hz client on turntable against the prefix-trained checkpoint served at +560 ms,
 #          prefix and async, 200 episodes each: ~4 min; same carry)

@@ -34,7 +34,7 @@ export PYTHONPATH=${PYTHONPATH:-$PWD/src}
 
 POLICY=${POLICY:-src/wamrt/assets/panda-droid}
 TRAINED=${1:-${TRAINED:-/tmp/wamrt-prefix/ckpt}}
-TASKS=${TASKS:-pick_place,turntable}
+TASKS=${TASKS:-turntable,pick_place}  # the moving task first: the bars at d = 10 read it
 DELAYS=${DELAYS:-0,1,3,6,10,14}
 STRATEGIES=${STRATEGIES:-sync,async,blend,prefix-inpaint,prefix-trained}
 EPISODES=${EPISODES:-200}
@@ -59,11 +59,14 @@ fi
 if [ "${GRID:-1}" = 1 ]; then
   # A task the base policy never saw (TRAINED_TASKS, default the moving turntable: panda-droid was trained on
   # pick_place only) runs every strategy on the prefix-trained checkpoint; prefix-inpaint then means that checkpoint
-  # with action_prefix_mode=inpaint. Each task is its own grid (GRID_DIR/<task>), sharing BUDGET_S.
+  # with action_prefix_mode=inpaint. Each task is its own grid (GRID_DIR/<task>); a task gets what is left of
+  # BUDGET_S when it starts, so the first task's cells come first and a later call resumes it.
   read -r -a task_list <<< "${TASKS//,/ }"
-  task_budget=$(( BUDGET_S / ${#task_list[@]} ))
+  grid_t0=$(date +%s)
   rm -rf "$RES/grid"; mkdir -p "$RES/grid"
   for task in "${task_list[@]}"; do
+    task_budget=$(( BUDGET_S - ($(date +%s) - grid_t0) ))
+    if [ "$task_budget" -lt 30 ]; then log "grid $task: skipped, ${task_budget} s of BUDGET_S left"; continue; fi
     pol=$POLICY
     case ",${TRAINED_TASKS-turntable}," in *",$task,"*) [ -n "$TRAINED" ] && pol=$TRAINED ;; esac
     log "grid $task: $pol${TRAINED:+ + $TRAINED (prefix-trained)}, d $DELAYS, $STRATEGIES, $EPISODES episodes, $WORKERS workers x $LANES lanes, batch $MAX_BATCH, budget $task_budget s"

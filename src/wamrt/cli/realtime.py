@@ -206,8 +206,10 @@ def _backend(name: str, args: argparse.Namespace) -> tuple[Any, str, dict[str, A
         policy = Engine.from_policy(policy, EngineConfig(**{**settings, "compile": False}))
         engine = "fast" + (" (isolated requests)" if args.batch_invariant else "")
     gpu = torch.cuda.get_device_name(policy.device) if policy.device.type == "cuda" else "cpu"
-    return LocalBackend(policy, **overrides), gpu, {"agent": "policy", "model": name, "engine": engine,
-                                                     "device": str(policy.device), **overrides}
+    backend = LocalBackend(policy, **overrides)
+    canvases = "simulator processes, 1 torch thread" if backend.host_contract is not None else "policy process"
+    return backend, gpu, {"agent": "policy", "model": name, "engine": engine, "device": str(policy.device),
+                          "canvases_composed_in": canvases, **overrides}
 
 
 def _warm_up(backend: Any, task: str, batch: int) -> None:
