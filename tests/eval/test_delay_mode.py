@@ -155,6 +155,27 @@ def test_grid_refuses_unknown_strategies():
         plan_cells(["pick_place"], [0], ["ensemble"])
 
 
+def test_grid_command_loads_one_engine_when_both_policies_are_one_checkpoint(tmp_path, monkeypatch):
+    """The turntable grid names the prefix-trained checkpoint as both policies: one engine serves both d = 0 cells,
+    which then replay the same episodes."""
+    from wamrt.cli import main
+    from wamrt.cli import realtime as cli_realtime
+
+    monkeypatch.setenv("WAMRT_CACHE", str(tmp_path / "cache"))
+    loads = []
+    real_backend = cli_realtime._backend
+    monkeypatch.setattr(cli_realtime, "_backend", lambda name, args: loads.append(name) or real_backend(name, args))
+    out = tmp_path / "grid"
+    assert main(["eval", "grid", "--policy", "tiny-droid", "--trained-policy", "tiny-droid", "--tasks", "pick_place",
+                 "--delays", "0", "--strategies", "async,prefix-trained", "--episodes", "1", "--workers", "1",
+                 "--lanes", "2", "--max-batch", "2", "--max-steps", "9", "--steps", "1", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    assert loads == ["tiny-droid"]
+    base, trained = (json.loads((out / f"pick_place-d0{s}.json").read_text()) for s in ("", "-trained"))
+    assert base["outcomes"] == trained["outcomes"] and base["realtime"] == trained["realtime"]
+    assert trained["config"]["trained"]["model"] == "tiny-droid"
+
+
 def test_grid_command_resumes_and_rebuilds_its_report(tmp_path, capsys):
     from wamrt.cli import main
 

@@ -276,11 +276,13 @@ def run_grid_command(args: argparse.Namespace) -> int:
         try:
             base, gpu, config = _backend(args.policy, args)
             backends = {"base": base}
-            if args.trained_policy:
+            if args.trained_policy and args.trained_policy == args.policy:  # one engine (the turntable grid)
+                backends["trained"], config["trained"] = base, dict(config)
+            elif args.trained_policy:
                 backends["trained"], _, config["trained"] = _backend(args.trained_policy, args)
         except Exception as e:  # noqa: BLE001  a checkpoint that does not load is a usage error, not a traceback
             return _error(f"cannot load the policy: {type(e).__name__}: {e}")
-        for b in backends.values():
+        for b in {id(b): b for b in backends.values()}.values():
             _warm_up(b, tasks[0], args.max_batch)
     seeds = list(range(args.seed0, args.seed0 + args.episodes))
     done: dict[Any, dict[str, Any]] = {}
