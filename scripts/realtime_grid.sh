@@ -8,7 +8,7 @@
 # Grid: panda-droid (POLICY) for sync / async / blend / prefix-inpaint, the prefix-trained checkpoint (argument 1, else
 # TRAINED, else /tmp/wamrt-prefix/ckpt; a folder or a name such as panda-droid-rt; left out if absent) for prefix-trained, d in DELAYS, on TASKS, EPISODES
 # paired seeds per cell. In one process: the policies on the GPU (fast engine, CUDA graphs captured at MAX_BATCH), WORKERS
-# simulator processes x LANES episodes each, rendering only at request steps. d = 0 and d = 10 cells run first;
+# simulator processes x LANES episodes each, rendering only at request steps. Within a task d = 0 and d = 10 run first;
 # BUDGET_S stops new episodes (a cut cell is written with `complete: false`). The cells live in GRID_DIR
 # (/tmp/wamrt-grid): a second call on the warm machine runs only the cells not yet complete. Writes $RES/grid/ (a
 # rollout file per cell, summary.md, summary.json, success-vs-delay.png) and $RES/grid.txt.
@@ -18,7 +18,7 @@
 # the real-time client (--wall-clock, WALL_LANES lane processes): $RES/wall-<strategy>.json, to compare with the grid's
 # deterministic cell at the measured d.
 #
-# Knobs (env): POLICY TRAINED TRAINED_TASKS TASKS DELAYS STRATEGIES EPISODES WORKERS LANES MAX_BATCH BUDGET_S GRID_ARGS GRID_DIR WALL
+# Knobs (env): POLICY TRAINED TRAINED_TASKS TASKS PHASES DELAYS STRATEGIES EPISODES WORKERS LANES MAX_BATCH BUDGET_S GRID_ARGS GRID_DIR WALL
 #   WALL_ADDED_MS WALL_EPISODES WALL_LANES WALL_STRATEGIES WALL_S PY SKIP_INSTALL=1 (local: no .gl unpacking).
 # CPU dry run (2 cells, 2 episodes, 12 steps, the expert planner needs no GPU; POLICY=tiny-droid exercises the
 # batched policy path instead, slowly):
@@ -34,7 +34,7 @@ export PYTHONPATH=${PYTHONPATH:-$PWD/src}
 
 POLICY=${POLICY:-src/wamrt/assets/panda-droid}
 TRAINED=${1:-${TRAINED:-/tmp/wamrt-prefix/ckpt}}
-TASKS=${TASKS:-turntable,pick_place}  # the moving task first: the bars at d = 10 read it
+TASKS=${TASKS:-turntable,pick_place}
 DELAYS=${DELAYS:-0,1,3,6,10,14}
 STRATEGIES=${STRATEGIES:-sync,async,blend,prefix-inpaint,prefix-trained}
 EPISODES=${EPISODES:-200}
@@ -59,24 +59,29 @@ fi
 if [ "${GRID:-1}" = 1 ]; then
   # A task the base policy never saw (TRAINED_TASKS, default the moving turntable: panda-droid was trained on
   # pick_place only) runs every strategy on the prefix-trained checkpoint; prefix-inpaint then means that checkpoint
-  # with action_prefix_mode=inpaint. Each task is its own grid (GRID_DIR/<task>); a task gets what is left of
-  # BUDGET_S when it starts, so the first task's cells come first and a later call resumes it.
-  read -r -a task_list <<< "${TASKS//,/ }"
+  # with action_prefix_mode=inpaint. Each task is its own grid (GRID_DIR/<task>), run in PHASES: TASK or TASK:DELAYS
+  # (d separated by '/'), each a `wamrt eval grid --resume` on what is left of BUDGET_S. The default runs the
+  # d = 0 cells of pick_place first (the prefix-trained checkpoint's synchronous score, bar >= 85 %), then the
+  # turntable grid (the bars at d = 10), then the rest of pick_place; a later call resumes where this one stopped.
+  first=; case ",$TASKS," in *,pick_place,*) first="pick_place:0 " ;; esac
+  PHASES=${PHASES:-$first${TASKS//,/ }}
   grid_t0=$(date +%s)
   rm -rf "$RES/grid"; mkdir -p "$RES/grid"
-  for task in "${task_list[@]}"; do
-    task_budget=$(( BUDGET_S - ($(date +%s) - grid_t0) ))
-    if [ "$task_budget" -lt 30 ]; then log "grid $task: skipped, ${task_budget} s of BUDGET_S left"; continue; fi
+  for phase in $PHASES; do
+    task=${phase%%:*}; delays=$DELAYS
+    [ "$task" != "$phase" ] && delays=${phase#*:} && delays=${delays//\//,}
+    left=$(( BUDGET_S - ($(date +%s) - grid_t0) ))
+    if [ "$left" -lt 30 ]; then log "grid $phase: skipped, ${left} s of BUDGET_S left"; continue; fi
     pol=$POLICY
     case ",${TRAINED_TASKS-turntable}," in *",$task,"*) [ -n "$TRAINED" ] && pol=$TRAINED ;; esac
-    log "grid $task: $pol${TRAINED:+ + $TRAINED (prefix-trained)}, d $DELAYS, $STRATEGIES, $EPISODES episodes, $WORKERS workers x $LANES lanes, batch $MAX_BATCH, budget $task_budget s"
+    log "grid $task: $pol${TRAINED:+ + $TRAINED (prefix-trained)}, d $delays, $STRATEGIES, $EPISODES episodes, $WORKERS workers x $LANES lanes, batch $MAX_BATCH, budget $left s"
     # shellcheck disable=SC2086
     "$PY" -m wamrt.cli eval grid --policy "$pol" ${TRAINED:+--trained-policy "$TRAINED"} --tasks "$task" \
-      --delays "$DELAYS" --strategies "$STRATEGIES" --episodes "$EPISODES" --workers "$WORKERS" --lanes "$LANES" \
-      --max-batch "$MAX_BATCH" --budget-s "$task_budget" --out "$GRID_DIR/$task" --resume $GRID_ARGS 2>&1 \
-      | grep -v Warning | tee "$RES/grid-$task.txt"
-    cp -r "$GRID_DIR/$task" "$RES/grid/$task"
-    log "grid $task done: $(tail -1 "$RES/grid-$task.txt")"
+      --delays "$delays" --strategies "$STRATEGIES" --episodes "$EPISODES" --workers "$WORKERS" --lanes "$LANES" \
+      --max-batch "$MAX_BATCH" --budget-s "$left" --out "$GRID_DIR/$task" --resume $GRID_ARGS 2>&1 \
+      | grep -v Warning | tee "$RES/grid-$phase.txt"
+    rm -rf "$RES/grid/$task"; cp -r "$GRID_DIR/$task" "$RES/grid/$task"
+    log "grid $phase done: $(tail -1 "$RES/grid-$phase.txt")"
   done
 fi
 
