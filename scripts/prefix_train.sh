@@ -16,7 +16,10 @@
 #   also stays at $CKPT (default /tmp/wamrt-prefix/ckpt) for later parts of the same call (the strategy x d grid's
 #   prefix-trained cells: `--policy $CKPT` or a server on it).
 #
-# Knobs (env): PREFIX_TASKS (default: pick_place and every task wamrt.sim.tasks registers beyond lift, pick_place and
+# A second call within the warm window: ROUND=2 (see below) records more demos (other seeds; PREFIX_TASKS=turntable
+#   to record only the moving task) and continues the checkpoint on the old and new demos for MIN_A + MIN_B minutes.
+#
+# Knobs (env): ROUND (1), PREFIX_TASKS (default: pick_place and every task wamrt.sim.tasks registers beyond lift, pick_place and
 #   pick_place_two -- the moving one(s)), PREFIX_MAX (14), PREFIX_ZERO_SHARE (0.25), HEAD_S (120), MIN_A (2), MIN_B
 #   (3.5), WORKERS (per recorder; default 12 cores / recorders), DEMO_EPISODES (per recorder, 2000), TRAIN_SLACK_S (240),
 #   DART_NOISE (0.02), INIT (src/wamrt/assets/panda-droid),
@@ -31,7 +34,16 @@ cd "$(dirname "$0")/.."
 RES=${RES:?set RES (the part folder)}
 WORK=${PREFIX_WORK:-/tmp/wamrt-prefix}
 CKPT=${CKPT:-$WORK/ckpt}
-rm -rf "$WORK"; mkdir -p "$WORK"
+# ROUND > 1 continues an earlier round on this machine (a later call within the warm window): its demos stay in
+# $WORK and are trained on again beside new ones (other seeds), from its checkpoint ($CKPT, or INIT=FOLDER, e.g.
+# a carried copy of prefix-ckpt.tgz when the machine was not kept).
+ROUND=${ROUND:-1}
+if [ "$ROUND" = 1 ]; then
+  rm -rf "$WORK"
+elif [ -d "$CKPT" ]; then
+  rm -rf "$WORK/ckpt-prev"; mv "$CKPT" "$WORK/ckpt-prev"
+fi
+mkdir -p "$WORK"
 # shellcheck source=scripts/gpu_lib.sh
 source scripts/gpu_lib.sh
 part_start || exit 1
@@ -41,11 +53,11 @@ PREFIX_MAX=${PREFIX_MAX:-14}
 PREFIX_ZERO_SHARE=${PREFIX_ZERO_SHARE:-0.25}
 # H200, 716c9e3: HEAD_S 40 / MIN_A 1.5 / MIN_B 2.5 gave phase A 39 episodes, which it overfit for 949 steps (held-out
 # action loss 0.58); after phase B synchronous pick_place fell from 90 % to 77/117. Phase A now starts on ~480.
-HEAD_S=${HEAD_S:-120}
+HEAD_S=${HEAD_S:-$([ "$ROUND" = 1 ] && echo 120 || echo 10)}  # a later round starts on the earlier demos
 MIN_A=${MIN_A:-2}
 MIN_B=${MIN_B:-3.5}
 DART_NOISE=${DART_NOISE:-0.02}
-INIT=${INIT:-src/wamrt/assets/panda-droid}
+INIT=${INIT:-$([ "$ROUND" = 1 ] && echo src/wamrt/assets/panda-droid || echo "$WORK/ckpt-prev")}
 BATCH=${BATCH:-128}
 LR=${LR:-2e-4}
 DEMO_EPISODES=${DEMO_EPISODES:-2000}  # per recorder: an upper bound, the deadline stops them first
@@ -62,18 +74,23 @@ recorders=$(( 2 * ${#tasks[@]} ))
 WORKERS=${WORKERS:-$(( 12 / recorders > 0 ? 12 / recorders : 1 ))}
 REC_S=$("$PY" -c "print(int($HEAD_S + 60 * $MIN_A))")  # the recorders stop about when phase A ends
 
+[ -e "$INIT" ] || [ "$ROUND" = 1 ] || { log "FATAL: round $ROUND needs the earlier checkpoint: none at $INIT (set INIT)"; exit 1; }
+
 count_demos() { local d n=0; for d in "$@"; do n=$((n + $(ls "$d"/*.npz 2>/dev/null | wc -l))); done; echo $n; }
 
 # ---- demos: a clean and a DART recorder per task, on the host cores, while the GPU trains ----------------------
-log "prefix-train: tasks [$TASKS], $recorders recorders x $WORKERS workers for $REC_S s (clean seeds 500000.., DART $DART_NOISE rad seeds 700000..); init $INIT; prefix d 0..$PREFIX_MAX (none for $PREFIX_ZERO_SHARE of the samples)"
 dirs=() rec_pids=()
+suffix=; [ "$ROUND" != 1 ] && suffix=-r$ROUND
+for d in "$WORK"/demos-*; do [ -d "$d" ] && dirs+=("$d"); done  # an earlier round's
+log "prefix-train round $ROUND: tasks [$TASKS], $recorders recorders x $WORKERS workers for $REC_S s (clean seeds $(( 500000 + (ROUND - 1) * DEMO_EPISODES )).., DART $DART_NOISE rad seeds $(( 700000 + (ROUND - 1) * DEMO_EPISODES )).., beside ${#dirs[@]} earlier demo folders); init $INIT; prefix d 0..$PREFIX_MAX (none for $PREFIX_ZERO_SHARE of the samples)"
 for t in "${tasks[@]}"; do
   for kind in clean dart; do
     noise=0; seed0=500000; [ "$kind" = dart ] && noise=$DART_NOISE && seed0=700000
-    d=$WORK/demos-$t-$kind
+    seed0=$(( seed0 + (ROUND - 1) * DEMO_EPISODES ))  # a later round records other seeds
+    d=$WORK/demos-$t-$kind$suffix
     dirs+=("$d")
     "$PY" -m wamrt.cli train record --task "$t" --episodes "$DEMO_EPISODES" --seed0 "$seed0" --workers "$WORKERS" \
-      --seconds "$REC_S" --action-noise "$noise" --out "$d" > "$RES/demos-$t-$kind.txt" 2>&1 &
+      --seconds "$REC_S" --action-noise "$noise" --out "$d" > "$RES/demos-$t-$kind$suffix.txt" 2>&1 &
     rec_pids+=($!)
   done
 done
@@ -102,8 +119,8 @@ train A "$MIN_A" "$INIT" || { stop_recorders; exit 1; }
 wait "${rec_pids[@]}"
 for t in "${tasks[@]}"; do
   for kind in clean dart; do
-    cp "$WORK/demos-$t-$kind/stats_$t.json" "$RES/stats-$t-$kind.json" 2>/dev/null
-    log "demos $t $kind: $(tail -1 "$RES/demos-$t-$kind.txt" | cut -c1-220)"
+    cp "$WORK/demos-$t-$kind$suffix/stats_$t.json" "$RES/stats-$t-$kind$suffix.json" 2>/dev/null
+    log "demos $t $kind$suffix: $(tail -1 "$RES/demos-$t-$kind$suffix.txt" | cut -c1-220)"
   done
 done
 train B "$MIN_B" "$WORK/ckpt-A" || exit 1
