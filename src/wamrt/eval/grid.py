@@ -21,11 +21,13 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
+
+NO_CANVAS = np.zeros((0, 0, 3), np.uint8)  # in a worker's prepared request, see _worker
 
 # grid strategy -> (runner strategy, action_prefix_mode, which policy)
 GRID_STRATEGIES: dict[str, tuple[str, str, str]] = {
@@ -184,7 +186,9 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
                     name, obs = cells[_ci].policy, request.obs
                     if name in contracts:
                         try:
-                            obs = droid_host_inputs(obs, contracts[name])
+                            # Without the full 540 x 640 canvas (1 MB; a request keeps it only for inspection,
+                            # the engine encodes `padded`): it would more than double what crosses the pipe.
+                            obs = replace(droid_host_inputs(obs, contracts[name]), canvas=NO_CANVAS)
                         except RequestError:  # the policy's own admission reports it, in this lane's slot
                             pass
                     ticket = mail.post(name, obs, request.seed)
