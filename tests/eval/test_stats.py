@@ -14,6 +14,14 @@ from wamrt.eval.stats import (
 Z = 1.959963984540054
 
 
+def test_wilson_interval_holds_the_rate_exactly():
+    for n in range(1, 301):
+        for k in (0, 1, n // 3, n - 1, n):
+            lo, hi = wilson_ci(k, n)
+            assert 0.0 <= lo <= k / n <= hi <= 1.0, (k, n)
+    assert wilson_ci(0, 24)[0] == 0.0 and wilson_ci(24, 24)[1] == 1.0
+
+
 def test_wilson_hand_values():
     # 0/10: lower 0, upper z^2/n / (1 + z^2/n)
     lo, hi = wilson_ci(0, 10)

@@ -25,7 +25,9 @@ def wilson_ci(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
     denom = 1.0 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # The interval holds p; at 0/n and n/n its bound equals p only up to rounding (0/24 gave 1.4e-17 > 0, and the
+    # grid's chart refused the negative error bar).
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
 @dataclass(frozen=True)
