@@ -193,3 +193,16 @@ def test_graph_wait_gives_up_on_a_server_that_is_gone():
     t0 = time.monotonic()
     waited, warmup = wait_for_graphs(f"ws://127.0.0.1:{port}", timeout=60.0, unreachable_s=0.5)
     assert warmup is None and 0.5 <= waited < 5 and time.monotonic() - t0 < 10
+
+
+def test_bench_decode_tiny_writes_its_rows(tmp_path):
+    """`wamrt bench decode --tiny` on the CPU: prefill, eager decode rows at each batch with the step that first
+    used its bucket (on a GPU, the capture a chat server pays once), and transformers' generate as the baseline."""
+    assert main(["bench", "decode", "--tiny", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-decode-tiny-qwen.json")
+    res = json.loads(path.read_text())
+    assert res["kind"] == "latency" and res["mode"] == "decode" and res["prefill"]["tokens_per_s"] > 0
+    assert [r["batch"] for r in res["rows"]] == [1, 8, 32]
+    for r in res["rows"]:
+        assert r["tokens_per_s"] > 0 and r["first_use_step_ms"] > 0 and r["cuda_graph"] is False
+    assert res["transformers_generate"]["greedy_tokens_agreeing"] >= 1
