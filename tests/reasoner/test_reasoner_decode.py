@@ -152,12 +152,10 @@ def _byte_tokenizer():
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
-def test_graph_bookkeeping_on_cpu(tiny, monkeypatch) -> None:
-    """The graph path's host side on CPU: rows padded to a power of two (at most the batch's rows), captures made
-    mid-run (writing only the cache's scratch position) leave live sequences intact; a stand-in replays eagerly."""
+def _eager_graphs(monkeypatch, captures: list) -> None:
+    """DecodeGraphs replaced by a CPU stand-in that "captures" by running what warm-up and capture write (at the
+    cache's scratch position) and replays eagerly; `captures` records (rows, span) of every capture."""
     import wamrt.reasoner.graphs as graphs
-
-    captures = []
 
     class EagerGraphs(graphs.DecodeGraphs):
         def __init__(self, lm, cache, layer_fn=None) -> None:
@@ -177,6 +175,13 @@ def test_graph_bookkeeping_on_cpu(tiny, monkeypatch) -> None:
             return self.lm.decode_step(self.cache, tokens, index, rope_pos, span)
 
     monkeypatch.setattr(graphs, "DecodeGraphs", EagerGraphs)
+
+
+def test_graph_bookkeeping_on_cpu(tiny, monkeypatch) -> None:
+    """The graph path's host side on CPU: rows padded to a power of two (at most the batch's rows), captures made
+    mid-run (writing only the cache's scratch position) leave live sequences intact; a stand-in replays eagerly."""
+    captures = []
+    _eager_graphs(monkeypatch, captures)
     r = tiny.reasoner
     prompts = [r.prepare([{"role": "user", "content": t}]) for t in ("Hi.", "Describe a kitchen.", "Three")]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -188,3 +193,47 @@ def test_graph_bookkeeping_on_cpu(tiny, monkeypatch) -> None:
                 done[e.seq.tag] = e.seq.tokens
     assert [done[i] for i in range(3)] == solo
     assert {rows for rows, _ in captures} == {3} and all(span % 128 == 0 for _, span in captures)
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_chat_worker_captures_every_bucket_while_idle(tiny, monkeypatch, ahead: bool) -> None:
+    """A server's chat thread captures every (rows, span) bucket of the decode graphs while idle, once allowed
+    (after warm-up and the policy's captures), one bucket per device segment; a chat afterwards captures nothing
+    on its steps and decodes what the eager path does. Without it, the chat's first step captures."""
+    import threading
+    import time
+
+    import wamrt.reasoner.engine as engine
+    from wamrt.serving.batcher import DeviceGate
+    from wamrt.serving.chat_worker import ChatWorker
+
+    captures = []
+    _eager_graphs(monkeypatch, captures)
+
+    class GraphBatch(engine.DecodeBatch):  # the CUDA path's bookkeeping on the CPU
+        def __init__(self, reasoner, rows, **kw) -> None:
+            super().__init__(reasoner, rows, cuda_graphs=True)
+
+    monkeypatch.setattr(engine, "DecodeBatch", GraphBatch)
+    r = tiny.reasoner
+    prompt = r.prepare([{"role": "user", "content": "Describe a kitchen."}])
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    allowed = threading.Event()
+    worker = ChatWorker(r, DeviceGate(), max_batch=2, max_queue=4,
+                        precapture_when=allowed.is_set if ahead else None)
+    try:
+        time.sleep(0.3)
+        assert worker.batch is None and not captures  # nothing before the server allows it
+        allowed.set()
+        deadline = time.monotonic() + 120
+        while ahead and (worker.graphs_planned == 0 or worker.graphs_precaptured < worker.graphs_planned):
+            assert time.monotonic() < deadline, worker.stats()
+            time.sleep(0.05)
+        if ahead:  # rows 1 and 2, every span from 128 up to the cache (512 tokens + the scratch position)
+            assert sorted(captures) == sorted((rows, span) for rows in (1, 2) for span in (128, 256, 512, 640))
+        text, reason, tokens = worker.run(prompt, params)
+    finally:
+        worker.stop()
+    eager = list(r.generate([prompt], params, cuda_graphs=False))[-1][0].seq
+    assert (reason, tokens, text) == ("length", 6, eager.stream.text)
+    assert worker.stats()["graphs"]["captured_on_request"] == (0 if ahead else 1)

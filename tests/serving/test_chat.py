@@ -83,6 +83,8 @@ def test_chat_metrics_count_requests_tokens_and_the_first_token(server: ServerTh
     assert _metric(server, "wamrt_chat_tokens_total") - before["wamrt_chat_tokens_total"] == 7
     assert _metric(server, "wamrt_chat_first_token_seconds_count") - before["wamrt_chat_first_token_seconds_count"] == 1
     assert _metric(server, "wamrt_chat_device_seconds_total") > 0 and _metric(server, "wamrt_chat_running") == 0
+    text = httpx.get(server.http_url + "/metrics").text  # decode graphs: none on the CPU, none captured on a step
+    assert "wamrt_chat_graphs_planned 0.0" in text and "wamrt_chat_graphs_captured_on_request_total 0.0" in text
 
 
 def test_chat_streaming_with_an_image(client: openai.OpenAI) -> None:

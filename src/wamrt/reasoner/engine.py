@@ -77,10 +77,32 @@ class DecodeBatch:
 
             self.layer_fn = FusedDecodeLayer()
         self.graphs = None
+        self.captures_on_step = 0  # buckets first met by a step (captured there, on the request path)
         if use_graphs:
             from .graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.lm, self.cache, self.layer_fn)
+
+    def graph_buckets(self) -> list[tuple[int, int]]:
+        """Every (rows, span) bucket a step can use, shortest spans first (most chats are short): what a server
+        captures ahead of its requests (`precapture`); none without graphs."""
+        if self.graphs is None:
+            return []
+        rows = sorted({_bucket(n, 1, len(self.rows)) for n in range(1, len(self.rows) + 1)})
+        spans, span = [], MIN_SPAN
+        while True:
+            spans.append(min(span, self.cache.length))
+            if span >= self.cache.length:
+                break
+            span *= 2
+        return [(r, s) for s in spans for r in rows]
+
+    def precapture(self, rows: int, span: int) -> bool:
+        """Capture one bucket's graph now, unless it exists; True when it captured."""
+        if self.graphs is None or (rows, span) in self.graphs.entries:
+            return False
+        self.graphs.capture(rows, span)
+        return True
 
     @property
     def live(self) -> list[DecodeSeq]:
@@ -125,6 +147,7 @@ class DecodeBatch:
         i = torch.tensor(index, device=dev)
         r = torch.tensor(rope, dtype=torch.float32, device=dev)
         if self.graphs is not None:
+            self.captures_on_step += (n, span) not in self.graphs.entries
             logits = self.graphs.step(t, i, r, span)
         else:
             logits = self.lm.decode_step(self.cache, t, i, r, span, self.layer_fn)

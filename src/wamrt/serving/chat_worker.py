@@ -49,13 +49,23 @@ class ChatJob:
 
 
 class ChatWorker:
+    """precapture_when: None, or a callable that turns true once the server may spend idle device time on the
+    decode graphs (after warm-up and the policy's own captures). From then on, while no chat runs or waits, the
+    thread captures every (rows, span) bucket of the decode graphs ahead of use, one bucket per device segment,
+    so no chat request's step captures (a capture is a few decode steps plus recording: a long segment for a
+    policy request to wait behind)."""
+
     def __init__(self, reasoner: Any, gate: DeviceGate, *, max_batch: int, max_queue: int,
-                 on_first_token: Callable[[float], None] | None = None) -> None:
+                 on_first_token: Callable[[float], None] | None = None,
+                 precapture_when: Callable[[], bool] | None = None) -> None:
         if max_batch < 1 or max_queue < 1:
             raise ValueError("max_batch and max_queue must be >= 1")
         self.reasoner, self.gate, self.max_batch, self.max_queue = reasoner, gate, max_batch, max_queue
         self.on_first_token = on_first_token  # seconds from queued to the first token (Metrics.first_token)
-        self.batch: Any = None  # DecodeBatch, made on the first request
+        self.batch: Any = None  # DecodeBatch, made on the first request or for the first precapture
+        self.precapture_when = precapture_when
+        self._to_capture: list[tuple[int, int]] | None = None  # planned at the first precapture
+        self.graphs_planned = self.graphs_precaptured = 0
         self._pending: deque[ChatJob] = deque()
         self._cond = threading.Condition()
         self._stopped = False
@@ -75,7 +85,9 @@ class ChatWorker:
     def stats(self) -> dict[str, Any]:
         return {"requests": self.requests, "steps": self.steps, "tokens": self.tokens, "running": self.running,
                 "queued": self.depth, "device_seconds": self.device_seconds,
-                "segment_max_seconds": self.segment_max_ms / 1e3}
+                "segment_max_seconds": self.segment_max_ms / 1e3,
+                "graphs": {"planned": self.graphs_planned, "precaptured": self.graphs_precaptured,
+                           "captured_on_request": 0 if self.batch is None else self.batch.captures_on_step}}
 
     def submit(self, job: ChatJob) -> None:
         with self._cond:
@@ -144,9 +156,15 @@ class ChatWorker:
         while True:
             with self._cond:
                 while not self._stopped and not self._pending and not (self.batch is not None and self.batch.live):
-                    self._cond.wait()
+                    if self._precapture_pending() and self.precapture_when():
+                        break
+                    self._cond.wait(timeout=0.5 if self._precapture_pending() else None)
                 if self._stopped:
                     break
+                idle = not self._pending and not (self.batch is not None and self.batch.live)
+            if idle:  # woken for a precapture
+                self._precapture_one(DecodeBatch)
+                continue
             try:
                 if self.batch is None:
                     self.batch = DecodeBatch(self.reasoner, self.max_batch)
@@ -161,6 +179,29 @@ class ChatWorker:
                 log.exception("reasoner step failed")
                 self._fail_live(as_serving_error(exc))
         self._shutdown()
+
+    def _precapture_pending(self) -> bool:
+        return self.precapture_when is not None and (self._to_capture is None or bool(self._to_capture))
+
+    def _precapture_one(self, decode_batch: Any) -> None:
+        """Capture the next planned bucket (planning them first), in one device segment; a failure ends the
+        precaptures (steps then capture on first use, as without them)."""
+        try:
+            if self._to_capture is None:
+                if self.batch is None:  # the K/V cache the memory plan reserved for chat, allocated now
+                    with self._device():
+                        self.batch = decode_batch(self.reasoner, self.max_batch)
+                self._to_capture = self.batch.graph_buckets()  # none without CUDA graphs
+                self.graphs_planned = len(self._to_capture)
+                if self._to_capture:
+                    log.info("chat: capturing %d decode graphs while idle", self.graphs_planned)
+                return
+            rows, span = self._to_capture.pop(0)
+            with self._device():
+                self.graphs_precaptured += self.batch.precapture(rows, span)
+        except Exception:  # noqa: BLE001  speed, not correctness, is lost
+            log.exception("chat: capturing the decode graphs ahead of use failed; steps capture on first use")
+            self._to_capture = []
 
     def _drop_cancelled(self) -> None:
         for seq in list(self.batch.live):

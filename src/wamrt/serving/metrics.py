@@ -159,7 +159,8 @@ class _GraphCollector:
 class _ChatCollector:
     """wamrt_chat_requests_total, _tokens_total, _steps_total (decode steps, every live request a token each),
     _device_seconds_total (tokens over it: the decode rate), _segment_max_seconds (a policy request's worst wait
-    behind chat), _running and _queued, from the decode thread's own counters."""
+    behind chat), _running and _queued, the decode graphs captured ahead of use and on a request's step, from the
+    decode thread's own counters."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.stats = stats
@@ -173,6 +174,13 @@ class _ChatCollector:
                                 value=s["segment_max_seconds"])
         yield GaugeMetricFamily("wamrt_chat_running", "Chat requests decoding", value=s["running"])
         yield GaugeMetricFamily("wamrt_chat_queued", "Chat requests waiting for a row", value=s["queued"])
+        g = s["graphs"]
+        yield GaugeMetricFamily("wamrt_chat_graphs_planned", "Decode-graph buckets to capture while idle",
+                                value=g["planned"])
+        yield CounterMetricFamily("wamrt_chat_graphs_precaptured", "Decode graphs captured while idle",
+                                  value=g["precaptured"])
+        yield CounterMetricFamily("wamrt_chat_graphs_captured_on_request", "Decode graphs a chat step had to "
+                                  "capture (its bucket was not captured ahead)", value=g["captured_on_request"])
 
 
 class _GenerationCollector:

@@ -128,13 +128,20 @@ class Service:
                                max_queue=self.config.max_queue, observer=self.metrics)
         if self.reasoner is not None:  # its own thread and queue, the device shared the same way
             self.chat = ChatWorker(self.reasoner, self.batcher.gate, max_batch=self.config.chat_max_batch,
-                                   max_queue=self.config.chat_max_queue, on_first_token=self.metrics.first_token)
+                                   max_queue=self.config.chat_max_queue, on_first_token=self.metrics.first_token,
+                                   precapture_when=self._idle_captures_allowed)
             self.metrics.watch_chat(self.chat.stats)
         if self.world is not None:  # its own thread and queue; the device is shared through the batcher's gate
             self.generation = GenerationWorker(self.world, self.batcher.gate,
                                                max_jobs=self.config.max_generation_jobs,
                                                upsampler=self.chat and Upsampler(self.chat, self.config))
             self.metrics.watch_generation(self.generation.stats)
+
+    def _idle_captures_allowed(self) -> bool:
+        """Chat's decode graphs may be captured ahead of use once the server is ready and the policy engine's own
+        background captures are done (no two capture streams at once)."""
+        progress = getattr(self.policy, "capture_progress", None)
+        return self.ready and (progress is None or bool(progress()["complete"]))
 
     def _captures_in_background(self) -> bool:
         """A CUDA-graph engine that captures off the request path (`EngineConfig.capture_on_request=False`)."""
