@@ -96,6 +96,26 @@ def test_prefix_longer_than_the_delay_is_spliced_inside_the_prefix():
     np.testing.assert_array_equal(rows[:6], 0)
 
 
+def test_prefix_seam_cross_fades_the_rows_after_the_prefix_from_the_old_plan():
+    """seam_rows = 3: the reply's 3 rows after the prefix run (1 - w) * old plan + w * reply, w = 1/4, 2/4, 3/4;
+    the prefix rows themselves and every row after the seam are the reply's. Without it the switch is at once."""
+    outs = {}
+    for seam in (0, 3):
+        runner = RealtimeRunner(StepPolicy(), strategy="prefix", clock=SimClock(4), seam_rows=seam)
+        outs[seam] = run(runner, 40)
+    plain, seamed = outs[0], outs[3]
+    # the reply to step 8 arrives at 12 with a 4-row prefix (8..11): rows 12.. are the new chunk's (column 1 = 1)
+    np.testing.assert_array_equal(plain[12:16, 1], 1)
+    np.testing.assert_allclose(seamed[12:16, 1], [1 / 4, 2 / 4, 3 / 4, 1.0], rtol=1e-6)
+    np.testing.assert_array_equal(seamed[8:12], plain[8:12])  # the prefix itself is untouched
+    np.testing.assert_allclose(seamed[12:16, 0], [12, 13, 14, 15])  # old plan and reply agree on the step column
+    np.testing.assert_array_equal(seamed[16:20], plain[16:20])
+    lock_step = RealtimeRunner(StepPolicy(), strategy="prefix", clock=SimClock(0), seam_rows=3)
+    np.testing.assert_array_equal(run(lock_step, 40), run(RealtimeRunner(StepPolicy(), clock=SimClock(0)), 40))
+    with pytest.raises(ValueError, match="seam_rows"):
+        RealtimeRunner(StepPolicy(), seam_rows=-1)
+
+
 def test_blend_cross_fades_over_the_delay():
     runner = RealtimeRunner(StepPolicy(), strategy="blend", clock=SimClock(2))
     rows = run(runner, 20)

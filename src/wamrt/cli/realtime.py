@@ -45,11 +45,18 @@ def add_delay_arguments(ap: argparse.ArgumentParser) -> None:
                         "`latency` result file; d = ceil(latency / 66.7 ms) at 15 Hz")
     g.add_argument("--prefix-mode", choices=PREFIX_MODES, default="auto",
                    help="action_prefix_mode of prefix requests (default auto: the checkpoint decides)")
+    add_seam_argument(g)
     g.add_argument("--wall-clock", action="store_true",
                    help="real time: each lane runs the 15 Hz client against the --url server (real latency)")
     g.add_argument("--actuation-noise", type=float, default=0.0, metavar="RAD",
                    help="seeded OU noise (std, rad) on every executed joint target (default 0)")
     add_reflex_argument(g)
+
+
+def add_seam_argument(ap: Any) -> None:
+    ap.add_argument("--seam-rows", type=int, default=0, metavar="K",
+                    help="prefix strategy: cross-fade the reply's first K rows after the prefix from the old plan "
+                         "(default 0: switch at the prefix's end)")
 
 
 def add_reflex_argument(ap: Any) -> None:
@@ -98,7 +105,10 @@ def delay_settings(args: argparse.Namespace, spec: dict[str, Any] | None = None)
                  else LatencyModel(steps=int(steps or 0)))
     except ValueError as e:
         raise RealtimeUsageError(str(e)) from e
-    return RealtimeSettings(strategy or "async", model, mode, args.execute_steps, wall)
+    seam = int(spec.get("seam_rows", getattr(args, "seam_rows", 0)))
+    if seam < 0:
+        raise RealtimeUsageError(f"seam_rows must be >= 0, got {seam}")
+    return RealtimeSettings(strategy or "async", model, mode, args.execute_steps, wall, seam)
 
 
 def result_fields(settings: Any) -> dict[str, Any]:
@@ -153,6 +163,7 @@ def add_grid_command(ev: argparse._SubParsersAction) -> None:
     g.add_argument("--lanes", type=int, default=8, help="episodes side by side in each worker (default 8)")
     g.add_argument("--max-batch", type=int, default=64, help="requests per policy call (default 64)")
     g.add_argument("--execute-steps", type=int, default=8, help="request period in rows (default 8)")
+    add_seam_argument(g)
     g.add_argument("--max-steps", type=int, help="episode step limit (default: the task's)")
     g.add_argument("--budget-s", type=float, help="start no new episode after this many seconds")
     g.add_argument("--priority-delays", default="10", help="delays run first after d = 0 (default 10)")
@@ -291,13 +302,14 @@ def run_grid_command(args: argparse.Namespace) -> int:
 
         done = {c: f for c, f in load_cells(args.out).items() if c in cells and f.get("complete")
                 and f.get("seeds") == {"first": seeds[0], "last": seeds[-1]} and f.get("policy") == str(
-                    args.trained_policy if c.policy == "trained" else args.policy)}
+                    args.trained_policy if c.policy == "trained" else args.policy)
+                and (c.runner_strategy != "prefix" or f.get("config", {}).get("seam_rows", 0) == args.seam_rows)}
     todo = [c for c in cells if c not in done]
     print(f"grid: {len(todo)} cells x {len(seeds)} episodes on {args.workers} workers x {args.lanes} lanes"
           + (f" ({len(done)} done before)" if done else ""), file=sys.stderr)
     command = shlex.join(["wamrt", *sys.argv[1:]])
     config = {**config, "workers": args.workers, "lanes": args.lanes, "max_batch": args.max_batch,
-              "execute_steps": args.execute_steps, "max_steps": args.max_steps,
+              "execute_steps": args.execute_steps, "seam_rows": args.seam_rows, "max_steps": args.max_steps,
               "actuation_noise": args.actuation_noise, "reflexes": args.reflexes}
 
     def result_of(cell: Cell, results: list[Any]) -> dict[str, Any]:
@@ -311,6 +323,7 @@ def run_grid_command(args: argparse.Namespace) -> int:
 
     run = run_grid(todo, seeds, backends, workers=args.workers, lanes=args.lanes, max_batch=args.max_batch,
                    max_steps=args.max_steps, env_kwargs=env_kwargs(args), execute_steps=args.execute_steps,
+                   seam_rows=args.seam_rows,
                    budget_s=args.budget_s, progress=print_progress, on_cell=write_cell)
     config["grid_wall_s"] = run.wall_s
     files = {**done, **{cell: result_of(cell, run.results[ci]) for ci, cell in enumerate(todo) if run.results[ci]}}

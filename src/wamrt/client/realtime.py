@@ -15,7 +15,11 @@ step t + d replaces the queue from its row d on: its rows 0..d-1 are already his
   mostly old and the last mostly new). Over d rows: at d = 0 it is the plain switch. Where the old queue had run
   dry (the first chunk of an episode), the old rows are the arm standing where it stands.
 * `prefix`: the request carries the rows the arm is committed to while it is in flight (`action_prefix`, robot
-  space, the first of them executed at the observation's own step) and the reply continues from them.
+  space, the first of them executed at the observation's own step) and the reply continues from them. With
+  `seam_rows` = k, the reply's first k rows after the prefix cross-fade from the rows the arm was committed to
+  beyond it (the old chunk's plan) into the reply's own: a continuation that does not quite meet the prefix's
+  last row then does not jump (a request that carried no prefix, as at d = 0, has no seam). This is the
+  execution-side counterpart of the soft mask RTC applies in denoising.
 
 The prefix is as long as the delay estimate: a high quantile of recent delays, the warm-up requests left out
 (a warm-up spike must not set the estimate forever). Over-estimating is harmless -- a reply that arrives before
@@ -147,14 +151,15 @@ class RealtimeRunner:
     def __init__(self, policy: Any = None, *, strategy: str = "prefix", execute_steps: int = 8,
                  clock: Any = None, prefix_mode: str = "auto", estimator: DelayEstimator | None = None,
                  max_prefix: int = MAX_PREFIX, seeded: bool = True, raise_errors: bool = True,
-                 **infer_kwargs: Any) -> None:
+                 seam_rows: int = 0, **infer_kwargs: Any) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         if prefix_mode not in PREFIX_MODES:
             raise ValueError(f"prefix_mode must be one of {', '.join(PREFIX_MODES)}, got {prefix_mode!r}")
-        if execute_steps < 1 or not 0 <= max_prefix <= MAX_PREFIX:
-            raise ValueError(f"need execute_steps >= 1 and 0 <= max_prefix <= {MAX_PREFIX}")
+        if execute_steps < 1 or not 0 <= max_prefix <= MAX_PREFIX or seam_rows < 0:
+            raise ValueError(f"need execute_steps >= 1, 0 <= max_prefix <= {MAX_PREFIX} and seam_rows >= 0")
         self.strategy, self.execute_steps, self.prefix_mode = strategy, execute_steps, prefix_mode
+        self.seam_rows = seam_rows
         self.max_prefix, self.seeded, self.raise_errors = max_prefix, seeded, raise_errors
         self.call = infer_caller(policy, **infer_kwargs) if policy is not None else None
         self.clock = clock if clock is not None else WallClock()
@@ -303,6 +308,13 @@ class RealtimeRunner:
                 old = self._committed(n)  # what the arm would run without the reply (a standing arm: standing)
                 w = (np.arange(1, n + 1, dtype=np.float32) / (delay + 1))[:, None]
                 new[:n] = (1.0 - w) * old + w * new[:n]
+            elif self.strategy == "prefix" and self.seam_rows and request.prefix_rows and len(new):
+                k = max(0, request.prefix_rows - delay)  # rows still inside the prefix equal the committed ones
+                n = min(self.seam_rows, len(new) - k)
+                if n > 0:
+                    old = self._committed(k + n)[k:]
+                    w = (np.arange(1, n + 1, dtype=np.float32) / (n + 1))[:, None]
+                    new[k:k + n] = (1.0 - w) * old + w * new[k:k + n]
             self.queue, self.queue_start, self.chunk_t0 = new, t, request.step
         self.queue_chunk = request.index
 

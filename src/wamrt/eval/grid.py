@@ -133,7 +133,7 @@ class _Mailbox:
 
 def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell], lanes: int,
             max_steps: int | None, env_kwargs: dict[str, Any], privileged: bool, execute_steps: int,
-            contracts: dict[str, Any]) -> None:
+            contracts: dict[str, Any], seam_rows: int = 0) -> None:
     """Run `episodes` ([(cell index, seed)]) on `lanes` simulators side by side; report each result.
 
     contracts: policy name -> its DroidContract where the policy takes prepared host inputs (an Engine): the
@@ -173,6 +173,7 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
                     horizon = min(32, cell.delay + max(execute_steps, cell.delay) + 4)
                     policy = planners.setdefault((cell.task, horizon), ExpertPlanner(cell.task, horizon=horizon))
                 runner = RealtimeRunner(policy, strategy=cell.runner_strategy, execute_steps=execute_steps,
+                                        seam_rows=seam_rows,
                                         clock=SimClock(cell.delay), prefix_mode=cell.prefix_mode,
                                         estimator=DelayEstimator(initial=cell.delay))
                 running[lane] = (ci, LaneEpisode(envs[lane][1], runner, seed, max_steps, privileged=privileged))
@@ -261,7 +262,8 @@ class GridRun:
 
 def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, Any] | None, *, workers: int = 2,
              lanes: int = 8, max_batch: int = 64, max_steps: int | None = None,
-             env_kwargs: dict[str, Any] | None = None, execute_steps: int = 8, budget_s: float | None = None,
+             env_kwargs: dict[str, Any] | None = None, execute_steps: int = 8, seam_rows: int = 0,
+             budget_s: float | None = None,
              progress: Callable[[str], None] | None = None,
              on_cell: Callable[[int, list[Any]], None] | None = None) -> GridRun:
     """backends: policy name ("base", "trained") -> LocalBackend / RemoteBackend; None: the expert planner.
@@ -278,7 +280,7 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_worker, name=f"grid-worker-{w}", daemon=True,
                         args=(child, items[w::workers], cells, lanes, max_steps, dict(env_kwargs or {}),
-                              backends is None, execute_steps, contracts))
+                              backends is None, execute_steps, contracts, seam_rows))
         p.start()
         child.close()
         conns.append(parent)

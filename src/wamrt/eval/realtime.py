@@ -66,12 +66,14 @@ class RealtimeSettings:
     prefix_mode: str = "auto"
     execute_steps: int = 8
     wall_clock: bool = False
+    seam_rows: int = 0  # prefix: rows after the prefix cross-faded from the old plan (client/realtime.py)
 
     def describe(self) -> dict[str, Any]:
         out = {"strategy": self.strategy, "execute_steps": self.execute_steps, "clock": "wall" if self.wall_clock
                else "simulated"}
         if self.strategy == "prefix":
             out["prefix_mode"] = self.prefix_mode
+            out["seam_rows"] = self.seam_rows
         if not self.wall_clock:
             out.update(self.latency.describe())
         return out
@@ -92,7 +94,7 @@ class RealtimeAgent:
         estimator = DelayEstimator(initial=0 if settings.wall_clock else settings.latency.nominal_steps())
         self.runner = RealtimeRunner(policy, strategy=settings.strategy, execute_steps=settings.execute_steps,
                                      clock=self.clock, prefix_mode=settings.prefix_mode, estimator=estimator,
-                                     **infer_kwargs)
+                                     seam_rows=settings.seam_rows, **infer_kwargs)
         call = self.runner.call
         assert call is not None
 
