@@ -11,7 +11,7 @@
 # simulator processes x LANES episodes each, rendering only at request steps. Within a task d = 0 and d = 10 run first;
 # BUDGET_S stops new episodes (a cut cell is written with `complete: false`). The cells live in GRID_DIR
 # (/tmp/wamrt-grid): a second call on the warm machine runs only the cells not yet complete. Writes $RES/grid/ (a
-# rollout file per cell, summary.md, summary.json, success-vs-delay.png) and $RES/grid.txt.
+# rollout file per cell, summary.md, summary.json, success-vs-delay.png, per task) and $RES/grid-<phase>.txt.
 #
 # WALL=1 (GRID=0: alone; `scripts/gpu_run.sh grid-wall`) then serves the prefix-trained checkpoint (else POLICY) with --added-latency-ms WALL_ADDED_MS (default 560: with
 # the model's own time d ~ 10 at 15 Hz) and runs WALL_EPISODES turntable episodes per strategy in WALL_STRATEGIES with
