@@ -148,6 +148,22 @@ def test_grid_workers_prepare_an_engines_requests(tmp_path, monkeypatch):
     assert LocalBackend(WigglePolicy()).host_contract is None  # a policy that is no Engine gets observations
 
 
+def test_grid_seam_strategies_cross_fade_after_the_prefix():
+    """`prefix-trained-seam` is `prefix-trained` with SEAM_ROWS rows after the prefix cross-faded from the old plan:
+    same requests and delays, and a smaller jerk at the chunk boundaries."""
+    from wamrt.eval.grid import SEAM_ROWS, LocalBackend, plan_cells, run_grid
+
+    cells = plan_cells(["pick_place"], [3], ["prefix-trained", "prefix-trained-seam"])
+    assert [(c.name, c.seam_rows) for c in cells] == [("pick_place-d3-prefix-trained", None),
+                                                      ("pick_place-d3-prefix-trained-seam", SEAM_ROWS)]
+    wiggle = LocalBackend(WigglePolicy())
+    run = run_grid(cells, [0], {"base": wiggle, "trained": wiggle}, workers=1, lanes=2, max_batch=4, max_steps=18,
+                   env_kwargs={"exterior_hw": (32, 56)})
+    plain, seam = run.results[0][0].realtime, run.results[1][0].realtime
+    assert plain["delays"] == seam["delays"] == [3] * len(plain["delays"]) and len(plain["delays"]) >= 2
+    assert seam["boundary_max"] < plain["boundary_max"] / 2  # the wiggle's jump at the switch is spread out
+
+
 def test_grid_refuses_unknown_strategies():
     from wamrt.eval.grid import plan_cells
 

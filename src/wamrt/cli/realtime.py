@@ -19,7 +19,8 @@ from typing import Any
 # The runner's names, repeated so that building the parser imports no numpy (a test holds them equal).
 STRATEGIES = ("sync", "async", "blend", "prefix")
 PREFIX_MODES = ("auto", "clean", "inpaint")
-GRID_STRATEGY_NAMES = ("sync", "async", "blend", "prefix", "prefix-inpaint", "prefix-trained")
+GRID_STRATEGY_NAMES = ("sync", "async", "blend", "prefix", "prefix-inpaint", "prefix-trained", "prefix-inpaint-seam",
+                       "prefix-trained-seam")
 
 # SPEC keys of the delay mode (cli.sim.parse_spec hands them here); latency_ms uses "/" (a "," separates keys).
 REALTIME_SPEC_KEYS: dict[str, Any] = {
@@ -274,9 +275,10 @@ def run_grid_command(args: argparse.Namespace) -> int:
     if args.episodes < 1 or args.workers < 1 or args.lanes < 1 or args.max_batch < 1:
         return _error("--episodes, --workers, --lanes and --max-batch must be >= 1")
     expert = args.policy == "expert"
-    if "prefix-trained" in strategies and not args.trained_policy and not expert:
-        print("note: no --trained-policy: the prefix-trained cells are left out", file=sys.stderr)
-        strategies = [s for s in strategies if s != "prefix-trained"]
+    needs_trained = [s for s in strategies if s in GRID_STRATEGY_NAMES and _strategy_policy(s) == "trained"]
+    if needs_trained and not args.trained_policy and not expert:
+        print(f"note: no --trained-policy: the {', '.join(needs_trained)} cells are left out", file=sys.stderr)
+        strategies = [s for s in strategies if s not in needs_trained]
     try:
         cells = plan_cells(tasks, delays, strategies, priority)
     except ValueError as e:
@@ -303,7 +305,8 @@ def run_grid_command(args: argparse.Namespace) -> int:
         done = {c: f for c, f in load_cells(args.out).items() if c in cells and f.get("complete")
                 and f.get("seeds") == {"first": seeds[0], "last": seeds[-1]} and f.get("policy") == str(
                     args.trained_policy if c.policy == "trained" else args.policy)
-                and (c.runner_strategy != "prefix" or f.get("config", {}).get("seam_rows", 0) == args.seam_rows)}
+                and (c.runner_strategy != "prefix" or c.seam_rows is not None
+                     or f.get("config", {}).get("seam_rows", 0) == args.seam_rows)}
     todo = [c for c in cells if c not in done]
     print(f"grid: {len(todo)} cells x {len(seeds)} episodes on {args.workers} workers x {args.lanes} lanes"
           + (f" ({len(done)} done before)" if done else ""), file=sys.stderr)

@@ -29,14 +29,22 @@ import numpy as np
 
 NO_CANVAS = np.zeros((0, 0, 3), np.uint8)  # in a worker's prepared request, see _worker
 
-# grid strategy -> (runner strategy, action_prefix_mode, which policy)
-GRID_STRATEGIES: dict[str, tuple[str, str, str]] = {
-    "sync": ("sync", "auto", "base"),
-    "async": ("async", "auto", "base"),
-    "blend": ("blend", "auto", "base"),
-    "prefix": ("prefix", "auto", "base"),
-    "prefix-inpaint": ("prefix", "inpaint", "base"),
-    "prefix-trained": ("prefix", "clean", "trained"),
+# The seam the `-seam` strategies run with (rows after the prefix cross-faded from the old plan; client/realtime.py).
+# 4: on the CPU pilot of the first prefix fine-tune at d = 10 it took turntable's protective stops from 12/24 to 0
+# and the boundary jerk from 2.1x the jerk inside chunks to 1.0x
+# (bench/results/rollout/2026-12-05-cf940b1-cpu-pilot-turntable/).
+SEAM_ROWS = 4
+
+# grid strategy -> (runner strategy, action_prefix_mode, which policy, seam rows: None = the run's --seam-rows)
+GRID_STRATEGIES: dict[str, tuple[str, str, str, int | None]] = {
+    "sync": ("sync", "auto", "base", None),
+    "async": ("async", "auto", "base", None),
+    "blend": ("blend", "auto", "base", None),
+    "prefix": ("prefix", "auto", "base", None),
+    "prefix-inpaint": ("prefix", "inpaint", "base", None),
+    "prefix-trained": ("prefix", "clean", "trained", None),
+    "prefix-inpaint-seam": ("prefix", "inpaint", "base", SEAM_ROWS),
+    "prefix-trained-seam": ("prefix", "clean", "trained", SEAM_ROWS),
 }
 
 
@@ -57,6 +65,10 @@ class Cell:
     @property
     def policy(self) -> str:
         return GRID_STRATEGIES[self.strategy][2]
+
+    @property
+    def seam_rows(self) -> int | None:
+        return GRID_STRATEGIES[self.strategy][3]
 
     @property
     def key(self) -> tuple[str, int, str]:
@@ -173,7 +185,7 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
                     horizon = min(32, cell.delay + max(execute_steps, cell.delay) + 4)
                     policy = planners.setdefault((cell.task, horizon), ExpertPlanner(cell.task, horizon=horizon))
                 runner = RealtimeRunner(policy, strategy=cell.runner_strategy, execute_steps=execute_steps,
-                                        seam_rows=seam_rows,
+                                        seam_rows=seam_rows if cell.seam_rows is None else cell.seam_rows,
                                         clock=SimClock(cell.delay), prefix_mode=cell.prefix_mode,
                                         estimator=DelayEstimator(initial=cell.delay))
                 running[lane] = (ci, LaneEpisode(envs[lane][1], runner, seed, max_steps, privileged=privileged))
