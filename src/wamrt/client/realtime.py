@@ -304,19 +304,21 @@ class RealtimeRunner:
             if len(new) == 0:
                 self.log.lost += 1
             if self.strategy == "blend" and len(new):
-                n = min(delay, len(new))
-                old = self._committed(n)  # what the arm would run without the reply (a standing arm: standing)
-                w = (np.arange(1, n + 1, dtype=np.float32) / (delay + 1))[:, None]
-                new[:n] = (1.0 - w) * old + w * new[:n]
+                self._cross_fade(new, 0, min(delay, len(new)), delay + 1)
             elif self.strategy == "prefix" and self.seam_rows and request.prefix_rows and len(new):
                 k = max(0, request.prefix_rows - delay)  # rows still inside the prefix equal the committed ones
                 n = min(self.seam_rows, len(new) - k)
-                if n > 0:
-                    old = self._committed(k + n)[k:]
-                    w = (np.arange(1, n + 1, dtype=np.float32) / (n + 1))[:, None]
-                    new[k:k + n] = (1.0 - w) * old + w * new[k:k + n]
+                self._cross_fade(new, k, n, n + 1)
             self.queue, self.queue_start, self.chunk_t0 = new, t, request.step
         self.queue_chunk = request.index
+
+    def _cross_fade(self, new: np.ndarray, k: int, n: int, steps: int) -> None:
+        """new[k:k+n] := (1 - w) * what the arm was committed to + w * new, w = 1/steps .. n/steps (blend, seam)."""
+        if n <= 0:
+            return
+        old = self._committed(k + n)[k:]  # what the arm would run without the reply (a standing arm: standing)
+        w = (np.arange(1, n + 1, dtype=np.float32) / steps)[:, None]
+        new[k:k + n] = (1.0 - w) * old + w * new[k:k + n]
 
     # ---- read-outs -----------------------------------------------------------------------------------------
     def delay_estimate(self) -> int:
