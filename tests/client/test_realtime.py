@@ -13,9 +13,28 @@ from wamrt.client.clocks import LatencyModel, SimClock, WallClock
 from wamrt.client.realtime import PREFIX_KEY, PREFIX_MODE_KEY, DelayEstimator, RealtimeRunner
 
 
-def run(runner: RealtimeRunner, steps: int, seed: int = 0) -> np.ndarray:
+def run_logged(runner: RealtimeRunner, steps: int, seed: int = 0) -> tuple[np.ndarray, list[int]]:
+    """Drive the runner for `steps` ticks against the fake robot; returns the rows and the ticks requests left at."""
     runner.start(seed)
-    return np.stack([runner.step(lambda t=t: robot_obs(t)) for t in range(steps)])
+    rows, sent = [], []
+    for t in range(steps):
+        progress = len(runner.log.stalled) - sum(runner.log.stalled)  # rows the arm has run so far
+        before = runner.requests
+        rows.append(runner.step(lambda p=progress: robot_obs(p)))
+        if runner.requests > before:
+            sent.append(t)
+    return np.stack(rows), sent
+
+
+def run(runner: RealtimeRunner, steps: int, seed: int = 0) -> np.ndarray:
+    return run_logged(runner, steps, seed)[0]
+
+
+def ran_in_order(rows: np.ndarray, stalled: list[bool]) -> bool:
+    """The rows the arm ran read 0, 1, 2, ... (the fake robot's odometer): every reply was spliced after the rows
+    the arm had run meanwhile -- none skipped, none run twice."""
+    moving = rows[~np.asarray(stalled), 0]
+    return bool(np.array_equal(moving, np.arange(len(moving))))
 
 
 @pytest.mark.parametrize("strategy", ["async", "blend", "prefix"])
@@ -23,19 +42,17 @@ def test_rows_are_spliced_at_the_step_they_arrive_under_jittered_latency(strateg
     policy = StepPolicy()
     latency = LatencyModel(p50_ms=300.0, p99_ms=900.0)  # d from 5 to ~14 steps at 15 Hz
     runner = RealtimeRunner(policy, strategy=strategy, clock=SimClock(latency))
-    rows = run(runner, 200, seed=3)
+    rows, sent = run_logged(runner, 200, seed=3)
     log = runner.log
     assert len(set(log.delays)) >= 3  # jittered
     assert log.delays == [latency.delay(3, i) for i in range(len(log.delays))]  # seeded per (episode, request)
     first = log.delays[0]
     assert all(log.stalled[:first]) and not any(log.stalled[first:])  # only the first reply is waited for
-    if strategy != "blend":  # every executed row was planned for exactly the step it ran at
-        np.testing.assert_array_equal(rows[first:, 0], np.arange(first, 200))
+    if strategy != "blend":  # the first chunk runs from its row 0, every later one from the row the arm reached
+        assert ran_in_order(rows, log.stalled)
+        np.testing.assert_array_equal(rows[first:, 0], np.arange(200 - first))
     # The chunk column changes only where a reply was spliced: at its arrival step.
-    arrivals = []
-    for req in policy.requests:
-        step = int(req["observation/joint_position"][0])
-        arrivals.append(step + log.delays[len(arrivals)])
+    arrivals = [step + delay for step, delay in zip(sent, log.delays)]
     switches = [t for t in range(1, 200) if log.chunk[t] != log.chunk[t - 1]]
     assert switches == [a for a in arrivals[:len(switches)] if a < 200]
 
@@ -47,7 +64,8 @@ def test_sync_holds_while_waiting_and_runs_the_chunk_from_row_zero():
     # request at 0 -> arrives 3 -> 8 rows (3..10) -> request at 11 -> arrives 14 -> rows 14..21 -> request at 22 ...
     assert held[[0, 1, 2, 11, 12, 13, 22, 23, 24]].all() and held.sum() == 9
     np.testing.assert_array_equal(rows[3:11, 0], np.arange(8))  # the chunk of step 0, run late from row 0
-    np.testing.assert_array_equal(rows[14:22, 0], 11 + np.arange(8))
+    np.testing.assert_array_equal(rows[14:22, 0], 8 + np.arange(8))  # observed at 11, where the arm had run 8
+    assert ran_in_order(rows, runner.log.stalled)
     np.testing.assert_array_equal(rows[11:14], np.repeat(rows[10:11], 3, axis=0))  # holds the last target
 
 
@@ -66,13 +84,18 @@ def test_zero_delay_is_lock_step_for_every_strategy():
 def test_prefix_carries_the_committed_rows_and_the_reply_continues_them():
     policy = StepPolicy()
     runner = RealtimeRunner(policy, strategy="prefix", clock=SimClock(4), prefix_mode="clean")
-    rows = run(runner, 40)
-    second = policy.requests[1]  # sent at step 8, the chunk of step 0 runs until the reply arrives at 12
+    rows, sent = run_logged(runner, 40)
+    assert PREFIX_KEY not in policy.requests[0]  # nothing was queued at step 0: the arm stood, committed to nothing
+    # The first chunk arrives at 4 and runs from its row 0; the next request leaves 8 rows later, at 12, and the
+    # reply arrives at 16: the 4 rows the arm runs meanwhile (the old chunk's rows 8..11) are the prefix.
+    assert sent[:2] == [0, 12]
+    second = policy.requests[1]
     assert int(second["observation/joint_position"][0]) == 8 and second[PREFIX_MODE_KEY] == "clean"
-    np.testing.assert_array_equal(second[PREFIX_KEY][:, 0], [8, 9, 10, 11])  # exactly the rows run at 8..11
+    np.testing.assert_array_equal(second[PREFIX_KEY][:, 0], [8, 9, 10, 11])  # exactly the rows run at 12..15
     np.testing.assert_array_equal(second[PREFIX_KEY][:, 1], 0)
-    np.testing.assert_array_equal(rows[8:12], second[PREFIX_KEY])
-    np.testing.assert_array_equal(rows[12:16, 1], 1)  # the new chunk from its row 4 on
+    np.testing.assert_array_equal(rows[12:16], second[PREFIX_KEY])
+    np.testing.assert_array_equal(rows[16:20, 1], 1)  # the new chunk from its row 4 on
+    assert ran_in_order(rows, runner.log.stalled)
 
 
 def test_prefix_longer_than_the_delay_is_spliced_inside_the_prefix():
@@ -83,17 +106,17 @@ def test_prefix_longer_than_the_delay_is_spliced_inside_the_prefix():
             return 6
 
     runner = RealtimeRunner(policy, strategy="prefix", clock=SimClock(2), estimator=Pessimist())
-    rows = run(runner, 30)
-    assert runner.log.prefix_rows[1:] == [6, 6, 6]
-    assert runner.log.chunk[9:11] == [0, 1]  # the reply to step 8 arrived at 10 ...
-    np.testing.assert_array_equal(rows[10:14, 1], 0)  # ... but its rows 2..5 are the prefix: the old chunk's rows
-    assert rows[14, 1] == 1
-    np.testing.assert_array_equal(rows[6:, 0], np.arange(6, 30))
-    # The first request had nothing committed: its prefix is the standing pose held for 6 rows, so the first
-    # chunk starts from standstill (rows 2..5 stand) instead of jumping to its row 2.
-    first = policy.requests[0][PREFIX_KEY]
-    assert first.shape == (6, 8) and not first.any()
-    np.testing.assert_array_equal(rows[:6], 0)
+    rows, sent = run_logged(runner, 30)
+    assert runner.log.prefix_rows == [0, 6, 6, 6] and sent == [0, 10, 18, 26]
+    assert runner.log.chunk[11:13] == [0, 1]  # the reply to step 10 arrived at 12 ...
+    np.testing.assert_array_equal(rows[12:16, 1], 0)  # ... but its rows 2..5 are the prefix: the old chunk's rows
+    assert rows[16, 1] == 1
+    assert ran_in_order(rows, runner.log.stalled)
+    # The first request had nothing committed, so it carried no prefix (standing rows are never sent): the arm
+    # stood at its measured pose until the reply came at 2, then ran the first chunk from its row 0.
+    assert PREFIX_KEY not in policy.requests[0]
+    np.testing.assert_array_equal(rows[:2], 0)
+    np.testing.assert_array_equal(rows[2:8, 0], np.arange(6))
 
 
 def test_prefix_seam_cross_fades_the_rows_after_the_prefix_from_the_old_plan():
@@ -104,12 +127,13 @@ def test_prefix_seam_cross_fades_the_rows_after_the_prefix_from_the_old_plan():
         runner = RealtimeRunner(StepPolicy(), strategy="prefix", clock=SimClock(4), seam_rows=seam)
         outs[seam] = run(runner, 40)
     plain, seamed = outs[0], outs[3]
-    # the reply to step 8 arrives at 12 with a 4-row prefix (8..11): rows 12.. are the new chunk's (column 1 = 1)
-    np.testing.assert_array_equal(plain[12:16, 1], 1)
-    np.testing.assert_allclose(seamed[12:16, 1], [1 / 4, 2 / 4, 3 / 4, 1.0], rtol=1e-6)
-    np.testing.assert_array_equal(seamed[8:12], plain[8:12])  # the prefix itself is untouched
-    np.testing.assert_allclose(seamed[12:16, 0], [12, 13, 14, 15])  # old plan and reply agree on the step column
-    np.testing.assert_array_equal(seamed[16:20], plain[16:20])
+    # the reply to step 12 arrives at 16 with a 4-row prefix (run at 12..15): rows 16.. are the new chunk's
+    # (column 1 = 1); the first reply carried no prefix and so has no seam
+    np.testing.assert_array_equal(plain[16:20, 1], 1)
+    np.testing.assert_allclose(seamed[16:20, 1], [1 / 4, 2 / 4, 3 / 4, 1.0], rtol=1e-6)
+    np.testing.assert_array_equal(seamed[:16], plain[:16])  # the first chunk and the prefix itself are untouched
+    np.testing.assert_allclose(seamed[16:20, 0], [12, 13, 14, 15])  # old plan and reply agree on the odometer
+    np.testing.assert_array_equal(seamed[20:24], plain[20:24])
     lock_step = RealtimeRunner(StepPolicy(), strategy="prefix", clock=SimClock(0), seam_rows=3)
     np.testing.assert_array_equal(run(lock_step, 40), run(RealtimeRunner(StepPolicy(), clock=SimClock(0)), 40))
     with pytest.raises(ValueError, match="seam_rows"):
@@ -119,11 +143,12 @@ def test_prefix_seam_cross_fades_the_rows_after_the_prefix_from_the_old_plan():
 def test_blend_cross_fades_over_the_delay():
     runner = RealtimeRunner(StepPolicy(), strategy="blend", clock=SimClock(2))
     rows = run(runner, 20)
-    # the chunk of step 8 arrives at 10: rows 10, 11 mix old (column 1 = 0) and new (1) with weights 1/3, 2/3
-    np.testing.assert_allclose(rows[10:13, 1], [1 / 3, 2 / 3, 1.0], rtol=1e-6)
-    np.testing.assert_allclose(rows[10:13, 0], [10, 11, 12])  # both chunks agree on the step column
-    # The first chunk arrives at 2 to an arm standing at the observed pose (column 0 = 0): it fades in from there.
-    np.testing.assert_allclose(rows[2:5, 0], [2 / 3, 2 * 3 / 3, 4], rtol=1e-6)
+    # the chunk of step 10 arrives at 12: rows 12, 13 mix old (column 1 = 0) and new (1) with weights 1/3, 2/3
+    np.testing.assert_allclose(rows[12:15, 1], [1 / 3, 2 / 3, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(rows[12:15, 0], [10, 11, 12])  # both chunks agree on the odometer column
+    # The first chunk arrives at 2 to an arm standing at the observed pose (column 0 = 0) and runs from its row 0,
+    # faded in from the standing pose.
+    np.testing.assert_allclose(rows[2:5, 0], [0, 2 / 3, 2], rtol=1e-6)
 
 
 def test_delay_estimate_leaves_out_the_warm_up():
@@ -179,7 +204,7 @@ def test_wall_clock_splices_at_the_tick_the_reply_arrived():
     policy = GatedPolicy()
     runner = RealtimeRunner(policy, strategy="async", clock=clock)
     runner.start(0)
-    release = {0: 2, 1: 13, 2: 21}  # request k's reply lands just before tick release[k]
+    release = {0: 2, 1: 15, 2: 23}  # request k's reply lands just before tick release[k]
     rows = []
     for t in range(26):
         for k, tick in release.items():
@@ -190,13 +215,14 @@ def test_wall_clock_splices_at_the_tick_the_reply_arrived():
                 policy.gates[k].set()
                 assert policy.done[k].wait(5)
                 time.sleep(0.01)  # the executor marks its future done right after infer returns
-        rows.append(runner.step(lambda t=t: robot_obs(t)))
+        progress = len(runner.log.stalled) - sum(runner.log.stalled)
+        rows.append(runner.step(lambda p=progress: robot_obs(p)))
     clock.close()
-    assert runner.log.delays == [2, 5, 5]  # sent at 0, 8, 16
+    assert runner.log.delays == [2, 5, 5]  # sent at 0, 10 (8 rows after the first chunk began), 18
     assert abs(fake_now[0] - 25 / 15) < 1e-9 and clock.overruns == 0  # 25 periods of 1/15 s
     rows = np.stack(rows)
-    np.testing.assert_array_equal(rows[2:, 0], np.arange(2, 26))
-    assert runner.log.chunk[12] == 0 and runner.log.chunk[13] == 1 and runner.log.chunk[21] == 2
+    np.testing.assert_array_equal(rows[2:, 0], np.arange(24))
+    assert runner.log.chunk[14] == 0 and runner.log.chunk[15] == 1 and runner.log.chunk[23] == 2
 
 
 def test_openpi_style_policy_gets_its_seed_in_the_request_and_errors_can_be_survived():
@@ -225,8 +251,8 @@ def test_a_policy_that_ignores_the_prefix_keys_still_runs_on_time():
     runner = RealtimeRunner(policy, strategy="prefix", clock=SimClock(4))
     rows = run(runner, 40)
     assert PREFIX_KEY in policy.requests[1]  # sent ...
-    np.testing.assert_array_equal(rows[4:, 0], np.arange(4, 40))  # ... ignored, and every row is still on time
-    assert runner.log.chunk[12] == 1 and rows[12, 1] == 1
+    np.testing.assert_array_equal(rows[4:, 0], np.arange(36))  # ... ignored, and every row still runs in order
+    assert runner.log.chunk[16] == 1 and rows[16, 1] == 1
 
 
 def test_the_runner_speaks_the_servers_prefix_keys():

@@ -20,14 +20,16 @@ class Chunk:
 
 
 class WigglePolicy:
-    """Deterministic in (observation, seed): from the measured joints, a slow wiggle whose phase the seed sets,
-    and the prefix where one is given. Answers like wamrt's Policy (`.actions`, `infer_batch`)."""
+    """Deterministic in (observation, seed): from the measured joints, a slow wiggle whose phase the seed sets
+    (row 0 is the measured pose, as a policy's first row is near it), and the prefix where one is given. Answers
+    like wamrt's Policy (`.actions`, `infer_batch`)."""
 
     def infer(self, obs, seed=None):
         rng = np.random.default_rng(seed)
         base = np.r_[np.asarray(obs[JOINT_KEY], np.float64), 0.0]
         t = np.arange(32)[:, None]
-        rows = base + 0.03 * np.sin(0.3 * t + rng.uniform(0, 6.28, size=8))
+        phase = rng.uniform(0, 6.28, size=8)
+        rows = base + 0.03 * (np.sin(0.3 * t + phase) - np.sin(phase))
         rows[:, 7] = 0.0
         prefix = np.asarray(obs.get(PREFIX_KEY, np.zeros((0, 8))))
         rows[: len(prefix)] = prefix
@@ -138,7 +140,7 @@ def test_grid_workers_prepare_an_engines_requests(tmp_path, monkeypatch):
             assert backend.host_contract is engine.contract
             if not prepared:
                 backend.host_contract = None  # the engine's process composes the canvases
-            runs[prepared] = run_grid(cells, [0], {"base": backend}, workers=1, lanes=1, max_batch=2, max_steps=10,
+            runs[prepared] = run_grid(cells, [0], {"base": backend}, workers=1, lanes=1, max_batch=2, max_steps=12,
                                       env_kwargs={"exterior_hw": (32, 56)})
     finally:
         torch.set_num_threads(threads)

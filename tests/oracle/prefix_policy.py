@@ -1,8 +1,9 @@
 """A policy stand-in that honours the prefix request keys and makes every row say where it came from.
 
-The observation's joint 0 holds the control step it was taken at (the fake robot writes it there). Reply row k
-is [step + k, request number, 0, ...]: a row executed at step t must read t in column 0 wherever it was spliced
-at the right row. With `action_prefix` rows, the reply's first rows are the prefix, bit for bit.
+The observation's joint 0 holds how far the arm has got: the number of rows it has run (the fake robot's
+odometer; standing steps do not count). Reply row k is [progress + k, request number, 0, ...]: wherever a reply is
+spliced at the right row, the rows the arm runs read 0, 1, 2, ... in column 0 -- none skipped, none repeated.
+With `action_prefix` rows, the reply's first rows are the prefix, bit for bit.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import numpy as np
 from wamrt.client.realtime import GRIPPER_KEY, JOINT_KEY, PREFIX_KEY, PREFIX_MODE_KEY
 
 
-def robot_obs(step: int) -> dict[str, Any]:
+def robot_obs(progress: int) -> dict[str, Any]:
     joints = np.zeros(7, np.float32)
-    joints[0] = step
+    joints[0] = progress
     return {JOINT_KEY: joints, GRIPPER_KEY: np.float32(0.0), "prompt": "track the step"}
 
 
@@ -30,9 +31,9 @@ class StepPolicy:
 
     def infer(self, obs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         self.requests.append(dict(obs))
-        step = float(np.asarray(obs[JOINT_KEY])[0])
+        progress = float(np.asarray(obs[JOINT_KEY])[0])
         rows = np.zeros((self.chunk, 8), np.float32)
-        rows[:, 0] = step + np.arange(self.chunk)
+        rows[:, 0] = progress + np.arange(self.chunk)
         rows[:, 1] = len(self.requests) - 1
         prefix = np.asarray(obs.get(PREFIX_KEY, np.zeros((0, 8))), np.float32)
         assert obs.get(PREFIX_MODE_KEY, "auto") in ("auto", "clean", "inpaint")

@@ -3,13 +3,18 @@
 `RealtimeRunner` turns a policy that answers an openpi DROID observation with a chunk of action rows into one
 joint-target row per control tick (15 Hz). It keeps an action queue keyed by control step; when the current
 chunk has run `execute_steps` rows it sends the next observation in the background, and the reply is spliced in
-at the row that matches the step it actually arrived at (a reply to an observation of step t that arrives at
-step t + d replaces the queue from its row d on: its rows 0..d-1 are already history). Strategies:
+after the rows the arm ran while it was in flight: a reply to an observation of step t that arrives at step
+t + d, while the arm ran e <= d committed rows and stood for the other d - e steps (the queue ran dry), replaces
+the queue from its row e on. Its rows 0..e-1 are history; rows for steps the arm stood still were never run,
+so they are not skipped. At the start of an episode (e = 0) every strategy runs the first chunk from row 0, as
+Kinetix's RTC evaluation (whose first chunk is computed before the clock starts) and LeRobot's async client (which
+drops rows by the count of actions executed) do: a first chunk entered at its row d would ask a standing arm to
+be where d planned steps would have taken it. Strategies:
 
 * `sync`: the arm holds its last target until the reply arrives, then runs the chunk from row 0 (openpi's
   action-chunk broker): every request costs d standing-still steps, and the chunk is d steps stale.
 * `async`: naive switch: the arm runs the old chunk while the request is in flight, then jumps to the new
-  chunk's row d, which was planned as if the arm had followed the new chunk's rows 0..d-1 (it did not).
+  chunk's row e, which was planned as if the arm had followed the new chunk's rows 0..e-1 (it did not).
 * `blend`: as async, but the first d rows after the switch cross-fade linearly from the old chunk to the new one
   (LeRobot's overlap aggregation, with a ramp instead of its constant 0.3 / 0.7 weights, so the first row is
   mostly old and the last mostly new). Over d rows: at d = 0 it is the plain switch. Where the old queue had run
@@ -24,9 +29,9 @@ step t + d replaces the queue from its row d on: its rows 0..d-1 are already his
 The prefix is as long as the delay estimate: a high quantile of recent delays, the warm-up requests left out
 (a warm-up spike must not set the estimate forever). Over-estimating is harmless -- a reply that arrives before
 the prefix ends is spliced inside the prefix, whose rows equal the old ones -- so the quantile errs high. Where
-the queue runs dry before the estimate, the prefix goes on with its last row held: that is what the arm will do
-(at the start of an episode, the whole prefix is the standing pose, so the first chunk starts from standstill
-instead of jumping to where its row d assumed the arm would be).
+the queue runs dry before the estimate, the prefix is the rows the queue has: standing rows are never sent (a
+policy trained on expert prefixes has never seen an arm stand), and the reply is spliced after the last row the
+arm ran, which is where the prefix ends. At the start of an episode nothing is committed and no prefix is sent.
 
 One implementation, two clocks (`wamrt.client.clocks`): `WallClock` runs each request in a background thread
 and ticks at the control rate (a real robot, a real server); `SimClock` delivers each reply a seeded number of
@@ -128,6 +133,7 @@ class Request:
     step: int  # control step of the observation (= the step it was sent at)
     index: int  # request number within the episode
     prefix_rows: int
+    ran: int = 0  # committed rows the arm ran while this request was in flight (its steps minus standing ones)
 
 
 @dataclass
@@ -231,6 +237,8 @@ class RealtimeRunner:
             self.hold = row
         else:
             row, stalled = self._hold_row(), True
+        if self.in_flight is not None and not stalled:
+            self.in_flight.ran += 1
         self.log.rows.append(row.copy())
         held_from = self.log.chunk[-1] if self.log.chunk else -1  # a held row belongs to the chunk it ended
         self.log.chunk.append(held_from if stalled else self.queue_chunk)
@@ -261,8 +269,11 @@ class RealtimeRunner:
         return self.t - self.chunk_t0 >= self.execute_steps
 
     def _prefix(self) -> np.ndarray:
-        """The committed rows the arm will run while the request is in flight (as many as the delay estimate)."""
-        return self._committed(min(self.estimator.estimate(), self.max_prefix))
+        """The queued rows the arm will run while the request is in flight: as many as the delay estimate, or as
+        the queue has (never standing rows: the reply is spliced after the last row the arm ran)."""
+        k = self.t - self.queue_start
+        n = min(self.estimator.estimate(), self.max_prefix)
+        return self.queue[k:k + n].copy() if 0 <= k < len(self.queue) else self.queue[:0].copy()
 
     def _committed(self, n: int) -> np.ndarray:
         """The next n rows the arm runs from this step on without a new chunk: the queue's, then -- where it runs
@@ -300,16 +311,16 @@ class RealtimeRunner:
         if self.strategy == "sync":  # the arm waited: the chunk runs from its row 0, now
             self.queue, self.queue_start, self.chunk_t0 = rows[: self.execute_steps].copy(), t, t
         else:
-            new = rows[delay:].copy()
+            new = rows[request.ran:].copy()  # the arm ran `ran` rows of the old plan; it stood the rest
             if len(new) == 0:
                 self.log.lost += 1
             if self.strategy == "blend" and len(new):
                 self._cross_fade(new, 0, min(delay, len(new)), delay + 1)
             elif self.strategy == "prefix" and self.seam_rows and request.prefix_rows and len(new):
-                k = max(0, request.prefix_rows - delay)  # rows still inside the prefix equal the committed ones
+                k = max(0, request.prefix_rows - request.ran)  # rows still inside the prefix equal the committed
                 n = min(self.seam_rows, len(new) - k)
                 self._cross_fade(new, k, n, n + 1)
-            self.queue, self.queue_start, self.chunk_t0 = new, t, request.step
+            self.queue, self.queue_start, self.chunk_t0 = new, t, t - request.ran
         self.queue_chunk = request.index
 
     def _cross_fade(self, new: np.ndarray, k: int, n: int, steps: int) -> None:
