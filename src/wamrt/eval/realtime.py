@@ -89,9 +89,8 @@ class RealtimeAgent:
         self.policy, self.privileged, self.settings = policy, privileged, settings
         self.needs_images = not privileged
         self.clock = WallClock() if settings.wall_clock else SimClock(settings.latency)
-        # Simulated time: the runner starts each episode knowing the model's median delay, as a robot that timed its
-        # server before starting would (the first request carries no prefix -- nothing is queued yet -- but the
-        # estimate sizes every prefix until a delay past the warm-up has been measured).
+        # Simulated time: the estimate starts at the model's median delay, as a robot that timed its server before
+        # starting would (the first request of an episode carries no prefix either way: nothing is queued yet).
         estimator = DelayEstimator(initial=0 if settings.wall_clock else settings.latency.nominal_steps())
         self.runner = RealtimeRunner(policy, strategy=settings.strategy, execute_steps=settings.execute_steps,
                                      clock=self.clock, prefix_mode=settings.prefix_mode, estimator=estimator,
