@@ -50,6 +50,12 @@ def test_prefix_on_every_surface(tiny_server: Any, obs: dict[str, Any]) -> None:
     r = httpx.post(tiny_server.http_url + "/v1/policy/infer", json=body, timeout=120)
     assert r.status_code == 200, r.text
     np.testing.assert_allclose(np.asarray(r.json()["actions"], np.float32), ws, rtol=0, atol=1e-6)
+    # RTC guidance needs a backward pass: this CPU server runs the eager reference, which accepts it (a CUDA
+    # server's engine refuses it with a 400 naming the field, and leaves it out of its metadata).
+    assert "guided" in client.get_server_metadata()["policy"]["action_prefix"]["modes"]
+    guided = client.infer({**obs, "seed": 7, "action_prefix": PREFIX, "action_prefix_mode": "guided"})
+    assert np.abs(guided["actions"][:5] - PREFIX).max() <= PREFIX_TOL
+    assert guided["metadata"]["action_prefix"] == {"rows": 5, "mode": "guided"}
 
     robot = {k: (v.tolist() if isinstance(v, np.ndarray | np.generic) else v) for k, v in obs.items()}
     rec = _video_job(tiny_server.http_url, {"prompt": obs["prompt"], "seed": 7, "extra_params": {

@@ -18,9 +18,9 @@ from typing import Any
 
 # The runner's names, repeated so that building the parser imports no numpy (a test holds them equal).
 STRATEGIES = ("sync", "async", "blend", "prefix")
-PREFIX_MODES = ("auto", "clean", "inpaint")
+PREFIX_MODES = ("auto", "clean", "inpaint", "guided")
 GRID_STRATEGY_NAMES = ("sync", "async", "blend", "prefix", "prefix-inpaint", "prefix-trained", "prefix-inpaint-seam",
-                       "prefix-trained-seam")
+                       "prefix-trained-seam", "prefix-guided")
 
 # SPEC keys of the delay mode (cli.sim.parse_spec hands them here); latency_ms uses "/" (a "," separates keys).
 REALTIME_SPEC_KEYS: dict[str, Any] = {
@@ -295,6 +295,9 @@ def run_grid_command(args: argparse.Namespace) -> int:
                 backends["trained"], _, config["trained"] = _backend(args.trained_policy, args)
         except Exception as e:  # noqa: BLE001  a checkpoint that does not load is a usage error, not a traceback
             return _error(f"cannot load the policy: {type(e).__name__}: {e}")
+        if "prefix-guided" in strategies and config.get("engine", "eager") != "eager":
+            return _error("prefix-guided (RTC guidance, a backward pass a step) runs on the eager reference only: "
+                          "add --engine eager")
         for b in {id(b): b for b in backends.values()}.values():
             _warm_up(b, tasks[0], args.max_batch)
     seeds = list(range(args.seed0, args.seed0 + args.episodes))

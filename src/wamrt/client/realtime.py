@@ -54,7 +54,7 @@ from .clocks import WallClock
 STRATEGIES = ("sync", "async", "blend", "prefix")
 PREFIX_KEY = "action_prefix"  # float [d, 8] robot-space rows, 0 <= d <= MAX_PREFIX
 PREFIX_MODE_KEY = "action_prefix_mode"  # "auto" | "clean" | "inpaint"
-PREFIX_MODES = ("auto", "clean", "inpaint")
+PREFIX_MODES = ("auto", "clean", "inpaint", "guided")
 MAX_PREFIX = 16
 JOINT_KEY = "observation/joint_position"
 GRIPPER_KEY = "observation/gripper_position"

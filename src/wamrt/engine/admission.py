@@ -93,8 +93,8 @@ class RequestAdmission:
                                         tokenizer=self.tokenizer, contract=self.contract, seed=resolved[i],
                                         device=self.device, noise=self._noise,
                                         latent_ready=self._after_encode(encode_stream, latent0),
-                                        max_prompt_tokens=self.config.max_prompt_tokens)
-                except RequestError as e:  # an instruction over the limit: its slot only
+                                        max_prompt_tokens=self.config.max_prompt_tokens, guided_prefix=False)
+                except RequestError as e:  # an instruction over the limit, a guided prefix: its slot only
                     out.results[i] = e
                     continue
                 out.group_of[i] = g  # its time is known once the device is synchronized (after the denoise)

@@ -45,6 +45,7 @@ GRID_STRATEGIES: dict[str, tuple[str, str, str, int | None]] = {
     "prefix-trained": ("prefix", "clean", "trained", None),
     "prefix-inpaint-seam": ("prefix", "inpaint", "base", SEAM_ROWS),
     "prefix-trained-seam": ("prefix", "clean", "trained", SEAM_ROWS),
+    "prefix-guided": ("prefix", "guided", "base", None),  # RTC guidance: the eager reference only
 }
 
 

@@ -25,7 +25,7 @@ from ..sampler import (
     unipc_plan,
 )
 from .errors import RequestError
-from .prefix import ActionAnchor, apply_anchor
+from .prefix import ActionAnchor, apply_anchor, guided_velocity
 
 ScheduleName = Literal["framework", "diffusers", "native"]
 SolverName = Literal["unipc", "euler"]
@@ -164,6 +164,15 @@ def _mask_action_columns(out: GeneratorOutput, raw_dim: int | None) -> Generator
     return GeneratorOutput(out.vision, out.sound, torch.where(cols, out.action, torch.zeros_like(out.action)))
 
 
+def _detached(value: Any) -> Any:
+    """A tensor, a GeneratorOutput or None, cut from the autograd graph a guided step built."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, GeneratorOutput):
+        return GeneratorOutput(*(_detached(f) for f in (value.vision, value.sound, value.action)))
+    return value
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -215,42 +224,60 @@ def denoise(
     hist_a = plan.init_history()
     hist_s = plan.init_history()  # each modality keeps its own multistep history, as diffusers' copies do
     trace: dict[str, list[torch.Tensor]] = {}
+    guided = steps_action and anchor is not None and anchor.guidance is not None
     for i, t in enumerate(timesteps):
         t_step = clock()
-        tok = GeneratorTokens(
-            timesteps=torch.full((1,), float(t), device=device),
-            vision=x_v.to(dtype), vision_noisy=inp.vision_noisy,
-            action=None if x_a is None else x_a.to(dtype), action_noisy=inp.action_noisy,
-            domain_ids=inp.domain_ids,
-            sound=None if x_s is None else x_s.to(dtype), sound_noisy=inp.sound_noisy,
-            controls=inp.controls, control_weights=inp.control_weights,
-        )
-        cond = _mask_action_columns(model.generator_step(tok, rope_c, kv_c), inp.raw_action_dim)
-        if kinds[i][1]:
-            assert rope_n is not None
-            free = model.generator_step(replace(tok, controls=None, control_weights=None), rope_n, kv_c)
-            v_c, v_n = cond.vision, free.vision
-            if not opts.cfg_in_model_dtype:
-                v_c, v_n = v_c.float(), v_n.float()
-            cond = GeneratorOutput(cfg_combine(v_c, v_n, opts.control_guidance), cond.sound, cond.action)
-        if cfg_steps[i]:
-            assert kv_u is not None and rope_u is not None
-            unc = _mask_action_columns(model.generator_step(tok, rope_u, kv_u), inp.raw_action_dim)
+
+        def velocities(x_a: torch.Tensor | None, i: int = i, t: float = t) -> tuple[Any, ...]:
+            tok = GeneratorTokens(
+                timesteps=torch.full((1,), float(t), device=device),
+                vision=x_v.to(dtype), vision_noisy=inp.vision_noisy,
+                action=None if x_a is None else x_a.to(dtype), action_noisy=inp.action_noisy,
+                domain_ids=inp.domain_ids,
+                sound=None if x_s is None else x_s.to(dtype), sound_noisy=inp.sound_noisy,
+                controls=inp.controls, control_weights=inp.control_weights,
+            )
+            cond = _mask_action_columns(model.generator_step(tok, rope_c, kv_c), inp.raw_action_dim)
+            if kinds[i][1]:
+                assert rope_n is not None
+                free = model.generator_step(replace(tok, controls=None, control_weights=None), rope_n, kv_c)
+                v_c, v_n = cond.vision, free.vision
+                if not opts.cfg_in_model_dtype:
+                    v_c, v_n = v_c.float(), v_n.float()
+                cond = GeneratorOutput(cfg_combine(v_c, v_n, opts.control_guidance), cond.sound, cond.action)
+            if cfg_steps[i]:
+                assert kv_u is not None and rope_u is not None
+                unc = _mask_action_columns(model.generator_step(tok, rope_u, kv_u), inp.raw_action_dim)
+            else:
+                unc = None
+
+            def combine(c: torch.Tensor | None, u: torch.Tensor | None) -> torch.Tensor | None:
+                if c is None:
+                    return None
+                if u is None:
+                    return c if opts.cfg_in_model_dtype else c.float()
+                if not opts.cfg_in_model_dtype:
+                    c, u = c.float(), u.float()
+                return cfg_combine(c, u, opts.guidance)
+
+            return (cond, unc, combine(cond.vision, None if unc is None else unc.vision),
+                    combine(cond.action, None if unc is None else unc.action),
+                    combine(cond.sound, None if unc is None else unc.sound))
+
+        if guided:  # RTC: the action velocity corrected through a backward pass (wamrt.pipeline.prefix)
+            assert x_a is not None and anchor is not None
+            step_outputs: list[tuple[Any, ...]] = []
+
+            def action_velocity(x_in: torch.Tensor) -> torch.Tensor:
+                step_outputs.append(velocities(x_in))
+                return step_outputs[-1][3]
+
+            assert inp.action_noisy is not None  # the correction must not move the clean state row
+            v_a = guided_velocity(action_velocity, x_a, sigmas[i], anchor)
+            v_a = torch.where(inp.action_noisy[..., None], v_a, 0.0)
+            cond, unc, v_v, _, v_s = (_detached(o) for o in step_outputs[-1])
         else:
-            unc = None
-
-        def combine(c: torch.Tensor | None, u: torch.Tensor | None) -> torch.Tensor | None:
-            if c is None:
-                return None
-            if u is None:
-                return c if opts.cfg_in_model_dtype else c.float()
-            if not opts.cfg_in_model_dtype:
-                c, u = c.float(), u.float()
-            return cfg_combine(c, u, opts.guidance)
-
-        v_v = combine(cond.vision, None if unc is None else unc.vision)
-        v_a = combine(cond.action, None if unc is None else unc.action)
-        v_s = combine(cond.sound, None if unc is None else unc.sound)
+            cond, unc, v_v, v_a, v_s = velocities(x_a)
         assert v_v is not None
         x_v, hist_v = plan.step(i, x_v, v_v, hist_v)
         if x_s is not None:

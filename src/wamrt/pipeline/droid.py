@@ -33,6 +33,7 @@ from .normalization import ActionNormalization
 from .observation import PROMPT, check_observation
 from .prefix import (
     MAX_PREFIX_ROWS,
+    PREFIX_MODE_KEY,
     ActionPrefix,
     model_space_prefix,
     parse_action_prefix,
@@ -194,12 +195,14 @@ def finish_droid(
     noise: GaussianPrefetcher | None = None,
     latent_ready: Callable[[], None] | None = None,
     max_prompt_tokens: int = 0,
+    guided_prefix: bool = True,
 ) -> PreparedDroid:
     """Prompt, tokens, noise and positions of one request around its frame-0 latent. `latent_ready`, if given, is
     called just before latent0 is first read on the current stream (after every host-to-device copy here): an
     engine that encodes on a side stream makes the current stream wait for it there, so the copies above -- from
     pageable memory, which waits for the stream's queued work -- do not wait for the encode. `max_prompt_tokens`
-    (> 0): a caption of more tokens is a RequestError naming `prompt`, before any device work of its own."""
+    (> 0): a caption of more tokens is a RequestError naming `prompt`, before any device work of its own.
+    `guided_prefix` False (the engine: no backward pass in its graphs): a "guided" prefix is a RequestError."""
     timings = dict(host.timings_ms)
     canvas_h, canvas_w, _, _ = host.padded.image_size
     lat_h, lat_w = latent0.shape[-2:]
@@ -227,6 +230,9 @@ def finish_droid(
     action_noisy, anchor, mode = droid_action_noisy(contract, device), None, None
     if host.prefix is not None:  # the committed rows: clean rows after the state row, or inpainted ones
         mode = host.prefix.resolve(contract.trained_with_action_prefix)
+        if mode == "guided" and not guided_prefix:
+            raise RequestError("'guided' needs a backward pass a step, which only the eager reference runs "
+                               "(load_policy(...).infer); use 'inpaint' or 'clean' here", field=PREFIX_MODE_KEY)
         rows_model = model_space_prefix(host.prefix.rows, state, contract.normalization)
         anchor = prefix_anchor(rows_model, init, history=contract.history, mode=mode, device=device)
         if mode == "clean":  # clean rows hold their value from the start, as in training (wamrt.train)
@@ -331,8 +337,10 @@ def _domain_ids(domain_id: int, device: torch.device | str) -> torch.Tensor:
     return torch.tensor([domain_id], device=device)
 
 
-def droid_metadata(name: str, contract: DroidContract, options: SamplingOptions) -> dict[str, Any]:
-    """What a client needs to know before sending observations (openpi-style handshake)."""
+def droid_metadata(name: str, contract: DroidContract, options: SamplingOptions, *,
+                   guided_prefix: bool = True) -> dict[str, Any]:
+    """What a client needs to know before sending observations (openpi-style handshake); `guided_prefix` False
+    for the engine, which refuses "guided" prefixes."""
     return {
         "model": name, "contract": "droid", "action_horizon": contract.chunk,
         "action_dim": contract.raw_action_dim, "control_hz": contract.fps, "image_size": [540, 640],
@@ -341,7 +349,7 @@ def droid_metadata(name: str, contract: DroidContract, options: SamplingOptions)
         "action_normalization": None if contract.normalization is None else
         ("per-row statistics, joints relative to the state" if any(contract.normalization.relative)
          else "per-row statistics"),
-        "action_prefix": prefix_metadata(contract.trained_with_action_prefix),
+        "action_prefix": prefix_metadata(contract.trained_with_action_prefix, guided=guided_prefix),
     }
 
 
@@ -374,7 +382,8 @@ def run_droid(
     t_start = time.perf_counter()
     prep = prepare_droid(obs, model=model, encoder=encoder, tokenizer=tokenizer, contract=contract,
                          seed=seed, device=device)
-    with torch.inference_mode():
+    # A guided prefix differentiates through the model: inference tensors cannot be saved for backward.
+    with torch.no_grad() if prep.prefix_mode == "guided" else torch.inference_mode():
         result = denoise(model, prep.inputs, options, record=record)
     t0 = time.perf_counter()
     actions = droid_actions(result, contract, prep.state)

@@ -12,7 +12,14 @@ from them. Two ways to make the chunk continue from them:
 * "inpaint" (for checkpoints never trained that way): the prefix rows stay noisy rows, and before every step
   they are put back at that step's noise level, x = (1 - sigma) prefix + sigma eps (the row's own initial noise),
   so the model sees a trajectory whose start is the prefix and denoises the rest consistently with it. Cheap: a
-  few elementwise kernels, no backward pass (RTC's soft-masked guidance would need one per step; docs/prefix.md).
+  few elementwise kernels, no backward pass.
+* "guided" (inference-time RTC, Black, Galliker & Levine 2025, arXiv 2506.07339): "inpaint", plus at every step
+  the action velocity is corrected by a vector-Jacobian product that pulls the model's own estimate of the clean
+  prefix rows towards the prefix. The free rows then change so that the model reads them as continuing the
+  prefix, which re-anchoring alone does not reach in few steps. It costs a backward pass per step (both CFG
+  branches), so only the eager reference runs it (`run_droid`, the library's `Policy`); the engine refuses it
+  with a RequestError naming `action_prefix_mode`. The rows are weighted 1 (RTC's hard mask: the request holds
+  no rows of the old plan beyond the committed ones for its soft tail).
 
 "auto" (the default) is "clean" when the checkpoint's wamrt.json says `"trained_with_action_prefix": true`,
 else "inpaint". Both modes re-anchor the prefix rows after every step, so the reply's prefix rows equal the
@@ -36,11 +43,13 @@ from .errors import RequestError
 
 PREFIX_KEY = "action_prefix"
 PREFIX_MODE_KEY = "action_prefix_mode"
-PREFIX_MODES = ("auto", "clean", "inpaint")
+PREFIX_MODES = ("auto", "clean", "inpaint", "guided")
 MAX_PREFIX_ROWS = 16  # the interface between the robot-side runner and the servers (half the 32-row chunk)
 TRAINED_KEY = "trained_with_action_prefix"  # wamrt.json: the checkpoint was trained with random clean prefixes
 
-PrefixMode = Literal["clean", "inpaint"]
+PrefixMode = Literal["clean", "inpaint", "guided"]
+# RTC's clip on the guidance weight (beta): the weight's schedule diverges at the first step's full noise.
+GUIDANCE_CLIP = 5.0
 
 
 @dataclass(frozen=True)
@@ -95,9 +104,12 @@ class ActionAnchor:
     value: torch.Tensor  # [B, rows, A] fp32: the normalized prefix on its rows, 0 elsewhere
     delta: torch.Tensor  # [B, rows, A] fp32
     mask: torch.Tensor  # [B, rows, 1] bool
+    guidance: torch.Tensor | None = None  # [B, rows, 1] fp32 RTC weights ("guided"; eager reference only)
 
     @staticmethod
     def cat(anchors: list[ActionAnchor]) -> ActionAnchor:
+        if any(a.guidance is not None for a in anchors):
+            raise ValueError("guided prefixes run one request at a time, in the eager reference")
         if len(anchors) == 1:
             return anchors[0]
         return ActionAnchor(*(torch.cat([getattr(a, f) for a in anchors]) for f in ("value", "delta", "mask")))
@@ -125,12 +137,41 @@ def prefix_anchor(model_rows: np.ndarray, noise: np.ndarray, *, history: int, mo
     value = np.zeros((rows, width), np.float32)
     value[history:history + d, :raw_dim] = model_rows
     delta = np.zeros((rows, width), np.float32)
-    if mode == "inpaint":
+    if mode in ("inpaint", "guided"):
         delta[history:history + d, :raw_dim] = noise[history:history + d, :raw_dim] - model_rows
     mask = np.zeros((rows, 1), bool)
     mask[history:history + d] = True
     to = lambda a: torch.from_numpy(a)[None].to(device)  # noqa: E731
-    return ActionAnchor(to(value), to(delta), to(mask))
+    guidance = None
+    if mode == "guided":
+        weights = np.zeros((rows, 1), np.float32)
+        weights[history:history + d] = 1.0
+        guidance = to(weights)
+    return ActionAnchor(to(value), to(delta), to(mask), guidance)
+
+
+def guidance_weight(sigma: float, clip: float = GUIDANCE_CLIP) -> float:
+    """RTC's weight on the correction at noise level sigma (our sigma = 1 - RTC's t): min(clip, (1 - t) / t / r^2)
+    with r^2 = (1 - t)^2 / (t^2 + (1 - t)^2), the variance of the clean estimate's posterior; clipped where t = 0."""
+    t = 1.0 - sigma
+    if t <= 0.0:
+        return clip
+    r2 = (1.0 - t) ** 2 / (t**2 + (1.0 - t) ** 2)
+    return clip if r2 == 0.0 else min(clip, (1.0 - t) / t / r2)
+
+
+def guided_velocity(velocity: Any, x: torch.Tensor, sigma: float, anchor: ActionAnchor) -> torch.Tensor:
+    """The RTC-corrected action velocity at state x (noise level sigma). `velocity(x)` is the step's (guided-CFG)
+    velocity as a differentiable function of the action state; ours points from data to noise (x_next = x +
+    (sigma_next - sigma) v), so the clean estimate is x - sigma v and the correction is subtracted."""
+    assert anchor.guidance is not None
+    with torch.enable_grad():
+        x_in = x.detach().requires_grad_(True)
+        v = velocity(x_in)
+        clean = x_in - sigma * v
+        error = (anchor.value - clean) * anchor.guidance
+        (correction,) = torch.autograd.grad(clean, x_in, grad_outputs=error)
+    return v.detach() - guidance_weight(sigma) * correction
 
 
 def model_space_prefix(rows: np.ndarray, state: np.ndarray, normalization: Any | None) -> np.ndarray:
@@ -144,7 +185,9 @@ def model_space_prefix(rows: np.ndarray, state: np.ndarray, normalization: Any |
     return out.astype(np.float32)
 
 
-def prefix_metadata(trained: bool) -> dict[str, Any]:
-    """What a client needs to know before sending prefixes (the handshake's `action_prefix`)."""
-    return {"max_rows": MAX_PREFIX_ROWS, "modes": list(PREFIX_MODES), "auto": "clean" if trained else "inpaint",
+def prefix_metadata(trained: bool, *, guided: bool = True) -> dict[str, Any]:
+    """What a client needs to know before sending prefixes (the handshake's `action_prefix`): the modes this
+    implementation accepts ("guided" only where a backward pass runs: the eager reference)."""
+    modes = [m for m in PREFIX_MODES if guided or m != "guided"]
+    return {"max_rows": MAX_PREFIX_ROWS, "modes": modes, "auto": "clean" if trained else "inpaint",
             "trained_with_action_prefix": trained}
