@@ -151,8 +151,8 @@ class Engine(RequestAdmission, GraphCapture, BackgroundCapture, Served):
         engine["fp8_fast_accum"] = self.fp8_fast_accum
         engine["cublaslt_workspace_kib"] = os.environ.get(CUBLASLT_WORKSPACE_ENV)  # None: torch's default
         engine["graphs"] = [k.describe() for k in self.graphs]  # the captured buckets, least recently used first
-        return {**droid_metadata(self.name, self.contract, self.options, guided_prefix=False), "quantization": self.quantization,
-                "gpu": device_name(self.device), "engine": engine}
+        meta = droid_metadata(self.name, self.contract, self.options, guided_prefix=False)
+        return {**meta, "quantization": self.quantization, "gpu": device_name(self.device), "engine": engine}
 
     def graph_stats(self) -> dict[str, Any]:
         """Captures (by cause), evictions, cache entries and their static inputs' bytes, capture seconds, how requests

@@ -3,7 +3,7 @@
 A robot that keeps moving while the model thinks has, at request time, already committed the next d rows (the
 old chunk's rows it executes until the reply arrives). The request carries them as `action_prefix` [d, 8], in
 robot space exactly like the rows a reply holds; the reply's rows 0..d-1 equal them and its rows d.. continue
-from them. Two ways to make the chunk continue from them:
+from them. Three ways to make the chunk continue from them:
 
 * "clean" (training-time RTC, Black et al. 2025, arXiv 2512.05964): the prefix rows are clean conditioning rows
   right after the clean state row -- no time embedding, velocity zero (`GeneratorTokens.action_noisy` False),
@@ -22,7 +22,7 @@ from them. Two ways to make the chunk continue from them:
   no rows of the old plan beyond the committed ones for its soft tail).
 
 "auto" (the default) is "clean" when the checkpoint's wamrt.json says `"trained_with_action_prefix": true`,
-else "inpaint". Both modes re-anchor the prefix rows after every step, so the reply's prefix rows equal the
+else "inpaint". Every mode re-anchors the prefix rows after every step, so the reply's prefix rows equal the
 request's up to float rounding (the normalization round trip) in either.
 
 Everything the loop needs is device data of fixed shape ([B, rows, A] values and a [B, rows, 1] mask), so one
@@ -48,7 +48,7 @@ MAX_PREFIX_ROWS = 16  # the interface between the robot-side runner and the serv
 TRAINED_KEY = "trained_with_action_prefix"  # wamrt.json: the checkpoint was trained with random clean prefixes
 
 PrefixMode = Literal["clean", "inpaint", "guided"]
-# RTC's clip on the guidance weight (beta): the weight's schedule diverges at the first step's full noise.
+# RTC's clip on the guidance weight (beta): the weight's schedule diverges at full noise and at clean.
 GUIDANCE_CLIP = 5.0
 
 
