@@ -53,7 +53,7 @@ from .clocks import WallClock
 
 STRATEGIES = ("sync", "async", "blend", "prefix")
 PREFIX_KEY = "action_prefix"  # float [d, 8] robot-space rows, 0 <= d <= MAX_PREFIX
-PREFIX_MODE_KEY = "action_prefix_mode"  # "auto" | "clean" | "inpaint"
+PREFIX_MODE_KEY = "action_prefix_mode"  # one of PREFIX_MODES
 PREFIX_MODES = ("auto", "clean", "inpaint", "guided")
 MAX_PREFIX = 16
 JOINT_KEY = "observation/joint_position"
@@ -268,18 +268,20 @@ class RealtimeRunner:
             return True
         return self.t - self.chunk_t0 >= self.execute_steps
 
+    def _ahead(self) -> np.ndarray:
+        """The queued rows from this step on (a view; empty where the queue has run dry)."""
+        k = self.t - self.queue_start
+        return self.queue[k:] if 0 <= k < len(self.queue) else self.queue[:0]
+
     def _prefix(self) -> np.ndarray:
         """The queued rows the arm will run while the request is in flight: as many as the delay estimate, or as
         the queue has (never standing rows: the reply is spliced after the last row the arm ran)."""
-        k = self.t - self.queue_start
-        n = min(self.estimator.estimate(), self.max_prefix)
-        return self.queue[k:k + n].copy() if 0 <= k < len(self.queue) else self.queue[:0].copy()
+        return self._ahead()[: min(self.estimator.estimate(), self.max_prefix)].copy()
 
     def _committed(self, n: int) -> np.ndarray:
         """The next n rows the arm runs from this step on without a new chunk: the queue's, then -- where it runs
         dry first -- its last row held (a standing arm is committed to standing)."""
-        k = self.t - self.queue_start
-        ahead = self.queue[max(k, 0):] if 0 <= k < len(self.queue) else self.queue[:0]
+        ahead = self._ahead()
         if len(ahead) >= n:
             return ahead[:n].copy()
         last = ahead[-1] if len(ahead) else self._hold_row()
