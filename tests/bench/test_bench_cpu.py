@@ -208,3 +208,16 @@ def test_bench_decode_tiny_writes_its_rows(tmp_path):
     for r in res["rows"]:
         assert r["tokens_per_s"] > 0 and r["first_use_step_ms"] > 0 and r["cuda_graph"] is False
     assert res["transformers_generate"]["greedy_tokens_agreeing"] >= 1
+    assert res["copy_floor"] is None and all(r["copy_floor_fraction"] is None for r in res["rows"])  # no GPU
+
+
+def test_decode_floor_is_the_cards_own():
+    """The floor a decode row is measured against is the card's datasheet bandwidth, not the H200's everywhere."""
+    from wamrt.bench.decode import datasheet_bandwidth
+
+    assert datasheet_bandwidth("NVIDIA H200")[0] == 4.8e12
+    assert datasheet_bandwidth("NVIDIA H100 80GB HBM3")[0] == 3.35e12
+    assert datasheet_bandwidth("NVIDIA H100 PCIe")[0] == 2.0e12
+    assert datasheet_bandwidth("NVIDIA GH200 480GB")[0] == 4.0e12
+    bytes_per_s, source = datasheet_bandwidth("Some Future GPU")
+    assert bytes_per_s == 4.8e12 and source.startswith("assumed")

@@ -107,7 +107,11 @@ def test_grid_runs_cells_shares_d0_and_pairs_them(tmp_path):
     assert run.results[2][0].realtime["delays"] == [3] * len(run.results[2][0].realtime["delays"])
     files = {c: cell_result(c, run.results[i], seeds, {}, gpu="cpu", policy_label="wiggle",
                             shared_by=["sync", "async", "prefix"]) for i, c in enumerate(cells)}
-    path, rows = write_grid(tmp_path, cells, files, ["sync", "async", "prefix"], [0, 3], {"policy": "wiggle"})
+    assert run.stage_ms == [] and run.stage_ms_mean() == {}  # a policy without stage timings reports none
+    meta = {"policy": "wiggle", "wall_s": run.wall_s, "calls": len(run.batches), "mean_batch": 2.0,
+            "batch_ms_mean": 12.34, "stage_ms_mean": {"vae_encode": 3.0, "total": 12.0}, "policy_busy_share": 0.5}
+    path, rows = write_grid(tmp_path, cells, files, ["sync", "async", "prefix"], [0, 3], meta)
+    assert "12 ms a call (vae_encode 3.0 ms, total 12.0 ms), the policy busy 50 % of the wall" in path.read_text()
     assert (tmp_path / "success-vs-delay.png").stat().st_size > 1000
     cell = json.loads((tmp_path / "pick_place-d3-prefix.json").read_text())
     assert cell["kind"] == "rollout" and cell["delay_steps"] == 3 and cell["strategy"] == "prefix"
@@ -147,6 +151,13 @@ def test_grid_workers_prepare_an_engines_requests(tmp_path, monkeypatch):
     a, b = runs[True].results[0][0], runs[False].results[0][0]
     assert a.error is None and a.requests >= 2 and a.realtime["delays"] == [2]
     assert a.realtime == b.realtime and a.trace == b.trace  # the same rows ran: jerk sums, stalls, delays
+    # every call's stages come back: where the policy process's time went (the grid's bound on the GPU)
+    run = runs[True]
+    assert len(run.stage_ms) == len(run.batches) >= 2
+    stages = run.stage_ms_mean()
+    assert {"vae_encode", "denoise", "total"} <= set(stages), stages
+    assert 0 < stages["vae_encode"] < stages["total"] and 0 < stages["denoise"] < stages["total"]
+    assert 0 < run.policy_busy_share() < 1
     assert LocalBackend(WigglePolicy()).host_contract is None  # a policy that is no Engine gets observations
 
 

@@ -2,8 +2,10 @@
 
 Rows (`kind: latency`, `mode: decode`): prefill tokens/s; decode tokens/s at batch 1 (CUDA-graph steps, and eager
 steps for comparison) and at the larger batches, each against the HBM floor of a step (the Reasoner's weight bytes,
-its layers' Reasoner halves + final norm + lm_head, read once per step at 4.8 TB/s; the K/V cache and the embedding
-row are left out, so the floor is a little optimistic); and transformers' `generate` on the same weights in the same
+its layers' Reasoner halves + final norm + lm_head, read once per step at the card's datasheet bandwidth, 4.8 TB/s on
+the H200 the issue names; the K/V cache and the embedding row are left out, so the floor is a little optimistic;
+each row also gives its fraction of the bandwidth a device-to-device copy reaches in the same process, which no
+kernel can beat by much); and transformers' `generate` on the same weights in the same
 process (`Qwen3VLForConditionalGeneration` via the issue's key mapping) as the baseline, with how many greedy tokens
 of the two agree. A decode row's time per token is the median step (warm-up pass excluded: it captures the graphs)
 with a bootstrap CI; a batch-B step makes B tokens.
@@ -20,7 +22,42 @@ import torch
 from ..provenance import environment, utc_now
 from .stats import summarize
 
-HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, the issue's figure
+# Datasheet memory bandwidth by the name torch reports, most specific first. An H100 measured against the H200's
+# 4.8 TB/s read 0.38 of a floor it cannot reach (bench/results/decode/2026-12-05-36131c6-nano-h100/).
+DATASHEET_BYTES_PER_S = (
+    ("GH200", 4.0e12), ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
+    ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12), ("L40S", 0.864e12),
+    ("RTX PRO 6000", 1.792e12), ("RTX 4090", 1.008e12), ("RTX 5090", 1.792e12),
+)
+ASSUMED_BYTES_PER_S = 4.8e12  # a card not in the table: the H200's figure, and the result says it was assumed
+
+
+def datasheet_bandwidth(gpu: str) -> tuple[float, str]:
+    """(bytes/s, source) of a card's memory by its name: the datasheet figure, or the H200's where unknown."""
+    for key, bytes_per_s in DATASHEET_BYTES_PER_S:
+        if key.lower() in gpu.lower():
+            return bytes_per_s, f"datasheet ({key})"
+    return ASSUMED_BYTES_PER_S, "assumed: the H200's 4.8 TB/s (this card is not in the table)"
+
+
+def copy_bandwidth(device: torch.device, gib: float = 1.0, reps: int = 10) -> float | None:
+    """Bytes/s a device-to-device copy moves (read + written), median of `reps`: the practical ceiling of a
+    memory-bound step on this card (the H100 here copies ~3.0 TB/s of its 3.35, the H200 ~4.3 of 4.8)."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(reps + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * gib * 2**30 / sorted(times)[len(times) // 2]
 
 
 def reasoner_weight_bytes(model: torch.nn.Module, head: torch.nn.Module) -> int:
@@ -40,7 +77,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: float, fused: bool = False) -> dict:
+def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: float, fused: bool = False,
+                copy_floor_ms: float | None = None) -> dict:
     from ..reasoner.engine import DecodeBatch
     from ..reasoner.sampling import SamplingParams
 
@@ -64,6 +102,7 @@ def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: 
     return {"kind": "latency", "mode": "decode", "batch": batch, "cuda_graph": graphs, "fused": fused,
             "tokens_per_s": batch * 1e3 / stats["p50_ms"], "step": stats,
             "floor_fraction": floor_ms / stats["p50_ms"], "tokens": tokens,
+            "copy_floor_fraction": None if copy_floor_ms is None else copy_floor_ms / stats["p50_ms"],
             # The first pass's slowest step: with graphs, the one that captured its bucket (and compiled, fused).
             # A chat server captures each (rows, span) bucket on first use, in one device segment of this length.
             "first_use_step_ms": max(first_pass_ms)}
@@ -132,7 +171,11 @@ def run(args: argparse.Namespace) -> int:
     prompt = PreparedPrompt(ids, positions, len(ids), [], None)
     build_s = time.perf_counter() - t_build
     weight_bytes = reasoner_weight_bytes(model, head)
-    floor_ms = 1e3 * weight_bytes / HBM_BYTES_PER_S
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    bytes_per_s, bandwidth_source = datasheet_bandwidth(gpu)
+    floor_ms = 1e3 * weight_bytes / bytes_per_s
+    copy_bytes_per_s = copy_bandwidth(device)
+    copy_floor_ms = None if copy_bytes_per_s is None else 1e3 * weight_bytes / copy_bytes_per_s
     graphs = device.type == "cuda"
 
     with torch.no_grad():
@@ -149,10 +192,11 @@ def run(args: argparse.Namespace) -> int:
                 prefill_ms.append(1e3 * (time.perf_counter() - t0))
         del cache
         pre = summarize(prefill_ms)
-        rows = [_decode_row(reasoner, prompt, 1, min(args.new_tokens, 32), False, floor_ms)] if graphs else []
-        rows += [_decode_row(reasoner, prompt, b, args.new_tokens, graphs, floor_ms) for b in args.batches]
+        floors = {"floor_ms": floor_ms, "copy_floor_ms": copy_floor_ms}
+        rows = [_decode_row(reasoner, prompt, 1, min(args.new_tokens, 32), False, **floors)] if graphs else []
+        rows += [_decode_row(reasoner, prompt, b, args.new_tokens, graphs, **floors) for b in args.batches]
         if graphs and args.fused:
-            rows += [_decode_row(reasoner, prompt, b, args.new_tokens, graphs, floor_ms, fused=True)
+            rows += [_decode_row(reasoner, prompt, b, args.new_tokens, graphs, fused=True, **floors)
                      for b in args.batches]
         hf = _hf_baseline(model, head, torch.tensor([ids], device=device), args.hf_tokens) if args.hf_tokens > 1 \
             else None
@@ -175,18 +219,24 @@ def run(args: argparse.Namespace) -> int:
         "command": "wamrt bench decode " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                                                     if k in ("size", "prompt_tokens", "new_tokens", "hf_tokens")),
         **environment(), "build_s": build_s, "reasoner_weight_bytes": weight_bytes,
-        "hbm_floor": {"bytes_per_s": HBM_BYTES_PER_S, "step_ms": floor_ms, "batch1_tokens_per_s": 1e3 / floor_ms},
+        "hbm_floor": {"bytes_per_s": bytes_per_s, "source": bandwidth_source, "step_ms": floor_ms,
+                      "batch1_tokens_per_s": 1e3 / floor_ms},
+        "copy_floor": None if copy_floor_ms is None else {"bytes_per_s": copy_bytes_per_s, "step_ms": copy_floor_ms},
         "prefill": {"kind": "latency", "mode": "prefill", "batch": 1, "prompt_tokens": len(ids),
                     "tokens_per_s": len(ids) * 1e3 / pre["p50_ms"], **pre},
         "rows": rows, "transformers_generate": hf,
     }
-    print(f"{size} Reasoner ({weight_bytes / 1e9:.2f} GB, floor {floor_ms:.2f} ms/step) on {result['gpu']}")
+    copy = "" if copy_floor_ms is None else f", {copy_floor_ms:.2f} ms at the copy's {copy_bytes_per_s / 1e12:.2f} TB/s"
+    print(f"{size} Reasoner ({weight_bytes / 1e9:.2f} GB, floor {floor_ms:.2f} ms/step at "
+          f"{bytes_per_s / 1e12:.2f} TB/s, {bandwidth_source}{copy}) on {result['gpu']}")
     print(f"prefill {len(ids)} tokens: {result['prefill']['tokens_per_s']:.0f} tokens/s ({pre['p50_ms']:.1f} ms)")
     for r in rows:
         kind = ("graph" if r["cuda_graph"] else "eager") + ("+fused" if r["fused"] else "")
         print(f"decode batch {r['batch']:>2} {kind}: {r['tokens_per_s']:8.1f} "
               f"tokens/s, step {r['step']['p50_ms']:.2f} ms (CI {r['step']['ci95_p50_ms'][0]:.2f}-"
-              f"{r['step']['ci95_p50_ms'][1]:.2f}), floor fraction {r['floor_fraction']:.2f}, first use "
+              f"{r['step']['ci95_p50_ms'][1]:.2f}), floor fraction {r['floor_fraction']:.2f}"
+              + ("" if r["copy_floor_fraction"] is None else f" (of the copy's: {r['copy_floor_fraction']:.2f})")
+              + ", first use "
               f"{r['first_use_step_ms']:.0f} ms")
     if hf is not None:
         print(f"transformers generate batch 1: {hf['tokens_per_s']:.1f} tokens/s ({hf['ms_per_token']:.2f} ms/token); "

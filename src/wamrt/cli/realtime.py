@@ -338,7 +338,9 @@ def run_grid_command(args: argparse.Namespace) -> int:
             "gpu": gpu, "episodes": len(seeds), "seeds": f"{seeds[0]}-{seeds[-1]}", "wall_s": run.wall_s,
             "execute_steps": args.execute_steps, "calls": calls,
             "mean_batch": sum(run.batches) / calls if calls else 0.0,
-            "batch_ms_mean": sum(run.batch_ms) / calls if calls else None, "stopped_by_budget": run.stopped_early,
+            "batch_ms_mean": sum(run.batch_ms) / calls if calls else None,
+            "policy_busy_share": run.policy_busy_share(), "stage_ms_mean": run.stage_ms_mean(),
+            "stopped_by_budget": run.stopped_early,
             "cells": len(cells), "cells_written": len(files)}
     path, _ = write_grid(args.out, cells, files, strategies, delays, meta)
     print(path.read_text())

@@ -21,7 +21,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -230,10 +230,26 @@ class LocalBackend:
         self.policy, self.overrides = policy, overrides
         # An Engine admits prepared host inputs (engine/admission.py): the grid's workers make them.
         self.host_contract = getattr(policy, "contract", None) if hasattr(policy, "_host_inputs") else None
+        self.last_stage_ms: dict[str, float] | None = None
 
     def infer_batch(self, observations: list[dict[str, Any]], seeds: list[int | None]) -> list[Any]:
         out = self.policy.infer_batch(observations, seeds=seeds, **self.overrides)
+        self.last_stage_ms = call_stages(out)
         return [r if isinstance(r, Exception) else np.asarray(r.actions, np.float32) for r in out]
+
+
+def call_stages(results: list[Any]) -> dict[str, float] | None:
+    """Where one batched call's time went, from its first answered request's `timings_ms`: the batch-level stages
+    (VAE encode, denoise, the call's total) are charged to every request of the call, so one request shows the
+    call. The per-step keys (`denoise_step<i>`) are summed into `denoise_steps`."""
+    chunk = next((r for r in results if getattr(r, "timings_ms", None)), None)
+    if chunk is None:
+        return None
+    stages: dict[str, float] = {}
+    for key, ms in chunk.timings_ms.items():
+        key = "denoise_steps" if key.startswith("denoise_step") else key
+        stages[key] = stages.get(key, 0.0) + float(ms)
+    return stages
 
 
 class RemoteBackend:
@@ -271,6 +287,16 @@ class GridRun:
     batches: list[int]  # batch size of every policy call
     batch_ms: list[float]
     stopped_early: bool
+    stage_ms: list[dict[str, float]] = field(default_factory=list)  # per call, where the backend reports stages
+
+    def stage_ms_mean(self) -> dict[str, float]:
+        """Each stage's mean over the calls that report it (an in-process Engine does; a server does not)."""
+        keys = sorted({k for s in self.stage_ms for k in s})
+        return {k: float(np.mean([s[k] for s in self.stage_ms if k in s])) for k in keys}
+
+    def policy_busy_share(self) -> float:
+        """The share of the wall the policy process spent inside policy calls (the rest: waiting for requests)."""
+        return sum(self.batch_ms) / 1e3 / self.wall_s if self.wall_s > 0 else 0.0
 
 
 def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, Any] | None, *, workers: int = 2,
@@ -300,7 +326,7 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
         procs.append(p)
     results: dict[int, dict[int, Any]] = {ci: {} for ci in range(len(cells))}
     pending: deque[tuple[Connection, int, str, dict[str, Any], int | None]] = deque()
-    batches, batch_ms, live, stopped = [], [], set(range(workers)), False
+    batches, batch_ms, stage_ms, live, stopped = [], [], [], set(range(workers)), False
     try:
         while live:
             ready = wait([conns[w] for w in live], timeout=0 if pending else 1.0)
@@ -330,7 +356,7 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
                 elif msg[0] == "crash":
                     raise RuntimeError(f"grid worker {w} failed:\n{msg[1]}")
             if pending and (not ready or len(pending) >= max_batch):
-                _serve_batch(pending, backends or {}, max_batch, batches, batch_ms)
+                _serve_batch(pending, backends or {}, max_batch, batches, batch_ms, stage_ms)
             if budget_s is not None and not stopped and time.perf_counter() - t0 > budget_s:
                 stopped = True
                 for w in live:
@@ -341,11 +367,11 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
             if p.is_alive():
                 p.kill()
     ordered = {ci: [res[s] for s in seeds if s in res] for ci, res in results.items()}
-    return GridRun(ordered, time.perf_counter() - t0, batches, batch_ms, stopped)
+    return GridRun(ordered, time.perf_counter() - t0, batches, batch_ms, stopped, stage_ms)
 
 
 def _serve_batch(pending: deque, backends: dict[str, Any], max_batch: int, batches: list[int],
-                 batch_ms: list[float]) -> None:
+                 batch_ms: list[float], stage_ms: list[dict[str, float]]) -> None:
     """One policy call for up to max_batch requests of the oldest request's policy; replies to their workers."""
     policy = pending[0][2]
     take, keep = [], deque()
@@ -364,6 +390,9 @@ def _serve_batch(pending: deque, backends: dict[str, Any], max_batch: int, batch
             out = [e] * len(take)
     batch_ms.append((time.perf_counter() - t0) * 1e3)
     batches.append(len(take))
+    if (stages := getattr(backend, "last_stage_ms", None)) is not None:
+        stage_ms.append(stages)
+        backend.last_stage_ms = None
     by_conn: dict[Connection, dict[int, Any]] = {}
     for (conn, ticket, *_), rows in zip(take, out, strict=True):
         by_conn.setdefault(conn, {})[ticket] = (f"{type(rows).__name__}: {rows}" if isinstance(rows, Exception)

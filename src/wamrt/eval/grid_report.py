@@ -159,6 +159,18 @@ def load_cells(out: Path) -> dict[Cell, dict[str, Any]]:
     return files
 
 
+def _call_time(meta: dict[str, Any]) -> str:
+    """', X ms a call (stage a ms, ...), the policy busy Y % of the wall' where the run measured it."""
+    if meta.get("batch_ms_mean") is None:
+        return ""
+    text = f", {meta['batch_ms_mean']:.0f} ms a call"
+    if stages := meta.get("stage_ms_mean"):
+        text += " (" + ", ".join(f"{k} {v:.1f} ms" for k, v in stages.items()) + ")"
+    if "policy_busy_share" in meta:
+        text += f", the policy busy {100 * meta['policy_busy_share']:.0f} % of the wall"
+    return text
+
+
 def write_grid(out: Path, cells: Sequence[Cell], files: dict[Cell, dict[str, Any]], strategies: Sequence[str],
                delays: Sequence[int], meta: dict[str, Any]) -> tuple[Path, list[dict[str, Any]]]:
     out.mkdir(parents=True, exist_ok=True)
@@ -170,7 +182,8 @@ def write_grid(out: Path, cells: Sequence[Cell], files: dict[Cell, dict[str, Any
     if "wall_s" in meta:
         head += [f"git {meta.get('git_sha')}, {meta.get('gpu')}, {meta.get('episodes')} episodes per cell (seeds "
                  f"{meta.get('seeds')}), {meta['wall_s']:.0f} s; request period {meta.get('execute_steps')} rows; "
-                 f"policy calls: {meta.get('calls')} batches, mean batch {meta.get('mean_batch', 0):.1f}.", ""]
+                 f"policy calls: {meta.get('calls')} batches, mean batch {meta.get('mean_batch', 0):.1f}"
+                 f"{_call_time(meta)}.", ""]
     if png is not None:
         head += [f"![success against d]({png.name})", ""]
     (out / "summary.md").write_text("\n".join(head) + table + "\n")
