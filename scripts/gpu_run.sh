@@ -368,7 +368,9 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
     decode) # Issue 42: the Reasoner's text decode at DECODE_SIZE (default nano), random weights: prefill tokens/s,
           # batch 1 (eager and CUDA-graph steps) / 8 / 32 decode tokens/s against the HBM floor, unfused and with the
           # layers' small kernels compiled (reasoner/fused.py), transformers' generate on the same weights as the
-          # baseline; then the graph-vs-eager GPU tests. 76 s at Nano unfused (602b653); give it decode:300.
+          # baseline, then the fused layers again on one matrix for q/k/v and one for gate/up (engine/fuse.py
+          # fuse_reasoner); then the graph-vs-eager GPU tests. 129 s at Nano with the fused rows (36131c6, H100);
+          # give it decode:300.
           wamrt bench decode --size "${DECODE_SIZE:-nano}" --prompt-tokens "${PROMPT_TOKENS:-512}" \
              --new-tokens "${NEW_TOKENS:-128}" --hf-tokens "${HF_TOKENS:-64}" --out "$res" 2>&1 | tee "$res/log.txt"
           timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/reasoner/test_reasoner_gpu.py 2>&1 \

@@ -204,9 +204,13 @@ def test_bench_decode_tiny_writes_its_rows(tmp_path):
     (path,) = tmp_path.glob("*-decode-tiny-qwen.json")
     res = json.loads(path.read_text())
     assert res["kind"] == "latency" and res["mode"] == "decode" and res["prefill"]["tokens_per_s"] > 0
-    assert [r["batch"] for r in res["rows"]] == [1, 8, 32]
+    # the plain rows, then the same batches with one matrix for q/k/v and one for gate/up (fuse_reasoner)
+    assert [(r["batch"], r["fused_weights"]) for r in res["rows"]] == [(1, False), (8, False), (32, False),
+                                                                       (1, True), (8, True), (32, True)]
     for r in res["rows"]:
         assert r["tokens_per_s"] > 0 and r["first_use_step_ms"] > 0 and r["cuda_graph"] is False
+    fused1 = res["rows"][3]  # fp32 on the CPU: the fused matrices decode the same greedy tokens
+    assert fused1["greedy_tokens_agreeing_unfused"] == 16
     assert res["transformers_generate"]["greedy_tokens_agreeing"] >= 1
     assert res["copy_floor"] is None and all(r["copy_floor_fraction"] is None for r in res["rows"])  # no GPU
 

@@ -66,7 +66,8 @@ def reasoner_weight_bytes(model: torch.nn.Module, head: torch.nn.Module) -> int:
     total += sum(p.numel() * p.element_size() for p in model.norm.parameters())
     for layer in model.layers:
         attn = layer.self_attn
-        for mod in (attn.to_q, attn.to_k, attn.to_v, attn.to_out, attn.norm_q, attn.norm_k, layer.mlp,
+        projections = [getattr(attn, n, None) for n in ("to_q", "to_k", "to_v", "qkv_proj")]  # fused or not
+        for mod in (*[m for m in projections if m is not None], attn.to_out, attn.norm_q, attn.norm_k, layer.mlp,
                     layer.input_layernorm, layer.post_attention_layernorm):
             total += sum(p.numel() * p.element_size() for p in mod.parameters())
     return total
@@ -78,7 +79,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: float, fused: bool = False,
-                copy_floor_ms: float | None = None) -> dict:
+                copy_floor_ms: float | None = None, fused_weights: bool = False) -> dict:
     from ..reasoner.engine import DecodeBatch
     from ..reasoner.sampling import SamplingParams
 
@@ -100,6 +101,7 @@ def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: 
     # a failed compile leaves the graphs on the eager layers (logged): not a fused row then
     fused = fused and (db.graphs is None or db.graphs.layer_fn is not None)
     return {"kind": "latency", "mode": "decode", "batch": batch, "cuda_graph": graphs, "fused": fused,
+            "fused_weights": fused_weights,
             "tokens_per_s": batch * 1e3 / stats["p50_ms"], "step": stats,
             "floor_fraction": floor_ms / stats["p50_ms"], "tokens": tokens,
             "copy_floor_fraction": None if copy_floor_ms is None else copy_floor_ms / stats["p50_ms"],
@@ -200,13 +202,20 @@ def run(args: argparse.Namespace) -> int:
                      for b in args.batches]
         hf = _hf_baseline(model, head, torch.tensor([ids], device=device), args.hf_tokens) if args.hf_tokens > 1 \
             else None
-    ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs and not r["fused"])
+        if args.fuse_weights:  # last: it changes the model (one matrix for q/k/v and one for gate/up, every layer)
+            from ..engine.fuse import fuse_reasoner
+
+            fuse_reasoner(model)
+            rows += [_decode_row(reasoner, prompt, b, args.new_tokens, graphs, fused=graphs, fused_weights=True,
+                                 **floors) for b in args.batches]
+    ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs and not r["fused"]
+                 and not r["fused_weights"])
     if graphs:  # the graph replays compute what the eager steps do
         eager = rows[0]["tokens"]
         ours1["greedy_tokens_equal_eager"] = ours1["tokens"][:len(eager)] == eager
-        for r in rows:  # fused kernels round differently: how far greedy decoding goes before it parts
-            if r["fused"] and r["batch"] == 1:
-                r["greedy_tokens_agreeing_unfused"] = _agreeing(r["tokens"], ours1["tokens"])
+    for r in rows:  # fused kernels and matrices round differently: how far greedy decoding goes before it parts
+        if (r["fused"] or r["fused_weights"]) and r["batch"] == 1:
+            r["greedy_tokens_agreeing_unfused"] = _agreeing(r["tokens"], ours1["tokens"])
     if hf is not None:
         hf["greedy_tokens_agreeing"] = _agreeing(ours1["tokens"], hf["tokens"])
         hf["speedup_ours_batch1"] = ours1["tokens_per_s"] / hf["tokens_per_s"]
@@ -231,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
           f"{bytes_per_s / 1e12:.2f} TB/s, {bandwidth_source}{copy}) on {result['gpu']}")
     print(f"prefill {len(ids)} tokens: {result['prefill']['tokens_per_s']:.0f} tokens/s ({pre['p50_ms']:.1f} ms)")
     for r in rows:
-        kind = ("graph" if r["cuda_graph"] else "eager") + ("+fused" if r["fused"] else "")
+        kind = ("graph" if r["cuda_graph"] else "eager") + ("+fused" if r["fused"] else "") \
+            + ("+qkv/gate-up" if r["fused_weights"] else "")
         print(f"decode batch {r['batch']:>2} {kind}: {r['tokens_per_s']:8.1f} "
               f"tokens/s, step {r['step']['p50_ms']:.2f} ms (CI {r['step']['ci95_p50_ms'][0]:.2f}-"
               f"{r['step']['ci95_p50_ms'][1]:.2f}), floor fraction {r['floor_fraction']:.2f}"

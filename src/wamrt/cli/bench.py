@@ -259,6 +259,9 @@ def _decode(ap: argparse.ArgumentParser) -> None:
                     help="transformers' generate baseline: tokens per timed run (0: skip it)")
     ap.add_argument("--no-fused", dest="fused", action="store_false",
                     help="skip the graph rows with the layers' small kernels compiled (reasoner/fused.py)")
+    ap.add_argument("--no-fuse-weights", dest="fuse_weights", action="store_false",
+                    help="skip the last rows, with one matrix for q/k/v and one for gate/up (engine/fuse.py "
+                         "fuse_reasoner; graph + fused layers on CUDA, eager on the CPU)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/decode"), help="result folder")
 
 

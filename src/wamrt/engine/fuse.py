@@ -1,6 +1,10 @@
 """Weight fusion applied to a loaded model from outside: one GEMM for the Generator's q/k/v and one
 for gate/up, instead of three and two. The model's modules keep their math; only the projection
-methods are served from the fused matrix (by swapping the module's class to a subclass)."""
+methods are served from the fused matrix (by swapping the module's class to a subclass).
+
+`fuse_reasoner` does the same for the Reasoner stream, for its text decode: at batch 1 a decode step is GEMVs, and
+five launches a layer where two do the same reads are part of its fixed cost (bench/results/decode/). The policy
+engine does not apply it: the Reasoner's K/V of a policy request is computed once per prompt and cached."""
 
 from __future__ import annotations
 
@@ -30,6 +34,43 @@ class FusedGateUp(MLP):
     def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return gate, up
+
+
+def _fused_reasoner_projections(self: MoTAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return self.qkv_proj(x).split(self.reasoner_qkv_sizes, dim=-1)
+
+
+_REASONER_QKV_CLASSES: dict[type, type] = {}
+
+
+def _with_reasoner_qkv(cls: type) -> type:
+    """`cls` (MoTAttention, or the Generator-fused subclass) with its Reasoner projections served from `qkv_proj`."""
+    if cls not in _REASONER_QKV_CLASSES:
+        _REASONER_QKV_CLASSES[cls] = type(f"{cls.__name__}ReasonerQKV", (cls,),
+                                          {"reasoner_projections": _fused_reasoner_projections,
+                                           "__module__": __name__})
+    return _REASONER_QKV_CLASSES[cls]
+
+
+def fuse_reasoner(model: Cosmos3Transformer, *, drop_originals: bool = True) -> Cosmos3Transformer:
+    """Fuse the Reasoner stream's q/k/v and gate/up projections of every layer (idempotent). With drop_originals the
+    separate matrices go (one copy in memory); `to_q` / `to_k` / `to_v` then exist only inside `qkv_proj`."""
+    for layer in model.layers:
+        attn = layer.self_attn
+        if getattr(attn, "qkv_proj", None) is None:
+            parts = [attn.to_q, attn.to_k, attn.to_v]
+            attn.qkv_proj = _fused_linear(parts)
+            attn.reasoner_qkv_sizes = [p.weight.shape[0] for p in parts]
+            attn.__class__ = _with_reasoner_qkv(type(attn))
+            if drop_originals:
+                attn.to_q = attn.to_k = attn.to_v = None
+        mlp = layer.mlp
+        if mlp.gated and not isinstance(mlp, FusedGateUp):
+            mlp.gate_up_proj = _fused_linear([mlp.gate_proj, mlp.up_proj])
+            mlp.__class__ = FusedGateUp
+            if drop_originals:
+                mlp.gate_proj = mlp.up_proj = None
+    return model
 
 
 def fuse_generator(model: Cosmos3Transformer, *, drop_originals: bool = True) -> Cosmos3Transformer:

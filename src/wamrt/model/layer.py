@@ -71,13 +71,18 @@ class MoTAttention(nn.Module):
         self, x: torch.Tensor, rope: Rope
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, U, h] (normed) -> q [B, H, U, d], k, k_for_gen, v [B, K, U, d] (after norm + RoPE)."""
-        q = self.norm_q(self._heads(self.to_q(x), self.num_heads))
-        k = self.norm_k(self._heads(self.to_k(x), self.num_kv_heads))
-        v = self._heads(self.to_v(x), self.num_kv_heads)
+        q, k, v = self.reasoner_projections(x)
+        q = self.norm_q(self._heads(q, self.num_heads))
+        k = self.norm_k(self._heads(k, self.num_kv_heads))
+        v = self._heads(v, self.num_kv_heads)
         k_gen = self.k_norm_und_for_gen(k) if self.k_norm_und_for_gen is not None else k
         q, k_rot = apply_rope(q, rope), apply_rope(k, rope)
         k_gen = apply_rope(k_gen, rope) if self.k_norm_und_for_gen is not None else k_rot
         return q.transpose(1, 2), k_rot.transpose(1, 2), k_gen.transpose(1, 2), v.transpose(1, 2)
+
+    def reasoner_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The Reasoner's three input projections (an engine may serve them from one fused matrix)."""
+        return self.to_q(x), self.to_k(x), self.to_v(x)
 
     def generator_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three input projections (an engine may serve them from one fused matrix)."""

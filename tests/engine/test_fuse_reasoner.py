@@ -1,0 +1,66 @@
+"""`fuse_reasoner`: the Reasoner's q/k/v and gate/up served from one matrix each, for its text decode. The
+oracle is the same model unfused, in the test (fp32, CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from wamrt.engine.fuse import fuse_generator, fuse_reasoner
+from wamrt.pipeline.random_weights import random_transformer
+from wamrt.reasoner.lm import KVCache, ReasonerLM
+from wamrt.reasoner.load import random_lm_head
+
+LOGIT_ATOL = 1e-5  # fp32: one GEMM over the concatenated rows against three; only summation order can differ
+
+
+def _lm(seed: int = 0) -> ReasonerLM:
+    model = random_transformer("tiny-qwen", torch.device("cpu"), torch.float32, seed=seed)
+    return ReasonerLM(model, random_lm_head(model, seed=1))
+
+
+def _prompt_and_steps(lm: ReasonerLM, ids: list[int], steps: int) -> list[torch.Tensor]:
+    """Logits of the prompt's last token, then of `steps` greedy decode steps through the K/V cache."""
+    cache = KVCache.empty(lm.transformer, 1, 64)
+    positions = torch.arange(len(ids), dtype=torch.float32).expand(3, -1)[None]
+    out = [lm.run_prompt(lm.embed(torch.tensor([ids])), positions, cache=cache)]
+    for i in range(steps):
+        index = torch.tensor([len(ids) + i])
+        token = out[-1].argmax(-1)
+        out.append(lm.decode_step(cache, token, index, index.float(), span=64))
+    return out
+
+
+@torch.no_grad()
+def test_fused_reasoner_decodes_what_the_unfused_one_does():
+    ids = list(range(3, 40, 3))
+    reference = _prompt_and_steps(_lm(), ids, 6)
+    lm = _lm()
+    fuse_reasoner(lm.transformer)
+    attn, mlp = lm.transformer.layers[0].self_attn, lm.transformer.layers[0].mlp
+    assert attn.to_q is None and attn.qkv_proj.weight.shape[0] == sum(attn.reasoner_qkv_sizes)  # one copy
+    assert mlp.gate_proj is None and mlp.gate_up_proj is not None
+    fused = _prompt_and_steps(lm, ids, 6)
+    for ref, got in zip(reference, fused, strict=True):
+        torch.testing.assert_close(got, ref, atol=LOGIT_ATOL, rtol=0)
+    assert [r.argmax(-1).item() for r in reference] == [f.argmax(-1).item() for f in fused]
+
+
+@torch.no_grad()
+def test_fuse_reasoner_is_idempotent_and_composes_with_the_generator_fusion():
+    """A model whose Generator is fused (the policy engine's) takes the Reasoner fusion on top, and a second call
+    changes nothing: both streams keep their math."""
+    ids = [5, 9, 2, 7]
+    reference = _prompt_and_steps(_lm(), ids, 3)
+    lm = _lm()
+    fuse_generator(lm.transformer)
+    fuse_reasoner(lm.transformer)
+    attn = lm.transformer.layers[0].self_attn
+    cls, qkv = type(attn), attn.qkv_proj
+    fuse_reasoner(lm.transformer)
+    assert type(attn) is cls and attn.qkv_proj is qkv
+    assert attn.add_qkv_proj is not None  # the Generator's fusion is still served
+    x = torch.randn(1, 3, lm.transformer.layers[0].input_layernorm.weight.shape[0])
+    q, k, v = attn.generator_projections(x)
+    assert q.shape[-1] == attn.num_heads * attn.head_dim and k.shape == v.shape
+    for ref, got in zip(reference, _prompt_and_steps(lm, ids, 3), strict=True):
+        torch.testing.assert_close(got, ref, atol=LOGIT_ATOL, rtol=0)
