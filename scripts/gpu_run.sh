@@ -35,6 +35,8 @@
 #          task, demos recorded on the host cores while it trains, then synchronous pick_place on seeds 0-199 through
 #          `wamrt serve`: scripts/prefix_train.sh, ~8 min, carry .whl and .gl; the checkpoint comes back as
 #          $OUT/prefix-ckpt.tgz and stays at /tmp/wamrt-prefix/ckpt for later parts)
+#          prefix-cost (issue 41: `wamrt bench prefix-cost` at Edge and Nano: a request without a prefix, with an
+#          inpainted one and with RTC guidance, on the eager reference; PREFIX_COST_MODELS, WARMUP, RUNS)
 #          lever-gates (issue 41: 2 steps, CFG on the first step, gen-fp8 gated against bf16 4 steps, each at its own d at
 #          15 Hz: scripts/lever_gates.sh; SIZES, TASKS, LEVERS split the ~50 min of rollouts over calls)
 # `load` also needs the server stack as wheels in .whl/ (starlette, uvicorn, websockets, python-multipart);
@@ -375,6 +377,12 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              --new-tokens "${NEW_TOKENS:-128}" --hf-tokens "${HF_TOKENS:-64}" --out "$res" 2>&1 | tee "$res/log.txt"
           timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/reasoner/test_reasoner_gpu.py 2>&1 \
              | tail -5 | tee -a "$res/log.txt" ;;
+    prefix-cost) # Issue 41: what a prefix request costs on the eager reference (none / inpaint / guided RTC), Edge at
+          # its d = 3 and Nano at its d = 10 (and each at the other's), random weights; give it prefix-cost:420
+          for size in ${PREFIX_COST_MODELS:-edge nano}; do
+            wamrt bench prefix-cost --model "$size" --delays 3 10 --warmup "${WARMUP:-3}" --runs "${RUNS:-10}" \
+               --out "$res" 2>&1 | grep -v 'UserWarning' | tee -a "$res/log.txt"
+          done ;;
     prefix-train) # Issue 41: training-time RTC fine-tune of panda-droid + its synchronous pick_place evaluation
           RES=$res timeout "$limit" bash scripts/prefix_train.sh 2>&1 | tee "$res/log.txt" ;;
     lever-gates) # Issue 41: the lossy levers at each configuration's own delay (needs the delay mode of eval gate)

@@ -225,3 +225,19 @@ def test_decode_floor_is_the_cards_own():
     assert datasheet_bandwidth("NVIDIA GH200 480GB")[0] == 4.0e12
     bytes_per_s, source = datasheet_bandwidth("Some Future GPU")
     assert bytes_per_s == 4.8e12 and source.startswith("assumed")
+
+
+def test_bench_prefix_cost_tiny_times_every_mode(tmp_path):
+    """`wamrt bench prefix-cost` on the CPU: the three modes at a delay, interleaved, with their ratios; RTC
+    guidance runs a backward pass per step, so it must cost clearly more than inpainting."""
+    assert main(["bench", "prefix-cost", "--model", "tiny-edge", "--delays", "2", "--warmup", "0", "--runs", "2",
+                 "--device", "cpu", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-prefix-cost-tiny-edge.json")
+    res = json.loads(path.read_text())
+    (row,) = res["rows"]
+    assert row["kind"] == "latency" and row["mode"] == "prefix-cost" and row["delay_steps"] == 2
+    assert set(row["requests"]) == {"none", "inpaint", "guided"}
+    assert all(r["n"] == 2 and r["p50_ms"] > 0 for r in row["requests"].values())
+    assert row["guided_over_inpaint"] > 1.2, row
+    guided, inpaint = row["requests"]["guided"]["stages_ms"], row["requests"]["inpaint"]["stages_ms"]
+    assert guided["denoise"] > inpaint["denoise"]  # the backward passes are inside the denoising loop

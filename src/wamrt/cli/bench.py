@@ -45,6 +45,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                             "transformers' generate and the HBM floor, random weights (GPU; --tiny: CPU dry run)"),
         ("vae", _vae, "the VAE's frame-0 encode and world decode, kernel option by kernel option, full size on random "
                       "weights (GPU; --tiny-vae: CPU dry run)"),
+        ("prefix-cost", _prefix_cost, "what a prefix request costs on the eager reference: none / inpaint / guided "
+                                      "(RTC) at each delay, random weights at a real size (GPU; tiny-*: CPU)"),
         ("host-timeline", _host_timeline, "a warm request's host marks against its CUDA graphs on one axis, and a "
                                           "cProfile of the same requests (GPU; tiny-*: CPU dry run, host marks only)"),
     ):
@@ -263,6 +265,18 @@ def _decode(ap: argparse.ArgumentParser) -> None:
                     help="skip the last rows, with one matrix for q/k/v and one for gate/up (engine/fuse.py "
                          "fuse_reasoner; graph + fused layers on CUDA, eager on the CPU)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/decode"), help="result folder")
+
+
+def _prefix_cost(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="edge", choices=MODELS, help="registered size (random weights; tiny-*: CPU)")
+    ap.add_argument("--delays", type=int, nargs="+", default=[3, 10],
+                    help="prefix rows d (issue 41: Edge bf16 runs at d = 3, Nano bf16 at d = 10 at 15 Hz)")
+    ap.add_argument("--steps", type=int, default=None, help="sampler steps (default: the DROID server's, 4)")
+    ap.add_argument("--layers", type=int, default=None, help="build only this many layers (a dry run)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed requests per mode before the timed ones")
+    ap.add_argument("--runs", type=int, default=10, help="timed requests per mode and delay")
+    ap.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/latency"), help="result folder")
 
 
 def _latent_shape(text: str) -> tuple[int, ...]:
