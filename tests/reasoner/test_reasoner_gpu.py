@@ -13,12 +13,17 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_graph_decode_equals_eager(tmp_path, fused: bool) -> None:
-    # fused: the compiled decode layers (reasoner/fused.py) captured in the graphs
+@pytest.mark.parametrize("fused,fuse_weights", [(False, False), (True, False), (True, True)])
+def test_graph_decode_equals_eager(tmp_path, fused: bool, fuse_weights: bool) -> None:
+    # fused: the compiled decode layers (reasoner/fused.py) captured in the graphs; fuse_weights: over one matrix for
+    # q/k/v and one for gate/up (engine/fuse.py fuse_reasoner), on both sides
     tiny = build_tiny_reasoner(tmp_path, vision=False)
     r = tiny.reasoner
     r.lm.to("cuda")
+    if fuse_weights:
+        from wamrt.engine.fuse import fuse_reasoner
+
+        fuse_reasoner(r.lm.transformer)
     prompts = [r.prepare([{"role": "user", "content": t}]) for t in ("Hi there.", "A longer prompt about robots.")]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     runs = {}
