@@ -134,6 +134,42 @@ def test_captured_encode_replays_the_eager_walk_exactly() -> None:
     assert graphed.capture and len(graphed._graphs) == 1
 
 
+def test_graph_rows_bound_the_captured_batch_sizes() -> None:
+    """Exact batch sizes up to 8, powers of two above: batches of 1 to 128 (a grid's policy calls) need at most the
+    default 12 graphs, and no batch is padded to more than twice its frames."""
+    from wamrt.engine.vae_encode import graph_rows, pad_rows
+
+    sizes = {graph_rows(b) for b in range(1, 129)}
+    assert sizes == {1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128}
+    assert len(sizes) <= FirstFrameEncoder.__init__.__kwdefaults__["max_graphs"]
+    assert all(b <= graph_rows(b) < 2 * b for b in range(1, 129))
+    x = torch.arange(3 * 2).reshape(3, 2)
+    padded = pad_rows(x, 5)
+    assert padded.shape == (5, 2) and torch.equal(padded[:3], x) and torch.equal(padded[3:], x[:1].expand(2, 2))
+    assert pad_rows(x, 3) is x
+    # with the engine's batch ladder (a server's: its top rung is the max batch its memory plan counts)
+    assert [graph_rows(b, (1, 2, 4, 8, 12)) for b in (1, 3, 5, 9, 12, 13)] == [1, 4, 8, 12, 12, 16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_encode_pads_large_batches_to_the_ladder() -> None:
+    """Batches of 9 to 16 frames share the graph of 16: each gives the eager walk's bits on the same padded batch."""
+    from wamrt.engine.vae_encode import pad_rows
+    from wamrt.pipeline.random_weights import random_vae
+    from wamrt.pipeline.vae import FrameEncoder
+
+    dev = torch.device("cuda")
+    frames = FrameEncoder(random_vae(dev, torch.bfloat16))
+    eager, graphed = FirstFrameEncoder(frames), FirstFrameEncoder(frames, capture=True)
+    for b, seed in ((11, 41), (9, 42), (16, 43)):
+        pixels = _pixels(b, 1, 240, 320, seed=seed).to(dev)
+        got = graphed.encode(pixels)
+        assert got.shape[0] == b
+        assert torch.equal(got, eager.encode(pad_rows(pixels, 16))[:b]), (b, seed)
+    assert len(graphed._graphs) == 1
+
+
 def test_canvas_content_equals_the_padded_canvas(assets) -> None:
     """encode_content_uint8 pads on the device what pad_to_bucket pads on the host: every pad mode gives the latent
     of the host-padded pixels (diffusers' encoder and the first-frame walk alike)."""

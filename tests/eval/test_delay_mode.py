@@ -203,6 +203,9 @@ def test_grid_command_loads_one_engine_when_both_policies_are_one_checkpoint(tmp
     base, trained = (json.loads((out / f"pick_place-d0{s}.json").read_text()) for s in ("", "-trained"))
     assert base["outcomes"] == trained["outcomes"] and base["realtime"] == trained["realtime"]
     assert trained["config"]["trained"]["model"] == "tiny-droid"
+    summary = json.loads((out / "summary.json").read_text())
+    assert sum(int(b) * n for b, n in summary["batch_hist"].items()) == base["realtime"]["requests"] * 2
+    assert {"vae_encode", "denoise", "total"} <= set(summary["stage_ms_mean"]) and summary["policy_busy_share"] > 0
 
 
 def test_grid_command_resumes_and_rebuilds_its_report(tmp_path, capsys):

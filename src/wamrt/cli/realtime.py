@@ -340,6 +340,7 @@ def run_grid_command(args: argparse.Namespace) -> int:
             "mean_batch": sum(run.batches) / calls if calls else 0.0,
             "batch_ms_mean": sum(run.batch_ms) / calls if calls else None,
             "policy_busy_share": run.policy_busy_share(), "stage_ms_mean": run.stage_ms_mean(),
+            "batch_hist": {str(b): run.batches.count(b) for b in sorted(set(run.batches))},
             "stopped_by_budget": run.stopped_early,
             "cells": len(cells), "cells_written": len(files)}
     path, _ = write_grid(args.out, cells, files, strategies, delays, meta)

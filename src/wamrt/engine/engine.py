@@ -79,7 +79,7 @@ class Engine(RequestAdmission, GraphCapture, BackgroundCapture, Served):
         quantization: str | None = None,
     ) -> None:
         self.model, self.encoder, self.tokenizer = model, encoder, tokenizer
-        self._canvas_encoder = (FirstFrameEncoder(encoder, capture=config.cuda_graph)
+        self._canvas_encoder = (FirstFrameEncoder(encoder, capture=config.cuda_graph, row_ladder=config.batch_ladder)
                                 if config.vae_encode == "first-frame" else encoder)
         self.contract, self.options, self.config, self.name = contract, options, config, name
         self.quantization = quantization  # the `wamrt quantize` recipe of the weights, if any (metadata)

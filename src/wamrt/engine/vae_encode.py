@@ -55,14 +55,37 @@ class UnsupportedEncoder(TypeError):
     """The encoder holds a module this 2D walk has no rule for."""
 
 
+EXACT_ROWS = 8  # batches up to this many frames get a graph of their own size; larger ones the next power of two
+
+
+def graph_rows(rows: int, ladder: tuple[int, ...] = ()) -> int:
+    """The batch size a captured encode runs for `rows` frames: the smallest rung of `ladder` (the engine's batch
+    ladder, whose top a server's memory plan counts) that holds them; past it, or without one, the same up to
+    EXACT_ROWS, then the next power of two. Captured at every exact size, a grid's policy calls (batches of 1 to 128)
+    kept capturing sizes the LRU had just evicted, each capture two eager walks on the request path; this bounds the
+    graphs for batches up to 128 at 12 (the default `max_graphs`), at most doubling the frames of a batch above 8."""
+    if fits := [r for r in ladder if r >= rows]:
+        return min(fits)
+    return rows if rows <= EXACT_ROWS else 1 << (rows - 1).bit_length()
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [B, ...] with its first row repeated up to `rows` rows (the encode is per frame, so padding changes none)."""
+    if rows <= x.shape[0]:
+        return x
+    return torch.cat([x, x[:1].expand(rows - x.shape[0], *x.shape[1:])])
+
+
 class FirstFrameEncoder(FrameEncoder):
     """A `FrameEncoder` whose `encode` of a single frame runs the 2D walk; anything else is diffusers' encode."""
 
-    def __init__(self, frames: FrameEncoder, *, capture: bool = False, max_graphs: int = 8,
+    def __init__(self, frames: FrameEncoder, *, capture: bool = False, max_graphs: int = 12,
                  channel_multiple: int = 8, gemm_attention: bool = True, cudnn_benchmark: bool = False,
-                 fold_biases: bool = True, channels_last_kernels: bool = True) -> None:
+                 fold_biases: bool = True, channels_last_kernels: bool = True, row_ladder: tuple[int, ...] = ()
+                 ) -> None:
         super().__init__(frames.vae)
         self.capture, self.max_graphs = capture, max_graphs
+        self.row_ladder = row_ladder  # the engine's batch ladder: a captured encode pads a batch to its rung
         # A convolution whose input channels are not a multiple of this gets zero channels (and zero weights) up to
         # one: the patchified stem's 12 channels otherwise put cuDNN on a kernel without tensor cores (H200: 0.21 ms
         # of the ~3.9 ms encode). 0 or 1: off.
@@ -103,7 +126,7 @@ class FirstFrameEncoder(FrameEncoder):
         x = pixels[:, :, 0].to(device=self.mean.device, dtype=self.mean.dtype)
         try:
             if self.capture and x.is_cuda:
-                return self._graphed(("pixels", tuple(x.shape), x.dtype, x.device), self._frame_latent, x)
+                return self._graphed(("pixels", x.dtype, x.device), self._frame_latent, x)
             return self._frame_latent(x)
         except UnsupportedEncoder as e:
             self._give_up(e)
@@ -118,7 +141,7 @@ class FirstFrameEncoder(FrameEncoder):
             return super().encode_content_uint8(content, geometry)
         check_content(content, geometry)
         self._check_size(geometry.canvas_h, geometry.canvas_w)
-        key = ("content", tuple(content.shape), geometry, content.device)
+        key = ("content", geometry, content.device)
         try:
             return self._graphed(key, lambda c: self._frame_latent(
                 pad_unit_pixels(unit_pixels(c), geometry).to(self.mean.dtype)), content)
@@ -153,7 +176,11 @@ class FirstFrameEncoder(FrameEncoder):
         return self._conv(self.vae.quant_conv, self._encoder(x))[:, : self.latent_channels]
 
     def _graphed(self, key: tuple, fn, x: torch.Tensor) -> torch.Tensor:
-        """fn(x), captured once per key into a CUDA graph and replayed; a copy of its output."""
+        """fn(x), captured once per key and padded shape (`graph_rows`) into a CUDA graph and replayed; a copy of its
+        first len(x) rows."""
+        b = x.shape[0]
+        x = pad_rows(x, graph_rows(b, self.row_ladder))
+        key = (*key, tuple(x.shape))
         with self._graph_lock:
             entry = self._graphs.get(key)
             if entry is None:
@@ -170,7 +197,7 @@ class FirstFrameEncoder(FrameEncoder):
                 except RuntimeError as e:  # never a failed request: the same walk, launched kernel by kernel
                     self.capture = False
                     log.warning("first-frame VAE encode: CUDA graph capture failed (%s); running it uncaptured", e)
-                    return fn(x)
+                    return fn(x)[:b]
                 entry = self._graphs[key] = (graph, static_in, static_out)
                 while len(self._graphs) > self.max_graphs:
                     self._graphs.popitem(last=False)
@@ -178,7 +205,7 @@ class FirstFrameEncoder(FrameEncoder):
             graph, static_in, static_out = entry
             static_in.copy_(x)
             graph.replay()
-            return static_out.clone()
+            return static_out[:b].clone()
 
     def encode_uint8(self, frames: torch.Tensor) -> torch.Tensor:
         """frames uint8 [B, H, W, 3] -> latent of each as a single frame, [B, C, 1, H/16, W/16]."""
