@@ -121,6 +121,21 @@ def test_grid_runs_cells_shares_d0_and_pairs_them(tmp_path):
     assert "| 3 | prefix |" in path.read_text()
 
 
+def test_grid_batches_every_blocked_workers_requests_together():
+    """At d = 0 every worker blocks on its replies each request tick: the policy process waits until all of them have
+    asked (or MERGE_WAIT_S passes) and serves one call, instead of one call per worker as their requests trickle in
+    (on the H100 a call cost ~171 ms whatever its size)."""
+    from wamrt.eval.grid import LocalBackend, plan_cells, run_grid
+
+    cells = plan_cells(["pick_place"], [0], ["sync"])
+    run = run_grid(cells, [0, 1, 2, 3], {"base": LocalBackend(WigglePolicy())}, workers=2, lanes=2, max_batch=8,
+                   max_steps=40, env_kwargs={"exterior_hw": (32, 56)})
+    assert all(len(r) == 4 for r in run.results.values())
+    # both workers' two lanes in one call (the first call may not wait for a worker still starting up, and the
+    # episodes' last requests come apart); one call per worker's pair before this: [2] * 10
+    assert run.batches.count(4) >= 3 and len(run.batches) <= 7, run.batches
+
+
 def test_grid_workers_prepare_an_engines_requests(tmp_path, monkeypatch):
     """With an Engine behind a grid policy, the simulator processes validate and compose each request's canvas
     (one core each) and the engine admits them as they are: the same episodes as when the engine's own process
@@ -153,7 +168,7 @@ def test_grid_workers_prepare_an_engines_requests(tmp_path, monkeypatch):
     assert a.realtime == b.realtime and a.trace == b.trace  # the same rows ran: jerk sums, stalls, delays
     # every call's stages come back: where the policy process's time went (the grid's bound on the GPU)
     run = runs[True]
-    assert len(run.stage_ms) == len(run.batches) >= 2
+    assert len(run.stage_ms) == len(run.batches) >= 1
     stages = run.stage_ms_mean()
     assert {"vae_encode", "denoise", "total"} <= set(stages), stages
     assert 0 < stages["vae_encode"] < stages["total"] and 0 < stages["denoise"] < stages["total"]

@@ -34,6 +34,10 @@ NO_CANVAS = np.zeros((0, 0, 3), np.uint8)  # in a worker's prepared request, see
 # and the boundary jerk from 2.1x the jerk inside chunks to 1.0x
 # (bench/results/rollout/2026-12-05-cf940b1-cpu-pilot-turntable/).
 SEAM_ROWS = 4
+# How long the policy process waits for more requests while some worker is still stepping (not blocked on a reply).
+# A call costs mostly a fixed time (H100, 36131c6: ~171 ms + ~3.9 ms a request), so a batch served the moment one
+# worker's requests arrived (mean 16.5 of 15 workers x 16 lanes) paid that time once per worker.
+MERGE_WAIT_S = 0.05
 
 # grid strategy -> (runner strategy, action_prefix_mode, which policy, seam rows: None = the run's --seam-rows)
 GRID_STRATEGIES: dict[str, tuple[str, str, str, int | None]] = {
@@ -137,6 +141,7 @@ class _Mailbox:
 
     def get(self, ticket: int) -> Any:
         while ticket not in self.replies:
+            self.conn.send(("waiting",))  # this worker can step no further: the policy need not wait for it
             self._take(self.conn.recv())
         reply = self.replies.pop(ticket)
         if isinstance(reply, str):
@@ -327,9 +332,10 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
     results: dict[int, dict[int, Any]] = {ci: {} for ci in range(len(cells))}
     pending: deque[tuple[Connection, int, str, dict[str, Any], int | None]] = deque()
     batches, batch_ms, stage_ms, live, stopped = [], [], [], set(range(workers)), False
+    waiting: set[int] = set()  # workers blocked on a reply: once every live one is, nothing more comes until a call
     try:
         while live:
-            ready = wait([conns[w] for w in live], timeout=0 if pending else 1.0)
+            ready = wait([conns[w] for w in live], timeout=MERGE_WAIT_S if pending else 1.0)
             for c in ready:
                 w = conns.index(c)
                 try:
@@ -337,7 +343,10 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
                 except EOFError:
                     procs[w].join(5)
                     raise RuntimeError(f"grid worker {w} died (exit code {procs[w].exitcode})") from None
-                if msg[0] == "requests":
+                if msg[0] == "waiting":
+                    waiting.add(w)
+                elif msg[0] == "requests":
+                    waiting.discard(w)
                     pending.extend((c, ticket, policy, obs, seed) for ticket, policy, obs, seed in msg[1])
                 elif msg[0] == "result":
                     results[msg[1]][msg[2].seed] = msg[2]
@@ -350,13 +359,17 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
                             on_cell(msg[1], [results[msg[1]][s] for s in seeds])
                 elif msg[0] == "done":  # its last episodes may have ended with requests still in flight
                     live.discard(w)
+                    waiting.discard(w)
                     kept = [item for item in pending if item[0] is not c]
                     pending.clear()
                     pending.extend(kept)
                 elif msg[0] == "crash":
                     raise RuntimeError(f"grid worker {w} failed:\n{msg[1]}")
-            if pending and (not ready or len(pending) >= max_batch):
-                _serve_batch(pending, backends or {}, max_batch, batches, batch_ms, stage_ms)
+            # Serve once every live worker waits on a reply (no more requests can come), when a full batch is
+            # there, or when MERGE_WAIT_S passed without a message (a worker stepping slowly is not waited for).
+            if pending and (live <= waiting or len(pending) >= max_batch or not ready):
+                for conn in _serve_batch(pending, backends or {}, max_batch, batches, batch_ms, stage_ms):
+                    waiting.discard(conns.index(conn))
             if budget_s is not None and not stopped and time.perf_counter() - t0 > budget_s:
                 stopped = True
                 for w in live:
@@ -371,8 +384,9 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
 
 
 def _serve_batch(pending: deque, backends: dict[str, Any], max_batch: int, batches: list[int],
-                 batch_ms: list[float], stage_ms: list[dict[str, float]]) -> None:
-    """One policy call for up to max_batch requests of the oldest request's policy; replies to their workers."""
+                 batch_ms: list[float], stage_ms: list[dict[str, float]]) -> list[Connection]:
+    """One policy call for up to max_batch requests of the oldest request's policy; replies to their workers (the
+    connections it replied to are returned)."""
     policy = pending[0][2]
     take, keep = [], deque()
     while pending:
@@ -402,6 +416,7 @@ def _serve_batch(pending: deque, backends: dict[str, Any], max_batch: int, batch
             conn.send(("replies", replies))
         except (BrokenPipeError, ConnectionResetError):  # the worker finished: nothing waits for these replies
             pass
+    return list(by_conn)
 
 
 def print_progress(line: str) -> None:
