@@ -246,15 +246,11 @@ class LocalBackend:
 def call_stages(results: list[Any]) -> dict[str, float] | None:
     """Where one batched call's time went, from its first answered request's `timings_ms`: the batch-level stages
     (VAE encode, denoise, the call's total) are charged to every request of the call, so one request shows the
-    call. The per-step keys (`denoise_step<i>`) are summed into `denoise_steps`."""
+    call. The eager reference's per-step keys (`denoise_step<i>`) are parts of its `denoise` and left out."""
     chunk = next((r for r in results if getattr(r, "timings_ms", None)), None)
     if chunk is None:
         return None
-    stages: dict[str, float] = {}
-    for key, ms in chunk.timings_ms.items():
-        key = "denoise_steps" if key.startswith("denoise_step") else key
-        stages[key] = stages.get(key, 0.0) + float(ms)
-    return stages
+    return {k: float(ms) for k, ms in chunk.timings_ms.items() if not k.startswith("denoise_step")}
 
 
 class RemoteBackend:
