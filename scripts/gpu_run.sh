@@ -371,10 +371,12 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
           # batch 1 (eager and CUDA-graph steps) / 8 / 32 decode tokens/s against the HBM floor, unfused and with the
           # layers' small kernels compiled (reasoner/fused.py), transformers' generate on the same weights as the
           # baseline, then the fused layers again on one matrix for q/k/v and one for gate/up (engine/fuse.py
-          # fuse_reasoner); then the graph-vs-eager GPU tests. 129 s at Nano with the fused rows (36131c6, H100);
-          # give it decode:300.
+          # fuse_reasoner), and at batch 1 in the compile modes FUSED_MODES (e.g. "max-autotune-no-cudagraphs
+          # coordinate-descent"); then the graph-vs-eager GPU tests. 129 s at Nano with the fused rows (36131c6,
+          # H100); give it decode:300, decode:540 with FUSED_MODES.
           wamrt bench decode --size "${DECODE_SIZE:-nano}" --prompt-tokens "${PROMPT_TOKENS:-512}" \
-             --new-tokens "${NEW_TOKENS:-128}" --hf-tokens "${HF_TOKENS:-64}" --out "$res" 2>&1 | tee "$res/log.txt"
+             --new-tokens "${NEW_TOKENS:-128}" --hf-tokens "${HF_TOKENS:-64}" ${FUSED_MODES:+--fused-modes $FUSED_MODES} \
+             --out "$res" 2>&1 | tee "$res/log.txt"
           timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/reasoner/test_reasoner_gpu.py 2>&1 \
              | tail -5 | tee -a "$res/log.txt" ;;
     prefix-cost) # Issue 41: what a prefix request costs on the eager reference (none / inpaint / guided RTC), Edge at

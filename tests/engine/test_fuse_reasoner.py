@@ -3,6 +3,7 @@ oracle is the same model unfused, in the test (fp32, CPU)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from wamrt.engine.fuse import fuse_generator, fuse_reasoner
@@ -66,12 +67,14 @@ def test_fuse_reasoner_is_idempotent_and_composes_with_the_generator_fusion():
         torch.testing.assert_close(got, ref, atol=LOGIT_ATOL, rtol=0)
 
 
-def test_compiled_decode_layers_run_on_the_fused_matrices(tmp_path):
-    """reasoner/fused.py's compiled regions over a fused model (what `wamrt bench decode` times last): the same greedy
-    tokens as the eager layers over the same fused model."""
+@pytest.mark.parametrize("mode", [None, "coordinate-descent"])
+def test_compiled_decode_layers_run_on_the_fused_matrices(tmp_path, mode):
+    """reasoner/fused.py's compiled regions over a fused model (what `wamrt bench decode` times last), in its compile
+    modes: the same greedy tokens as the eager layers over the same fused model."""
     from oracle.reasoner import build_tiny_reasoner
     from torch._dynamo.utils import counters
 
+    from wamrt.reasoner.engine import DecodeBatch
     from wamrt.reasoner.sampling import SamplingParams
 
     graphs_before = counters["stats"]["unique_graphs"]
@@ -81,11 +84,18 @@ def test_compiled_decode_layers_run_on_the_fused_matrices(tmp_path):
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     tokens = {}
     for fused in (False, True):
-        done = {}
-        for events in r.generate(prompts, params, cuda_graphs=False, fused=fused):
-            for e in events:
-                if e.finish_reason:
-                    done[e.seq.tag] = e.seq.tokens
-        tokens[fused] = [done[0], done[1]]
+        batch = DecodeBatch(r, 2, cuda_graphs=False, fused=fused, fused_mode=mode)
+        seqs = [batch.admit(p, params).seq for p in prompts]
+        while batch.live:
+            batch.step()
+        tokens[fused] = [s.tokens for s in seqs]
     assert counters["stats"]["unique_graphs"] - graphs_before >= 2  # both regions compiled (not the fallback)
     assert tokens[True] == tokens[False] and len(tokens[True][1]) == 10
+
+
+def test_fused_decode_layer_names_an_unknown_mode():
+    from wamrt.reasoner.fused import FUSED_MODES, FusedDecodeLayer
+
+    with pytest.raises(ValueError, match="max-autotune-no-cudagraphs"):
+        FusedDecodeLayer("fastest")
+    assert "default" in FUSED_MODES

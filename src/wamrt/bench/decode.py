@@ -79,13 +79,13 @@ def _sync(device: torch.device) -> None:
 
 
 def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: float, fused: bool = False,
-                copy_floor_ms: float | None = None, fused_weights: bool = False) -> dict:
+                copy_floor_ms: float | None = None, fused_weights: bool = False, fused_mode: str | None = None) -> dict:
     from ..reasoner.engine import DecodeBatch
     from ..reasoner.sampling import SamplingParams
 
     dev = reasoner.lm.device
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    db = DecodeBatch(reasoner, batch, cuda_graphs=graphs, fused=fused)
+    db = DecodeBatch(reasoner, batch, cuda_graphs=graphs, fused=fused, fused_mode=fused_mode)
     steps_ms: list[float] = []
     first_pass_ms: list[float] = []
     tokens: list[int] = []
@@ -101,7 +101,7 @@ def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: 
     # a failed compile leaves the graphs on the eager layers (logged): not a fused row then
     fused = fused and (db.graphs is None or db.graphs.layer_fn is not None)
     return {"kind": "latency", "mode": "decode", "batch": batch, "cuda_graph": graphs, "fused": fused,
-            "fused_weights": fused_weights,
+            "fused_weights": fused_weights, "fused_mode": (fused_mode or "default") if fused else None,
             "tokens_per_s": batch * 1e3 / stats["p50_ms"], "step": stats,
             "floor_fraction": floor_ms / stats["p50_ms"], "tokens": tokens,
             "copy_floor_fraction": None if copy_floor_ms is None else copy_floor_ms / stats["p50_ms"],
@@ -208,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
             fuse_reasoner(model)
             rows += [_decode_row(reasoner, prompt, b, args.new_tokens, graphs, fused=graphs, fused_weights=True,
                                  **floors) for b in args.batches]
+            for mode in args.fused_modes if graphs else []:  # batch 1, the bar, in the other compile modes
+                rows.append(_decode_row(reasoner, prompt, 1, args.new_tokens, graphs, fused=True, fused_weights=True,
+                                        fused_mode=mode, **floors))
     ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs and not r["fused"]
                  and not r["fused_weights"])
     if graphs:  # the graph replays compute what the eager steps do
@@ -241,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"prefill {len(ids)} tokens: {result['prefill']['tokens_per_s']:.0f} tokens/s ({pre['p50_ms']:.1f} ms)")
     for r in rows:
         kind = ("graph" if r["cuda_graph"] else "eager") + ("+fused" if r["fused"] else "") \
-            + ("+qkv/gate-up" if r["fused_weights"] else "")
+            + ("+qkv/gate-up" if r["fused_weights"] else "") \
+            + (f" ({r['fused_mode']})" if r["fused_mode"] not in (None, "default") else "")
         print(f"decode batch {r['batch']:>2} {kind}: {r['tokens_per_s']:8.1f} "
               f"tokens/s, step {r['step']['p50_ms']:.2f} ms (CI {r['step']['ci95_p50_ms'][0]:.2f}-"
               f"{r['step']['ci95_p50_ms'][1]:.2f}), floor fraction {r['floor_fraction']:.2f}"

@@ -264,6 +264,10 @@ def _decode(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-fuse-weights", dest="fuse_weights", action="store_false",
                     help="skip the last rows, with one matrix for q/k/v and one for gate/up (engine/fuse.py "
                          "fuse_reasoner; graph + fused layers on CUDA, eager on the CPU)")
+    ap.add_argument("--fused-modes", nargs="*", default=[],
+                    choices=["max-autotune-no-cudagraphs", "coordinate-descent"],
+                    help="batch-1 rows of the fused layers over the fused matrices in these compile modes too (CUDA; "
+                         "max-autotune times Triton matmul templates per shape: minutes at Nano)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/decode"), help="result folder")
 
 

@@ -61,7 +61,7 @@ class DecodeBatch:
     """`rows` sequences at most, each up to `max_len` tokens (prompt and output) in the cache."""
 
     def __init__(self, reasoner: Reasoner, rows: int, *, cuda_graphs: bool | None = None,
-                 fused: bool = False) -> None:
+                 fused: bool = False, fused_mode: str | None = None) -> None:
         self.reasoner, self.lm = reasoner, reasoner.lm
         # +1: the last cache position is the graphs' scratch space, never a sequence's; a whole number of MIN_SPAN
         # positions, so every span a step reads is one too (attention kernels want aligned key masks).
@@ -69,13 +69,13 @@ class DecodeBatch:
         self.cache = KVCache.empty(self.lm.transformer, rows, length)
         self.rows: list[DecodeSeq | None] = [None] * rows
         use_graphs = self.lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        # fused: the layers' small kernels compiled into two regions (`fused.FusedDecodeLayer`); off by default until
-        # an H200 row shows the gain (`wamrt bench decode` times both)
+        # fused: the layers' small kernels compiled into two regions (`fused.FusedDecodeLayer`, `fused_mode` its
+        # compile mode); off by default: each row count's first step compiles for seconds (`wamrt bench decode`)
         self.layer_fn = None
         if fused:
             from .fused import FusedDecodeLayer
 
-            self.layer_fn = FusedDecodeLayer()
+            self.layer_fn = FusedDecodeLayer(fused_mode)
         self.graphs = None
         self.captures_on_step = 0  # buckets first met by a step (captured there, on the request path)
         if use_graphs:

@@ -29,15 +29,26 @@ def _after_attention(layer: Any, u: torch.Tensor, o: torch.Tensor) -> torch.Tens
     return layer.reasoner_post(u, o)
 
 
+# Compile modes `wamrt bench decode --fused-modes` compares. At batch 1 a step is GEMVs: "max-autotune-no-cudagraphs"
+# lets Inductor time its Triton matmul templates against cuBLAS per shape (the decode graphs do the capturing);
+# "coordinate-descent" tunes the generated kernels' launch parameters.
+FUSED_MODES = ("default", "max-autotune-no-cudagraphs", "coordinate-descent")
+
+
 class FusedDecodeLayer:
     """`layer_fn` for `ReasonerLM.decode_step`: `MoTLayer.reasoner_pre` and `reasoner_post` compiled, attention
     eager between them."""
 
     def __init__(self, mode: str | None = None) -> None:
+        if mode not in (None, *FUSED_MODES):
+            raise ValueError(f"fused decode mode {mode!r}: one of {', '.join(FUSED_MODES)}")
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         if not torch._dynamo.config.inline_inbuilt_nn_modules:  # always on from torch 2.13 (setting it warns)
             torch._dynamo.config.inline_inbuilt_nn_modules = True  # parameters as inputs: one graph, every layer
-        compiled = partial(torch.compile, dynamic=False, mode=mode)
+        if mode == "coordinate-descent":
+            compiled = partial(torch.compile, dynamic=False, options={"coordinate_descent_tuning": True})
+        else:
+            compiled = partial(torch.compile, dynamic=False, mode=None if mode == "default" else mode)
         self.before, self.after = compiled(_before_attention), compiled(_after_attention)
 
     def __call__(self, layer: Any, u: torch.Tensor, rope: Rope, attention: Any) -> torch.Tensor:
