@@ -59,6 +59,8 @@ def fuse_reasoner(model: Cosmos3Transformer, *, drop_originals: bool = True) -> 
         attn = layer.self_attn
         if getattr(attn, "qkv_proj", None) is None:
             parts = [attn.to_q, attn.to_k, attn.to_v]
+            if any(type(p) is not nn.Linear for p in parts):  # a quantized Reasoner (reasoner-w8) keeps its layers
+                raise TypeError(f"fuse_reasoner needs plain nn.Linear projections, not {type(parts[0]).__name__}")
             attn.qkv_proj = _fused_linear(parts)
             attn.reasoner_qkv_sizes = [p.weight.shape[0] for p in parts]
             attn.__class__ = _with_reasoner_qkv(type(attn))
