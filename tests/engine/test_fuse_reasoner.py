@@ -46,18 +46,20 @@ def test_fused_reasoner_decodes_what_the_unfused_one_does():
     assert [r.argmax(-1).item() for r in reference] == [f.argmax(-1).item() for f in fused]
 
 
+@pytest.mark.parametrize("generator_first", [True, False])
 @torch.no_grad()
-def test_fuse_reasoner_is_idempotent_and_composes_with_the_generator_fusion():
-    """A model whose Generator is fused (the policy engine's) takes the Reasoner fusion on top, and a second call
-    changes nothing: both streams keep their math."""
+def test_fuse_reasoner_is_idempotent_and_composes_with_the_generator_fusion(generator_first):
+    """Either fusion on top of the other (the policy engine fuses the Generator), and a second call changes nothing:
+    both streams keep their math."""
     ids = [5, 9, 2, 7]
     reference = _prompt_and_steps(_lm(), ids, 3)
     lm = _lm()
-    fuse_generator(lm.transformer)
-    fuse_reasoner(lm.transformer)
+    for fuse in (fuse_generator, fuse_reasoner) if generator_first else (fuse_reasoner, fuse_generator):
+        fuse(lm.transformer)
     attn = lm.transformer.layers[0].self_attn
     cls, qkv = type(attn), attn.qkv_proj
     fuse_reasoner(lm.transformer)
+    fuse_generator(lm.transformer)
     assert type(attn) is cls and attn.qkv_proj is qkv
     assert attn.add_qkv_proj is not None  # the Generator's fusion is still served
     x = torch.randn(1, 3, lm.transformer.layers[0].input_layernorm.weight.shape[0])

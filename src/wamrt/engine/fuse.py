@@ -66,13 +66,16 @@ def fuse_reasoner(model: Cosmos3Transformer, *, drop_originals: bool = True) -> 
             attn.__class__ = _with_reasoner_qkv(type(attn))
             if drop_originals:
                 attn.to_q = attn.to_k = attn.to_v = None
-        mlp = layer.mlp
-        if mlp.gated and not isinstance(mlp, FusedGateUp):
-            mlp.gate_up_proj = _fused_linear([mlp.gate_proj, mlp.up_proj])
-            mlp.__class__ = FusedGateUp
-            if drop_originals:
-                mlp.gate_proj = mlp.up_proj = None
+        _fuse_gate_up(layer.mlp, drop_originals)
     return model
+
+
+def _fuse_gate_up(mlp: MLP, drop_originals: bool) -> None:
+    if mlp.gated and not isinstance(mlp, FusedGateUp):
+        mlp.gate_up_proj = _fused_linear([mlp.gate_proj, mlp.up_proj])
+        mlp.__class__ = FusedGateUp
+        if drop_originals:
+            mlp.gate_proj = mlp.up_proj = None
 
 
 def fuse_generator(model: Cosmos3Transformer, *, drop_originals: bool = True) -> Cosmos3Transformer:
@@ -83,14 +86,11 @@ def fuse_generator(model: Cosmos3Transformer, *, drop_originals: bool = True) ->
             parts = [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj]
             attn.add_qkv_proj = _fused_linear(parts)
             attn.qkv_sizes = [p.weight.shape[0] for p in parts]
-            attn.__class__ = FusedGeneratorQKV
+            # after fuse_reasoner too: its Reasoner projections stay served from `qkv_proj`
+            reasoner_fused = getattr(attn, "qkv_proj", None) is not None
+            attn.__class__ = _with_reasoner_qkv(FusedGeneratorQKV) if reasoner_fused else FusedGeneratorQKV
             if drop_originals:  # the fused copy replaces them; keeps memory at one copy
                 for name in ("add_q_proj", "add_k_proj", "add_v_proj"):
                     setattr(attn, name, None)
-        mlp = layer.mlp_moe_gen
-        if mlp.gated and not isinstance(mlp, FusedGateUp):
-            mlp.gate_up_proj = _fused_linear([mlp.gate_proj, mlp.up_proj])
-            mlp.__class__ = FusedGateUp
-            if drop_originals:
-                mlp.gate_proj = mlp.up_proj = None
+        _fuse_gate_up(layer.mlp_moe_gen, drop_originals)
     return model
