@@ -76,17 +76,18 @@ class _DecodeAttention:
     """One new token in each of the first B cache rows: its K/V goes to position `index[b]` of its row, its query
     attends to the row's first `span` positions up to its own (`mask` [B, span])."""
 
-    def __init__(self, cache: KVCache, layer: int, index: torch.Tensor, mask: torch.Tensor) -> None:
-        self.cache, self.layer, self.index, self.mask = cache, layer, index, mask
+    def __init__(self, cache: KVCache, layer: int, index: torch.Tensor, mask: torch.Tensor,
+                 rows: torch.Tensor) -> None:
+        # rows: arange(B), made once per step for every layer (a kernel launch a layer otherwise)
+        self.cache, self.layer, self.index, self.mask, self.rows = cache, layer, index, mask, rows
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  key_mask: torch.Tensor | None) -> torch.Tensor:
         b, h, _, d = q.shape  # q [B, H, 1, d], k/v [B, K, 1, d]
         kv_heads, span = k.shape[1], self.mask.shape[1]
-        rows = torch.arange(b, device=q.device)
         keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]  # [B_max, K, S, d]
-        keys[rows, :, self.index] = k[:, :, 0]
-        values[rows, :, self.index] = v[:, :, 0]
+        keys[self.rows, :, self.index] = k[:, :, 0]
+        values[self.rows, :, self.index] = v[:, :, 0]
         # The query heads of one K/V head share its keys: attend as [B, K, group, d] instead of repeating the cache
         # (a decode step would otherwise copy the whole cached span once per layer).
         o = F.scaled_dot_product_attention(q.reshape(b, kv_heads, h // kv_heads, d), keys[:b, :, :span],
@@ -154,7 +155,8 @@ class ReasonerLM(nn.Module):
         u = self.embed(tokens)[:, None]  # [B, 1, h]
         rope = self.rope(rope_pos.float()[:, None, None].expand(b, 3, 1))
         mask = torch.arange(span, device=tokens.device)[None] <= index[:, None]  # [B, span]
+        rows = torch.arange(b, device=tokens.device)
         for i, layer in enumerate(self.transformer.layers):
-            attention = _DecodeAttention(cache, i, index, mask)
+            attention = _DecodeAttention(cache, i, index, mask, rows)
             u = layer.reasoner(u, rope, attention)[0] if layer_fn is None else layer_fn(layer, u, rope, attention)
         return self._logits(u)[:, 0]
