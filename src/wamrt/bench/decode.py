@@ -17,10 +17,11 @@ import argparse
 import json
 import time
 
+import numpy as np
 import torch
 
 from ..provenance import environment, utc_now
-from .stats import summarize
+from .stats import device_ms, summarize
 
 # Datasheet memory bandwidth by the name torch reports, most specific first. An H100 measured against the H200's
 # 4.8 TB/s read 0.38 of a floor it cannot reach (bench/results/decode/2026-12-05-36131c6-nano-h100/).
@@ -47,17 +48,8 @@ def copy_bandwidth(device: torch.device, gib: float = 1.0, reps: int = 10) -> fl
         return None
     src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    times = []
-    for i in range(reps + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        if i >= 2:
-            times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * gib * 2**30 / sorted(times)[len(times) // 2]
+    ms = float(np.median(device_ms(lambda: dst.copy_(src), reps, device)))  # the 2 GiB are freed on return
+    return 2 * gib * 2**30 / (ms / 1e3)
 
 
 def reasoner_weight_bytes(model: torch.nn.Module, head: torch.nn.Module) -> int:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ..provenance import environment
-from .stats import summarize
+from .stats import device_ms, summarize
 
 STAGES = ("encode", "decode")
 
@@ -69,26 +69,6 @@ def kind_of(kernel: str) -> str:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def device_ms(fn: Callable[[], object], runs: int, device: torch.device) -> list[float]:
-    """`runs` timed calls after an untimed one: CUDA events around each on CUDA (GPU time), else the wall clock."""
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(runs):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return times
 
 
 def host_ms(fn: Callable[[], object], runs: int, device: torch.device) -> dict:

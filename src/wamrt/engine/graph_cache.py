@@ -24,6 +24,11 @@ from typing import Any
 import torch
 
 
+def ladder_rung(batch: int, ladder: tuple[int, ...]) -> int | None:
+    """The smallest rung of a batch ladder that holds `batch` rows; None past its top (or without one)."""
+    return min((b for b in ladder if b >= batch), default=None)
+
+
 @dataclass(frozen=True)
 class GraphKey:
     """What a captured graph was specialised on. `lengths`: the Reasoner prefix length of every sequence

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model import Rope
-from .graph_cache import CapturedGraph, CaptureTimer, GraphKey, graph_pool_bytes, tensor_bytes
+from .graph_cache import CapturedGraph, CaptureTimer, GraphKey, graph_pool_bytes, ladder_rung, tensor_bytes
 from .kv_buffers import BatchBranch
 from .prefix_cache import StackedKV, copy_lists
 
@@ -129,8 +129,8 @@ class GraphCapture:
 
     def _ladder_key(self, key: GraphKey) -> GraphKey:
         """The bucket to capture for a batch of `key`: its size rounded up to the batch ladder (prompt buckets)."""
-        ladder = [b for b in self.config.batch_ladder if b >= key.batch]
-        return key.rows(min(ladder)) if key.bucketed and ladder else key
+        rung = ladder_rung(key.batch, self.config.batch_ladder)
+        return key.rows(rung) if key.bucketed and rung is not None else key
 
     def _loop_uncaptured(self, inputs: LoopInputs):
         """The loop without a graph, one request at a time (the memory of one), uncompiled: a new shape would

@@ -46,6 +46,7 @@ from ..pipeline.canvas import pad_unit_pixels
 from ..pipeline.errors import RequestError
 from ..pipeline.geometry import CanvasGeometry
 from ..pipeline.vae import FrameEncoder, check_content, unit_pixels
+from .graph_cache import ladder_rung
 from .vae_decode import rms_norm_silu
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,8 @@ def graph_rows(rows: int, ladder: tuple[int, ...] = ()) -> int:
     EXACT_ROWS, then the next power of two. Captured at every exact size, a grid's policy calls (batches of 1 to 128)
     kept capturing sizes the LRU had just evicted, each capture two eager walks on the request path; this bounds the
     graphs for batches up to 128 at 12 (the default `max_graphs`), at most doubling the frames of a batch above 8."""
-    if fits := [r for r in ladder if r >= rows]:
-        return min(fits)
+    if (rung := ladder_rung(rows, ladder)) is not None:
+        return rung
     return rows if rows <= EXACT_ROWS else 1 << (rows - 1).bit_length()
 
 
