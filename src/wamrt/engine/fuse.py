@@ -36,20 +36,13 @@ class FusedGateUp(MLP):
         return gate, up
 
 
-def _fused_reasoner_projections(self: MoTAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return self.qkv_proj(x).split(self.reasoner_qkv_sizes, dim=-1)
+class FusedReasonerQKV(MoTAttention):
+    def reasoner_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.qkv_proj(x).split(self.reasoner_qkv_sizes, dim=-1)
 
 
-_REASONER_QKV_CLASSES: dict[type, type] = {}
-
-
-def _with_reasoner_qkv(cls: type) -> type:
-    """`cls` (MoTAttention, or the Generator-fused subclass) with its Reasoner projections served from `qkv_proj`."""
-    if cls not in _REASONER_QKV_CLASSES:
-        _REASONER_QKV_CLASSES[cls] = type(f"{cls.__name__}ReasonerQKV", (cls,),
-                                          {"reasoner_projections": _fused_reasoner_projections,
-                                           "__module__": __name__})
-    return _REASONER_QKV_CLASSES[cls]
+class FusedQKV(FusedGeneratorQKV, FusedReasonerQKV):
+    """Both streams' q/k/v from their fused matrices (the two fusions in either order)."""
 
 
 def fuse_reasoner(model: Cosmos3Transformer, *, drop_originals: bool = True) -> Cosmos3Transformer:
@@ -57,13 +50,13 @@ def fuse_reasoner(model: Cosmos3Transformer, *, drop_originals: bool = True) -> 
     separate matrices go (one copy in memory); `to_q` / `to_k` / `to_v` then exist only inside `qkv_proj`."""
     for layer in model.layers:
         attn = layer.self_attn
-        if getattr(attn, "qkv_proj", None) is None:
+        if not isinstance(attn, FusedReasonerQKV):
             parts = [attn.to_q, attn.to_k, attn.to_v]
             if any(type(p) is not nn.Linear for p in parts):  # a quantized Reasoner (reasoner-w8) keeps its layers
                 raise TypeError(f"fuse_reasoner needs plain nn.Linear projections, not {type(parts[0]).__name__}")
             attn.qkv_proj = _fused_linear(parts)
             attn.reasoner_qkv_sizes = [p.weight.shape[0] for p in parts]
-            attn.__class__ = _with_reasoner_qkv(type(attn))
+            attn.__class__ = FusedQKV if isinstance(attn, FusedGeneratorQKV) else FusedReasonerQKV
             if drop_originals:
                 attn.to_q = attn.to_k = attn.to_v = None
         _fuse_gate_up(layer.mlp, drop_originals)
@@ -86,9 +79,7 @@ def fuse_generator(model: Cosmos3Transformer, *, drop_originals: bool = True) ->
             parts = [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj]
             attn.add_qkv_proj = _fused_linear(parts)
             attn.qkv_sizes = [p.weight.shape[0] for p in parts]
-            # after fuse_reasoner too: its Reasoner projections stay served from `qkv_proj`
-            reasoner_fused = getattr(attn, "qkv_proj", None) is not None
-            attn.__class__ = _with_reasoner_qkv(FusedGeneratorQKV) if reasoner_fused else FusedGeneratorQKV
+            attn.__class__ = FusedQKV if isinstance(attn, FusedReasonerQKV) else FusedGeneratorQKV
             if drop_originals:  # the fused copy replaces them; keeps memory at one copy
                 for name in ("add_q_proj", "add_k_proj", "add_v_proj"):
                     setattr(attn, name, None)
