@@ -202,8 +202,8 @@ def test_grid_refuses_unknown_strategies():
 
 
 def test_grid_command_loads_one_engine_when_both_policies_are_one_checkpoint(tmp_path, monkeypatch):
-    """The turntable grid names the prefix-trained checkpoint as both policies: one engine serves both d = 0 cells,
-    which then replay the same episodes."""
+    """The turntable grid names the prefix-trained checkpoint as both policies: one engine, and one d = 0 run whose
+    result stands for both d = 0 cells."""
     from wamrt.cli import main
     from wamrt.cli import realtime as cli_realtime
 
@@ -219,9 +219,10 @@ def test_grid_command_loads_one_engine_when_both_policies_are_one_checkpoint(tmp
     assert loads == ["tiny-droid"]
     base, trained = (json.loads((out / f"pick_place-d0{s}.json").read_text()) for s in ("", "-trained"))
     assert base["outcomes"] == trained["outcomes"] and base["realtime"] == trained["realtime"]
+    assert trained["policy_role"] == "trained" and trained["copy_of"] == "pick_place-d0.json"
     assert trained["config"]["trained"]["model"] == "tiny-droid"
     summary = json.loads((out / "summary.json").read_text())
-    assert sum(int(b) * n for b, n in summary["batch_hist"].items()) == base["realtime"]["requests"] * 2
+    assert sum(int(b) * n for b, n in summary["batch_hist"].items()) == base["realtime"]["requests"]  # run once
     assert {"vae_encode", "denoise", "total"} <= set(summary["stage_ms_mean"]) and summary["policy_busy_share"] > 0
 
 

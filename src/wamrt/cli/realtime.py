@@ -310,7 +310,13 @@ def run_grid_command(args: argparse.Namespace) -> int:
                     args.trained_policy if c.policy == "trained" else args.policy)
                 and (c.runner_strategy != "prefix" or c.seam_rows is not None
                      or f.get("config", {}).get("seam_rows", 0) == args.seam_rows)}
-    todo = [c for c in cells if c not in done]
+    # One checkpoint as both policies (the turntable grid): its two d = 0 cells would replay the same episodes, so
+    # the prefix-trained one is written as a copy of the base one rather than run again (on the GPU a second run
+    # differs only by the batched engine's rounding, and costs a cell's time).
+    copies = {c: next(b for b in cells if b.key == (c.task, 0, "base")) for c in cells
+              if c.delay == 0 and c.policy == "trained" and args.trained_policy == args.policy
+              and (c.task, 0, "base") in {b.key for b in cells}}
+    todo = [c for c in cells if c not in done and c not in copies]
     print(f"grid: {len(todo)} cells x {len(seeds)} episodes on {args.workers} workers x {args.lanes} lanes"
           + (f" ({len(done)} done before)" if done else ""), file=sys.stderr)
     command = shlex.join(["wamrt", *sys.argv[1:]])
@@ -333,6 +339,10 @@ def run_grid_command(args: argparse.Namespace) -> int:
                    budget_s=args.budget_s, progress=print_progress, on_cell=write_cell)
     config["grid_wall_s"] = run.wall_s
     files = {**done, **{cell: result_of(cell, run.results[ci]) for ci, cell in enumerate(todo) if run.results[ci]}}
+    for copy, base0 in copies.items():
+        if base0 in files:
+            files[copy] = {**files[base0], "policy_role": "trained", "copy_of": f"{base0.name}.json"}
+            write_result(files[copy], args.out / f"{copy.name}.json")
     calls = len(run.batches)
     meta = {"policy": args.policy, "trained_policy": args.trained_policy, "command": command, "git_sha": git_sha(),
             "gpu": gpu, "episodes": len(seeds), "seeds": f"{seeds[0]}-{seeds[-1]}", "wall_s": run.wall_s,

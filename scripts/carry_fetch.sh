@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Builds the git-ignored folders the device parts carry (a new checkout has none), on a CPU machine with pip and apt:
+#   .whl/        the simulator and server wheels for the device's Python 3.12 (mujoco 4.0.0 and mujoco-core,
+#                glfw, pyopengl -- not mujoco-studio, 13 MB of viewer that `import mujoco` never loads; diffusers
+#                0.42.1, importlib_metadata; starlette, uvicorn, websockets, python-multipart): what scripts/gpu_run.sh
+#                installs --no-deps. The device image has numpy, pandas, pyarrow, msgpack and prometheus-client already
+#                (../.library/device/KINDS.md).
+#   .whl-bench/  diffusers, importlib_metadata and the server wheels alone (~7 MB), for parts that carry flash-attn-4.
+#   .gl/         libglvnd's EGL / GL loader debs, which scripts/gpu_lib.sh unpacks into / for MuJoCo's headless EGL.
+# flash-attn-4's folders come from scripts/fa4_fetch.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+for d in .whl .whl-bench .gl; do
+  grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude
+done
+platforms="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
+get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $platforms "$@" \
+  2> >(grep -v "^WARNING: Location" >&2); }
+server=(diffusers==0.42.1 importlib_metadata zipp starlette uvicorn websockets python-multipart)
+rm -rf .whl .whl-bench .gl
+get -d .whl mujoco==4.0.0 mujoco-core==4.0.0 glfw pyopengl "${server[@]}"
+get -d .whl-bench "${server[@]}"
+mkdir -p .gl
+(cd .gl && apt-get download -q libegl1 libglvnd0 libgl1 libglx0 libopengl0 libgles2 >/dev/null)
+du -sh .whl .whl-bench .gl
