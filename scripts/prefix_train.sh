@@ -20,8 +20,8 @@
 #   to record only the moving task) and continues the checkpoint on the old and new demos for MIN_A + MIN_B minutes.
 #
 # Knobs (env): ROUND (1), PREFIX_TASKS (default: pick_place and every task wamrt.sim.tasks registers beyond lift, pick_place and
-#   pick_place_two -- the moving one(s)), PREFIX_MAX (14), PREFIX_ZERO_SHARE (0.25), HEAD_S (120), MIN_A (2), MIN_B
-#   (3.5), WORKERS (per recorder; default 12 cores / recorders), DEMO_EPISODES (per recorder, 2000), TRAIN_SLACK_S (240),
+#   pick_place_two -- the moving one(s)), PREFIX_MAX (14), PREFIX_ZERO_SHARE (0.25), PREFIX_NOISE (0), PREFIX_NOISE_ROWS (4),
+#   HEAD_S (120), MIN_A (2), MIN_B (3.5), WORKERS (per recorder; default 12 cores / recorders), DEMO_EPISODES (per recorder, 2000), TRAIN_SLACK_S (240),
 #   DART_NOISE (0.02), INIT (src/wamrt/assets/panda-droid),
 #   BATCH (128), LR (2e-4), EVAL_EPISODES (200; 0: no evaluation), LANES (16), EVAL_S (240), TRAIN_ARGS, ROLL_ARGS, PY, SKIP_INSTALL=1
 #   (local: no .gl unpacking), PREFIX_WORK (/tmp/wamrt-prefix).
@@ -51,6 +51,9 @@ export PYTHONPATH=${PYTHONPATH:-$PWD/src}
 
 PREFIX_MAX=${PREFIX_MAX:-14}
 PREFIX_ZERO_SHARE=${PREFIX_ZERO_SHARE:-0.25}
+# Perturbed prefixes (`wamrt train fit --prefix-noise`): 0 trains on ground-truth prefixes, as every run before 806e025.
+PREFIX_NOISE=${PREFIX_NOISE:-0}
+PREFIX_NOISE_ROWS=${PREFIX_NOISE_ROWS:-4}
 # H200, 716c9e3: HEAD_S 40 / MIN_A 1.5 / MIN_B 2.5 gave phase A 39 episodes, which it overfit for 949 steps (held-out
 # action loss 0.58); after phase B synchronous pick_place fell from 90 % to 77/117. Phase A now starts on ~480.
 HEAD_S=${HEAD_S:-$([ "$ROUND" = 1 ] && echo 120 || echo 10)}  # a later round starts on the earlier demos
@@ -107,7 +110,8 @@ train() {  # train PHASE MINUTES INIT_FROM: one `wamrt train fit` over every dem
   timeout "$("$PY" -c "print(int($2 * 60 + $TRAIN_SLACK_S))")" "$PY" -m wamrt.cli train fit --demos "${dirs[@]}" \
     --out "$WORK/ckpt-$1" --minutes "$2" --batch "$BATCH" --lr "$LR" --warmup 100 --val-episodes "$val" \
     --aug-shift 0 --aug-colour 0 --log-every 100 --init-from "$3" --prefix-max "$PREFIX_MAX" \
-    --prefix-zero-share "$PREFIX_ZERO_SHARE" $TRAIN_ARGS > "$RES/train-$1.txt" 2>&1
+    --prefix-zero-share "$PREFIX_ZERO_SHARE" --prefix-noise "$PREFIX_NOISE" --prefix-noise-rows "$PREFIX_NOISE_ROWS" \
+    $TRAIN_ARGS > "$RES/train-$1.txt" 2>&1
   cp "$WORK/ckpt-$1/train_log.txt" "$RES/train_log-$1.txt" 2>/dev/null
   log "train $1: $(grep '^done' "$RES/train-$1.txt" | head -1); last: $(grep '^step' "$RES/train-$1.txt" | tail -1 | cut -c1-190)"
   [ -f "$WORK/ckpt-$1/wamrt.json" ] || { log "FATAL: train $1 wrote no checkpoint: $(grep -v Warning "$RES/train-$1.txt" | tail -3)"; return 1; }

@@ -79,9 +79,9 @@ if [ "${GRID:-1}" = 1 ]; then
     "$PY" -m wamrt.cli eval grid --policy "$pol" ${TRAINED:+--trained-policy "$TRAINED"} --tasks "$task" \
       --delays "$delays" --strategies "$STRATEGIES" --episodes "$EPISODES" --workers "$WORKERS" --lanes "$LANES" \
       --max-batch "$MAX_BATCH" --budget-s "$left" --out "$GRID_DIR/$task" --resume $GRID_ARGS 2>&1 \
-      | grep -v Warning | tee "$RES/grid-$phase.txt"
+      | grep -v Warning | tee "$RES/grid-${phase//\//-}.txt"
     rm -rf "$RES/grid/$task"; cp -r "$GRID_DIR/$task" "$RES/grid/$task"
-    log "grid $phase done: $(tail -1 "$RES/grid-$phase.txt")"
+    log "grid $phase done: $(tail -1 "$RES/grid-${phase//\//-}.txt")"
   done
 fi
 

@@ -382,3 +382,86 @@ def test_prefix_training_packing_equals_served_prefix_packing(tmp_path):
     assert pol.contract.trained_with_action_prefix
     got = pol.infer(dict(obs, action_prefix=prefix), seed=1, steps=2)
     assert got.prefix_mode == "clean" and np.abs(got.actions[:d] - prefix).max() <= 1e-5
+
+
+def test_perturbed_prefix_rows_and_their_return():
+    """--prefix-noise: each prefixed sample's d prefix rows are the ground truth plus one joint offset, the rows
+    after them are to return from it (e-folding over K rows), the state row, the gripper column and samples
+    without a prefix are untouched."""
+    from wamrt.train.trainer import perturb_prefix
+
+    b, rows, width, history = 3, 33, 10, 1
+    a0 = torch.randn(b, rows, width, generator=torch.Generator().manual_seed(0))
+    d = torch.tensor([4, 0, 14])
+    a_in, target = perturb_prefix(a0, d, history, 7, 0.3, 4.0, torch.Generator().manual_seed(1))
+    off_in, off_t = a_in - a0, target - a0
+    z = off_in[0, 1]
+    assert float(z[:7].abs().min()) > 0 and float(z[7:].abs().max()) == 0  # joints only
+    torch.testing.assert_close(off_in[0, 1:5], z.expand(4, width))  # the 4 prefix rows share the offset
+    assert float(off_in[0, 5:].abs().max()) == 0 and float(off_in[:, 0].abs().max()) == 0  # nothing else moves
+    assert float(off_in[1].abs().max()) == 0 and float(off_t[1].abs().max()) == 0  # no prefix: untouched
+    k = torch.arange(rows - 5, dtype=a0.dtype)
+    torch.testing.assert_close(off_t[0, 5:], z[None] * torch.exp(-(k + 1) / 4.0)[:, None])  # the return
+    assert float(off_t[0, :5].abs().max()) == 0  # targets of the state and prefix rows (out of the loss) unchanged
+    assert float(off_in[2, 15:].abs().max()) == 0 and float(off_in[2, 14, :7].abs().min()) > 0  # d = 14: rows 1-14
+    _, at_once = perturb_prefix(a0, d, history, 7, 0.3, 0.0, torch.Generator().manual_seed(1))
+    assert torch.equal(at_once, a0)  # K = 0: the targets are the ground truth, a jump back
+
+
+def test_prefix_noise_trains_on_perturbed_rows_and_says_so(tmp_path):
+    """With prefix_noise the loss sees perturbed prefix rows (so it differs from the ground-truth loss on the same
+    draw), the held-out loss does not (comparable across runs), and wamrt.json records the setting."""
+    import json
+
+    eps, _ = _moving_episodes()
+    cfg = dict(size="tiny-qwen", batch=4, aug_shift_px=0, aug_colour=0.0, log_every=1000, prefix_max=14,
+               val_episodes=1)
+    tr = PolicyTrainer(TrainConfig(**cfg, prefix_noise=0.5), demo_set_from_episodes(eps), tmp_path / "ckpt",
+                       device="cpu")
+    tr.cache_latents()
+    batch = tr.clean_batch(np.array([3, 7, 9, 12]), augment_images=False)
+
+    def loss(**kw):
+        tr.gen.manual_seed(5)
+        with torch.no_grad():
+            return float(tr.loss({**batch, "prefix_rows": torch.tensor([3, 0, 6, 10])}, text_dropout=False,
+                                 **kw)["action"])
+
+    assert loss() != loss(perturbed=False) and loss() == loss()
+    plain = PolicyTrainer(TrainConfig(**cfg), demo_set_from_episodes(eps), tmp_path / "plain", device="cpu")
+    plain.cache_latents()
+    plain.model.load_state_dict(tr.model.state_dict())
+    assert tr.val_loss() == plain.val_loss()
+    with pytest.raises(ValueError, match="prefix_noise"):
+        PolicyTrainer(TrainConfig(**cfg, prefix_noise=-1.0), demo_set_from_episodes(eps), tmp_path / "bad",
+                      device="cpu")
+    meta = json.loads((tr.save() / "wamrt.json").read_text())
+    assert meta["action_prefix"]["noise"] == 0.5 and meta["action_prefix"]["noise_return_rows"] == 4.0
+
+
+def test_prefix_open_loop_compares_no_prefix_expert_and_own_rows(tmp_path):
+    """wamrt.train.openloop's prefix comparison: frames with an earlier request in their episode, the committed rows
+    taken from that request's chunk `stride` rows on, errors on rows d..d+7 against the expert's."""
+    import wamrt
+    from wamrt.train.data import chunk_indices
+    from wamrt.train.openloop import open_loop_chunks, prefix_open_loop
+
+    eps, _ = _moving_episodes()
+    tr = PolicyTrainer(TrainConfig(size="tiny-qwen", batch=4, aug_shift_px=0, aug_colour=0.0, log_every=1000,
+                                   prefix_max=14), demo_set_from_episodes(eps), tmp_path / "ckpt", device="cpu")
+    folder = tr.save()
+    d, stride = 3, 2
+    res = prefix_open_loop(folder, tr.ds, d, stride=stride, device="cpu")
+    assert res["frames"] == 3 * 2 and res["rows"] == [3, 10]  # frames 2 and 4 of each 6-frame episode
+    policy = wamrt.load_policy(folder, device="cpu")
+    frames = np.array([0, 2, 4, 6, 8, 10, 12, 14, 16])
+    later = np.array([f % 6 != 0 for f in frames])
+    plain = open_loop_chunks(policy, tr.ds, frames, seed=0)
+    targets = tr.ds.actions[chunk_indices(tr.ds, frames, policy.contract.chunk)]
+    own = plain[np.flatnonzero(later) - 1][:, stride:stride + d]
+    assert res["own_prefix_joint_abs_err_rad_mean"] == pytest.approx(
+        float(np.abs(own[..., :7] - targets[later][:, :d, :7]).mean()), rel=1e-5)
+    assert res["none_joint_abs_err_rad_mean"] == pytest.approx(
+        float(np.abs(plain[later][:, d:d + 8, :7] - targets[later][:, d:d + 8, :7]).mean()), rel=1e-5)
+    assert len(res["own_joint_abs_err_rad_per_row"]) == 8
+    assert res["expert_joint_abs_err_rad_mean"] != res["own_joint_abs_err_rad_mean"]

@@ -67,6 +67,13 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                           "checkpoint then reads prefixes as clean rows (default 0: off; at most 16)")
     fit.add_argument("--prefix-zero-share", type=float, default=0.25, metavar="P",
                      help="share of samples with no prefix when --prefix-max is on (default 0.25)")
+    fit.add_argument("--prefix-noise", type=float, default=0.0, metavar="S",
+                     help="with --prefix-max: the prefix rows are the ground truth off by a random joint offset of "
+                          "std S (normalized action units; ~0.3 is the size of a policy's own open-loop error) and "
+                          "the rows after them return from it, so the checkpoint learns to correct committed rows "
+                          "that are off rather than continue them (default 0: the ground truth)")
+    fit.add_argument("--prefix-noise-rows", type=float, default=4.0, metavar="K",
+                     help="rows over which the targets return from that offset (e-folding; 0: at once)")
     fit.add_argument("--seed", type=int, default=0, help="initialization and sampling seed")
     fit.add_argument("--log-every", type=int, default=50, help="optimizer steps between log lines")
     fit.add_argument("--device", help="cpu or cuda (default: cuda if available)")
@@ -116,7 +123,8 @@ def run_fit(args: argparse.Namespace) -> int:
                       seed=args.seed, log_every=args.log_every, normalization=args.normalization,
                       prompt_batches=not args.mixed_prompts, snapshot_minutes=tuple(args.snapshot_minutes),
                       init_from=str(args.init_from) if args.init_from else None, prefix_max=args.prefix_max,
-                      prefix_zero_share=args.prefix_zero_share)
+                      prefix_zero_share=args.prefix_zero_share, prefix_noise=args.prefix_noise,
+                      prefix_noise_rows=args.prefix_noise_rows)
     try:
         trainer = PolicyTrainer(cfg, ds, args.out, device=args.device, log_path=args.log)
     except ValueError as e:  # tier mismatch, held-out count, prefix range

@@ -21,9 +21,11 @@ import numpy as np
 import torch
 
 
-def open_loop_chunks(policy: Any, ds: Any, frames: np.ndarray, *, seed: int = 0) -> np.ndarray:
+def open_loop_chunks(policy: Any, ds: Any, frames: np.ndarray, *, seed: int = 0,
+                     prefixes: np.ndarray | None = None) -> np.ndarray:
     """The served chunk [F, chunk, 8] for each stored frame: the frame's canvas latent and state row in the
-    request `prepare_droid` builds (request n drawn with seed + n)."""
+    request `prepare_droid` builds (request n drawn with seed + n); `prefixes` [F, d, 8] (robot space) go with
+    the requests as their `action_prefix`."""
     from ..pipeline.denoise import denoise
     from ..pipeline.droid import droid_actions, prepare_droid
 
@@ -37,6 +39,8 @@ def open_loop_chunks(policy: Any, ds: Any, frames: np.ndarray, *, seed: int = 0)
             state = ds.state[i]  # the stored DROID state row: 7 joints, 1 - gripper closure
             obs = {**blank, "observation/joint_position": state[:7], "observation/gripper_position": 1.0 - state[7],
                    "prompt": ds.prompt[i]}
+            if prefixes is not None:
+                obs["action_prefix"] = prefixes[n]
             prep = prepare_droid(obs, model=policy.model, encoder=policy.encoder, tokenizer=policy.tokenizer,
                                  contract=contract, seed=seed + n, device=policy.device)
             # frame 0 from the stored canvas instead of the blank one (the contract's own crop of the latent)
@@ -75,6 +79,41 @@ def open_loop_error(checkpoint: str | Path, ds: Any, *, stride: int = 8, rows: i
     }
 
 
+def prefix_open_loop(checkpoint: str | Path, ds: Any, d: int, *, stride: int = 8, rows: int = 8, seed: int = 0,
+                     device: str | None = None) -> dict[str, Any]:
+    """What a checkpoint makes of the committed rows, open loop: rows d..d+rows-1 of the chunk (what a lane runs
+    after a reply that took d steps) against the expert's, with no prefix, with the expert's own next d rows as
+    the prefix (what training shows the model), and with the rows a lane would really have committed: rows
+    stride..stride+d-1 of the model's own no-prefix chunk made `stride` steps earlier (frames with no earlier
+    frame in their episode are left out). `prefix_err`: how far those committed rows are from the expert's."""
+    from .. import load_policy
+    from .data import chunk_indices
+
+    policy = load_policy(checkpoint, device=device)
+    spans = sorted(set(zip(ds.episode_start, ds.episode_end)))
+    frames = np.concatenate([np.arange(s, e, stride) for s, e in spans])
+    starts = {int(s) for s, _ in spans}
+    targets = ds.actions[chunk_indices(ds, frames, policy.contract.chunk)]  # [F, chunk, 8], client convention
+    t0 = time.perf_counter()
+    plain = open_loop_chunks(policy, ds, frames, seed=seed)
+    later = np.array([int(f) not in starts for f in frames])  # frames whose previous request is frames[k - 1]
+    own = plain[np.flatnonzero(later) - 1][:, stride:stride + d]
+    chunks = {"none": plain[later],
+              "expert": open_loop_chunks(policy, ds, frames[later], seed=seed, prefixes=targets[later][:, :d]),
+              "own": open_loop_chunks(policy, ds, frames[later], seed=seed, prefixes=own)}
+    want = targets[later][:, d:d + rows, :7]
+    out: dict[str, Any] = {"checkpoint": str(checkpoint), "prefix_rows": d, "frames": int(later.sum()),
+                           "rows": [d, d + rows - 1], "stride": stride}
+    for name, c in chunks.items():
+        out[f"{name}_joint_abs_err_rad_mean"] = float(np.abs(c[:, d:d + rows, :7] - want).mean())
+        out[f"{name}_joint_abs_err_rad_per_row"] = np.abs(c[:, d:d + rows, :7] - want).mean(axis=(0, 2)).round(5).tolist()
+        out[f"{name}_gripper_wrong_rate"] = float(
+            (np.abs(c[:, d:d + rows, 7] - targets[later][:, d:d + rows, 7]) > 0.5).mean())
+    out["own_prefix_joint_abs_err_rad_mean"] = float(np.abs(own[..., :7] - targets[later][:, :d, :7]).mean())
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from .data import load_demo_dirs
 
@@ -82,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--demos", type=Path, required=True, help="episodes from `wamrt train record` (never trained on)")
     ap.add_argument("--checkpoints", nargs="+", required=True)
     ap.add_argument("--stride", type=int, default=8, help="every N-th frame of each episode")
+    ap.add_argument("--prefix-rows", type=int, nargs="*", default=[],
+                    help="also the prefix comparison (prefix_open_loop) at each of these d")
     ap.add_argument("--device")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -99,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['joint_abs_err_rad_p95']:.4f}), row 0 {r['row0_joint_abs_err_rad_mean']:.4f}, rows 24-31 "
               f"{r['rows_24_31_joint_abs_err_rad_mean']:.4f}, gripper wrong {r['gripper_wrong_rate']:.1%} "
               f"({r['frames']} frames, {r['seconds']} s)", flush=True)
+        for d in args.prefix_rows:
+            p = prefix_open_loop(ckpt, ds, d, stride=args.stride, device=args.device)
+            rows.append(p)
+            print(f"{ckpt} d = {d}: rows {d}-{d + 7} joint |err| mean: no prefix "
+                  f"{p['none_joint_abs_err_rad_mean']:.4f}, the expert's rows {p['expert_joint_abs_err_rad_mean']:.4f}"
+                  f", its own earlier rows {p['own_joint_abs_err_rad_mean']:.4f} (those rows off the expert's by "
+                  f"{p['own_prefix_joint_abs_err_rad_mean']:.4f}; {p['frames']} frames)", flush=True)
     if args.out:
         from ..provenance import environment, git_sha
 

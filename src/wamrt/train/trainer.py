@@ -19,6 +19,10 @@ With `prefix_max` > 0 (training-time real-time chunking, arXiv 2512.05964) every
 d (0 with probability `prefix_zero_share`, else uniform in 1..prefix_max): its first d chunk rows stay clean (the
 ground truth, no noise, no time embedding), right after the state row, and are left out of the loss -- the packing
 a served request with `action_prefix` of d committed rows gets in "clean" mode (`wamrt.pipeline.prefix`).
+With `prefix_noise` > 0 those rows are not the ground truth but the ground truth off by a random per-sample joint
+offset, and the rows after them are to return from it (`perturb_prefix`): served, the committed rows come from the
+policy's own earlier chunk, which is off by about as much as its open-loop error, and a model that only ever saw
+right prefixes carries their error on (docs/realtime.md).
 """
 
 from __future__ import annotations
@@ -102,6 +106,10 @@ class TrainConfig:
     # that get none. A checkpoint trained with them says so in wamrt.json (`trained_with_action_prefix`).
     prefix_max: int = 0
     prefix_zero_share: float = 0.25
+    # Perturbed prefixes (`perturb_prefix`): the std of the joint offset, in normalized action units (0: the ground
+    # truth), and over how many rows after the prefix the targets return from it (e-folding; 0: at once).
+    prefix_noise: float = 0.0
+    prefix_noise_rows: float = 4.0
 
 
 @dataclass
@@ -153,6 +161,26 @@ def sample_prefix_rows(n: int, max_rows: int, zero_share: float, gen: torch.Gene
     d = torch.randint(1, max_rows + 1, (n,), generator=gen, device=device)
     none = torch.rand(n, generator=gen, device=device) < zero_share
     return torch.where(none, torch.zeros_like(d), d)
+
+
+def perturb_prefix(a0: torch.Tensor, prefix_rows: torch.Tensor, history: int, joints: int, scale: float,
+                   return_rows: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(model input, training target) [B, rows, A] from the clean chunk a0 (model space): each sample with a prefix
+    draws one offset z ~ N(0, scale²) on its `joints` columns; its d prefix rows (after the state rows) hold a0 + z,
+    and the rows after them are to go from there back to a0: target a0 + z·exp(−(k + 1) / return_rows) k rows
+    after the prefix (return_rows 0: a0, a jump the runner's seam then smooths). The state rows never move."""
+    b, rows, width = a0.shape
+    r = torch.arange(rows, device=a0.device)[None]  # [1, rows]
+    end = history + prefix_rows[:, None]  # [B, 1]: the first row after the prefix
+    z = scale * torch.randn(b, 1, width, generator=gen, device=a0.device)
+    z = z * (torch.arange(width, device=a0.device) < joints) * (prefix_rows > 0).view(b, 1, 1)
+    in_prefix = ((r >= history) & (r < end))[..., None]
+    a_in = a0 + z * in_prefix
+    if return_rows <= 0:
+        return a_in, a0
+    after = (r - end).clamp(min=0).to(a0.dtype)
+    back = torch.where(r >= end, torch.exp(-(after + 1) / return_rows), torch.zeros_like(after))[..., None]
+    return a_in, a0 + z * back
 
 
 def prefix_action_noisy(prefix_rows: torch.Tensor, rows: int, history: int) -> torch.Tensor:
@@ -224,6 +252,9 @@ class PolicyTrainer:
             self.val_idx = np.sort(pool[pick])
         if cfg.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {cfg.normalization!r}")
+        if cfg.prefix_noise < 0 or cfg.prefix_noise_rows < 0:
+            raise ValueError(f"prefix_noise and prefix_noise_rows must be >= 0, got {cfg.prefix_noise}, "
+                             f"{cfg.prefix_noise_rows}")
         if not 0 <= cfg.prefix_max <= MAX_PREFIX_ROWS or not 0.0 <= cfg.prefix_zero_share <= 1.0:
             raise ValueError(f"prefix_max must be in [0, {MAX_PREFIX_ROWS}] and prefix_zero_share in [0, 1], got "
                              f"{cfg.prefix_max}, {cfg.prefix_zero_share}")
@@ -406,8 +437,10 @@ class PolicyTrainer:
         return sample_prefix_rows(b, self.cfg.prefix_max, self.cfg.prefix_zero_share, gen, self.device)
 
     def loss(self, batch: dict[str, Any], sigma: torch.Tensor | None = None, *, gen: torch.Generator | None = None,
-             text_dropout: bool = True) -> dict[str, torch.Tensor]:
-        """`batch["prefix_rows"]` [B] (optional) fixes the samples' prefix lengths; else they are drawn."""
+             text_dropout: bool = True, perturbed: bool = True) -> dict[str, torch.Tensor]:
+        """`batch["prefix_rows"]` [B] (optional) fixes the samples' prefix lengths; else they are drawn.
+        perturbed=False: ground-truth prefixes even with `prefix_noise` (the held-out loss, comparable across
+        runs)."""
         cfg = self.cfg
         gen = gen or self.gen
         v0, a0 = batch["vision"], batch["action"]
@@ -427,9 +460,14 @@ class PolicyTrainer:
         an = action_noisy[:, :, None] & cols[None, None, :]  # [B, rows, A]: noised, and in the loss
         eps_v = torch.randn(v0.shape, generator=gen, device=self.device)
         eps_a = torch.randn(a0.shape, generator=gen, device=self.device)
+        a_in = a0
+        if cfg.prefix_noise > 0 and perturbed:  # a0 becomes the target the noisy rows are denoised towards
+            # the DROID row: 7 joint positions, then the gripper (never perturbed: it is open or closed)
+            a_in, a0 = perturb_prefix(a0, d, self.contract.history, lay.raw_action_dim - 1, cfg.prefix_noise,
+                                      cfg.prefix_noise_rows, gen)
         s_v, s_a = sigma.view(b, 1, 1, 1, 1), sigma.view(b, 1, 1)
         x_v = torch.where(vn, (1 - s_v) * v0 + s_v * eps_v, v0)
-        x_a = torch.where(an, (1 - s_a) * a0 + s_a * eps_a, a0)
+        x_a = torch.where(an, (1 - s_a) * a0 + s_a * eps_a, a_in)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.velocity(prompts, sigma, x_v, x_a, action_noisy)
         assert out.vision is not None and out.action is not None
@@ -470,7 +508,8 @@ class PolicyTrainer:
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
-            losses = self.loss(self.clean_batch(self.val_idx, augment_images=False), gen=gen, text_dropout=False)
+            losses = self.loss(self.clean_batch(self.val_idx, augment_images=False), gen=gen, text_dropout=False,
+                               perturbed=False)
         self.model.train(was_training)
         return {"val_action": float(losses["action"]), "val_vision": float(losses["vision"])}
 
@@ -569,8 +608,10 @@ class PolicyTrainer:
                 shutil.copytree(self.out / part, out / part, dirs_exist_ok=True)
         model = self.ema_model().to(torch.bfloat16)
         save_transformer(model, out / "transformer")
+        noise = {"noise": self.cfg.prefix_noise, "noise_return_rows": self.cfg.prefix_noise_rows} \
+            if self.cfg.prefix_noise else {}
         prefix = {TRAINED_KEY: True, "action_prefix": {"max_rows": self.cfg.prefix_max,
-                                                       "zero_share": self.cfg.prefix_zero_share}} \
+                                                       "zero_share": self.cfg.prefix_zero_share, **noise}} \
             if self.cfg.prefix_max else {}
         meta = {"format_version": FORMAT_VERSION, "contract": "droid", "prompt_format": "plain",
                 "tier": self.cfg.tier, "guidance_interval": None, **prefix,
