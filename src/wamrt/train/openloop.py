@@ -105,8 +105,9 @@ def prefix_open_loop(checkpoint: str | Path, ds: Any, d: int, *, stride: int = 8
     out: dict[str, Any] = {"checkpoint": str(checkpoint), "prefix_rows": d, "frames": int(later.sum()),
                            "rows": [d, d + rows - 1], "stride": stride}
     for name, c in chunks.items():
-        out[f"{name}_joint_abs_err_rad_mean"] = float(np.abs(c[:, d:d + rows, :7] - want).mean())
-        out[f"{name}_joint_abs_err_rad_per_row"] = np.abs(c[:, d:d + rows, :7] - want).mean(axis=(0, 2)).round(5).tolist()
+        err = np.abs(c[:, d:d + rows, :7] - want)
+        out[f"{name}_joint_abs_err_rad_mean"] = float(err.mean())
+        out[f"{name}_joint_abs_err_rad_per_row"] = err.mean(axis=(0, 2)).round(5).tolist()
         out[f"{name}_gripper_wrong_rate"] = float(
             (np.abs(c[:, d:d + rows, 7] - targets[later][:, d:d + rows, 7]) > 0.5).mean())
     out["own_prefix_joint_abs_err_rad_mean"] = float(np.abs(own[..., :7] - targets[later][:, :d, :7]).mean())
