@@ -51,7 +51,7 @@ export PYTHONPATH=${PYTHONPATH:-$PWD/src}
 
 PREFIX_MAX=${PREFIX_MAX:-14}
 PREFIX_ZERO_SHARE=${PREFIX_ZERO_SHARE:-0.25}
-# Perturbed prefixes (`wamrt train fit --prefix-noise`): 0 trains on ground-truth prefixes, as every run before 806e025.
+# Perturbed prefixes (`wamrt train fit --prefix-noise`): 0 trains on ground-truth prefixes, as every run before b45698a.
 PREFIX_NOISE=${PREFIX_NOISE:-0}
 PREFIX_NOISE_ROWS=${PREFIX_NOISE_ROWS:-4}
 # H200, 716c9e3: HEAD_S 40 / MIN_A 1.5 / MIN_B 2.5 gave phase A 39 episodes, which it overfit for 949 steps (held-out

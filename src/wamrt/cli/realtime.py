@@ -314,7 +314,7 @@ def run_grid_command(args: argparse.Namespace) -> int:
     # the prefix-trained one is written as a copy of the base one rather than run again (on the GPU a second run
     # differs only by the batched engine's rounding, and costs a cell's time).
     copies = {c: next(b for b in cells if b.key == (c.task, 0, "base")) for c in cells
-              if c.delay == 0 and c.policy == "trained" and args.trained_policy == args.policy
+              if c.delay == 0 and c.policy == "trained" and args.trained_policy == args.policy and c not in done
               and (c.task, 0, "base") in {b.key for b in cells}}
     todo = [c for c in cells if c not in done and c not in copies]
     print(f"grid: {len(todo)} cells x {len(seeds)} episodes on {args.workers} workers x {args.lanes} lanes"

@@ -85,7 +85,8 @@ def prefix_open_loop(checkpoint: str | Path, ds: Any, d: int, *, stride: int = 8
     after a reply that took d steps) against the expert's, with no prefix, with the expert's own next d rows as
     the prefix (what training shows the model), and with the rows a lane would really have committed: rows
     stride..stride+d-1 of the model's own no-prefix chunk made `stride` steps earlier (frames with no earlier
-    frame in their episode are left out). `prefix_err`: how far those committed rows are from the expert's."""
+    frame in their episode are left out). `own_prefix_joint_abs_err_rad_mean`: how far those rows are from the
+    expert's."""
     from .. import load_policy
     from .data import chunk_indices
 
