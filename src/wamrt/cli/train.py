@@ -69,9 +69,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                      help="share of samples with no prefix when --prefix-max is on (default 0.25)")
     fit.add_argument("--prefix-noise", type=float, default=0.0, metavar="S",
                      help="with --prefix-max: the prefix rows are the ground truth off by a random joint offset of "
-                          "std S (normalized action units; 0.5 is about the size of a policy's own open-loop error) and "
-                          "the rows after them return from it, so the checkpoint learns to correct committed rows "
-                          "that are off rather than continue them (default 0: the ground truth)")
+                          "std S (normalized action units; 0.5 is about a policy's own open-loop error) and the "
+                          "rows after them return from it, so the checkpoint learns to correct committed rows that "
+                          "are off rather than continue them (default 0: the ground truth)")
     fit.add_argument("--prefix-noise-rows", type=float, default=4.0, metavar="K",
                      help="rows over which the targets return from that offset (e-folding; 0: at once)")
     fit.add_argument("--seed", type=int, default=0, help="initialization and sampling seed")
