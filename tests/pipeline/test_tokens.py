@@ -130,3 +130,23 @@ def test_missing_tokenizer_folder(tmp_path: Path) -> None:
 def test_non_string_caption(tok: CaptionTokenizer) -> None:
     with pytest.raises(RequestError):
         tok.encode(None)  # type: ignore[arg-type]
+
+
+def test_encode_is_cached_per_caption_and_still_rejects_a_non_string(tokenizer_dir: Path) -> None:
+    """A caption's ids are computed once (a robot repeats its instruction; every request encodes "" too); the
+    cached result equals a fresh encode, and a non-string prompt is still the typed error, not a TypeError."""
+    tok = load_caption_tokenizer(tokenizer_dir)
+    calls = []
+    real = tok.tokenizer.apply_chat_template
+
+    def counting(messages, **kwargs):
+        calls.append(messages[-1]["content"])
+        return real(messages, **kwargs)
+
+    tok.tokenizer.apply_chat_template = counting
+    first = tok.encode("pick up the cube")
+    assert tok.encode("pick up the cube") == first and tok.encode("") == tok.encode("")
+    assert calls == ["pick up the cube", ""]
+    assert load_caption_tokenizer(tokenizer_dir).encode("pick up the cube") == first
+    with pytest.raises(RequestError, match="must be a string"):
+        tok.encode(["not", "a", "string"])
