@@ -179,3 +179,24 @@ def test_chat_logs_one_line_per_completion(json_log: io.StringIO, tmp_path_facto
         errors = [r for r in (json.loads(line) for line in json_log.getvalue().splitlines())
                   if r["surface"] == "chat" and r["outcome"] == "invalid_request"]
         assert len(errors) == 1 and errors[0]["status"] == 400 and errors[0]["request_id"].startswith("chatcmpl-")
+
+
+def test_the_server_log_handler_follows_stderr(monkeypatch) -> None:
+    """`configure_logging` writes to stderr as it is at each record: a stderr swapped and closed after the server
+    configured logging (pytest's capture does that) neither errors nor swallows later lines."""
+    from wamrt.serving.logs import configure_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    first, second = io.StringIO(), io.StringIO()
+    try:
+        monkeypatch.setattr(sys, "stderr", first)
+        configure_logging("info", "json")
+        logging.getLogger("wamrt.test").info("one")
+        first.close()
+        monkeypatch.setattr(sys, "stderr", second)
+        logging.getLogger("wamrt.test").info("two")
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    assert json.loads(second.getvalue())["message"] == "two"

@@ -55,9 +55,26 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is when a record comes, not as it was when the handler was made: a server started
+    in a process that later swaps or closes its stderr (a test harness's capture, a notebook) would otherwise have
+    its background threads log to a closed stream."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self) -> Any:  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass  # always sys.stderr
+
+
 def configure_logging(level: str = "info", log_format: str = "text") -> None:
     """The root handler on stderr in `log_format`. With json, uvicorn is told not to configure its loggers
     (`server.uvicorn_config`), so its lines reach this handler and come out as JSON too."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
