@@ -313,9 +313,9 @@ def run_grid_command(args: argparse.Namespace) -> int:
     # One checkpoint as both policies (the turntable grid): its two d = 0 cells would replay the same episodes, so
     # the prefix-trained one is written as a copy of the base one rather than run again (on the GPU a second run
     # differs only by the batched engine's rounding, and costs a cell's time).
-    copies = {c: next(b for b in cells if b.key == (c.task, 0, "base")) for c in cells
-              if c.delay == 0 and c.policy == "trained" and args.trained_policy == args.policy and c not in done
-              and (c.task, 0, "base") in {b.key for b in cells}}
+    base_d0 = {c.task: c for c in cells if c.delay == 0 and c.policy == "base"}
+    copies = {c: base_d0[c.task] for c in cells if c.delay == 0 and c.policy == "trained" and c.task in base_d0
+              and args.trained_policy == args.policy and c not in done}
     todo = [c for c in cells if c not in done and c not in copies]
     print(f"grid: {len(todo)} cells x {len(seeds)} episodes on {args.workers} workers x {args.lanes} lanes"
           + (f" ({len(done)} done before)" if done else ""), file=sys.stderr)

@@ -38,7 +38,6 @@ log = logging.getLogger("wamrt.serving")
 # Policy timing keys that are input preparation / output handling; everything else is model time.
 _PRE_STAGES = ("preprocess", "tokenize", "pack")
 _POST_STAGES = ("postprocess",)
-_TOKEN_COUNTS_KEPT = 4096  # distinct captions whose token count is remembered (reply metadata.prompt_tokens)
 # Parsing and decoding run on PARSE_THREADS threads; past MAX_PARSING requests being parsed at once, `busy` (429).
 PARSE_THREADS, MAX_PARSING = 2, 64
 # Freed heap pages go back to the system this often (heap.py). A trim costs ~1 ms; at 10 s the RSS swung by
@@ -109,7 +108,6 @@ class Service:
         self._tokenizer = getattr(policy, "tokenizer", None)
         # The caption template's own tokens, counted once: an instruction's tokens are its caption's minus these.
         self._template_tokens = len(self._tokenizer.encode("").text_ids) if self._tokenizer is not None else 0
-        self._token_counts: dict[str, int] = {}
         self.limits = config.limits(self._policy_meta.get("num_steps"))
         # World generation's step-time model (a FLOP count of the checkpoint against a measured device rate).
         self.cost = None if self.world is None else GenerationCost.of(
@@ -357,16 +355,11 @@ class Service:
     def prompt_tokens(self, caption: str) -> int | None:
         """Token count of a request's conditional Reasoner prefix (its caption plus the template and the
         two closing tokens): what prompt buckets pad, so clients can see which lengths a server ran. The
-        engine does not return it, so it is counted again here with the policy's own tokenizer, once per
-        distinct caption (lanes repeat their instructions). None if the policy exposes no tokenizer."""
+        engine does not return it, so it is asked of the policy's own tokenizer, whose `CaptionTokenizer` cache
+        already holds the caption the engine just encoded. None if the policy exposes no tokenizer."""
         if self._tokenizer is None:
             return None
-        n = self._token_counts.get(caption)
-        if n is None:
-            if len(self._token_counts) >= _TOKEN_COUNTS_KEPT:
-                self._token_counts.clear()
-            n = self._token_counts[caption] = len(self._tokenizer.encode(caption).text_ids)
-        return n
+        return len(self._tokenizer.encode(caption).text_ids)
 
     def accepting(self) -> None:
         """Raise NotReady unless new work is taken (engine started, no shutdown drain)."""
