@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import statistics
 from pathlib import Path
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("log", help="the nvidia-smi csv")
     ap.add_argument("--rows", nargs="*", default=[], help="latency result files (others are skipped)")
     args = ap.parse_args(argv)
-    lines = Path(args.log).read_text().splitlines()
+    log = Path(args.log)  # committed logs are gzipped (the raw samples compress ~10x)
+    lines = (gzip.decompress(log.read_bytes()).decode() if log.suffix == ".gz" else log.read_text()).splitlines()
     print(summarise(lines))
     for path in args.rows:
         try:

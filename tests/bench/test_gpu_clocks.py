@@ -46,3 +46,17 @@ def test_row_window_counts_only_its_samples(tmp_path, capsys):
     gpu_clocks.main([str(log), "--rows", str(row), str(other)])
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("gpu clocks under load") and out[1] == "  " + line and len(out) == 2
+
+
+def test_gzipped_log_reads_as_the_plain_one(tmp_path, capsys):
+    import gzip
+
+    lines = ["2026/12/03 07:00:00.000, 1980, 1980, 690.1, 700.00, 61, 0x0000000000000000",
+             "2026/12/03 07:00:00.100, 1755, 1980, 699.5, 700.00, 66, 0x0000000000000004"]
+    plain, packed = tmp_path / "gpu-clocks.csv", tmp_path / "gpu-clocks.csv.gz"
+    plain.write_text("\n".join(lines))
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    gpu_clocks.main([str(plain)])
+    first = capsys.readouterr().out
+    gpu_clocks.main([str(packed)])
+    assert capsys.readouterr().out == first and "2 of 2 samples" in first

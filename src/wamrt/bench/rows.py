@@ -182,7 +182,7 @@ def measure_row(engine: Engine, spec: RowSpec, args: argparse.Namespace, env: di
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine.infer(sample_observation(10_000), seed=1, **overrides)
-        trace = trace_dir / f"trace-{args.model}-s{spec.steps}-{spec.row}.json"
+        trace = trace_dir / f"trace-{args.model}-s{spec.steps}-{spec.row}.json.gz"  # torch gzips by suffix
         prof.export_chrome_trace(str(trace))
         result["kernel_split_ms"] = kernel_split(prof)
         result["kernel_top_ms"] = top_kernels(prof)
