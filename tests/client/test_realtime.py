@@ -272,3 +272,14 @@ def test_importing_the_runner_needs_no_torch():
             "print(sorted(m for m in ('torch', 'mujoco', 'websockets', 'msgpack') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_stalls_after_the_first_chunk_are_counted_apart_from_the_wait_for_it():
+    from wamrt.eval.realtime import episode_metrics
+
+    for strategy, after in (("sync", 6), ("prefix", 0)):  # sync stands 3 ticks per later request too
+        runner = RealtimeRunner(StepPolicy(), strategy=strategy, clock=SimClock(3), prefix_mode="clean")
+        run(runner, 30)
+        m = episode_metrics(runner.log)
+        assert runner.log.stalled[:3] == [True] * 3  # every strategy waits for the first chunk
+        assert m["stalled"] == 3 + after and m["stalled_after_first_chunk"] == after

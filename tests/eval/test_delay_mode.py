@@ -245,3 +245,23 @@ def test_grid_command_resumes_and_rebuilds_its_report(tmp_path, capsys):
     (tmp_path / "summary.md").unlink()
     assert main([*argv, "--report-only"]) == 0
     assert "| 3 | prefix |" in (tmp_path / "summary.md").read_text()
+
+
+def test_grid_sampling_overrides_reach_the_policy_and_never_a_server(tmp_path, monkeypatch):
+    """--steps and --guidance-interval (the levers 2 steps and guidance on the first step only) are applied to every
+    call of an in-process policy; a server URL, whose requests would not carry them, is refused in one line."""
+    from wamrt.cli import build_parser, main
+    from wamrt.cli import realtime as cli_realtime
+
+    monkeypatch.setenv("WAMRT_CACHE", str(tmp_path / "cache"))
+    args = build_parser().parse_args(["eval", "grid", "--policy", "tiny-droid", "--out", str(tmp_path), "--steps",
+                                      "2", "--guidance-interval", "833-1000", "--device", "cpu"])
+    backend, _, config = cli_realtime._backend("tiny-droid", args)
+    assert backend.overrides == {"steps": 2, "guidance_interval": (833.0, 1000.0)}
+    assert config["guidance_interval"] == (833.0, 1000.0)
+    with pytest.raises(ValueError, match="in-process"):
+        cli_realtime._backend("ws://127.0.0.1:9", args)
+    for bad in ("1000-937", "first"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["eval", "grid", "--policy", "x", "--out", "y", "--guidance-interval", bad])
+    assert main(["eval", "grid", "--policy", "ws://127.0.0.1:9", "--out", str(tmp_path), "--steps", "2"]) != 0

@@ -137,7 +137,8 @@ def summary_line(results: Any) -> str:
         return "-" if x is None else format(x, fmt)
 
     return (f"delay mode: {s['requests']} requests, delay mean {f(s['delay_steps_mean'], '.2f')} steps, "
-            f"stood still {s['stall_fraction']:.1%} of steps, steps to success {f(s['steps_to_success_mean'], '.1f')}, "
+            f"stood still {s['stall_fraction']:.1%} of steps ({s['stalled_after_first_chunk']} after an episode's first "
+            f"chunk), steps to success {f(s['steps_to_success_mean'], '.1f')}, "
             f"jerk at chunk boundaries {f(s['jerk_boundary_mean'], '.0f')} vs inside {f(s['jerk_inside_mean'], '.0f')} "
             f"rad/s^3")
 
@@ -177,12 +178,25 @@ def add_grid_command(ev: argparse._SubParsersAction) -> None:
     g.add_argument("--batch-invariant", action="store_true",
                    help="fast engine: every request computed alone (bit-exact replays, slower)")
     g.add_argument("--steps", type=int, help="sampler steps (default: the policy's)")
+    g.add_argument("--guidance-interval", type=_interval, metavar="LO-HI",
+                   help="CFG only where LO < t < HI (the lever 'guidance on the first step only': 937-1000 at 4 steps, "
+                        "833-1000 at 2; python -m wamrt.eval.levers)")
     g.add_argument("--api-key", help="for a server started with --api-key")
     g.add_argument("--resume", action="store_true",
                    help="skip the cells --out already holds complete for these seeds (a grid spread over device calls)")
     g.add_argument("--report-only", action="store_true",
                    help="run nothing: rebuild summary.md and the chart from the cell files in --out (a run cut short)")
     g.set_defaults(func=run_grid_command)
+
+
+def _interval(text: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(x) for x in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO-HI (e.g. 937-1000), got {text!r}") from None
+    if not lo < hi:
+        raise argparse.ArgumentTypeError(f"need LO < HI, got {text!r}")
+    return lo, hi
 
 
 def _csv(text: str) -> list[str]:
@@ -194,7 +208,11 @@ def _backend(name: str, args: argparse.Namespace) -> tuple[Any, str, dict[str, A
     from ..eval.grid import LocalBackend, RemoteBackend
     from ..eval.remote import is_url, server_metadata
 
-    overrides = {"steps": args.steps} if args.steps else {}
+    overrides: dict[str, Any] = {"steps": args.steps} if args.steps else {}
+    if args.guidance_interval:
+        overrides["guidance_interval"] = args.guidance_interval
+    if is_url(name) and overrides:  # the websocket requests carry no sampling fields: they would be ignored
+        raise ValueError(f"--steps and --guidance-interval apply to in-process policies, not to {name}")
     if is_url(name):
         try:
             server = server_metadata(name, args.api_key)

@@ -52,7 +52,11 @@ def jerk_sums(log: RunnerLog, hz: float = CONTROL_HZ) -> dict[str, float]:
 
 
 def episode_metrics(log: RunnerLog) -> dict[str, Any]:
-    return {"steps": len(log.rows), "stalled": int(sum(log.stalled)), "delays": list(log.delays),
+    # Every strategy stands until the episode's first chunk arrives (nothing is committed yet); a stall after it is
+    # the one a strategy can avoid.
+    waiting = next((i for i, s in enumerate(log.stalled) if not s), len(log.stalled))
+    return {"steps": len(log.rows), "stalled": int(sum(log.stalled)),
+            "stalled_after_first_chunk": int(sum(log.stalled[waiting:])), "delays": list(log.delays),
             "prefix_rows": list(log.prefix_rows), "lost_replies": log.lost, **jerk_sums(log)}
 
 
@@ -211,6 +215,7 @@ def summarize_realtime(results: Sequence[EpisodeResult]) -> dict[str, Any]:
 
     boundary, inside = mean("boundary"), mean("inside")
     out = {"control_steps": steps, "stalled_steps": stalled, "stall_fraction": stalled / steps if steps else 0.0,
+           "stalled_after_first_chunk": sum(m.get("stalled_after_first_chunk", 0) for m in rt),
            "requests": len(delays), "delay_steps_mean": float(np.mean(delays)) if delays else None,
            "delay_steps_max": int(max(delays)) if delays else None,
            "prefix_rows_mean": float(np.mean([p for m in rt for p in m["prefix_rows"]])) if delays else None,
