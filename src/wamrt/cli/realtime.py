@@ -137,8 +137,8 @@ def summary_line(results: Any) -> str:
         return "-" if x is None else format(x, fmt)
 
     return (f"delay mode: {s['requests']} requests, delay mean {f(s['delay_steps_mean'], '.2f')} steps, "
-            f"stood still {s['stall_fraction']:.1%} of steps ({s['stalled_after_first_chunk']} after an episode's first "
-            f"chunk), steps to success {f(s['steps_to_success_mean'], '.1f')}, "
+            f"stood still {s['stall_fraction']:.1%} of steps ({s['stalled_after_first_chunk']} after an episode's "
+            f"first chunk), steps to success {f(s['steps_to_success_mean'], '.1f')}, "
             f"jerk at chunk boundaries {f(s['jerk_boundary_mean'], '.0f')} vs inside {f(s['jerk_inside_mean'], '.0f')} "
             f"rad/s^3")
 
