@@ -8,8 +8,23 @@
 #   .whl-bench/  diffusers, importlib_metadata and the server wheels alone (~7 MB), for parts that carry flash-attn-4.
 #   .gl/         libglvnd's EGL / GL loader debs, which scripts/gpu_lib.sh unpacks into / for MuJoCo's headless EGL.
 # flash-attn-4's folders come from scripts/fa4_fetch.sh.
+# `--ckpt TGZ` only packs a prefix-ckpt.tgz an earlier call returned into .ckpt-carry/ckpt.tgz, without its VAE
+# (panda-droid's; scripts/gpu_lib.sh's carried_ckpt puts it back on the device), for `INIT=.ckpt-carry/ckpt.tgz`
+# (scripts/prefix_train.sh) or `TRAINED=.ckpt-carry/ckpt.tgz` (scripts/realtime_grid.sh) on a fresh machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = --ckpt ]; then
+  src=$(realpath "${2:?--ckpt TGZ}")
+  grep -qx "/.ckpt-carry/" .git/info/exclude 2>/dev/null || echo "/.ckpt-carry/" >> .git/info/exclude
+  tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+  tar xzf "$src" -C "$tmp"
+  cmp -s "$tmp/vae/diffusion_pytorch_model.safetensors" src/wamrt/assets/panda-droid/vae/diffusion_pytorch_model.safetensors \
+    || { echo "the checkpoint's VAE is not panda-droid's: carry the whole tgz instead" >&2; exit 1; }
+  mkdir -p .ckpt-carry
+  tar czf .ckpt-carry/ckpt.tgz -C "$tmp" --exclude=vae .
+  du -sh .ckpt-carry/ckpt.tgz
+  exit 0
+fi
 for d in .whl .whl-bench .gl; do
   grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude
 done

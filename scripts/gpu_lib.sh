@@ -93,3 +93,20 @@ serve_stop() {
 
 # The rate line of a rollout JSON: "k n".
 successes() { "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['successes'], r['episodes'])" "$1" 2>/dev/null || echo "0 0"; }
+
+# A checkpoint carried from an earlier session (a fresh machine has none in /tmp): `scripts/carry_fetch.sh --ckpt
+# TGZ` packs a returned prefix-ckpt.tgz without its VAE (panda-droid's, the same bytes) into .ckpt-carry/ckpt.tgz,
+# ~12 MB of the call's 64 MiB. `carried_ckpt PATH` prints a folder: PATH itself, or a .tgz unpacked once under
+# /tmp/wamrt-carried/ with panda-droid's VAE put back where it is missing.
+carried_ckpt() {
+  case $1 in
+    *.tgz|*.tar.gz)
+      local dir; dir=/tmp/wamrt-carried/$(basename "$1" | sed 's/\.t\(ar\.\)\?gz$//')
+      if [ ! -f "$dir/wamrt.json" ]; then
+        rm -rf "$dir" && mkdir -p "$dir" && tar xzf "$1" -C "$dir" || return 1
+        [ -d "$dir/vae" ] || cp -r src/wamrt/assets/panda-droid/vae "$dir/vae"
+      fi
+      echo "$dir" ;;
+    *) echo "$1" ;;
+  esac
+}

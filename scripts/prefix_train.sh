@@ -35,8 +35,9 @@ RES=${RES:?set RES (the part folder)}
 WORK=${PREFIX_WORK:-/tmp/wamrt-prefix}
 CKPT=${CKPT:-$WORK/ckpt}
 # ROUND > 1 continues an earlier round on this machine (a later call within the warm window): its demos stay in
-# $WORK and are trained on again beside new ones (other seeds), from its checkpoint ($CKPT, or INIT=FOLDER, e.g.
-# a carried copy of prefix-ckpt.tgz when the machine was not kept).
+# $WORK and are trained on again beside new ones (other seeds), from its checkpoint ($CKPT, or INIT=FOLDER|TGZ: on a
+# fresh machine `INIT=.ckpt-carry/ckpt.tgz HEAD_S=60`, carrying what `scripts/carry_fetch.sh --ckpt` packed from an
+# earlier call's prefix-ckpt.tgz; ROUND then only picks new demo seeds).
 ROUND=${ROUND:-1}
 if [ "$ROUND" = 1 ]; then
   rm -rf "$WORK"
@@ -77,6 +78,7 @@ recorders=$(( 2 * ${#tasks[@]} ))
 WORKERS=${WORKERS:-$(( 12 / recorders > 0 ? 12 / recorders : 1 ))}
 REC_S=$("$PY" -c "print(int($HEAD_S + 60 * $MIN_A))")  # the recorders stop about when phase A ends
 
+INIT=$(carried_ckpt "$INIT") || { log "FATAL: cannot unpack $INIT"; exit 1; }  # a .tgz from .ckpt-carry/ too
 [ -e "$INIT" ] || [ "$ROUND" = 1 ] || { log "FATAL: round $ROUND needs the earlier checkpoint: none at $INIT (set INIT)"; exit 1; }
 
 count_demos() { local d n=0; for d in "$@"; do n=$((n + $(ls "$d"/*.npz 2>/dev/null | wc -l))); done; echo $n; }

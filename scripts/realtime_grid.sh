@@ -33,7 +33,7 @@ part_start || exit 1
 export PYTHONPATH=${PYTHONPATH:-$PWD/src}
 
 POLICY=${POLICY:-src/wamrt/assets/panda-droid}
-TRAINED=${1:-${TRAINED:-/tmp/wamrt-prefix/ckpt}}
+TRAINED=$(carried_ckpt "${1:-${TRAINED:-/tmp/wamrt-prefix/ckpt}}")  # a .tgz carried in .ckpt-carry/ too
 TASKS=${TASKS:-turntable,pick_place}
 DELAYS=${DELAYS:-0,1,3,6,10,14}
 STRATEGIES=${STRATEGIES:-sync,async,blend,prefix-inpaint,prefix-trained,prefix-trained-seam}

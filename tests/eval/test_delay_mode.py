@@ -220,6 +220,14 @@ def test_grid_command_loads_one_engine_when_both_policies_are_one_checkpoint(tmp
     base, trained = (json.loads((out / f"pick_place-d0{s}.json").read_text()) for s in ("", "-trained"))
     assert base["outcomes"] == trained["outcomes"] and base["realtime"] == trained["realtime"]
     assert trained["policy_role"] == "trained" and trained["copy_of"] == "pick_place-d0.json"
+    assert (trained["cell"], trained["shared_by"], base["shared_by"]) == ("pick_place-d0-trained", ["prefix-trained"],
+                                                                          ["async"])
+    from wamrt.eval.grid_report import load_cells
+
+    assert {(c.delay, c.strategy) for c in load_cells(out)} == {(0, "async"), (0, "prefix-trained")}
+    stale = {**trained, "cell": "pick_place-d0", "shared_by": ["async"]}  # a copy as written before the fix
+    (out / "pick_place-d0-trained.json").write_text(json.dumps(stale))
+    assert {(c.delay, c.strategy) for c in load_cells(out)} == {(0, "async"), (0, "prefix-trained")}
     assert trained["config"]["trained"]["model"] == "tiny-droid"
     summary = json.loads((out / "summary.json").read_text())
     assert sum(int(b) * n for b, n in summary["batch_hist"].items()) == base["realtime"]["requests"]  # run once

@@ -359,7 +359,8 @@ def run_grid_command(args: argparse.Namespace) -> int:
     files = {**done, **{cell: result_of(cell, run.results[ci]) for ci, cell in enumerate(todo) if run.results[ci]}}
     for copy, base0 in copies.items():
         if base0 in files:
-            files[copy] = {**files[base0], "policy_role": "trained", "copy_of": f"{base0.name}.json"}
+            files[copy] = {**files[base0], "policy_role": "trained", "copy_of": f"{base0.name}.json",
+                           "cell": copy.name, "shared_by": [s for s in strategies if _strategy_policy(s) == "trained"]}
             write_result(files[copy], args.out / f"{copy.name}.json")
     calls = len(run.batches)
     meta = {"policy": args.policy, "trained_policy": args.trained_policy, "command": command, "git_sha": git_sha(),

@@ -149,9 +149,11 @@ def load_cells(out: Path) -> dict[Cell, dict[str, Any]]:
         if not isinstance(res, dict) or res.get("kind") != "rollout" or "cell" not in res:
             continue
         d = int(res["delay_steps"])
-        if d == 0:
-            shared = res.get("shared_by") or []
-            strategy = shared[0] if shared else ("prefix-trained" if res.get("policy_role") == "trained" else "async")
+        if d == 0:  # the policy's role decides (copies written before f1ce3c5 kept the base cell's shared_by)
+            trained = res.get("policy_role") == "trained"
+            shared = [s for s in res.get("shared_by") or []
+                      if s in GRID_STRATEGIES and (GRID_STRATEGIES[s][2] == "trained") == trained]
+            strategy = shared[0] if shared else ("prefix-trained" if trained else "async")
         else:
             strategy = res["strategy"]
         if strategy in GRID_STRATEGIES:
