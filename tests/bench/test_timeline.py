@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from types import SimpleNamespace
 
@@ -71,6 +72,9 @@ def test_chrome_trace_and_cli(tmp_path, capsys):
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": events}))
     assert chrome_trace_intervals(trace) == [(100.0, 150.0, "gemm"), (10.0, 15.0, "Memcpy HtoD")]
+    packed = tmp_path / "trace.json.gz"  # as the --trace rows write it and the results folders keep it
+    packed.write_bytes(gzip.compress(trace.read_bytes()))
+    assert chrome_trace_intervals(packed) == chrome_trace_intervals(trace)
     assert main(["bench", "timeline", str(trace), "--split-us", "50"]) == 0
     out = capsys.readouterr().out
     assert "GPU span 0.14 ms, busy 0.06, idle 0.09 in 1 gaps" in out

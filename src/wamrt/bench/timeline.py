@@ -9,6 +9,7 @@ part: judge it by the stage times of the timed requests)."""
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
 
@@ -22,8 +23,9 @@ def kernel_intervals(prof) -> list[Interval]:
 
 
 def chrome_trace_intervals(path: Path) -> list[Interval]:
-    """The same from a trace written by `prof.export_chrome_trace`."""
-    events = json.loads(Path(path).read_text())["traceEvents"]
+    """The same from a trace written by `prof.export_chrome_trace` (`.json`, or `.json.gz` as the rows write it)."""
+    raw = Path(path).read_bytes()
+    events = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)["traceEvents"]
     return [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in events
             if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("dur", 0) > 0]
 
