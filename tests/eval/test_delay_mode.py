@@ -263,13 +263,15 @@ def test_grid_sampling_overrides_reach_the_policy_and_never_a_server(tmp_path, m
 
     monkeypatch.setenv("WAMRT_CACHE", str(tmp_path / "cache"))
     args = build_parser().parse_args(["eval", "grid", "--policy", "tiny-droid", "--out", str(tmp_path), "--steps",
-                                      "2", "--guidance-interval", "833-1000", "--device", "cpu"])
+                                      "2", "--guidance-interval", "833", "1000", "--device", "cpu"])
     backend, _, config = cli_realtime._backend("tiny-droid", args)
-    assert backend.overrides == {"steps": 2, "guidance_interval": (833.0, 1000.0)}
-    assert config["guidance_interval"] == (833.0, 1000.0)
+    assert backend.overrides == {"steps": 2, "guidance_interval": (833, 1000)}
+    assert config["guidance_interval"] == (833, 1000)
     with pytest.raises(ValueError, match="in-process"):
         cli_realtime._backend("ws://127.0.0.1:9", args)
-    for bad in ("1000-937", "first"):
+    for bad in (["833-1000"], ["first", "1000"]):  # the syntax of every other command's --guidance-interval
         with pytest.raises(SystemExit):
-            build_parser().parse_args(["eval", "grid", "--policy", "x", "--out", "y", "--guidance-interval", bad])
+            build_parser().parse_args(["eval", "grid", "--policy", "x", "--out", "y", "--guidance-interval", *bad])
+    assert main(["eval", "grid", "--policy", "tiny-droid", "--out", str(tmp_path), "--guidance-interval", "1000",
+                 "937"]) != 0
     assert main(["eval", "grid", "--policy", "ws://127.0.0.1:9", "--out", str(tmp_path), "--steps", "2"]) != 0

@@ -178,25 +178,15 @@ def add_grid_command(ev: argparse._SubParsersAction) -> None:
     g.add_argument("--batch-invariant", action="store_true",
                    help="fast engine: every request computed alone (bit-exact replays, slower)")
     g.add_argument("--steps", type=int, help="sampler steps (default: the policy's)")
-    g.add_argument("--guidance-interval", type=_interval, metavar="LO-HI",
-                   help="CFG only where LO < t < HI (the lever 'guidance on the first step only': 937-1000 at 4 steps, "
-                        "833-1000 at 2; python -m wamrt.eval.levers)")
+    g.add_argument("--guidance-interval", type=int, nargs=2, metavar=("LO", "HI"),
+                   help="CFG only where LO < t < HI, as rollout's (the lever 'guidance on the first step only': 937 1000 "
+                        "at 4 steps, 833 1000 at 2; python -m wamrt.eval.levers)")
     g.add_argument("--api-key", help="for a server started with --api-key")
     g.add_argument("--resume", action="store_true",
                    help="skip the cells --out already holds complete for these seeds (a grid spread over device calls)")
     g.add_argument("--report-only", action="store_true",
                    help="run nothing: rebuild summary.md and the chart from the cell files in --out (a run cut short)")
     g.set_defaults(func=run_grid_command)
-
-
-def _interval(text: str) -> tuple[float, float]:
-    try:
-        lo, hi = (float(x) for x in text.split("-"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LO-HI (e.g. 937-1000), got {text!r}") from None
-    if not lo < hi:
-        raise argparse.ArgumentTypeError(f"need LO < HI, got {text!r}")
-    return lo, hi
 
 
 def _csv(text: str) -> list[str]:
@@ -210,7 +200,7 @@ def _backend(name: str, args: argparse.Namespace) -> tuple[Any, str, dict[str, A
 
     overrides: dict[str, Any] = {"steps": args.steps} if args.steps else {}
     if args.guidance_interval:
-        overrides["guidance_interval"] = args.guidance_interval
+        overrides["guidance_interval"] = tuple(args.guidance_interval)
     if is_url(name) and overrides:  # the websocket requests carry no sampling fields: they would be ignored
         raise ValueError(f"--steps and --guidance-interval apply to in-process policies, not to {name}")
     if is_url(name):
@@ -292,6 +282,8 @@ def run_grid_command(args: argparse.Namespace) -> int:
         return _error(f"unknown tasks {unknown} (tasks: {', '.join(TASKS)})")
     if args.episodes < 1 or args.workers < 1 or args.lanes < 1 or args.max_batch < 1:
         return _error("--episodes, --workers, --lanes and --max-batch must be >= 1")
+    if args.guidance_interval and not args.guidance_interval[0] < args.guidance_interval[1]:
+        return _error(f"--guidance-interval needs LO < HI, got {args.guidance_interval}")
     expert = args.policy == "expert"
     needs_trained = [s for s in strategies if s in GRID_STRATEGY_NAMES and _strategy_policy(s) == "trained"]
     if needs_trained and not args.trained_policy and not expert:

@@ -58,7 +58,7 @@ class JsonFormatter(logging.Formatter):
 class StderrHandler(logging.StreamHandler):
     """Writes to sys.stderr as it is when a record comes, not as it was when the handler was made: a server started
     in a process that later swaps or closes its stderr (a test harness's capture, a notebook) would otherwise have
-    its background threads log to a closed stream."""
+    its background threads log to a closed stream. (The stdlib's private `logging._StderrHandler` does the same.)"""
 
     def __init__(self) -> None:
         logging.Handler.__init__(self)
