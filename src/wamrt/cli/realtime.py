@@ -179,8 +179,8 @@ def add_grid_command(ev: argparse._SubParsersAction) -> None:
                    help="fast engine: every request computed alone (bit-exact replays, slower)")
     g.add_argument("--steps", type=int, help="sampler steps (default: the policy's)")
     g.add_argument("--guidance-interval", type=int, nargs=2, metavar=("LO", "HI"),
-                   help="CFG only where LO < t < HI, as rollout's (the lever 'guidance on the first step only': 937 1000 "
-                        "at 4 steps, 833 1000 at 2; python -m wamrt.eval.levers)")
+                   help="CFG only where LO < t < HI (the lever 'guidance on the first step only': 937 1000 at 4 "
+                        "steps, 833 1000 at 2; python -m wamrt.eval.levers)")
     g.add_argument("--api-key", help="for a server started with --api-key")
     g.add_argument("--resume", action="store_true",
                    help="skip the cells --out already holds complete for these seeds (a grid spread over device calls)")
