@@ -58,13 +58,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # .whl (everything, 32 MB) or .whl-bench (diffusers, importlib_metadata and the server wheels, 7 MB: what the
 # benches need, small enough to travel beside a flash-attn-4 part within a call's 64 MiB). Carry one of the two.
-# .whl-av: PyAV (36 MB), which the server's MP4 replies need (the world-serve part); the image has none.
+# .whl-av: PyAV, which the server's MP4 replies need (world-serve, load-plan-i2v); the image has none. Its wheel (36 MB)
+# does not travel beside the tree and the server wheels; unpacked and packed as .whl-av/*.tar.xz it is 25 MB.
 # .whl-extra: anything else one part needs.
 wheels=$(ls .whl/*.whl .whl-bench/*.whl .whl-av/*.whl .whl-extra/*.whl 2>/dev/null)
 if [ -n "$wheels" ]; then  # none carried: a part that needs no extra package (kernel tests)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/wamrt-py/site-packages $wheels || exit 1
 fi
+for packed in .whl-av/*.tar.xz; do [ -f "$packed" ] && { mkdir -p /tmp/wamrt-py/site-packages; tar xJf "$packed" -C /tmp/wamrt-py/site-packages || exit 1; }; done
 export PYTHONPATH=/tmp/wamrt-py/site-packages:$PWD/src PYTHONUNBUFFERED=1
 # flash-attn-4 carried in parts (scripts/fa4_install.sh), in this call or staged by an earlier one on this machine
 if compgen -G ".fa4*" >/dev/null || [ -d /tmp/wamrt-fa4 ]; then
@@ -90,7 +92,8 @@ serve_plan() {
   python3 -m wamrt.cli serve --model "$model" --gpu-memory "$gib" --port "$port" "$@" > "$res/$label-server.txt" 2>&1 &
   local srv=$!
   for _ in $(seq 1 240); do
-    curl -sf "http://127.0.0.1:$port/readyz" >/dev/null && break; kill -0 "$srv" 2>/dev/null || break; sleep 1
+    curl -sf "http://127.0.0.1:$port/readyz" >/dev/null && break; kill -0 "$srv" 2>/dev/null || break
+    grep -q "ERROR warm-up failed" "$res/$label-server.txt" && break; sleep 1
   done
   echo "$label: ready after $(( $(date +%s) - t_start )) s ($(grep -m1 'wamrt serve' "$res/$label-server.txt" \
     | cut -c1-300))" | tee -a "$res/log.txt"

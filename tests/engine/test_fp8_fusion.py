@@ -5,6 +5,7 @@ at Edge and Nano shapes, in a CUDA graph, and a whole compiled layer)."""
 from __future__ import annotations
 
 import copy
+import threading
 from functools import partial
 
 import numpy as np
@@ -187,6 +188,32 @@ def test_triton_act_quant_matches_reference_and_replays(m, n, activation):
     torch.cuda.synchronize()
     again_q, again_scale = fp8_act_quant(static, activation)
     assert torch.equal(out_q.view(torch.uint8), again_q.view(torch.uint8)) and torch.equal(out_scale, again_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_act_quant_autotunes_from_threads_at_once():
+    """A server launches the autotuned kernel from its request thread and its background capture thread at once;
+    widths never launched before, so every launch autotunes while the others run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ys = [torch.randn(512, 3072 + 64 * i, device="cuda", dtype=torch.bfloat16, generator=gen) for i in range(8)]
+    start = threading.Barrier(len(ys))
+
+    def launch(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start.wait()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            out = fp8_act_quant(y, "none")
+            torch.cuda.current_stream().synchronize()
+        return out
+
+    with ThreadPoolExecutor(len(ys)) as pool:
+        results = list(pool.map(launch, ys))
+    for y, (q, scale) in zip(ys, results, strict=True):
+        want_q, want_scale = fp8_act_quant_reference(y, "none")
+        torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0)
+        assert float((q.view(torch.uint8) != want_q.view(torch.uint8)).float().mean()) < 1e-3
 
 
 @pytest.mark.parametrize("m,n,with_update", [(6184, 2048, True), (6184, 4096, True), (6184, 4096, False)])

@@ -25,6 +25,7 @@ The `*_reference` functions are the same computations in plain PyTorch, what run
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,12 @@ TRITON_SITES = (*GEMM_SITES, "qkv_heads")
 
 
 ACTIVATIONS = ("swiglu", "relu_sq", "none")
+
+# Triton's Autotuner keeps the launch in progress on itself (its `nargs`, set at the start of `run` and cleared at
+# the end), so two threads launching one autotuned kernel at once clobber each other: a server's background graph
+# capture beside its warm-up request died in `benchmark` with "'NoneType' object is not a mapping" (H200, Nano
+# gen-fp8 under a 24 GiB cap, bench/results/load/2026-12-06-c543d5c-load-plan-h200/). Launches take turns.
+_AUTOTUNED_LAUNCH = threading.Lock()
 
 
 def fp8_act_quant_reference(y: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,8 +158,9 @@ def fp8_act_quant(y: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch
     q = torch.empty(m, n, dtype=FP8, device=y.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=y.device)
     sms = _multiprocessors(y.device)
-    _act_quant_kernel[lambda meta: (min(m, meta["PER_SM"] * sms) if meta["PER_SM"] else m,)](
-        y, q, scale, m, y.stride(0), N=n, ACT=ACTIVATIONS.index(activation))
+    with _AUTOTUNED_LAUNCH:
+        _act_quant_kernel[lambda meta: (min(m, meta["PER_SM"] * sms) if meta["PER_SM"] else m,)](
+            y, q, scale, m, y.stride(0), N=n, ACT=ACTIVATIONS.index(activation))
     return q, scale
 
 
