@@ -198,9 +198,9 @@ for spec in "$@"; do
           python3 -m wamrt.bench.load_plan "$res" 2>&1 | tee -a "$res/log.txt" ;;
     load-plan-i2v) # Issue 40: the 80 GiB server with an i2v job (480x832, 33 frames, 35 steps) beside 1 lane; the job
           # size is a flag (the plan's own default leaves generation less than that job's worst-shape estimate).
-          GEN_FIELDS='{"prompt": "A robot arm picks up the red block and places it in the blue bowl.", "size":
-            "832x480", "num_frames": "33", "num_inference_steps": "35", "guidance_scale": "6", "seed": "0",
-            "input_reference": "@sample"}'
+          GEN_FIELDS=${GEN_FIELDS:-'{"prompt": "A robot arm picks up the red block and places it in the blue bowl.",
+            "size": "832x480", "num_frames": "33", "num_inference_steps": "35", "guidance_scale": "6", "seed": "0",
+            "input_reference": "@sample"}'}
           # row 1: one lane alone; row 1+gen: the same lane beside the jobs (p99 against row 1's)
           serve_plan nano80-i2v "${PLAN_MODEL:-random:nano}" "${GPU_MEMORY:-80}" 8768 "${PLAN_LANES:-1 1+gen}" \
             --max-video-pixels "${VIDEO_PIXELS:-13178880}" --generation-warmup "$GEN_FIELDS" ${PLAN_SERVE_ARGS:-}
