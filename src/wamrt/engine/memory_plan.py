@@ -11,9 +11,11 @@ largest that fits.
 The weights and the K/V buffers are exact (tensor sizes). Temporaries are estimates per token row of a Generator
 pass (`ACTIVATION_ROW`), upper bounds of what the compiled layer keeps alive (its MLP's gate/up output, the
 activation, the residual stream and the update it carries): 6 x (hidden + intermediate) elements a row, twice the
-3 x (hidden + intermediate) the layer's liveness gives; at 664bd5c the allocator reported 9.38 GiB of graph pools
-(Nano, batch 8 and smaller, the VAE's included) where this counts 9.0 GiB for batch 8. The GPU run of issue 40 puts
-each planned part beside the allocator's own numbers (`wamrt_graph_pool_bytes`, peak reserved).
+3 x (hidden + intermediate) the layer's liveness gives. Against the allocator: at 664bd5c 9.38 GiB of graph pools
+(Nano, batch 8 and smaller, the VAE's included) where this counts 9.0 GiB for batch 8; at c543d5c, the default
+server under an 80 GiB cap (H200, batch 1-8 at prefix widths 256 and 512), the loop's pool reached 9.58 GiB where
+this counts 9.1, 5 % over, which the headroom covers; that server's peak reserved was 58.5 of its 80 GiB
+(bench/results/load/2026-12-06-c543d5c-load-plan-h200/).
 """
 
 from __future__ import annotations
