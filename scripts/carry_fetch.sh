@@ -7,6 +7,9 @@
 #                (../.library/device/KINDS.md).
 #   .whl-bench/  diffusers, importlib_metadata and the server wheels alone (~7 MB), for parts that carry flash-attn-4.
 #   .gl/         libglvnd's EGL / GL loader debs, which scripts/gpu_lib.sh unpacks into / for MuJoCo's headless EGL.
+#   .whl-av/     PyAV for the server's MP4 replies (parts world-serve, load-plan-i2v), its wheel unpacked and packed as
+#                tar.xz (25 MB against the wheel's 36, which does not fit a call beside the tree and .whl-bench);
+#                scripts/gpu_run.sh unpacks it into its site-packages.
 # flash-attn-4's folders come from scripts/fa4_fetch.sh.
 # `--ckpt TGZ` only packs a prefix-ckpt.tgz an earlier call returned into .ckpt-carry/ckpt.tgz, without its VAE
 # (panda-droid's; scripts/gpu_lib.sh's carried_ckpt puts it back on the device), for `INIT=.ckpt-carry/ckpt.tgz`
@@ -25,7 +28,7 @@ if [ "${1:-}" = --ckpt ]; then
   du -sh .ckpt-carry/ckpt.tgz
   exit 0
 fi
-for d in .whl .whl-bench .gl; do
+for d in .whl .whl-bench .gl .whl-av; do
   grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude
 done
 platforms="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
@@ -33,9 +36,13 @@ platforms="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
 get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $platforms "$@" \
   2> >(grep -v "^WARNING: Location" >&2); }
 server=(diffusers==0.42.1 importlib_metadata zipp starlette uvicorn websockets python-multipart)
-rm -rf .whl .whl-bench .gl
+rm -rf .whl .whl-bench .gl .whl-av
 get -d .whl mujoco==4.0.0 mujoco-core==4.0.0 glfw pyopengl "${server[@]}"
 get -d .whl-bench "${server[@]}"
 mkdir -p .gl
 (cd .gl && apt-get download -q libegl1 libglvnd0 libgl1 libglx0 libopengl0 libgles2 >/dev/null)
-du -sh .whl .whl-bench .gl
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+get -d "$tmp" av==18.1.0
+mkdir -p "$tmp/unpacked" .whl-av
+(cd "$tmp/unpacked" && python3 -m zipfile -e "$tmp"/av-*.whl . && tar cJf "$OLDPWD/.whl-av/av-18.1.0.tar.xz" .)
+du -sh .whl .whl-bench .gl .whl-av
