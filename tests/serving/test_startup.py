@@ -47,6 +47,22 @@ def test_a_taken_port_fails_before_the_model_loads(no_loading, capsys) -> None:
     assert f"--port {port}" in line and "in use" in line and no_loading == []
 
 
+def test_a_failed_warm_up_stops_the_server_with_one_line(capsys) -> None:
+    """A server that cannot warm up exits (status 1) instead of staying up and never ready: here a
+    --generation-warmup job the server refuses (a width that is no multiple of the 16-pixel patch)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    refused = '{"size": "50x32", "num_frames": "5"}'
+    code = main(["serve", "--model", "tiny-world", "--device", "cpu", "--port", str(port), "--steps", "1",
+                 "--generation-warmup", refused])
+    assert code == 1
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("wamrt serve: warm-up failed: InvalidRequest: size:") and "multiples of 16" in line
+    with socket.socket() as again:  # the port was given back
+        again.bind(("127.0.0.1", port))
+
+
 def test_a_missing_or_empty_checkpoint_folder_fails_before_loading(no_loading, capsys, tmp_path) -> None:
     assert main(["serve", "--model", str(tmp_path / "nowhere")]) == 2
     assert "--model" in _one_line(capsys.readouterr().err)

@@ -105,9 +105,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"wamrt serve: {exc}", file=sys.stderr)
         return 2
     app = build_app(policy, config)
-    app.state.service.startup_info = info  # the summary line at ready
+    service = app.state.service
+    service.startup_info = info  # the summary line at ready
+    server = server_for(app, config, log_level=args.log_level, log_format=args.log_format)
+    service.on_warmup_failure = lambda: setattr(server, "should_exit", True)  # drain, then exit
     with sock:
-        server_for(app, config, log_level=args.log_level, log_format=args.log_format).run(sockets=[sock])
+        server.run(sockets=[sock])
+    if service.warmup_error:
+        print(f"wamrt serve: warm-up failed: {service.warmup_error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,9 @@ class Service:
         self.batcher: Batcher | None = None
         self.ready = False
         self.warmup_error: str | None = None
+        # Called once warm-up has failed: `wamrt serve` stops the process (exit status 1, the error in one line)
+        # rather than stay up and never ready; a ServerThread raises instead.
+        self.on_warmup_failure: Callable[[], None] | None = None
         self.warmup_seconds: float | None = None  # until /readyz turned 200
         self.startup_info: dict[str, Any] | None = None  # what `wamrt serve` loaded (startup.load): the summary line
         self._graph_watch: asyncio.Future | None = None
@@ -164,10 +168,15 @@ class Service:
                 from .startup import summary_line
 
                 log.info("%s", summary_line(self.startup_info, self.warmup_state()))
-        except Exception as exc:  # keep serving /healthz; /readyz reports the failure
+        except Exception as exc:  # /readyz reports it; `wamrt serve` then stops (on_warmup_failure)
             field = getattr(exc, "field", None)  # a --generation-warmup job the server refuses names its field
             self.warmup_error = f"{type(exc).__name__}: {f'{field}: ' if field else ''}{exc}"
-            log.exception("warm-up failed")
+            if field:  # the operator's request, refused: its one line says what to change
+                log.error("warm-up failed: %s", self.warmup_error)
+            else:  # a fault of ours: the traceback is the bug report
+                log.exception("warm-up failed")
+            if self.on_warmup_failure is not None:
+                self.on_warmup_failure()
 
     async def _warm_up_in_background(self) -> None:
         """Ready in seconds: the frame-0 encode's graphs at every batch size, then warm-up requests, which run
