@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from oracle.reasoner import build_tiny_reasoner
@@ -18,7 +19,7 @@ from transformers.generation.logits_process import (
 
 from wamrt.pipeline.errors import RequestError
 from wamrt.reasoner.engine import DecodeBatch
-from wamrt.reasoner.sampling import SamplingParams, SequenceSampler, TextStream
+from wamrt.reasoner.sampling import MAX_UNFINISHED_TOKENS, SamplingParams, SequenceSampler, TextStream
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,58 @@ def test_stop_strings_cut_the_text_and_hold_back_prefixes() -> None:
     stream = TextStream(tok, stop=("STOP",))
     deltas = [stream.push(i) for i in tok("a ST b", add_special_tokens=False)["input_ids"]]
     assert "".join(deltas) + stream.finish() == "a ST b" and not stream.stopped
+
+
+def _metaspace_tokenizer():
+    """SentencePiece-style words ("▁word"): a token's text depends on whether it starts the decoded text (its
+    leading space is dropped there), the case a window decode must get right."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "▁the", "▁arm", "▁picks", "▁up", "▁cube", ".", "▁ü", "ber", "▁東京"]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("which", ["bytes", "metaspace"])
+def test_the_stream_is_the_whole_decode_from_bounded_windows(which) -> None:
+    """Streamed pieces add up to the whole sequence decoded at once (multi-byte characters split across tokens,
+    invalid bytes, leading spaces), while each token decodes only a few ids, however long the sequence."""
+    tok = _byte_tokenizer() if which == "bytes" else _metaspace_tokenizer()
+    rng = np.random.default_rng(0)
+    text = " ".join(rng.choice(["the", "arm", "picks", "up", "cube.", "über", "東京", "20°C", "🤖"], 400))
+    sequences = [tok(text, add_special_tokens=False)["input_ids"]]
+    if which == "bytes":  # random bytes: unfinished and invalid UTF-8 everywhere
+        sequences += [list(map(int, rng.integers(0, 256, 500))) for _ in range(5)]
+    else:
+        sequences += [list(map(int, rng.integers(1, 10, 500))) for _ in range(5)]
+    for ids in sequences:
+        decoded: list[int] = []
+        original = tok.decode
+
+        def counting(window, **kw):
+            decoded.append(len(window))
+            return original(window, **kw)
+
+        tok.decode = counting
+        try:
+            stream = TextStream(tok)
+            pieces = [stream.push(i) for i in ids]
+            pieces.append(stream.finish())
+        finally:
+            tok.decode = original
+        whole = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert "".join(pieces) == whole == stream.text
+        assert max(decoded) <= 2 * MAX_UNFINISHED_TOKENS + 2, max(decoded)  # not the sequence's length
+
+
+def test_an_unfinished_character_is_held_back_until_its_last_byte() -> None:
+    tok = _byte_tokenizer()
+    ids = tok("a🤖b", add_special_tokens=False)["input_ids"]  # a, 4 bytes of the robot, b
+    stream = TextStream(tok)
+    assert [stream.push(i) for i in ids] == ["a", "", "", "", "🤖", "b"]
 
 
 def test_stop_string_and_max_tokens_finish_reasons(tiny) -> None:
