@@ -90,6 +90,48 @@ def test_expert_planner_continues_the_committed_rows():
     assert np.array_equal(before, env.data.qpos)  # planning never touches the live simulator
 
 
+def test_expert_planner_can_plan_with_an_assumed_turntable_rate():
+    """The what-if behind --expert-turntable-rate: the plan follows the disc at the assumed rate (0: a still disc
+    plans differently from the true one), and the live simulator is untouched."""
+    from wamrt.eval.planner import SIM_STATE_KEY, ExpertPlanner, snapshot
+    from wamrt.sim import PandaEnv, ScriptedExpert
+
+    with PandaEnv("turntable", render=False) as env:
+        env.reset(2, render=False)
+        expert = ScriptedExpert()
+        expert.reset(env)
+        for _ in range(20):
+            env.step(expert.act(env), render=False)
+        obs, true_rate = {SIM_STATE_KEY: snapshot(env, 2)}, env.turntable_rate()
+        before = env.data.qvel.copy()
+        truth = ExpertPlanner("turntable").infer(obs)["actions"]
+        still = ExpertPlanner("turntable", turntable_rate=0.0).infer(obs)["actions"]
+        assumed = ExpertPlanner("turntable", turntable_rate=true_rate).infer(obs)["actions"]
+        assert np.array_equal(before, env.data.qvel)
+        env.set_turntable_rate(0.2)
+        assert env.turntable_rate() == pytest.approx(0.2)
+    assert 0.35 <= true_rate <= 0.55
+    assert np.abs(still - truth).max() > 0.02  # a still disc is planned for differently
+    assert np.abs(assumed - truth).max() < np.abs(still - truth).max()  # the right rate plans (about) the truth
+    with PandaEnv("pick_place", render=False) as env:
+        env.reset(0, render=False)
+        with pytest.raises(ValueError, match="no turntable"):
+            env.set_turntable_rate(0.4)
+
+
+def test_grid_expert_turntable_rate_is_recorded_and_only_for_the_expert(tmp_path, capsys):
+    from wamrt.cli import main
+
+    argv = ["eval", "grid", "--policy", "expert", "--tasks", "turntable", "--delays", "3", "--strategies", "prefix",
+            "--episodes", "1", "--workers", "1", "--lanes", "1", "--max-steps", "8", "--out", str(tmp_path),
+            "--expert-turntable-rate", "0.45"]
+    assert main(argv) == 0
+    cell = json.loads((tmp_path / "turntable-d3-prefix.json").read_text())
+    assert cell["config"]["expert_turntable_rate"] == 0.45
+    assert main(["eval", "grid", "--policy", "tiny-droid", "--out", str(tmp_path), "--expert-turntable-rate", "0"]) == 2
+    assert "--expert-turntable-rate is for --policy expert" in capsys.readouterr().err
+
+
 def test_grid_runs_cells_shares_d0_and_pairs_them(tmp_path):
     from wamrt.eval.grid import LocalBackend, plan_cells, run_grid
     from wamrt.eval.grid_report import cell_result, write_grid

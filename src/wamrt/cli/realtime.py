@@ -172,6 +172,9 @@ def add_grid_command(ev: argparse._SubParsersAction) -> None:
     g.add_argument("--actuation-noise", type=float, default=0.0, metavar="RAD",
                    help="seeded OU noise (std, rad) on every executed joint target")
     add_reflex_argument(g)
+    g.add_argument("--expert-turntable-rate", type=float, metavar="RAD_S",
+                   help="--policy expert: plan as if the disc turned at this rate, not the episode's own (what a "
+                        "policy seeing one frame cannot know; the task draws 0.35-0.55)")
     g.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     g.add_argument("--engine", choices=["auto", "eager", "fast"], default="auto",
                    help="in-process policies: the fast engine (auto: on CUDA) or the eager reference")
@@ -285,6 +288,8 @@ def run_grid_command(args: argparse.Namespace) -> int:
     if args.guidance_interval and not args.guidance_interval[0] < args.guidance_interval[1]:
         return _error(f"--guidance-interval needs LO < HI, got {args.guidance_interval}")
     expert = args.policy == "expert"
+    if args.expert_turntable_rate is not None and not expert:
+        return _error("--expert-turntable-rate is for --policy expert")
     needs_trained = [s for s in strategies if s in GRID_STRATEGY_NAMES and _strategy_policy(s) == "trained"]
     if needs_trained and not args.trained_policy and not expert:
         print(f"note: no --trained-policy: the {', '.join(needs_trained)} cells are left out", file=sys.stderr)
@@ -295,6 +300,8 @@ def run_grid_command(args: argparse.Namespace) -> int:
         return _error(str(e))
     if expert:  # the planner honours every prefix mode exactly: prefix-trained is prefix-inpaint for it
         backends, gpu, config = None, "cpu", {"agent": "expert-planner"}
+        if args.expert_turntable_rate is not None:
+            config["expert_turntable_rate"] = args.expert_turntable_rate
     else:
         try:
             base, gpu, config = _backend(args.policy, args)
@@ -318,6 +325,7 @@ def run_grid_command(args: argparse.Namespace) -> int:
         done = {c: f for c, f in load_cells(args.out).items() if c in cells and f.get("complete")
                 and f.get("seeds") == {"first": seeds[0], "last": seeds[-1]} and f.get("policy") == str(
                     args.trained_policy if c.policy == "trained" else args.policy)
+                and f.get("config", {}).get("expert_turntable_rate") == args.expert_turntable_rate
                 and (c.runner_strategy != "prefix" or c.seam_rows is not None
                      or f.get("config", {}).get("seam_rows", 0) == args.seam_rows)}
     # One checkpoint as both policies (the turntable grid): its two d = 0 cells would replay the same episodes, so
@@ -345,8 +353,8 @@ def run_grid_command(args: argparse.Namespace) -> int:
 
     run = run_grid(todo, seeds, backends, workers=args.workers, lanes=args.lanes, max_batch=args.max_batch,
                    max_steps=args.max_steps, env_kwargs=env_kwargs(args), execute_steps=args.execute_steps,
-                   seam_rows=args.seam_rows,
-                   budget_s=args.budget_s, progress=print_progress, on_cell=write_cell)
+                   seam_rows=args.seam_rows, budget_s=args.budget_s, progress=print_progress, on_cell=write_cell,
+                   planner_kwargs={"turntable_rate": args.expert_turntable_rate} if expert else None)
     config["grid_wall_s"] = run.wall_s
     files = {**done, **{cell: result_of(cell, run.results[ci]) for ci, cell in enumerate(todo) if run.results[ci]}}
     for copy, base0 in copies.items():

@@ -151,7 +151,7 @@ class _Mailbox:
 
 def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell], lanes: int,
             max_steps: int | None, env_kwargs: dict[str, Any], privileged: bool, execute_steps: int,
-            contracts: dict[str, Any], seam_rows: int = 0) -> None:
+            contracts: dict[str, Any], seam_rows: int = 0, planner_kwargs: dict[str, Any] | None = None) -> None:
     """Run `episodes` ([(cell index, seed)]) on `lanes` simulators side by side; report each result.
 
     contracts: policy name -> its DroidContract where the policy takes prepared host inputs (an Engine): the
@@ -189,7 +189,8 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
                 policy = None
                 if privileged:  # rows a chunk can run: d + max(period, d), plus a margin (cheaper plans at small d)
                     horizon = min(32, cell.delay + max(execute_steps, cell.delay) + 4)
-                    policy = planners.setdefault((cell.task, horizon), ExpertPlanner(cell.task, horizon=horizon))
+                    policy = planners.setdefault((cell.task, horizon), ExpertPlanner(cell.task, horizon=horizon,
+                                                                                **(planner_kwargs or {})))
                 runner = RealtimeRunner(policy, strategy=cell.runner_strategy, execute_steps=execute_steps,
                                         seam_rows=seam_rows if cell.seam_rows is None else cell.seam_rows,
                                         clock=SimClock(cell.delay), prefix_mode=cell.prefix_mode,
@@ -303,10 +304,11 @@ class GridRun:
 def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, Any] | None, *, workers: int = 2,
              lanes: int = 8, max_batch: int = 64, max_steps: int | None = None,
              env_kwargs: dict[str, Any] | None = None, execute_steps: int = 8, seam_rows: int = 0,
-             budget_s: float | None = None,
+             budget_s: float | None = None, planner_kwargs: dict[str, Any] | None = None,
              progress: Callable[[str], None] | None = None,
              on_cell: Callable[[int, list[Any]], None] | None = None) -> GridRun:
-    """backends: policy name ("base", "trained") -> LocalBackend / RemoteBackend; None: the expert planner.
+    """backends: policy name ("base", "trained") -> LocalBackend / RemoteBackend; None: the expert planner
+    (`planner_kwargs` for its ExpertPlanner).
     `on_cell(cell index, results)` runs as each cell completes."""
     t0 = time.perf_counter()
     cells = list(cells)
@@ -320,7 +322,7 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_worker, name=f"grid-worker-{w}", daemon=True,
                         args=(child, items[w::workers], cells, lanes, max_steps, dict(env_kwargs or {}),
-                              backends is None, execute_steps, contracts, seam_rows))
+                              backends is None, execute_steps, contracts, seam_rows, planner_kwargs))
         p.start()
         child.close()
         conns.append(parent)

@@ -47,13 +47,17 @@ def snapshot(env: PandaEnv, seed: int) -> SimSnapshot:
 class ExpertPlanner:
     """`infer(obs, seed=None) -> {"actions": [horizon, 8]}` from `obs[SIM_STATE_KEY]` (see the module doc)."""
 
-    def __init__(self, task: str, horizon: int = CHUNK, variation: float = 0.0) -> None:
+    def __init__(self, task: str, horizon: int = CHUNK, variation: float = 0.0,
+                 turntable_rate: float | None = None) -> None:
         """variation: each plan approaches and descends at its own speed, drawn from the request seed in
         [1 - variation, 1 + variation] x the expert's: plans that disagree from sample to sample, as a generative
-        policy's chunks do (0: the deterministic expert, whose consecutive plans agree)."""
+        policy's chunks do (0: the deterministic expert, whose consecutive plans agree).
+        turntable_rate: plan as if the disc turned at this rate (rad/s), not at the episode's own: a planner that,
+        like a policy seeing one frame, cannot know this episode's speed (None: the true one)."""
         if not 0.0 <= variation < 1.0:
             raise ValueError(f"variation must be in [0, 1), got {variation}")
         self.task, self.horizon, self.variation = task, horizon, variation
+        self.turntable_rate = turntable_rate
         self.env = PandaEnv(task, render=False)  # no actuation noise: the plan assumes the arm obeys
         self.expert = ScriptedExpert()
         self._layout_seed: int | None = None
@@ -70,6 +74,8 @@ class ExpertPlanner:
         env.last_action, env.step_count = snap.last_action.copy(), snap.step
         env.halted = snap.halted
         env._held = snap.last_action.copy()
+        if self.turntable_rate is not None:
+            env.set_turntable_rate(self.turntable_rate)
         prefix = np.asarray(obs.get(PREFIX_KEY, np.zeros((0, 8))), dtype=np.float32).reshape(-1, 8)
         rows = [row for row in prefix[: self.horizon]]
         for row in rows:

@@ -179,6 +179,21 @@ class PandaEnv:
             d.qvel[dof : dof + 2] = w * np.array([-r[1], r[0]])
             d.qvel[dof + 5] = w  # free-joint angular velocity (body frame; the cube sits flat, so z is z)
 
+    def set_turntable_rate(self, w: float) -> None:
+        """From now on the disc turns at `w` rad/s and every cube resting on it moves with it: a planner's what-if
+        (eval/planner.py), never an episode's own dynamics."""
+        if self.turntable_dof is None or self.layout is None or self.layout.turntable_xy is None:
+            raise ValueError(f"task {self.spec.name!r} has no turntable")
+        d = self.data
+        d.qvel[self.turntable_dof] = w
+        d.ctrl[8] = w
+        for i, adr in enumerate(self.cube_qadr):
+            if self.on_turntable(i):
+                r = d.qpos[adr : adr + 2] - self.layout.turntable_xy
+                dof = self.cube_dofadr[i]
+                d.qvel[dof : dof + 2] = w * np.array([-r[1], r[0]])
+                d.qvel[dof + 5] = w
+
     def step(self, action: np.ndarray, *, render: bool = True) -> Observation:
         """Apply one [8] action row for 1/15 s and return the next observation.
 
