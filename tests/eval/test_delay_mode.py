@@ -67,17 +67,25 @@ def test_zero_delay_is_the_lock_step_rollout():
         assert rt[0].realtime["stalled"] == 0
 
 
+def _turntable_observation(env):
+    """Turntable seed 2, 20 expert steps in: the observation the planner tests plan from."""
+    from wamrt.eval.planner import SIM_STATE_KEY, snapshot
+    from wamrt.sim import ScriptedExpert
+
+    env.reset(2, render=False)
+    expert = ScriptedExpert()
+    expert.reset(env)
+    for _ in range(20):
+        env.step(expert.act(env), render=False)
+    return {SIM_STATE_KEY: snapshot(env, 2)}
+
+
 def test_expert_planner_continues_the_committed_rows():
-    from wamrt.eval.planner import SIM_STATE_KEY, ExpertPlanner, snapshot
-    from wamrt.sim import PandaEnv, ScriptedExpert
+    from wamrt.eval.planner import ExpertPlanner
+    from wamrt.sim import PandaEnv
 
     with PandaEnv("turntable", render=False) as env:
-        env.reset(2, render=False)
-        expert = ScriptedExpert()
-        expert.reset(env)
-        for _ in range(20):
-            env.step(expert.act(env), render=False)
-        obs = {SIM_STATE_KEY: snapshot(env, 2)}
+        obs = _turntable_observation(env)
         planner = ExpertPlanner("turntable")
         naive = planner.infer(obs)["actions"]
         again = planner.infer(obs)["actions"]
@@ -93,16 +101,11 @@ def test_expert_planner_continues_the_committed_rows():
 def test_expert_planner_can_plan_with_an_assumed_turntable_rate():
     """The what-if behind --expert-turntable-rate: the plan follows the disc at the assumed rate (0: a still disc
     plans differently from the true one), and the live simulator is untouched."""
-    from wamrt.eval.planner import SIM_STATE_KEY, ExpertPlanner, snapshot
-    from wamrt.sim import PandaEnv, ScriptedExpert
+    from wamrt.eval.planner import ExpertPlanner
+    from wamrt.sim import PandaEnv
 
     with PandaEnv("turntable", render=False) as env:
-        env.reset(2, render=False)
-        expert = ScriptedExpert()
-        expert.reset(env)
-        for _ in range(20):
-            env.step(expert.act(env), render=False)
-        obs, true_rate = {SIM_STATE_KEY: snapshot(env, 2)}, env.turntable_rate()
+        obs, true_rate = _turntable_observation(env), env.turntable_rate()
         before = env.data.qvel.copy()
         truth = ExpertPlanner("turntable").infer(obs)["actions"]
         still = ExpertPlanner("turntable", turntable_rate=0.0).infer(obs)["actions"]
