@@ -133,6 +133,8 @@ def test_grid_expert_turntable_rate_is_recorded_and_only_for_the_expert(tmp_path
     assert cell["config"]["expert_turntable_rate"] == 0.45
     assert main(["eval", "grid", "--policy", "tiny-droid", "--out", str(tmp_path), "--expert-turntable-rate", "0"]) == 2
     assert "--expert-turntable-rate is for --policy expert" in capsys.readouterr().err
+    assert main(["eval", "grid", "--policy", "expert", "--out", str(tmp_path), "--expert-turntable-rate", "0"]) == 2
+    assert "pick_place has no turntable" in capsys.readouterr().err  # the default tasks: pick_place,turntable
 
 
 def test_grid_runs_cells_shares_d0_and_pairs_them(tmp_path):

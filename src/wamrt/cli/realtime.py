@@ -290,6 +290,8 @@ def run_grid_command(args: argparse.Namespace) -> int:
     expert = args.policy == "expert"
     if args.expert_turntable_rate is not None and not expert:
         return _error("--expert-turntable-rate is for --policy expert")
+    if args.expert_turntable_rate is not None and (still := [t for t in tasks if not TASKS[t].turntable]):
+        return _error(f"--expert-turntable-rate: {', '.join(still)} has no turntable (--tasks turntable)")
     needs_trained = [s for s in strategies if s in GRID_STRATEGY_NAMES and _strategy_policy(s) == "trained"]
     if needs_trained and not args.trained_policy and not expert:
         print(f"note: no --trained-policy: the {', '.join(needs_trained)} cells are left out", file=sys.stderr)
