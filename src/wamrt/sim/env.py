@@ -9,6 +9,7 @@ and the gripper closure in [0, 1].
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -166,33 +167,30 @@ class PandaEnv:
 
     def _spin_up(self, lay: Layout) -> None:
         """Disc at the layout's centre, already turning, the cube resting on it and moving with it (no slip)."""
-        m, d = self.model, self.data
         assert lay.turntable_xy is not None and self.turntable_dof is not None
-        m.body_pos[self.turntable_body, :2] = lay.turntable_xy
-        w = lay.turntable_speed
-        d.qvel[self.turntable_dof] = w
-        d.ctrl[8] = w
-        for i, adr in enumerate(self.cube_qadr):
-            d.qpos[adr + 2] = TURNTABLE_TOP + CUBE_HALF
-            r = d.qpos[adr : adr + 2] - lay.turntable_xy
-            dof = self.cube_dofadr[i]
-            d.qvel[dof : dof + 2] = w * np.array([-r[1], r[0]])
-            d.qvel[dof + 5] = w  # free-joint angular velocity (body frame; the cube sits flat, so z is z)
+        self.model.body_pos[self.turntable_body, :2] = lay.turntable_xy
+        for adr in self.cube_qadr:
+            self.data.qpos[adr + 2] = TURNTABLE_TOP + CUBE_HALF
+        self._turn(lay.turntable_speed, range(len(self.cube_qadr)), lay.turntable_xy)
 
     def set_turntable_rate(self, w: float) -> None:
         """From now on the disc turns at `w` rad/s and every cube resting on it moves with it: a planner's what-if
         (eval/planner.py), never an episode's own dynamics."""
         if self.turntable_dof is None or self.layout is None or self.layout.turntable_xy is None:
             raise ValueError(f"task {self.spec.name!r} has no turntable")
+        on_disc = [i for i in range(len(self.cube_qadr)) if self.on_turntable(i)]
+        self._turn(w, on_disc, self.layout.turntable_xy)
+
+    def _turn(self, w: float, cubes: Iterable[int], centre: np.ndarray) -> None:
+        """The disc at `w` rad/s, and `cubes` (resting on it) moving with it."""
         d = self.data
         d.qvel[self.turntable_dof] = w
         d.ctrl[8] = w
-        for i, adr in enumerate(self.cube_qadr):
-            if self.on_turntable(i):
-                r = d.qpos[adr : adr + 2] - self.layout.turntable_xy
-                dof = self.cube_dofadr[i]
-                d.qvel[dof : dof + 2] = w * np.array([-r[1], r[0]])
-                d.qvel[dof + 5] = w
+        for i in cubes:
+            adr, dof = self.cube_qadr[i], self.cube_dofadr[i]
+            r = d.qpos[adr : adr + 2] - centre
+            d.qvel[dof : dof + 2] = w * np.array([-r[1], r[0]])
+            d.qvel[dof + 5] = w  # free-joint angular velocity (body frame; the cube sits flat, so z is z)
 
     def step(self, action: np.ndarray, *, render: bool = True) -> Observation:
         """Apply one [8] action row for 1/15 s and return the next observation.
