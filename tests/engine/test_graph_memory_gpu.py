@@ -94,3 +94,40 @@ def test_background_captures_while_requests_run_then_replays_match_the_compiled_
     engine.stop_background_capture()
     print(f"\n{during} batches answered while {progress['planned']} graphs were captured in {progress['seconds']} s; "
           f"requests by path {stats['requests']}")
+
+
+def test_a_world_job_captures_beside_the_background_ladder_and_both_finish(nano4):
+    """ops.capture_turn: a world job warms up and captures its segments while the background thread captures the
+    policy ladder, and hands the device to policy requests between its segments, as a server's i2v warm-up job does
+    at startup. Before the turn both captures failed there (H100: `operation not permitted when stream is
+    capturing`) and the server never turned ready."""
+    import time
+
+    from wamrt.bench.world import conditioning_image
+    from wamrt.engine.world import WORLD_ENGINE_CONFIG, WorldEngine
+    from wamrt.sample import sample_observation
+
+    engine = _engine(nano4, capture_on_request=False)
+    obs = [sample_observation(0)]
+    engine.infer_batch(obs, seeds=[0])
+    engine.plan_ladder()
+    world = WorldEngine(nano4.model, nano4.encoder, nano4.tokenizer, WORLD_ENGINE_CONFIG, step_segments=2)
+    answered: list[np.ndarray] = []
+
+    def on_segment() -> None:
+        answered.append(engine.infer_batch(obs, seeds=[0])[0].actions)
+
+    ladder_busy = not engine.capture_progress()["complete"]
+    result = world.run(prompt="a robot arm lifts a red cube", image=conditioning_image(300, 500), num_frames=5,
+                       height=128, width=224, steps=3, guidance=6.0, decode=False,
+                       generator=torch.Generator().manual_seed(0), on_segment=on_segment)
+    assert ladder_busy, "the ladder finished before the job began: the test shows nothing"
+    assert world.graphs.captures == 1 and torch.isfinite(result.video_latents).all()
+    assert answered and all(np.isfinite(a).all() for a in answered)
+    deadline = time.monotonic() + 300
+    while not engine.capture_progress()["complete"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    progress = engine.capture_progress()
+    assert progress["failed"] == 0 and progress["captured"] == progress["planned"] == len(LADDER) * len(WIDTHS)
+    engine.stop_background_capture()
+    print(f"\nworld job done beside the ladder; {len(answered)} policy requests answered between its segments")

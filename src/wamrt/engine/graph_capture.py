@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model import Rope
+from ..ops.capture_turn import capture_turn, graph_capture
 from .graph_cache import CapturedGraph, CaptureTimer, GraphKey, graph_pool_bytes, ladder_rung, tensor_bytes
 from .kv_buffers import BatchBranch
 from .prefix_cache import StackedKV, copy_lists
@@ -189,8 +190,9 @@ class GraphCapture:
     def _capture_timed(self, key: GraphKey, x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts,
                        raw_dim, *, cause: str) -> CapturedGraph:
         """Capture `key`'s graph from these (padded) inputs and add it to the cache, timed and its memory counted.
-        One capture at a time (the request path in warm-up, or the background thread)."""
-        with self._capture_lock:
+        One capture at a time (the request path in warm-up, or the background thread), and in the process: the
+        warm-up runs and the recording hold the capture turn (`ops.capture_turn`)."""
+        with capture_turn(), self._capture_lock:
             pool = self._graph_pool_handle()
             with CaptureTimer(self.device, pool) as timer:
                 entry = self._capture(x_v, x_a, static, conds, unconds, plan, timesteps, cfg_steps, opts, raw_dim)
@@ -269,7 +271,7 @@ class GraphCapture:
         thread (the request path, while a background capture runs) may launch work and allocate meanwhile.
         (The only CUDA-specific step of capture besides `_warm`: tests stand in for it on the CPU.)"""
         entry.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(entry.graph, pool=self._graph_pool_handle(), capture_error_mode="thread_local"):
+        with graph_capture(entry.graph, pool=self._graph_pool_handle()):
             return run()
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..ops.capture_turn import empty_cache
 from .graph_cache import GraphKey
 from .graph_capture import LoopInputs
 from .kv_buffers import BatchBranch
@@ -122,7 +123,7 @@ class CaptureWorker:
                 with self._cond:
                     self.failed[key] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 if isinstance(exc, torch.OutOfMemoryError):
-                    torch.cuda.empty_cache()
+                    empty_cache()
             with self._cond:
                 self.capturing = None
                 if self.complete_at is None and self._complete():

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..ops.capture_turn import empty_cache
 from ..pipeline.denoise import SamplingOptions
 from ..pipeline.droid import PreparedDroid, encode_canvases
 from .layer_path import LayerPath, build_layer_path
@@ -109,4 +110,4 @@ class Served:
         """Hand the caching allocator's unused blocks back (graph pools and live tensors stay)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-            torch.cuda.empty_cache()
+            empty_cache()  # not while the background ladder captures

@@ -42,6 +42,7 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import (
 from torch import nn
 
 from ..ops import channels_last
+from ..ops.capture_turn import graph_capture, release_capture_turn, try_capture_turn
 from ..pipeline.canvas import pad_unit_pixels
 from ..pipeline.errors import RequestError
 from ..pipeline.geometry import CanvasGeometry
@@ -185,20 +186,26 @@ class FirstFrameEncoder(FrameEncoder):
         with self._graph_lock:
             entry = self._graphs.get(key)
             if entry is None:
-                for _ in range(2):  # outside the capture: the fused norm's compile, cuDNN's algorithm choice
-                    fn(x)
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
-                static_in = x.clone()
-                graph = torch.cuda.CUDAGraph()
-                try:
-                    # thread-local: a background capture of the denoising loop may allocate meanwhile
-                    with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                        static_out = fn(static_in)
-                except RuntimeError as e:  # never a failed request: the same walk, launched kernel by kernel
-                    self.capture = False
-                    log.warning("first-frame VAE encode: CUDA graph capture failed (%s); running it uncaptured", e)
+                # On the request path: while another thread captures (the background ladder), this request runs
+                # uncaptured rather than wait for it, and a later one captures (ops.capture_turn).
+                if not try_capture_turn():
                     return fn(x)[:b]
+                try:
+                    for _ in range(2):  # outside the capture: the fused norm's compile, cuDNN's algorithm choice
+                        fn(x)
+                    if self._pool is None:
+                        self._pool = torch.cuda.graph_pool_handle()
+                    static_in = x.clone()
+                    graph = torch.cuda.CUDAGraph()
+                    try:
+                        with graph_capture(graph, pool=self._pool):
+                            static_out = fn(static_in)
+                    except RuntimeError as e:  # never a failed request: the same walk, launched kernel by kernel
+                        self.capture = False
+                        log.warning("first-frame VAE encode: CUDA graph capture failed (%s); running it uncaptured", e)
+                        return fn(x)[:b]
+                finally:
+                    release_capture_turn()
                 entry = self._graphs[key] = (graph, static_in, static_out)
                 while len(self._graphs) > self.max_graphs:
                     self._graphs.popitem(last=False)

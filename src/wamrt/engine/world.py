@@ -29,6 +29,7 @@ import torch
 
 from ..model import GeneratorTokens
 from ..model.attention import ControlSegments
+from ..ops.capture_turn import capture_turn, graph_capture
 from ..pipeline.denoise import DenoiseInputs, DenoiseResult, SamplingOptions
 from ..pipeline.omni import decode_pixels
 from ..pipeline.tokens import CaptionTokenizer, as_caption_tokenizer
@@ -417,34 +418,43 @@ class WorldEngine(Engine):
         `between` (a server's `on_segment`) runs after every warm-up step and every captured segment, outside
         any capture, with the device idle: a new shape's capture (5.9 s for Nano i2v at 12 segments a step) then
         holds policy requests up for its longest piece, the first warm-up step with its compile, not the whole.
-        Other engines' work in those gaps stays out of this graph pool."""
+        Other engines' work in those gaps stays out of this graph pool.
+
+        The warm-up and the captures hold the process's capture turn (`ops.capture_turn`: the server's background
+        ladder may be capturing a policy graph meanwhile); `between` runs with the turn let go, and while another
+        thread holds it this thread runs `between` instead of blocking the policy batches waiting on it."""
         pool = self._graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                warm = new_loop()
-                kinds = warm.spec.kinds
-                for i in range(1 + max(kinds.index(k) for k in set(kinds))):
-                    warm.step(i)  # up to the first step of the last kind to appear (guided / unguided)
-                    if between is not None:
-                        self._sync()
-                        between()
-                del warm
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        loop = new_loop()
-        for i in range(steps):
-            pieces, graphs, finished = loop.pieces(i), [], False
-            while not finished:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    try:
-                        next(pieces)
-                    except StopIteration:
-                        finished = True
-                graphs.append(graph)
-                if between is not None:
-                    self._sync()
+
+        with capture_turn(wait=between) as turn:
+            def pause() -> None:
+                self._sync()
+                with turn.let_go():
                     between()
-            loop.graphs.append(graphs)
+
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    warm = new_loop()
+                    kinds = warm.spec.kinds
+                    for i in range(1 + max(kinds.index(k) for k in set(kinds))):
+                        warm.step(i)  # up to the first step of the last kind to appear (guided / unguided)
+                        if between is not None:
+                            pause()
+                    del warm
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            loop = new_loop()
+            for i in range(steps):
+                pieces, graphs, finished = loop.pieces(i), [], False
+                while not finished:
+                    graph = torch.cuda.CUDAGraph()
+                    with graph_capture(graph, pool=pool):
+                        try:
+                            next(pieces)
+                        except StopIteration:
+                            finished = True
+                    graphs.append(graph)
+                    if between is not None:
+                        pause()
+                loop.graphs.append(graphs)
         return loop

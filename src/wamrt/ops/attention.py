@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .capture_turn import capture_turn, graph_capture
+
 BACKENDS = {
     "cudnn": [SDPBackend.CUDNN_ATTENTION],
     "flash": [SDPBackend.FLASH_ATTENTION],
@@ -295,16 +297,17 @@ def measure_backends(q_shape: tuple[int, int, int, int], kv_heads: int, kv_len: 
 
 def _graph_ms(fn: Callable[[], Any], iters: int, replays: int = 7) -> float:
     """Median device ms per call of `fn` captured `iters` times in one CUDA graph (warmed up on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
+    with capture_turn():  # a backend's first runs compile and autotune: not while another thread captures
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with graph_capture(graph):
+            for _ in range(iters):
+                fn()
     graph.replay()
     times = []
     for _ in range(replays):

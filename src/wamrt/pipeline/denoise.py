@@ -16,6 +16,7 @@ from typing import Any, Literal, TypedDict, Unpack
 import torch
 
 from ..model import Cosmos3Transformer, GeneratorOutput, GeneratorTokens, ReasonerKV, Rope
+from ..ops.capture_turn import synchronize_device
 from ..sampler import (
     FlowSchedule,
     cfg_combine,
@@ -175,7 +176,7 @@ def _detached(value: Any) -> Any:
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        synchronize_device(device)
 
 
 def denoise(

@@ -21,6 +21,7 @@ from ..model import (
     text_positions,
     vision_positions,
 )
+from ..ops.capture_turn import empty_cache
 from .denoise import Branch, SamplingOptions
 from .errors import RequestError
 from .geometry import VAE_SPATIAL, VAE_TEMPORAL, LatentGeometry
@@ -115,7 +116,7 @@ def _decode_fitting(vae, z: torch.Tensor, notes: list[str] | None) -> torch.Tens
         if getattr(vae, "use_tiling", True):  # already tiled, or a VAE without tiling: nothing smaller to try
             raise
     vae.clear_cache()  # out of the except block: the failed attempt's frames are released first
-    torch.cuda.empty_cache()
+    empty_cache()  # not while another thread captures
     log.warning("VAE decode of latents %s ran out of device memory; decoding in tiles", tuple(z.shape))
     vae.enable_tiling()
     try:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.capture_turn import capture_turn, graph_capture
 from .lm import KVCache, LayerFn, ReasonerLM
 
 log = logging.getLogger("wamrt.reasoner")
@@ -55,22 +56,23 @@ class DecodeGraphs:
         tokens = torch.zeros(rows, dtype=torch.long, device=dev)
         index = torch.full((rows,), self.scratch, dtype=torch.long, device=dev)
         rope_pos = torch.zeros(rows, dtype=torch.float32, device=dev)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up off the capture (cuBLAS workspaces, lazy inits, compiling)
-            for _ in range(2):
-                try:
-                    self.lm.decode_step(self.cache, tokens, index, rope_pos, span, self.layer_fn)
-                except Exception as exc:  # a compiler failure costs speed, not the chat: the eager layers remain
-                    if self.layer_fn is None:
-                        raise
-                    log.warning("fused decode layers failed to compile (%s); decoding with the eager layers",
-                                str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-                    self.layer_fn = None
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = self.lm.decode_step(self.cache, tokens, index, rope_pos, span, self.layer_fn)
+        with capture_turn():  # the warm-up compiles, and no other thread may capture meanwhile (ops.capture_turn)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # warm-up off the capture (cuBLAS workspaces, lazy inits, compiling)
+                for _ in range(2):
+                    try:
+                        self.lm.decode_step(self.cache, tokens, index, rope_pos, span, self.layer_fn)
+                    except Exception as exc:  # a compiler failure costs speed, not the chat: the eager layers remain
+                        if self.layer_fn is None:
+                            raise
+                        log.warning("fused decode layers failed to compile (%s); decoding with the eager layers",
+                                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                        self.layer_fn = None
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with graph_capture(graph, pool=self.pool):
+                logits = self.lm.decode_step(self.cache, tokens, index, rope_pos, span, self.layer_fn)
         entry = _Graph(graph, tokens, index, rope_pos, logits)
         self.entries[(rows, span)] = entry
         return entry

@@ -1,0 +1,91 @@
+"""One CUDA graph capture at a time in a process: the turn every capture (and the warm-up runs before it) takes.
+
+Every capture here is thread-local, so another thread may launch kernels and allocate while one records. That is
+not enough when two threads capture: `torch.cuda.graph` begins with a device-wide synchronize and `empty_cache`,
+which CUDA refuses while any stream of the device is capturing (`cudaErrorStreamCaptureUnsupported`), and the
+refusal also invalidates the capture under way. The warm-up before a capture is no safer: a first run compiles, and
+Inductor's and Triton's benchmarks synchronize the device. On an H100 (2026-12-06) a server's i2v warm-up job
+captured its segments while the background ladder captured a policy graph, and both failed; the server never
+turned ready. So whoever warms up and captures holds the turn, and so does a device-wide synchronize or
+`empty_cache` that can run while a server answers.
+
+A thread that holds the device for others (a world job, which hands the device to policy batches between its
+segments) must not hold the turn while it waits for the device back: `wait` callbacks run with the turn let go.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+_TURN = threading.RLock()
+
+
+def _take(wait: Callable[[], None] | None) -> None:
+    if wait is None:
+        _TURN.acquire()
+        return
+    while not _TURN.acquire(timeout=0.002):
+        wait()  # e.g. hand the device to a waiting policy batch while another thread captures
+
+
+class Turn:
+    """The turn, held by this thread (`capture_turn`)."""
+
+    def __init__(self, wait: Callable[[], None] | None) -> None:
+        self.wait, self.held = wait, True
+
+    @contextmanager
+    def let_go(self) -> Iterator[None]:
+        """Let the turn go for the block (between two captures, while the device goes to other work), then take it
+        back. (If taking it back raises -- `wait` cancelling a job -- the turn stays let go.)"""
+        _TURN.release()
+        self.held = False
+        yield
+        _take(self.wait)
+        self.held = True
+
+
+@contextmanager
+def capture_turn(wait: Callable[[], None] | None = None) -> Iterator[Turn]:
+    """Hold the process's capture turn. `wait`: run between tries while another thread holds it (instead of
+    blocking: a thread that others wait on keeps serving them)."""
+    _take(wait)
+    turn = Turn(wait)
+    try:
+        yield turn
+    finally:
+        if turn.held:
+            _TURN.release()
+
+
+def try_capture_turn() -> bool:
+    """Take the turn if it is free now; the caller releases it with `release_capture_turn`."""
+    return _TURN.acquire(blocking=False)
+
+
+def release_capture_turn() -> None:
+    _TURN.release()
+
+
+@contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[None]:
+    """`torch.cuda.graph` in thread-local mode, holding the turn."""
+    with capture_turn(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        yield
+
+
+def synchronize_device(device: torch.device | str | None = None) -> None:
+    """`torch.cuda.synchronize`, never while another thread captures."""
+    with capture_turn():
+        torch.cuda.synchronize(device)
+
+
+def empty_cache() -> None:
+    """`torch.cuda.empty_cache`, never while another thread captures."""
+    with capture_turn():
+        torch.cuda.empty_cache()
