@@ -209,3 +209,21 @@ def test_a_server_capturing_in_the_background_reports_its_warm_up_and_no_request
     assert row["warmup_s"] == early["warmup"]["seconds"] and row["graph_wait_s"] >= 0
     assert row["peak_gpu_gib"] is None and row["gpu_memory_cap_gib"] is None  # a CPU server has no allocator peak
     assert engine.graphs.stats()["captures_by_cause"] == {"request": 0, "warmup": 0, "background": 4}
+
+
+def test_a_lane_period_paces_each_lane_like_a_robot_and_baselines_must_match_it() -> None:
+    """--lane-period-ms: a lane asks at most once per period (4 requests of ~20 ms at 150 ms take >= 3 periods),
+    the row records it, and a baseline row at another period is refused (requests/s would not compare)."""
+    from wamrt.bench.load import check_baseline
+
+    with ServerThread(FakePolicy(delay=0.02), ServeConfig(max_batch=1)) as server:
+        paced = run_load(server.ws_url, lanes=1, requests=4, warmup=0, prompts=["wave"], period_ms=150)
+        free = run_load(server.ws_url, lanes=1, requests=4, warmup=0, prompts=["wave"])
+    assert paced["lane_period_ms"] == 150 and paced["requests"] == 4
+    assert paced["seconds"] >= 0.45 > free["seconds"]
+    assert paced["p50_ms"] < 150  # latency is the request's own, not the wait for the next period
+    check_baseline(paced, None, "fixed", 150)
+    with pytest.raises(ValueError, match="lane_period_ms 150"):
+        check_baseline(paced, None, "fixed", 0.0)
+    with pytest.raises(ValueError, match="--lane-period-ms"):
+        run_load(server.ws_url, lanes=1, requests=1, period_ms=-1)

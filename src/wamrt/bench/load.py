@@ -89,7 +89,7 @@ def plan_lanes(observations: list[dict[str, Any]], lanes: int, warmup: int, requ
 
 
 def _lane(url: str, api_key: str | None, plan: LanePlan, start: threading.Barrier, stop_at: list[float],
-          stats: LaneStats) -> None:
+          stats: LaneStats, period_s: float = 0.0) -> None:
     from ..client import PolicyClient, ServerError
 
     try:
@@ -123,6 +123,8 @@ def _lane(url: str, api_key: str | None, plan: LanePlan, start: threading.Barrie
                 stats.errors[type(exc).__name__] += 1
                 return
             stats.latencies_ms.append(1e3 * (time.monotonic() - t0))
+            if period_s > 0:  # a robot's clock: the next chunk is asked for one period after this one was
+                time.sleep(max(0.0, t0 + period_s - time.monotonic()))
             if isinstance(reply, dict):
                 stats.batch_sizes[int(reply.get("timing", {}).get("batch_size", 0))] += 1
                 tokens = (reply.get("metadata") or {}).get("prompt_tokens")
@@ -227,11 +229,13 @@ def generation_counters(url: str, api_key: str | None = None) -> dict[str, float
 def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: int | None = None, warmup: int = 1,
              steps: int | None = None, api_key: str | None = None, obs: dict[str, Any] | None = None,
              prompts: list[str] | None = None, background: dict[str, Any] | None = None,
-             generation_warmup: int = 1, graph_wait: float = 600.0) -> dict[str, Any]:
+             generation_warmup: int = 1, graph_wait: float = 600.0, period_ms: float = 0.0) -> dict[str, Any]:
     """Run the lanes and return the summary (the `kind: load` fields). `prompts`: the instructions the lanes
     cycle through (default: `obs`'s own); `requests`: measure this many (rounded up to whole rounds of the
     lanes) with `seconds` as the cap, else run for `seconds` (default 10). `background`: multipart fields of a
-    world-generation job submitted back to back while the lanes measure (after `generation_warmup` jobs alone)."""
+    world-generation job submitted back to back while the lanes measure (after `generation_warmup` jobs alone).
+    `period_ms`: each lane asks at most once per period (a robot that executes a chunk before asking for the next:
+    2,133 ms for 32 steps at 15 Hz); 0: back to back, the device never idle (generation then gets only the gaps)."""
     from ..sample import sample_observation
 
     check_url(url)
@@ -243,6 +247,8 @@ def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: in
         seconds = MAX_SECONDS if requests is not None else 10.0
     if not 0 < seconds <= MAX_SECONDS:
         raise ValueError(f"--seconds must be in (0, {MAX_SECONDS:.0f}]")
+    if not 0 <= period_ms <= 1e3 * MAX_SECONDS:
+        raise ValueError(f"--lane-period-ms must be in [0, {1e3 * MAX_SECONDS:.0f}], got {period_ms}")
     if generation_warmup < 0:
         raise ValueError(f"--generation-warmup must be >= 0, got {generation_warmup}")
     base = dict(obs or sample_observation(0))
@@ -253,8 +259,8 @@ def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: in
     stats = [LaneStats() for _ in range(lanes)]
     stop_at = [float("inf")]
     start = threading.Barrier(lanes + 1)
-    threads = [threading.Thread(target=_lane, args=(url, api_key, plan, start, stop_at, s), daemon=True)
-               for plan, s in zip(plans, stats, strict=True)]
+    threads = [threading.Thread(target=_lane, args=(url, api_key, plan, start, stop_at, s, period_ms / 1e3),
+                                daemon=True) for plan, s in zip(plans, stats, strict=True)]
     waited, warm_state = wait_for_graphs(url, graph_wait, api_key) if graph_wait > 0 else (0.0, None)
     meta = _get_json(url, "/v1/policy/metadata", api_key) or {}
     plan = meta.get("memory_plan") or {}
@@ -306,7 +312,8 @@ def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: in
         return float(np.percentile(lat, q)) if lat.size else None
 
     return {"kind": "load", "lanes": lanes, "seconds": round(elapsed, 3), "requests": int(lat.size),
-            "requests_target": requests, "stopped_by": "requests" if reached else "seconds",
+            "requests_target": requests, "lane_period_ms": period_ms,
+            "stopped_by": "requests" if reached else "seconds",
             "throughput_rps": lat.size / elapsed if elapsed > 0 else 0.0, "p50_ms": pct(50), "p90_ms": pct(90),
             "p99_ms": pct(99), "max_ms": float(lat.max()) if lat.size else None,
             "p50_ci95_ms": summarize(lat.tolist())["ci95_p50_ms"] if lat.size else None,  # bootstrap of the median
@@ -319,10 +326,13 @@ def run_load(url: str, *, lanes: int, seconds: float | None = None, requests: in
             **({} if background_summary is None else {"background_generation": background_summary})}
 
 
-def check_baseline(baseline: dict[str, Any], model: Any, prompts: str) -> None:
-    """A baseline must have run the same model on the same instructions (else requests/s do not compare)."""
+def check_baseline(baseline: dict[str, Any], model: Any, prompts: str, period_ms: float = 0.0) -> None:
+    """A baseline must have run the same model on the same instructions at the same lane period (else requests/s
+    do not compare)."""
     if baseline.get("model") != model:
         raise ValueError(f"baseline model {baseline.get('model')!r} != {model!r}")
+    if float(baseline.get("lane_period_ms", 0.0)) != float(period_ms):
+        raise ValueError(f"baseline lane_period_ms {baseline.get('lane_period_ms', 0.0)} != {period_ms}")
     # Files written before --prompts existed ran the fixed instruction.
     if baseline.get("prompts", "fixed") != prompts:
         raise ValueError(f"baseline prompts {baseline.get('prompts', 'fixed')!r} != {prompts!r}")
@@ -334,7 +344,7 @@ def scaling_vs(summary: dict[str, Any], baseline: dict[str, Any]) -> dict[str, A
     Both runs send the same instructions, so FLOPs per request cancel: GPU efficiency (requests/s x
     FLOPs/request) relative to the baseline is the requests/s ratio. (With mixed instructions that holds on
     average, and exactly when the server pads every prefix to one width, `--prompt-width`.)"""
-    check_baseline(baseline, summary.get("model"), summary.get("prompts", "fixed"))
+    check_baseline(baseline, summary.get("model"), summary.get("prompts", "fixed"), summary.get("lane_period_ms", 0.0))
     ratio = summary["throughput_rps"] / baseline["throughput_rps"]
     out = {"baseline": {"lanes": baseline["lanes"], "throughput_rps": baseline["throughput_rps"],
                         "p50_ms": baseline["p50_ms"], "p99_ms": baseline.get("p99_ms")},
@@ -354,11 +364,11 @@ def run(args: argparse.Namespace) -> int:
         baseline = None
         if args.baseline:  # checked before the run, not after minutes of it
             baseline = json.loads(Path(args.baseline).read_text())
-            check_baseline(baseline, args.model, args.prompts)
+            check_baseline(baseline, args.model, args.prompts, args.lane_period_ms)
         summary = run_load(args.url, lanes=args.lanes, seconds=args.seconds, requests=args.requests,
                            warmup=args.warmup_requests, steps=args.steps, api_key=args.api_key, prompts=prompts,
                            background=args.background_generation, generation_warmup=args.generation_warmup,
-                           graph_wait=args.graph_wait)
+                           graph_wait=args.graph_wait, period_ms=args.lane_period_ms)
     except (ValueError, OSError) as exc:
         print(f"wamrt bench load: {exc}", file=sys.stderr)
         return 2

@@ -233,6 +233,9 @@ def _load(ap: argparse.ArgumentParser) -> None:
                     help="with --background-generation: jobs run alone, unmeasured, before the lanes start (a GPU "
                          "server compiles and captures a job shape's graphs in its first job); 0 when an earlier row "
                          "already ran the same job on this server")
+    ap.add_argument("--lane-period-ms", type=float, default=0.0, metavar="MS",
+                    help="each lane asks at most once per MS, as a robot does that executes a chunk before it asks "
+                         "for the next (2133 = 32 steps at 15 Hz); default 0: back to back, the device never idle")
 
 
 def _waterfall(ap: argparse.ArgumentParser) -> None:
