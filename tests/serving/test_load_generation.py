@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -56,6 +57,13 @@ def test_lanes_with_background_generation(server: ServerThread, tmp_path, capsys
     assert job["bytes"] > 0 and job["wall_s"] >= job["timing"]["model_ms"] / 1e3  # the MP4, and X-Timing read
     assert gen["job_p50_s"] > 0 and gen["model_ms_p50"] > 0 and gen["paused_ms_p50"] is not None
     assert 0 < gen["segment_max_ms"] <= 1e3 * max(j["wall_s"] for j in gen["jobs"])
+    # where in its job the longest segment ran, between two named yield points, and the job's stages (headers)
+    points = gen["segment_max_span"].split(" -> ")
+    assert len(points) == 2 and points[1] != "start"
+    for point in points:
+        assert point in ("start", "prepared", "reasoner prefilled", "decoded frame", "sound", "done") \
+            or re.fullmatch(r"step \d+( segment)?", point), gen["segment_max_span"]
+    assert job["stages_s"]["vae_decode"] > 0
     # The server's counters (/metrics): generation's device time during the row, at least its finished jobs'.
     assert gen["segments"] >= gen["jobs_completed"] and 0 < gen["device_share"] < 1
     assert gen["device_s"] >= 0.9 * sum(j["timing"]["model_ms"] for j in gen["jobs"]) / 1e3 - 0.05

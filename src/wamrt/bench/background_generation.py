@@ -180,9 +180,10 @@ class BackgroundGeneration:
                 continue
             try:
                 timing = json.loads(headers.get("x-timing", "null"))
+                stages = json.loads(headers.get("x-stage-durations", "null"))
             except ValueError:
-                timing = None
-            self.jobs.append({"wall_s": wall, "bytes": len(body), "timing": timing,
+                timing = stages = None
+            self.jobs.append({"wall_s": wall, "bytes": len(body), "timing": timing, "stages_s": stages,
                               "inference_time_s": float(headers.get("x-inference-time-s", "nan"))})
 
     # --- result ---------------------------------------------------------------------------------------------
@@ -196,6 +197,8 @@ class BackgroundGeneration:
             return statistics.median(values) if values else None
 
         segments = timing_values("segment_max_ms")
+        longest = max((j for j in self.jobs if isinstance(j["timing"], dict) and "segment_max_ms" in j["timing"]),
+                      key=lambda j: j["timing"]["segment_max_ms"], default=None)
         return {"endpoint": SYNC_PATH, "fields": self.fields, "warmup_jobs": len(self.warmup_s),
                 "warmup_s": self.warmup_s, "jobs_completed": len(self.jobs), "jobs_failed": self.failed,
                 "first_error": self.first_error, "jobs_cancelled_at_end": self.cancelled,
@@ -203,4 +206,6 @@ class BackgroundGeneration:
                 "paused_ms_p50": median(timing_values("paused_ms")), "model_ms_p50": median(timing_values("model_ms")),
                 # the longest device segment of any completed job: how long a policy request could have waited
                 "segment_max_ms": max(segments) if segments else None,
+                # where it began and ended in its job ("start -> prepared", "step 3 -> step 4 segment", ...)
+                "segment_max_span": None if longest is None else longest["timing"].get("segment_max_span"),
                 "jobs": self.jobs}

@@ -387,7 +387,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"background generation: {gen['jobs_completed']} jobs done, {gen['jobs_failed']} failed, "
               f"{gen['jobs_cancelled_at_end']} cancelled at the end; job p50 {gen['job_p50_s']} s, server paused p50 "
               f"{gen['paused_ms_p50']} ms, model p50 {gen['model_ms_p50']} ms, longest segment "
-              f"{gen['segment_max_ms']} ms; device time {gen['device_s']} s in {gen['segments']} segments "
+              f"{gen['segment_max_ms']} ms ({gen.get('segment_max_span')}); device time {gen['device_s']} s in "
+              f"{gen['segments']} segments "
               f"(share {gen['device_share']}); warm-up {gen['warmup_s']} s; first error {gen['first_error']}")
     if baseline is not None:
         summary.update(scaling_vs(summary, baseline))

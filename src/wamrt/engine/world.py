@@ -172,19 +172,24 @@ class WorldEngine(Engine):
         self.step_segments = step_segments
         self.pause_after = segment_ends(layers, step_segments)
 
-    def run(self, *, on_segment: Callable[[], None] | None = None, **kwargs: Any) -> WorldResult:
+    def run(self, *, on_segment: Callable[[], None] | None = None, on_stage: Callable[[str], None] | None = None,
+            **kwargs: Any) -> WorldResult:
         """`run_world(model, encoder, tokenizer, **kwargs)` with this engine's loop and decode; `on_segment` is
-        called between the segments of a step (see `step_segments`), after the device finished the previous one."""
-        return run_world(self.model, self.encoder, self.tokenizer,
-                         denoiser=partial(self.denoise, on_segment=on_segment), decoder=self.decode_pixels, **kwargs)
+        called between the segments of a step (see `step_segments`), after the device finished the previous one;
+        `on_stage(name)` between the request's stages, the Reasoner prefill ("reasoner prefilled") among them."""
+        return run_world(self.model, self.encoder, self.tokenizer, on_stage=on_stage,
+                         denoiser=partial(self.denoise, on_segment=on_segment, on_stage=on_stage),
+                         decoder=self.decode_pixels, **kwargs)
 
-    def run_distilled(self, *, on_segment: Callable[[], None] | None = None, **kwargs: Any) -> WorldResult:
+    def run_distilled(self, *, on_segment: Callable[[], None] | None = None,
+                      on_stage: Callable[[str], None] | None = None, **kwargs: Any) -> WorldResult:
         """`run_world_distilled(model, encoder, tokenizer, **kwargs)` (a distilled checkpoint's few-step sampler)
         with this engine's loop and decode; `on_segment` as in `run`."""
         from ..pipeline.world_distilled import run_world_distilled
 
         return run_world_distilled(self.model, self.encoder, self.tokenizer,
-                                   denoiser=partial(self.denoise_distilled, on_segment=on_segment),
+                                   denoiser=partial(self.denoise_distilled, on_segment=on_segment, on_stage=on_stage),
+                                   on_stage=on_stage,
                                    decoder=self.decode_pixels, **kwargs)
 
     def decode_pixels(self, encoder: FrameEncoder, latents: torch.Tensor, *, notes: list[str] | None = None
@@ -199,7 +204,7 @@ class WorldEngine(Engine):
     # ---------------------------------------------------------------------------------------------
     def denoise(self, model, inp: DenoiseInputs, opts: SamplingOptions, *,
                 on_step: Callable[[int, int], None] | None = None, on_segment: Callable[[], None] | None = None,
-                **_: Any) -> DenoiseResult:
+                on_stage: Callable[[str], None] | None = None, **_: Any) -> DenoiseResult:
         """`pipeline.denoise.denoise` on the fast path (same signature; `record` and `clock` are not offered)."""
         self._check_inputs(model, inp)
         timesteps = tuple(opts.make_schedule().timesteps.tolist())
@@ -222,11 +227,12 @@ class WorldEngine(Engine):
                          key=("unipc", timesteps, kinds, opts.guidance, opts.control_guidance, opts.solver,
                               opts.cfg_in_model_dtype),
                          control_guidance=opts.control_guidance, controls=controls)
-        return self._denoise_world(inp, extra, spec, on_step, on_segment)
+        return self._denoise_world(inp, extra, spec, on_step, on_segment, on_stage=on_stage)
 
     def denoise_distilled(self, model, inp: DenoiseInputs, plan: DistilledPlan, noise: torch.Tensor | None, *,
                           on_step: Callable[[int, int], None] | None = None,
-                          on_segment: Callable[[], None] | None = None, **_: Any) -> DenoiseResult:
+                          on_segment: Callable[[], None] | None = None, on_stage: Callable[[str], None] | None = None,
+                          **_: Any) -> DenoiseResult:
         """`pipeline.world_distilled.denoise_distilled` on the fast path: the conditional branch only, the
         pre-drawn re-noising draws and the clean-frame anchor as graph inputs."""
         self._check_inputs(model, inp)
@@ -249,7 +255,7 @@ class WorldEngine(Engine):
         spec = _LoopSpec(tuple(plan.timesteps), ((False, False),) * steps, 1.0, upcast=True, solver=solver,
                          key=("distilled", tuple(plan.timesteps), tuple(plan.sigmas.tolist()), plan.stochastic,
                               anchored))
-        return self._denoise_world(inp, extra, spec, on_step, on_segment, need_uncond=False)
+        return self._denoise_world(inp, extra, spec, on_step, on_segment, need_uncond=False, on_stage=on_stage)
 
     def _check_inputs(self, model, inp: DenoiseInputs) -> None:
         if model is not self.model:
@@ -261,7 +267,8 @@ class WorldEngine(Engine):
 
     def _denoise_world(self, inp: DenoiseInputs, extra: dict[str, torch.Tensor], spec: _LoopSpec,
                        on_step: Callable[[int, int], None] | None, on_segment: Callable[[], None] | None,
-                       need_uncond: bool | None = None) -> DenoiseResult:
+                       need_uncond: bool | None = None,
+                       on_stage: Callable[[str], None] | None = None) -> DenoiseResult:
         timings: dict[str, float] = {}
         if self.config.last_layer_read_rows:
             spec = replace(spec, clean_frames=leading_clean_frames(inp.vision_noisy), read_rows=True)
@@ -280,6 +287,8 @@ class WorldEngine(Engine):
             branches = _Branches(conds, unconds, nocontrols)
             self._sync()
             timings["reasoner_prefill"] = 1e3 * (time.perf_counter() - t0)
+            if on_stage is not None:
+                on_stage("reasoner prefilled")
 
             t0 = time.perf_counter()
             static = {"vision_noisy": inp.vision_noisy, **extra}

@@ -385,6 +385,7 @@ def run_world(
     decode: bool = True,
     on_step: Callable[[int, int], None] | None = None,
     on_chunk: Callable[[int, int], None] | None = None,
+    on_stage: Callable[[str], None] | None = None,
     denoiser: Denoiser = denoise,
     decoder: PixelDecoder = decode_pixels,
     **request: Any,
@@ -395,7 +396,9 @@ def run_world(
     transfer controls, chunking), validated there with its defaults.
     `shift` is the flow shift of the checkpoint's UniPC scheduler (10 in diffusers' Cosmos 3 examples).
     `decode=False` returns latents only (sound latents too, undecoded). `on_step(i, steps)` is called after
-    each denoising step (see `denoise`); an exception it raises stops the request there.
+    each denoising step (see `denoise`); an exception it raises stops the request there. `on_stage(name)` is
+    called between the request's stages ("prepared": tokenized, conditioning encoded, noise drawn), where a server
+    may hand the device to other work.
     `denoiser` and `decoder` are where speed comes in from outside (`wamrt.engine.world.WorldEngine`): the
     eager loop and VAE decode by default.
 
@@ -420,6 +423,8 @@ def run_world(
                 keep_frames: bool = decode) -> WorldResult:
         prepared = sub.prepare(model.config, encoder, tokenizer, sound_decoder=sound_decoder, generator=gen,
                                device=model_device(model), control_videos=control_videos)
+        if on_stage is not None:
+            on_stage("prepared")
         out = denoiser(model, prepared.inputs, opts, on_step=on_step)
         timings = {**prepared.timings_ms, **out.timings_ms}
         sound_latents = None if out.sound is None else out.sound[0].float()

@@ -154,6 +154,7 @@ def run_world_distilled(
     generator: torch.Generator | None = None,
     decode: bool = True,
     on_step: Callable[[int, int], None] | None = None,
+    on_stage: Callable[[str], None] | None = None,
     denoiser: Callable[..., DenoiseResult] | None = None,
     decoder: Callable[..., torch.Tensor] = decode_pixels,
 ) -> WorldResult:
@@ -161,7 +162,7 @@ def run_world_distilled(
 
     The request fields mean what they mean in `run_world`; there is no `negative_prompt`, `steps`,
     `guidance` or `shift` (the checkpoint's `schedule` fixes them), and `enable_sound` must stay False.
-    `decode=False` returns latents only. `on_step(i, steps)` is called after each step, as in `run_world`.
+    `decode=False` returns latents only. `on_step(i, steps)` and `on_stage(name)` as in `run_world`.
     `denoiser(model, inputs, plan, noise, on_step=)` and `decoder` are where speed comes in from outside
     (`WorldEngine.run_distilled`): `denoise_distilled` and the VAE decode by default.
     """
@@ -193,6 +194,8 @@ def run_world_distilled(
     t0 = time.perf_counter()
     noise = draw_step_noise(plan, tuple(prepared.inputs.vision.shape), generator, device)
     draw_ms = 1e3 * (time.perf_counter() - t0)
+    if on_stage is not None:
+        on_stage("prepared")
     out = (denoiser or denoise_distilled)(model, prepared.inputs, plan, noise, on_step=on_step)
     timings = {**prepared.timings_ms, "step_noise": draw_ms, **out.timings_ms}
 

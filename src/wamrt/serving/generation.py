@@ -244,6 +244,9 @@ class GenerationWorker:
         chunk = {"chunk": 1, "chunks": req.chunks}  # a long video's chunk, in the job's progress detail
         held, seg_start = False, 0.0
         job_segment_max = 0.0  # this job's longest segment (the reply's timing.segment_max_ms)
+        # Where the job's longest segment began and ended ("start -> prepared", "step 3 -> step 3 segment", ...):
+        # the reply's timing.segment_max_span, so a long wait for the device names the stretch of work to split.
+        point, job_segment_span = "start", ""
 
         def acquire(cancellable: bool = True) -> None:
             """Wait until no policy work is queued or running, then hold the device for one segment."""
@@ -253,19 +256,22 @@ class GenerationWorker:
             held, seg_start = True, time.monotonic()
             paused += seg_start - t0
 
-        def yield_point() -> None:
-            """Device work since the last point where a waiting policy request could have taken over."""
-            nonlocal seg_start, job_segment_max
+        def yield_point(at: str) -> None:
+            """Device work since the last point where a waiting policy request could have taken over (`at`: where
+            this one is)."""
+            nonlocal seg_start, job_segment_max, point, job_segment_span
             now = time.monotonic()
-            job_segment_max = max(job_segment_max, 1e3 * (now - seg_start))
+            if 1e3 * (now - seg_start) > job_segment_max:
+                job_segment_max, job_segment_span = 1e3 * (now - seg_start), f"{point} -> {at}"
+            point = at
             self.segment_max_ms = max(self.segment_max_ms, job_segment_max)
             self.segments += 1
             self.device_seconds += now - seg_start
             seg_start = now
 
-        def release() -> None:
+        def release(at: str) -> None:
             nonlocal held
-            yield_point()
+            yield_point(at)
             gate.release_generation()
             held = False
 
@@ -274,12 +280,12 @@ class GenerationWorker:
             done += 1
             if job.on_progress is not None:  # 100 only once the output is encoded
                 job.on_progress(int(100 * done / (total_steps + 1)), chunk if req.chunks > 1 else None)
-            release()  # a segment ends here: waiting policy batches run now
+            release(f"step {done}")  # a segment ends here: waiting policy batches run now
             acquire()  # raises GenerationCancelled when the job was cancelled meanwhile
 
         vae = getattr(world.encoder, "vae", None)
 
-        def decode_yield(keep_vae_cache: bool = True) -> None:
+        def decode_yield(keep_vae_cache: bool = True, at: str = "decoded frame") -> None:
             """Between two latent frames of the VAE decode (see `_between_decoded_frames`), before the sound
             decode and, with `keep_vae_cache=False`, between two segments of one denoising step (the engine's
             `step_segments`; the step's state stays in the engine's graph buffers meanwhile): the device goes to
@@ -289,12 +295,12 @@ class GenerationWorker:
                     vae.clear_cache()
                 raise GenerationCancelled("cancelled")
             if not gate.demand:
-                yield_point()
+                yield_point(at)
                 return
             # The VAE is shared with the policy path, whose encode resets the decoder's per-frame feature cache
             # (`clear_cache`): keep this decode's cache and put it back before going on (output bit-exact).
             saved = {name: getattr(vae, name) for name in _WAN_DECODE_STATE if keep_vae_cache and hasattr(vae, name)}
-            release()
+            release(at)
             # A kept cache must be restored under the device; cancel is then checked at the next frame.
             acquire(cancellable=not keep_vae_cache)
             for name, value in saved.items():
@@ -302,10 +308,14 @@ class GenerationWorker:
 
         sound = None
         if req.sound:
-            sound = _SoundWithYield(world.sound, lambda: decode_yield(keep_vae_cache=False))
+            sound = _SoundWithYield(world.sound, lambda: decode_yield(keep_vae_cache=False, at="sound"))
 
         def mid_step() -> None:
-            decode_yield(keep_vae_cache=False)
+            decode_yield(keep_vae_cache=False, at=f"step {done + 1} segment")
+
+        def between_stages(stage: str) -> None:
+            """Between the stages of a request (prepared, Reasoner prefilled, denoised): no decode in progress."""
+            decode_yield(keep_vae_cache=False, at=stage)
 
         def on_chunk(k: int, _n: int) -> None:
             chunk["chunk"] = k + 1
@@ -332,8 +342,9 @@ class GenerationWorker:
                 extra = {"sound_decoder": sound} if world.schedule is None else {}  # distilled: no sound
                 if req.chunks > 1:
                     extra["on_chunk"] = on_chunk
-                result = world.run(**req.kwargs, **extra, generator=generator, on_step=on_step, on_segment=mid_step)
-                release()
+                result = world.run(**req.kwargs, **extra, generator=generator, on_step=on_step, on_segment=mid_step,
+                                   on_stage=between_stages)
+                release("done")
                 assert result.frames is not None
                 outputs.append((result.frames.numpy(),
                                 None if result.sound is None else result.sound.numpy()))
@@ -344,7 +355,7 @@ class GenerationWorker:
         finally:
             self._decode_yield = None
             if held:
-                release()
+                release("stopped")
         if req.kwargs.get("controls"):
             mode = "transfer"
         elif req.kwargs.get("video") is not None:
@@ -373,7 +384,8 @@ class GenerationWorker:
         stages["encode"] = post_ms / 1e3
         total_ms = 1e3 * (time.monotonic() - job.enqueued)
         timing = {"queue_ms": 1e3 * (started - job.enqueued), "model_ms": 1e3 * model_s, "paused_ms": 1e3 * paused,
-                  "postprocess_ms": post_ms, "total_ms": total_ms, "segment_max_ms": job_segment_max}
+                  "postprocess_ms": post_ms, "total_ms": total_ms, "segment_max_ms": job_segment_max,
+                  "segment_max_span": job_segment_span}
         notes = list(req.notes) + run_notes + ([upsampled["note"]] if upsampled and "note" in upsampled else [])
         return GenerationOutcome(job.request_id, req.kind, mp4, pngs, list(frames.shape), req.fps, audio, seed, mode,
                                  timing, stages, notes, upsampled)
