@@ -179,3 +179,16 @@ def test_isolated_requests_still_capture_on_the_request_path(policy):
     stats = engine.graphs.stats()
     assert stats["captures_by_cause"]["request"] == 1 and stats["requests"]["waited"] == 1
     assert stats["requests"]["eager"] == 0
+
+
+def test_an_engine_primes_inductors_one_symbolic_trace_before_threads_run(policy):
+    """Inductor's first code generation makes one FX symbolic trace (a cached dummy module), and a symbolic trace
+    patches `nn.Module.__call__` process-wide while it runs: a module another thread calls meanwhile raises
+    NameError (a server's i2v warm-up job beside the compiling ladder, H100). Building an engine makes that trace,
+    on the thread that builds it, before any server thread starts."""
+    from torch._inductor.loop_body import InterpreterShim
+
+    InterpreterShim._dummy_gm.cache_clear()
+    assert InterpreterShim._dummy_gm.cache_info().currsize == 0
+    _eager(policy)
+    assert InterpreterShim._dummy_gm.cache_info().currsize == 1

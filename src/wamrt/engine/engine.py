@@ -34,6 +34,7 @@ from ..ops.attention import (
     fa4_available,
     zero_key_attention_problem,
 )
+from ..ops.capture_turn import prime_compiler_for_threads
 from ..pipeline.denoise import DenoiseInputs, DenoiseResult, SamplingOptions
 from ..pipeline.droid import (
     OBSERVED_LATENT_FRAMES,
@@ -78,6 +79,7 @@ class Engine(RequestAdmission, GraphCapture, BackgroundCapture, Served):
         name: str = "",
         quantization: str | None = None,
     ) -> None:
+        prime_compiler_for_threads()  # built before the threads that compile and run beside each other
         self.model, self.encoder, self.tokenizer = model, encoder, tokenizer
         self._canvas_encoder = (FirstFrameEncoder(encoder, capture=config.cuda_graph, row_ladder=config.batch_ladder)
                                 if config.vae_encode == "first-frame" else encoder)

@@ -11,6 +11,8 @@ turned ready. So whoever warms up and captures holds the turn, and so does a dev
 
 A thread that holds the device for others (a world job, which hands the device to policy batches between its
 segments) must not hold the turn while it waits for the device back: `wait` callbacks run with the turn let go.
+
+One more hazard of compiling beside other threads: `prime_compiler_for_threads`.
 """
 
 from __future__ import annotations
@@ -89,3 +91,18 @@ def empty_cache() -> None:
     """`torch.cuda.empty_cache`, never while another thread captures."""
     with capture_turn():
         torch.cuda.empty_cache()
+
+
+def prime_compiler_for_threads() -> None:
+    """Run, once and before any server thread starts, the one FX symbolic trace Inductor makes on its first code
+    generation (`InterpreterShim`'s cached dummy module, torch 2.11-2.13). A symbolic trace patches
+    `torch.nn.Module.__call__` for the whole process while it runs, so any module another thread calls meanwhile
+    fails with `NameError: module is not installed as a submodule` (H100, 2026-12-06: a server's i2v warm-up job
+    encoding its image while the background ladder compiled). Best effort: a torch without that cache skips it."""
+    try:
+        from torch._inductor.loop_body import InterpreterShim
+    except ImportError:
+        return
+    dummy = getattr(InterpreterShim, "_dummy_gm", None)
+    if callable(dummy):
+        dummy()
