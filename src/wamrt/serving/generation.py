@@ -284,12 +284,22 @@ class GenerationWorker:
             acquire()  # raises GenerationCancelled when the job was cancelled meanwhile
 
         vae = getattr(world.encoder, "vae", None)
+        device = model_device(world.model)
+        on_cuda = device.type == "cuda"
 
         def decode_yield(keep_vae_cache: bool = True, at: str = "decoded frame") -> None:
             """Between two latent frames of the VAE decode (see `_between_decoded_frames`), before the sound
             decode and, with `keep_vae_cache=False`, between two segments of one denoising step (the engine's
             `step_segments`; the step's state stays in the engine's graph buffers meanwhile): the device goes to
-            policy work only while some waits."""
+            policy work only while some waits.
+
+            The device's queue is drained first: kernels launch asynchronously, and the VAE decode's host side runs
+            frames ahead of the GPU. Without the wait, a policy request let in here queued behind the frames already
+            launched, and the segment measured on the host was the wrong one: a job beside a paced lane showed
+            "decoded frame -> done" segments of ~300 ms, the decode's backlog drained by the final host copy, and the
+            lane's p99 1.49x its solo p99 (H100, 1200085). Inside a step the engine has drained it already."""
+            if on_cuda:
+                torch.cuda.current_stream(device).synchronize()
             if job.cancelled():  # still holding the device: drop a half-built cache, then stop
                 if keep_vae_cache:
                     vae.clear_cache()
