@@ -211,6 +211,28 @@ def test_a_server_capturing_in_the_background_reports_its_warm_up_and_no_request
     assert engine.graphs.stats()["captures_by_cause"] == {"request": 0, "warmup": 0, "background": 4}
 
 
+def test_the_background_ladder_starts_after_the_generation_warm_up(tiny_policy: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A generation warm-up job and the ladder take turns at capturing (ops.capture_turn): the ladder starts once the
+    jobs are done, so a graph's compile does not hold the job's captures up before /readyz turns 200."""
+    from wamrt.serving.service import Service
+
+    order: list[str] = []
+    config = dict(steps=1, max_batch=2, prompt_bucket=64, batch_ladder=(1, 2), prompt_widths=(64,))
+    engine = _graph_engine(tiny_policy, **config)
+    plan = engine.plan_ladder
+    monkeypatch.setattr(engine, "plan_ladder", lambda *a, **k: (order.append("ladder"), plan(*a, **k))[1])
+
+    async def warm_up_generation(self: Service, text: str) -> None:
+        order.append("generation")
+
+    monkeypatch.setattr(Service, "warm_up_generation", warm_up_generation)
+    job = json.dumps({"size": "64x64", "num_frames": "5"})
+    with ServerThread(engine, ServeConfig(**config, generation_warmup=(job, job))) as server:
+        assert server.service.ready
+    assert order == ["generation", "generation", "ladder"]
+
+
 def test_a_lane_period_paces_each_lane_like_a_robot_and_baselines_must_match_it() -> None:
     """--lane-period-ms: a lane asks at most once per period (4 requests of ~20 ms at 150 ms take >= 3 periods),
     the row records it, and a baseline row at another period is refused (requests/s would not compare)."""

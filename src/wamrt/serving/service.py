@@ -156,12 +156,19 @@ class Service:
         started = time.monotonic()
         try:
             assert self.batcher is not None
-            if self._captures_in_background():
+            background = self._captures_in_background()
+            if background:
                 await self._warm_up_in_background()
             else:
                 await self._warm_up_capturing()
             for text in self.config.generation_warmup:
                 await self.warm_up_generation(text)
+            if background:
+                # The ladder starts after the generation warm-up jobs: a job's captures and the ladder's take turns
+                # (ops.capture_turn), and a ladder graph's compile holds the turn ~20 s at Nano, so started first it
+                # put ~40 s on the i2v warm-up's readiness (H100: warm-up 43.9 s alone, 80.9-90.9 s beside it).
+                self.policy.plan_ladder()
+                self._graph_watch = asyncio.ensure_future(self._watch_captures())
             self.warmup_seconds = round(time.monotonic() - started, 1)
             self.ready = True
             if self.startup_info is not None:
@@ -181,7 +188,8 @@ class Service:
     async def _warm_up_in_background(self) -> None:
         """Ready in seconds: the frame-0 encode's graphs at every batch size, then warm-up requests, which run
         uncaptured; the CUDA graphs of the batch ladder at every prefix width are captured afterwards on the engine's
-        background thread, while requests run on the graphs captured so far or uncaptured (never waiting)."""
+        background thread (`warm_up` starts it), while requests run on the graphs captured so far or uncaptured
+        (never waiting)."""
         from ..sample import sample_observation
 
         assert self.batcher is not None
@@ -190,8 +198,6 @@ class Service:
                                                                                           sizes)))
         for i in range(max(1, self.config.warmup_requests)):
             await self.batcher.run(Job(sample_observation(i), 0, dict(self.defaults)))
-        self.policy.plan_ladder()
-        self._graph_watch = asyncio.ensure_future(self._watch_captures())
 
     async def _watch_captures(self) -> None:
         while not self.policy.capture_progress()["complete"]:
