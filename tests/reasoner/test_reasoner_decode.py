@@ -290,3 +290,52 @@ def test_chat_worker_captures_every_bucket_while_idle(tiny, monkeypatch, ahead: 
     eager = list(r.generate([prompt], params, cuda_graphs=False))[-1][0].seq
     assert (reason, tokens, text) == ("length", 6, eager.stream.text)
     assert worker.stats()["graphs"]["captured_on_request"] == (0 if ahead else 1)
+
+
+def test_a_decode_step_runs_eagerly_while_another_thread_captures(monkeypatch) -> None:
+    """DecodeGraphs.step for a bucket without a graph while another thread holds the capture turn (the policy
+    ladder compiling): the step runs on the eager layers (no compile beside a capture) instead of waiting with the
+    device held, and the next step, with the turn free, captures the bucket."""
+    import threading
+    from types import SimpleNamespace
+
+    import wamrt.reasoner.graphs as graphs
+    from wamrt.ops.capture_turn import capture_turn
+
+    calls: list = []
+
+    class FakeLM:
+        def decode_step(self, cache, tokens, index, rope_pos, span, layer_fn=None):
+            calls.append(layer_fn)
+            return torch.full((tokens.shape[0], 4), 7.0)
+
+    g = graphs.DecodeGraphs.__new__(graphs.DecodeGraphs)
+    g.lm, g.cache, g.layer_fn, g.entries = FakeLM(), None, "compiled", {}
+    captured: list = []
+
+    def capture(rows: int, span: int):
+        captured.append((rows, span))
+        entry = SimpleNamespace(tokens=torch.zeros(rows, dtype=torch.long), index=torch.zeros(rows, dtype=torch.long),
+                                rope_pos=torch.zeros(rows), logits=torch.ones(rows, 4),
+                                graph=SimpleNamespace(replay=lambda: None))
+        g.entries[(rows, span)] = entry
+        return entry
+
+    monkeypatch.setattr(g, "capture", capture)
+    tokens, index, pos = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), torch.zeros(2)
+    held, release = threading.Event(), threading.Event()
+
+    def ladder() -> None:
+        with capture_turn():
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=ladder, daemon=True)
+    thread.start()
+    assert held.wait(10)
+    eager = g.step(tokens, index, pos, 128)
+    assert calls == [None] and captured == [] and torch.equal(eager, torch.full((2, 4), 7.0))
+    release.set()
+    thread.join(10)
+    replayed = g.step(tokens, index, pos, 128)
+    assert captured == [(2, 128)] and torch.equal(replayed, torch.ones(2, 4)) and calls == [None]
