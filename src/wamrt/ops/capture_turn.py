@@ -6,8 +6,8 @@ which CUDA refuses while any stream of the device is capturing (`cudaErrorStream
 refusal also invalidates the capture under way. The warm-up before a capture is no safer: a first run compiles, and
 Inductor's and Triton's benchmarks synchronize the device. On an H100 (2026-12-06) a server's i2v warm-up job
 captured its segments while the background ladder captured a policy graph, and both failed; the server never
-turned ready. So whoever warms up and captures holds the turn, and so does a device-wide synchronize or
-`empty_cache` that can run while a server answers.
+turned ready. So whoever warms up and captures holds the turn, and so does an `empty_cache` that can run
+while a server answers; code that may run beside a capture synchronizes its own stream, never the device.
 
 A thread that holds the device for others (a world job, which hands the device to policy batches between its
 segments) must not hold the turn while it waits for the device back: `wait` callbacks run with the turn let go.
@@ -79,12 +79,6 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[Non
     """`torch.cuda.graph` in thread-local mode, holding the turn."""
     with capture_turn(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         yield
-
-
-def synchronize_device(device: torch.device | str | None = None) -> None:
-    """`torch.cuda.synchronize`, never while another thread captures."""
-    with capture_turn():
-        torch.cuda.synchronize(device)
 
 
 def empty_cache() -> None:

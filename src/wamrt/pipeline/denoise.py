@@ -16,7 +16,6 @@ from typing import Any, Literal, TypedDict, Unpack
 import torch
 
 from ..model import Cosmos3Transformer, GeneratorOutput, GeneratorTokens, ReasonerKV, Rope
-from ..ops.capture_turn import synchronize_device
 from ..sampler import (
     FlowSchedule,
     cfg_combine,
@@ -175,8 +174,10 @@ def _detached(value: Any) -> Any:
 
 
 def _sync(device: torch.device) -> None:
+    # The stream this loop runs on, not the device: a device-wide synchronize fails while another thread of a server
+    # captures a CUDA graph (ops.capture_turn), and the timings need only this loop's work done.
     if device.type == "cuda":
-        synchronize_device(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def denoise(

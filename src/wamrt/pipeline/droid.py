@@ -25,7 +25,6 @@ from ..model import (
     text_positions,
     vision_positions,
 )
-from ..ops.capture_turn import synchronize_device
 from .canvas import PaddedCanvas, compose_droid_canvas, pad_to_bucket, pad_unit_pixels
 from .denoise import Branch, DenoiseInputs, DenoiseResult, SamplingOptions, denoise
 from .errors import RequestError
@@ -277,7 +276,7 @@ def prepare_droid(
     t0 = time.perf_counter()
     latent0 = encode_canvases(encoder, [host.padded], device, encode_frames)[0]
     if device.type == "cuda":
-        synchronize_device(device)
+        torch.cuda.current_stream(device).synchronize()  # not the device: see pipeline.denoise._sync
     host.timings_ms["vae_encode"] = 1e3 * (time.perf_counter() - t0)
     return finish_droid(host, latent0, model=model, encoder=encoder, tokenizer=tokenizer, contract=contract,
                         seed=seed, device=device, noise=noise)

@@ -244,7 +244,7 @@ class GenerationWorker:
         chunk = {"chunk": 1, "chunks": req.chunks}  # a long video's chunk, in the job's progress detail
         held, seg_start = False, 0.0
         job_segment_max = 0.0  # this job's longest segment (the reply's timing.segment_max_ms)
-        # Where the job's longest segment began and ended ("start -> prepared", "step 3 -> step 3 segment", ...):
+        # Where the job's longest segment began and ended ("start -> prepared", "step 3 -> step 4 segment", ...):
         # the reply's timing.segment_max_span, so a long wait for the device names the stretch of work to split.
         point, job_segment_span = "start", ""
 

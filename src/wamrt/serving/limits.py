@@ -269,8 +269,6 @@ def measured_matmul_rate(device: Any, dtype: Any) -> float:
     """FLOP/s of a 4096 x 4096 x 4096 matmul in `dtype` on a CUDA `device` (best of a few; measured once)."""
     import torch
 
-    from ..ops.capture_turn import synchronize_device
-
     key = (str(device), str(dtype))
     if key not in _RATES:
         a = torch.randn(4096, 4096, device=device, dtype=dtype)
@@ -278,10 +276,10 @@ def measured_matmul_rate(device: Any, dtype: Any) -> float:
         a @ b  # warm-up (cuBLAS heuristics, clocks)
         best = math.inf
         for _ in range(5):
-            synchronize_device(device)
+            torch.cuda.current_stream(device).synchronize()  # not the device: a capture may be under way
             t0 = time.perf_counter()
             a @ b
-            synchronize_device(device)
+            torch.cuda.current_stream(device).synchronize()
             best = min(best, time.perf_counter() - t0)
         del a, b
         _RATES[key] = 2 * 4096**3 / max(best, 1e-9)
