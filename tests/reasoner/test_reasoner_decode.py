@@ -296,11 +296,11 @@ def test_a_decode_step_runs_eagerly_while_another_thread_captures(monkeypatch) -
     """DecodeGraphs.step for a bucket without a graph while another thread holds the capture turn (the policy
     ladder compiling): the step runs on the eager layers (no compile beside a capture) instead of waiting with the
     device held, and the next step, with the turn free, captures the bucket."""
-    import threading
     from types import SimpleNamespace
 
+    from oracle.turn_holder import turn_held_elsewhere
+
     import wamrt.reasoner.graphs as graphs
-    from wamrt.ops.capture_turn import capture_turn
 
     calls: list = []
 
@@ -323,19 +323,8 @@ def test_a_decode_step_runs_eagerly_while_another_thread_captures(monkeypatch) -
 
     monkeypatch.setattr(g, "capture", capture)
     tokens, index, pos = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), torch.zeros(2)
-    held, release = threading.Event(), threading.Event()
-
-    def ladder() -> None:
-        with capture_turn():
-            held.set()
-            release.wait(10)
-
-    thread = threading.Thread(target=ladder, daemon=True)
-    thread.start()
-    assert held.wait(10)
-    eager = g.step(tokens, index, pos, 128)
+    with turn_held_elsewhere():  # the policy ladder compiling
+        eager = g.step(tokens, index, pos, 128)
     assert calls == [None] and captured == [] and torch.equal(eager, torch.full((2, 4), 7.0))
-    release.set()
-    thread.join(10)
     replayed = g.step(tokens, index, pos, 128)
     assert captured == [(2, 128)] and torch.equal(replayed, torch.ones(2, 4)) and calls == [None]
