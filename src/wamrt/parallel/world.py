@@ -222,16 +222,16 @@ class ParallelWorldEngine(WorldEngine):
         return meta
 
     # The request's state as this rank's rows (Ulysses) ---------------------------------------------
-    def _denoise_world(self, inp, extra, spec, on_step, on_segment, need_uncond=None) -> DenoiseResult:
+    def _denoise_world(self, inp, extra, spec, on_step, on_segment, need_uncond=None, on_stage=None) -> DenoiseResult:
         if not self.sharded:
-            return super()._denoise_world(inp, extra, spec, on_step, on_segment, need_uncond)
+            return super()._denoise_world(inp, extra, spec, on_step, on_segment, need_uncond, on_stage=on_stage)
         shard = self._shard = _Shard(self, inp.vision, inp.sound, inp.controls)
         rows = replace(inp, vision=shard.vision_rows(inp.vision),
                        vision_noisy=shard.vision_noisy_rows(inp.vision_noisy))
         if inp.sound is not None:
             rows = replace(rows, sound=shard.sound_rows(inp.sound), sound_noisy=shard.sound_rows(inp.sound_noisy))
         extra = {k: shard.vision_rows(v) if k in VISION_LIKE_INPUTS else v for k, v in extra.items()}
-        out = super()._denoise_world(rows, extra, spec, on_step, on_segment, need_uncond)
+        out = super()._denoise_world(rows, extra, spec, on_step, on_segment, need_uncond, on_stage=on_stage)
         with torch.inference_mode():
             vision, sound = shard.gather(out.vision, out.sound)
         return DenoiseResult(vision, None, out.timings_ms, {}, sound)
