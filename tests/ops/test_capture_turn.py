@@ -10,7 +10,7 @@ from contextlib import ExitStack
 import pytest
 from oracle.turn_holder import turn_held_elsewhere
 
-from wamrt.ops.capture_turn import capture_turn, release_capture_turn, try_capture_turn
+from wamrt.ops.capture_turn import capture_turn, capture_turn_if_free
 
 
 def test_a_waiting_thread_runs_its_wait_callback_until_the_holder_lets_go():
@@ -28,10 +28,12 @@ def test_a_waiting_thread_runs_its_wait_callback_until_the_holder_lets_go():
 
 
 def test_try_fails_while_another_thread_holds_the_turn_and_succeeds_after():
-    with turn_held_elsewhere():
-        assert not try_capture_turn()  # a request-path VAE capture runs uncaptured instead of waiting
-    assert try_capture_turn()
-    release_capture_turn()
+    with turn_held_elsewhere(), capture_turn_if_free() as free:
+        assert not free  # a request-path VAE capture runs uncaptured instead of waiting
+    with capture_turn_if_free() as free:
+        assert free
+    with turn_held_elsewhere():  # and let go at the block's end: another thread takes it
+        pass
 
 
 def test_a_turn_let_go_between_captures_lets_another_thread_capture_and_is_taken_back():
@@ -53,8 +55,8 @@ def test_a_turn_let_go_between_captures_lets_another_thread_capture_and_is_taken
         order.append("segment")
         assert turn.held
     assert order == ["warm-up", "other", "segment"]
-    assert try_capture_turn()  # released at the end
-    release_capture_turn()
+    with capture_turn_if_free() as free:
+        assert free  # released at the end
 
 
 def test_a_cancelled_wait_while_taking_the_turn_back_leaves_it_released():

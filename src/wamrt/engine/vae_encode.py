@@ -42,7 +42,7 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import (
 from torch import nn
 
 from ..ops import channels_last
-from ..ops.capture_turn import graph_capture, release_capture_turn, try_capture_turn
+from ..ops.capture_turn import capture_turn_if_free, graph_capture
 from ..pipeline.canvas import pad_unit_pixels
 from ..pipeline.errors import RequestError
 from ..pipeline.geometry import CanvasGeometry
@@ -188,9 +188,9 @@ class FirstFrameEncoder(FrameEncoder):
             if entry is None:
                 # On the request path: while another thread captures (the background ladder), this request runs
                 # uncaptured rather than wait for it, and a later one captures (ops.capture_turn).
-                if not try_capture_turn():
-                    return fn(x)[:b]
-                try:
+                with capture_turn_if_free() as free:
+                    if not free:
+                        return fn(x)[:b]
                     for _ in range(2):  # outside the capture: the fused norm's compile, cuDNN's algorithm choice
                         fn(x)
                     if self._pool is None:
@@ -204,8 +204,6 @@ class FirstFrameEncoder(FrameEncoder):
                         self.capture = False
                         log.warning("first-frame VAE encode: CUDA graph capture failed (%s); running it uncaptured", e)
                         return fn(x)[:b]
-                finally:
-                    release_capture_turn()
                 entry = self._graphs[key] = (graph, static_in, static_out)
                 while len(self._graphs) > self.max_graphs:
                     self._graphs.popitem(last=False)

@@ -65,13 +65,16 @@ def capture_turn(wait: Callable[[], None] | None = None) -> Iterator[Turn]:
             _TURN.release()
 
 
-def try_capture_turn() -> bool:
-    """Take the turn if it is free now; the caller releases it with `release_capture_turn`."""
-    return _TURN.acquire(blocking=False)
-
-
-def release_capture_turn() -> None:
-    _TURN.release()
+@contextmanager
+def capture_turn_if_free() -> Iterator[bool]:
+    """Hold the turn for the block if it is free now (yields True), else yield False at once: a request-path capture
+    that runs uncaptured this time rather than wait for another thread's."""
+    taken = _TURN.acquire(blocking=False)
+    try:
+        yield taken
+    finally:
+        if taken:
+            _TURN.release()
 
 
 @contextmanager

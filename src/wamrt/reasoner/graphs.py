@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.capture_turn import capture_turn, graph_capture, release_capture_turn, try_capture_turn
+from ..ops.capture_turn import capture_turn, capture_turn_if_free, graph_capture
 from .lm import KVCache, LayerFn, ReasonerLM
 
 log = logging.getLogger("wamrt.reasoner")
@@ -45,15 +45,13 @@ class DecodeGraphs:
         key = (tokens.shape[0], span)
         entry = self.entries.get(key)
         if entry is None:
-            if not try_capture_turn():
-                # Another thread is capturing (the policy ladder: a Nano graph's compile holds the turn ~20 s), and
-                # this thread holds the device for its step: run it on the eager layers (no compile beside a
-                # capture) and capture at a later step rather than keep policy requests waiting meanwhile.
-                return self.lm.decode_step(self.cache, tokens, index, rope_pos, span, None)
-            try:
+            with capture_turn_if_free() as free:
+                if not free:
+                    # Another thread is capturing (the policy ladder: a Nano graph's compile holds the turn ~20 s),
+                    # and this thread holds the device for its step: run it on the eager layers (no compile beside a
+                    # capture) and capture at a later step rather than keep policy requests waiting meanwhile.
+                    return self.lm.decode_step(self.cache, tokens, index, rope_pos, span, None)
                 entry = self.capture(*key)
-            finally:
-                release_capture_turn()
         entry.tokens.copy_(tokens, non_blocking=True)
         entry.index.copy_(index, non_blocking=True)
         entry.rope_pos.copy_(rope_pos, non_blocking=True)
