@@ -61,7 +61,7 @@ def test_lanes_with_background_generation(server: ServerThread, tmp_path, capsys
     points = gen["segment_max_span"].split(" -> ")
     assert len(points) == 2 and points[1] != "start"
     for point in points:
-        assert point in ("start", "prepared", "reasoner prefilled", "decoded frame", "sound", "done") \
+        assert point in ("start", "prepared", "reasoner prefilled", "denoised", "decoded frame", "sound", "done") \
             or re.fullmatch(r"step \d+( segment)?", point), gen["segment_max_span"]
     assert job["stages_s"]["vae_decode"] > 0
     # The server's counters (/metrics): generation's device time during the row, at least its finished jobs'.

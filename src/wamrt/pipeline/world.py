@@ -397,8 +397,8 @@ def run_world(
     `shift` is the flow shift of the checkpoint's UniPC scheduler (10 in diffusers' Cosmos 3 examples).
     `decode=False` returns latents only (sound latents too, undecoded). `on_step(i, steps)` is called after
     each denoising step (see `denoise`); an exception it raises stops the request there. `on_stage(name)` is
-    called between the request's stages ("prepared": tokenized, conditioning encoded, noise drawn), where a server
-    may hand the device to other work.
+    called between the request's stages ("prepared": tokenized, conditioning encoded, noise drawn; "denoised",
+    before the decode), where a server may hand the device to other work.
     `denoiser` and `decoder` are where speed comes in from outside (`wamrt.engine.world.WorldEngine`): the
     eager loop and VAE decode by default.
 
@@ -431,6 +431,8 @@ def run_world(
         frames = sound = None
         notes: list[str] = []
         if keep_frames:
+            if on_stage is not None:
+                on_stage("denoised")
             frames = decode_to_frames(decoder, encoder, out.vision, timings, notes)
             if sound_latents is not None:
                 assert sound_decoder is not None

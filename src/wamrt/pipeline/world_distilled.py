@@ -202,6 +202,8 @@ def run_world_distilled(
     frames = None
     notes: list[str] = []
     if decode:
+        if on_stage is not None:
+            on_stage("denoised")
         frames = decode_to_frames(decoder, encoder, out.vision, timings, notes)
     timings["total"] = 1e3 * (time.perf_counter() - t_start)
     return WorldResult(out.vision.float(), frames, None, None, timings, notes)

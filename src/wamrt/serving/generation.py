@@ -97,6 +97,12 @@ class GenerationJob:
         return self._cancel.is_set()
 
 
+def _allocator_retries(device: Any) -> int:
+    import torch
+
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else 0
+
+
 class GenerationWorker:
     """The generation thread: jobs one at a time, each step holding the device only while no policy work waits."""
 
@@ -286,6 +292,10 @@ class GenerationWorker:
         vae = getattr(world.encoder, "vae", None)
         device = model_device(world.model)
         on_cuda = device.type == "cuda"
+        # The caching allocator's retries (a cudaMalloc that failed, every cached block freed, the device synchronized,
+        # tried again: hundreds of ms) during this job: the reply's timing.allocator_retries, one candidate for a
+        # segment far longer than its work.
+        retries0 = _allocator_retries(device)
 
         def decode_yield(keep_vae_cache: bool = True, at: str = "decoded frame") -> None:
             """Between two latent frames of the VAE decode (see `_between_decoded_frames`), before the sound
@@ -396,6 +406,8 @@ class GenerationWorker:
         timing = {"queue_ms": 1e3 * (started - job.enqueued), "model_ms": 1e3 * model_s, "paused_ms": 1e3 * paused,
                   "postprocess_ms": post_ms, "total_ms": total_ms, "segment_max_ms": job_segment_max,
                   "segment_max_span": job_segment_span}
+        if on_cuda:
+            timing["allocator_retries"] = _allocator_retries(device) - retries0
         notes = list(req.notes) + run_notes + ([upsampled["note"]] if upsampled and "note" in upsampled else [])
         return GenerationOutcome(job.request_id, req.kind, mp4, pngs, list(frames.shape), req.fps, audio, seed, mode,
                                  timing, stages, notes, upsampled)
