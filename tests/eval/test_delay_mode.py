@@ -300,6 +300,12 @@ def test_grid_command_resumes_and_rebuilds_its_report(tmp_path, capsys):
     (tmp_path / "summary.md").unlink()
     assert main([*argv, "--report-only"]) == 0
     assert "| 3 | prefix |" in (tmp_path / "summary.md").read_text()
+    # Another strategy list names the shared d = 0 cell after its own first strategy: still the same episodes, kept.
+    capsys.readouterr()
+    wider = [*argv[:argv.index("--strategies") + 1], "sync,async,prefix", *argv[argv.index("--strategies") + 2:]]
+    assert main([*wider, "--resume"]) == 0
+    assert "grid: 1 cells" in capsys.readouterr().err  # d = 3 sync only
+    assert (tmp_path / "turntable-d0.json").read_text() == first["turntable-d0.json"]
 
 
 def test_grid_sampling_overrides_reach_the_policy_and_never_a_server(tmp_path, monkeypatch):

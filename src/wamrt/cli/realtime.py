@@ -324,7 +324,11 @@ def run_grid_command(args: argparse.Namespace) -> int:
     if args.resume:  # cells an earlier call finished, for exactly these seeds, are kept and not run again
         from ..eval.grid_report import load_cells
 
-        done = {c: f for c, f in load_cells(args.out).items() if c in cells and f.get("complete")
+        # By key: a d = 0 file is named after the first strategy that asked for it, which another strategy list
+        # (sync first, say) names differently although the episodes are the same.
+        planned = {c.key: c for c in cells}
+        found = {planned[c.key]: f for c, f in load_cells(args.out).items() if c.key in planned}
+        done = {c: f for c, f in found.items() if f.get("complete")
                 and f.get("seeds") == {"first": seeds[0], "last": seeds[-1]} and f.get("policy") == str(
                     args.trained_policy if c.policy == "trained" else args.policy)
                 and f.get("config", {}).get("expert_turntable_rate") == args.expert_turntable_rate
