@@ -384,6 +384,7 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
           # H100); give it decode:300, decode:540 with FUSED_MODES.
           wamrt bench decode --size "${DECODE_SIZE:-nano}" --prompt-tokens "${PROMPT_TOKENS:-512}" \
              --new-tokens "${NEW_TOKENS:-128}" --hf-tokens "${HF_TOKENS:-64}" ${FUSED_MODES:+--fused-modes $FUSED_MODES} \
+             --profile-steps "${PROFILE_STEPS:-20}" ${DECODE_ARGS:-} \
              --out "$res" 2>&1 | tee "$res/log.txt"
           timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/reasoner/test_reasoner_gpu.py 2>&1 \
              | tail -5 | tee -a "$res/log.txt" ;;

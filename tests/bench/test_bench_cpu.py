@@ -241,3 +241,36 @@ def test_bench_prefix_cost_tiny_times_every_mode(tmp_path):
     assert row["guided_over_inpaint"] > 1.2, row
     guided, inpaint = row["requests"]["guided"]["stages_ms"], row["requests"]["inpaint"]["stages_ms"]
     assert guided["denoise"] > inpaint["denoise"]  # the backward passes are inside the denoising loop
+
+
+def test_decode_profile_sorts_kernels_by_kind_and_runs_on_the_cpu():
+    """`bench decode --profile-steps`: kernel names fall into the kinds the step's time is split by, and the profile
+    runs its steps (on the CPU eagerly, with no device events: busy 0, all of the step idle)."""
+    import torch
+
+    from wamrt.bench.decode_profile import describe, kernel_kind, profile_decode
+    from wamrt.pipeline.random_weights import random_transformer
+    from wamrt.reasoner.engine import Reasoner
+    from wamrt.reasoner.lm import ReasonerLM
+    from wamrt.reasoner.load import random_lm_head
+    from wamrt.reasoner.prompt import PreparedPrompt
+
+    assert kernel_kind("fmha_cutlassF_bf16_aligned_64x64_rf_sm80") == "attention"
+    assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+    assert kernel_kind("void gemv2T_kernel_val<int, int, __nv_bfloat16>") == "gemv/gemm"
+    assert kernel_kind("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == "gemv/gemm"
+    assert kernel_kind("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "triton (fused elementwise, norms)"
+    assert kernel_kind("Memcpy DtoD (Device -> Device)") == "copy"
+    assert kernel_kind("void at::native::index_elementwise_kernel<128, 4>") == "index/scatter"
+    assert kernel_kind("void at::native::reduce_kernel<512, 1, ArgMaxOps>") == "reduce/argmax"
+    assert kernel_kind("void at::native::vectorized_elementwise_kernel<4, FillFunctor>") == "other"
+
+    model = random_transformer("tiny-qwen", torch.device("cpu"), torch.float32)
+    lm = ReasonerLM(model, random_lm_head(model, seed=1))
+    reasoner = Reasoner(lm, None, max_len=64)
+    ids = list(range(5, 21))
+    prompt = PreparedPrompt(ids, torch.arange(len(ids), dtype=torch.float32).expand(3, -1), len(ids), [], None)
+    p = profile_decode(reasoner, prompt, steps=3)
+    assert p["steps"] == 3 and p["step_ms_p50"] > 0 and p["device_events"] == 0 and p["busy_ms_per_step"] == 0
+    assert p["idle_ms_per_step"] == p["step_ms_p50"] and p["top_kernels"] == []
+    assert describe(p).startswith("profile, batch 1")

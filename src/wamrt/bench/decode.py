@@ -203,6 +203,12 @@ def run(args: argparse.Namespace) -> int:
             for mode in args.fused_modes if graphs else []:  # batch 1, the bar, in the other compile modes
                 rows.append(_decode_row(reasoner, prompt, 1, args.new_tokens, graphs, fused=True, fused_weights=True,
                                         fused_mode=mode, **floors))
+        profile = None
+        if graphs and args.profile_steps:  # the best configuration (fused weights where applied), kernel by kernel
+            from .decode_profile import describe, profile_decode
+
+            profile = profile_decode(reasoner, prompt, steps=args.profile_steps)
+            profile["fused_weights"] = args.fuse_weights
     ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs and not r["fused"]
                  and not r["fused_weights"])
     if graphs:  # the graph replays compute what the eager steps do
@@ -228,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         "copy_floor": None if copy_floor_ms is None else {"bytes_per_s": copy_bytes_per_s, "step_ms": copy_floor_ms},
         "prefill": {"kind": "latency", "mode": "prefill", "batch": 1, "prompt_tokens": len(ids),
                     "tokens_per_s": len(ids) * 1e3 / pre["p50_ms"], **pre},
-        "rows": rows, "transformers_generate": hf,
+        "rows": rows, "transformers_generate": hf, "profile": profile,
     }
     copy = "" if copy_floor_ms is None else f", {copy_floor_ms:.2f} ms at the copy's {copy_bytes_per_s / 1e12:.2f} TB/s"
     print(f"{size} Reasoner ({weight_bytes / 1e9:.2f} GB, floor {floor_ms:.2f} ms/step at "
@@ -244,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
               + ("" if r["copy_floor_fraction"] is None else f" (of the copy's: {r['copy_floor_fraction']:.2f})")
               + ", first use "
               f"{r['first_use_step_ms']:.0f} ms")
+    if profile is not None:
+        print(describe(profile))
     if hf is not None:
         print(f"transformers generate batch 1: {hf['tokens_per_s']:.1f} tokens/s ({hf['ms_per_token']:.2f} ms/token); "
               f"ours x{hf['speedup_ours_batch1']:.2f}; greedy tokens agreeing: {hf['greedy_tokens_agreeing']}")

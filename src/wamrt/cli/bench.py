@@ -271,6 +271,9 @@ def _decode(ap: argparse.ArgumentParser) -> None:
                     choices=["max-autotune-no-cudagraphs", "coordinate-descent"],
                     help="batch-1 rows of the fused layers over the fused matrices in these compile modes too (CUDA; "
                          "max-autotune times Triton matmul templates per shape: minutes at Nano)")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="CUDA: profile this many batch-1 graph steps of the fused layers (last, over the fused "
+                         "matrices unless --no-fuse-weights): device time by kernel kind, idle time, top kernels")
     ap.add_argument("--out", type=Path, default=Path("bench/results/decode"), help="result folder")
 
 
