@@ -399,7 +399,13 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
     lever-gates) # Issue 41: the lossy levers at each configuration's own delay (needs the delay mode of eval gate)
           RES=$res timeout "$limit" bash scripts/lever_gates.sh 2>&1 | tee "$res/log.txt" ;;
     grid) # Issue 41: success against delay per strategy (the checkpoint for prefix-trained: TRAINED, default prefix-train's)
-          RES=$res timeout "$limit" bash scripts/realtime_grid.sh ${TRAINED:+"$TRAINED"} 2>&1 | tee "$res/log.txt" ;;
+          GRID_LIMIT_S=$limit RES=$res timeout "$limit" bash scripts/realtime_grid.sh ${TRAINED:+"$TRAINED"} 2>&1 \
+            | tee "$res/log.txt"
+          # Killed at the limit: the cells finished so far (each written as it completes) still come back.
+          pkill -f "wamrt.cli eval grid" 2>/dev/null
+          for done_dir in "${GRID_DIR:-/tmp/wamrt-grid}"/*/; do
+            [ -d "$res/grid/$(basename "$done_dir")" ] || { mkdir -p "$res/grid-unfinished" && cp -r "$done_dir" "$res/grid-unfinished/"; }
+          done ;;
     grid-wall) # Issue 41: the 15 Hz client against a server answering at ~600 ms (compare with the grid's d = 10 cells)
           GRID=0 WALL=1 RES=$res timeout "$limit" bash scripts/realtime_grid.sh ${TRAINED:+"$TRAINED"} 2>&1 \
              | tee "$res/log.txt" ;;

@@ -42,6 +42,13 @@ WORKERS=${WORKERS:-15}
 LANES=${LANES:-16}
 MAX_BATCH=${MAX_BATCH:-128}
 BUDGET_S=${BUDGET_S:-330}
+# The episodes in flight at BUDGET_S run on (up to ~50 s at 15 x 16 lanes), then the summary is written: a part killed
+# before that returns none of its cells (0230412: grid:390 with BUDGET_S=330 came back empty). GRID_LIMIT_S (the
+# part's seconds, set by gpu_run.sh) caps the budget at 100 s below it.
+if [ -n "${GRID_LIMIT_S:-}" ] && [ "$BUDGET_S" -gt $(( GRID_LIMIT_S - 100 )) ]; then
+  log "BUDGET_S $BUDGET_S leaves the part (${GRID_LIMIT_S} s) no time to finish its episodes: $(( GRID_LIMIT_S - 100 )) s"
+  BUDGET_S=$(( GRID_LIMIT_S - 100 ))
+fi
 GRID_ARGS=${GRID_ARGS:-}
 # Outside the part's folder (gpu_run.sh empties that per call): a later call on the warm machine resumes the grid,
 # running only the cells not yet complete (--resume).
@@ -79,7 +86,7 @@ if [ "${GRID:-1}" = 1 ]; then
     "$PY" -m wamrt.cli eval grid --policy "$pol" ${TRAINED:+--trained-policy "$TRAINED"} --tasks "$task" \
       --delays "$delays" --strategies "$STRATEGIES" --episodes "$EPISODES" --workers "$WORKERS" --lanes "$LANES" \
       --max-batch "$MAX_BATCH" --budget-s "$left" --out "$GRID_DIR/$task" --resume $GRID_ARGS 2>&1 \
-      | grep -v Warning | tee "$RES/grid-${phase//\//-}.txt"
+      | grep --line-buffered -v Warning | tee "$RES/grid-${phase//\//-}.txt"
     rm -rf "$RES/grid/$task"; cp -r "$GRID_DIR/$task" "$RES/grid/$task"
     log "grid $phase done: $(tail -1 "$RES/grid-${phase//\//-}.txt")"
   done
