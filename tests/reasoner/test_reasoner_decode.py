@@ -248,6 +248,84 @@ def test_graph_bookkeeping_on_cpu(tiny, monkeypatch) -> None:
     assert {rows for rows, _ in captures} == {3} and all(span % 128 == 0 for _, span in captures)
 
 
+def _drive(r, prompts, params, *, lookahead: bool, admit_late: dict | None = None, cancel_at: dict | None = None,
+           graphs: bool = False):
+    """A continuous-batching driver (as a server's): admit, step, admit more between steps, cancel between steps;
+    -> each tag's (tokens, finish reason, text) and its events in order."""
+    batch = DecodeBatch(r, len(prompts), cuda_graphs=graphs, lookahead=lookahead)
+    admit_late, cancel_at = admit_late or {}, cancel_at or {}
+    seqs, events, steps = {}, [], 0
+    for tag, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        if tag not in admit_late:
+            events.append(batch.admit(p, sp, tag=tag))
+            seqs[tag] = events[-1].seq
+    while batch.live or any(t not in seqs for t in admit_late):
+        for tag, at in admit_late.items():
+            if at == steps and tag not in seqs and batch.free_rows:
+                events.append(batch.admit(prompts[tag], params[tag], tag=tag))
+                seqs[tag] = events[-1].seq
+        for tag, at in cancel_at.items():
+            if at == steps and tag in seqs:
+                batch.cancel(seqs[tag])
+        events += batch.step()
+        steps += 1
+        assert steps < 200
+    out = {tag: (s.tokens, s.finish_reason, s.stream.text) for tag, s in seqs.items()}
+    # Per row, in order (a row admitted between steps joins the step after the one in flight under lookahead, so
+    # the rows' events interleave differently across steps)
+    return out, {tag: [(e.token, e.text, e.finish_reason) for e in events if e.seq.tag == tag] for tag in seqs}
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_lookahead_decodes_what_the_plain_loop_does(tiny, monkeypatch, graphs: bool) -> None:
+    """`DecodeBatch(lookahead=True)` launches each step before reading the previous one's tokens: the same tokens,
+    texts, finish reasons and events per row as the plain loop, for greedy rows of different lengths, seeded sampling
+    with top-p and a repetition penalty (the per-row sampler path), a stop string, a row admitted mid-run into a
+    freed row, and a row cancelled mid-run (on the graph path's bookkeeping too)."""
+    if graphs:
+        _eager_graphs(monkeypatch, [])
+    r = tiny.reasoner
+    texts = ("Hi.", "Describe a kitchen.", "One two three", "Name a colour.")
+    prompts = [r.prepare([{"role": "user", "content": t}]) for t in texts]
+    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 5, 9, 7)]
+    sampled = [SamplingParams(max_tokens=n, temperature=1.1, top_p=0.9, repetition_penalty=1.2, seed=7 + n,
+                              ignore_eos=True) for n in (10, 4, 8, 6)]
+    free = list(r.generate([prompts[0]], greedy[0]))[-1][0].seq.stream.text
+    stop = next(free[i:i + 2] for i in range(3, len(free) - 2) if free[i:i + 2].strip()
+                and free.find(free[i:i + 2]) == i)
+    stopping = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=(stop,)), *greedy[1:]]
+    runs = {}
+    for name, params, late, cancel in (("greedy", greedy, {3: 6}, {}), ("sampled", sampled, {3: 4}, {2: 3}),
+                                       ("stop", stopping, {}, {1: 2})):
+        plain = _drive(r, prompts, params, lookahead=False, admit_late=late, cancel_at=cancel, graphs=graphs)
+        ahead = _drive(r, prompts, params, lookahead=True, admit_late=late, cancel_at=cancel, graphs=graphs)
+        assert ahead == plain, name
+        runs[name] = ahead[0]
+    assert [(len(t), why) for t, why, _ in runs["greedy"].values()] == [(12, "length"), (5, "length"), (9, "length"),
+                                                                       (7, "length")]
+    assert runs["sampled"][2][1] == "cancelled" and len(runs["sampled"][2][0]) < 8
+    assert runs["stop"][0][1:] == ("stop", free[:free.index(stop)]) and runs["stop"][1][1] == "cancelled"
+
+
+def test_lookahead_leaves_out_rows_at_their_length(tiny, monkeypatch) -> None:
+    """A row whose next token is its last is not launched again: with one row of 5 tokens, lookahead runs 4 decode
+    steps, as the plain loop does (the first token comes from the prefill)."""
+    calls = []
+    real = tiny.reasoner.lm.decode_step
+
+    def counting(*a, **kw):
+        calls.append(a[1].shape[0])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tiny.reasoner.lm, "decode_step", counting)
+    r = tiny.reasoner
+    prompt = r.prepare([{"role": "user", "content": "Hi."}])
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    tokens = list(r.generate([prompt], params, lookahead=True))[-1][0].seq.tokens
+    assert len(tokens) == 5 and len(calls) == 4
+    assert tokens == list(r.generate([prompt], params))[-1][0].seq.tokens
+
+
 @pytest.mark.parametrize("ahead", [True, False])
 def test_chat_worker_captures_every_bucket_while_idle(tiny, monkeypatch, ahead: bool) -> None:
     """A server's chat thread captures every (rows, span) bucket of the decode graphs while idle, once allowed

@@ -71,13 +71,14 @@ def _sync(device: torch.device) -> None:
 
 
 def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: float, fused: bool = False,
-                copy_floor_ms: float | None = None, fused_weights: bool = False, fused_mode: str | None = None) -> dict:
+                copy_floor_ms: float | None = None, fused_weights: bool = False, fused_mode: str | None = None,
+                lookahead: bool = False) -> dict:
     from ..reasoner.engine import DecodeBatch
     from ..reasoner.sampling import SamplingParams
 
     dev = reasoner.lm.device
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    db = DecodeBatch(reasoner, batch, cuda_graphs=graphs, fused=fused, fused_mode=fused_mode)
+    db = DecodeBatch(reasoner, batch, cuda_graphs=graphs, fused=fused, fused_mode=fused_mode, lookahead=lookahead)
     steps_ms: list[float] = []
     first_pass_ms: list[float] = []
     tokens: list[int] = []
@@ -94,6 +95,7 @@ def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: 
     fused = fused and (db.graphs is None or db.graphs.layer_fn is not None)
     return {"kind": "latency", "mode": "decode", "batch": batch, "cuda_graph": graphs, "fused": fused,
             "fused_weights": fused_weights, "fused_mode": (fused_mode or "default") if fused else None,
+            "lookahead": lookahead,
             "tokens_per_s": batch * 1e3 / stats["p50_ms"], "step": stats,
             "floor_fraction": floor_ms / stats["p50_ms"], "tokens": tokens,
             "copy_floor_fraction": None if copy_floor_ms is None else copy_floor_ms / stats["p50_ms"],
@@ -203,14 +205,20 @@ def run(args: argparse.Namespace) -> int:
             for mode in args.fused_modes if graphs else []:  # batch 1, the bar, in the other compile modes
                 rows.append(_decode_row(reasoner, prompt, 1, args.new_tokens, graphs, fused=True, fused_weights=True,
                                         fused_mode=mode, **floors))
+            # the next step launched before this one's tokens are read (DecodeBatch(lookahead=True)), in the default
+            # compile mode and in the last of --fused-modes
+            for mode in dict.fromkeys([None, *args.fused_modes[-1:]]):
+                rows += [_decode_row(reasoner, prompt, b, args.new_tokens, graphs, fused=graphs, fused_weights=True,
+                                     fused_mode=mode, lookahead=True, **floors) for b in args.batches[:2]]
         profile = None
         if graphs and args.profile_steps:  # the best configuration (fused weights where applied), kernel by kernel
             from .decode_profile import describe, profile_decode
 
-            profile = profile_decode(reasoner, prompt, steps=args.profile_steps)
-            profile["fused_weights"] = args.fuse_weights
+            profile = {"fused_weights": args.fuse_weights,
+                       **{key: profile_decode(reasoner, prompt, steps=args.profile_steps, lookahead=ahead)
+                          for key, ahead in (("plain", False), ("lookahead", True))}}
     ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs and not r["fused"]
-                 and not r["fused_weights"])
+                 and not r["fused_weights"] and not r["lookahead"])
     if graphs:  # the graph replays compute what the eager steps do
         eager = rows[0]["tokens"]
         ours1["greedy_tokens_equal_eager"] = ours1["tokens"][:len(eager)] == eager
@@ -243,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         kind = ("graph" if r["cuda_graph"] else "eager") + ("+fused" if r["fused"] else "") \
             + ("+qkv/gate-up" if r["fused_weights"] else "") \
-            + (f" ({r['fused_mode']})" if r["fused_mode"] not in (None, "default") else "")
+            + (f" ({r['fused_mode']})" if r["fused_mode"] not in (None, "default") else "") \
+            + (" +lookahead" if r["lookahead"] else "")
         print(f"decode batch {r['batch']:>2} {kind}: {r['tokens_per_s']:8.1f} "
               f"tokens/s, step {r['step']['p50_ms']:.2f} ms (CI {r['step']['ci95_p50_ms'][0]:.2f}-"
               f"{r['step']['ci95_p50_ms'][1]:.2f}), floor fraction {r['floor_fraction']:.2f}"
@@ -251,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
               + ", first use "
               f"{r['first_use_step_ms']:.0f} ms")
     if profile is not None:
-        print(describe(profile))
+        print(describe(profile["plain"]) + "\n" + describe(profile["lookahead"]))
     if hf is not None:
         print(f"transformers generate batch 1: {hf['tokens_per_s']:.1f} tokens/s ({hf['ms_per_token']:.2f} ms/token); "
               f"ours x{hf['speedup_ours_batch1']:.2f}; greedy tokens agreeing: {hf['greedy_tokens_agreeing']}")

@@ -57,12 +57,42 @@ class DecodeSeq:
         return self.stream.text
 
 
+class _Step:
+    """A step queued on the device: its sequences in order, their sampled tokens there, and (on CUDA) the tokens'
+    copy to pinned host memory, queued right behind them so that reading it waits for this step only."""
+
+    def __init__(self, seqs: tuple[DecodeSeq, ...], picks: torch.Tensor) -> None:
+        self.seqs, self.picks = seqs, picks
+        self._where = {id(s): j for j, s in enumerate(seqs)}
+        self._host, self._ready = picks, None
+        if picks.is_cuda:
+            self._host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
+            self._host.copy_(picks, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def has(self, seq: DecodeSeq) -> bool:
+        return id(seq) in self._where
+
+    def position(self, seq: DecodeSeq) -> int:
+        return self._where.get(id(seq), -1)
+
+    def host_tokens(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
+
+
 class DecodeBatch:
     """`rows` sequences at most, each up to `max_len` tokens (prompt and output) in the cache."""
 
     def __init__(self, reasoner: Reasoner, rows: int, *, cuda_graphs: bool | None = None,
-                 fused: bool = False, fused_mode: str | None = None) -> None:
+                 fused: bool = False, fused_mode: str | None = None, lookahead: bool = False) -> None:
         self.reasoner, self.lm = reasoner, reasoner.lm
+        # lookahead: the next step launched before this one's tokens are read (`step`); off for a server whose
+        # device gate hands the GPU to policy work between steps, which then would find a step still running
+        self.lookahead = lookahead
+        self._inflight: _Step | None = None
         # +1: the last cache position is the graphs' scratch space, never a sequence's; a whole number of MIN_SPAN
         # positions, so every span a step reads is one too (attention kernels want aligned key masks).
         length = -(-(reasoner.max_len + 1) // MIN_SPAN) * MIN_SPAN
@@ -128,53 +158,91 @@ class DecodeBatch:
         positions = prompt.positions[None].to(lm.device)
         logits = lm.run_prompt(embeds, positions, cache=self.cache, row=row, deepstack=deepstack)[0]
         self.rows[row] = seq
-        return self._accept([seq], [seq.sampler.pick(logits)])[0]
+        return self._append(seq, int(seq.sampler.pick(logits)))
 
-    def step(self) -> list[TokenEvent]:
-        """One token for every live row."""
-        live = self.live
-        if not live:
-            return []
-        n = max(s.row for s in live) + 1
+    def step(self, lookahead: bool | None = None) -> list[TokenEvent]:
+        """One token for every live row.
+
+        With `lookahead` the step after this one is launched before this one's tokens are read: the rows' next
+        inputs are this step's sampled tokens, gathered on the device, so the GPU goes from one step to the next
+        without waiting for the host's part of a step (building inputs, reading the tokens back, streaming text:
+        ~0.5 ms of a 7.5 ms batch-1 Nano step on the H100, bench/results/decode/2026-12-06-0230412-nano-h100/).
+        The tokens are the same: each row's sampler runs in the same order. A row that finishes on a stop or end
+        token has had one more token computed, which is dropped; a row at its `max_tokens` is left out.
+        `lookahead` overrides the batch's setting for this call (False: read the step in flight, launch none)."""
+        ahead = self.lookahead if lookahead is None else lookahead
+        pending, self._inflight = self._inflight, None
+        if pending is not None and not any(self._holds(s) for s in pending.seqs):
+            pending = None  # every row of it finished or was cancelled: nothing to read
+        if pending is None:
+            live = self.live
+            if not live:
+                return []
+            pending = self._launch(live, None)
+        if ahead:
+            after = [s for s in self.live if not (pending.has(s) and len(s.tokens) + 1 >= s.max_tokens)]
+            self._inflight = self._launch(after, pending) if after else None
+        return self._accept(pending)
+
+    def _holds(self, s: DecodeSeq) -> bool:
+        return self.rows[s.row] is s and s.finish_reason is None
+
+    def _launch(self, seqs: Sequence[DecodeSeq], pending: _Step | None) -> _Step:
+        """Queue one step of `seqs` on the device; a row in `pending` takes pending's sampled token as its input."""
+        n = max(s.row for s in seqs) + 1
         n = n if self.graphs is None else _bucket(n, 1, len(self.rows))
-        tokens, index, rope = [0] * n, [0] * n, [0.0] * n
-        for s in live:
-            tokens[s.row], index[s.row] = s.tokens[-1], s.index
-            rope[s.row] = float(s.prompt.next_position + len(s.tokens) - 1)
+        tokens, index, rope, source = [0] * n, [0] * n, [0.0] * n, [-1] * n
+        for s in seqs:
+            j = -1 if pending is None else pending.position(s)
+            ahead = int(j >= 0)  # its newest token is pending's, not yet on the host
+            tokens[s.row], source[s.row] = (0 if ahead else s.tokens[-1]), j
+            index[s.row] = s.index + ahead
+            rope[s.row] = float(s.prompt.next_position + len(s.tokens) - 1 + ahead)
         span = _bucket(max(index) + 1, MIN_SPAN, self.cache.length)
-        dev = self.lm.device
-        t = torch.tensor(tokens, device=dev)
-        i = torch.tensor(index, device=dev)
-        r = torch.tensor(rope, dtype=torch.float32, device=dev)
+        t, i, r = self._to_device(tokens, torch.long), self._to_device(index, torch.long), \
+            self._to_device(rope, torch.float32)
+        if pending is not None and max(source) >= 0:
+            src = self._to_device(source, torch.long)
+            t = torch.where(src >= 0, pending.picks[src.clamp(min=0)], t)
         if self.graphs is not None:
             self.captures_on_step += (n, span) not in self.graphs.entries
             logits = self.graphs.step(t, i, r, span)
         else:
             logits = self.lm.decode_step(self.cache, t, i, r, span, self.layer_fn)
-        if all(s.params.greedy and s.sampler.seen is None for s in live):  # one argmax for the batch
-            rows = torch.tensor([s.row for s in live], device=dev)
-            return self._accept(live, list(logits[rows].argmax(-1)))
-        return self._accept(live, [s.sampler.pick(logits[s.row]) for s in live])
+        if all(s.params.greedy and s.sampler.seen is None for s in seqs):  # one argmax for the batch
+            picks = logits[self._to_device([s.row for s in seqs], torch.long)].argmax(-1)
+        else:
+            picks = torch.stack([s.sampler.pick(logits[s.row]) for s in seqs])
+        return _Step(tuple(seqs), picks)
 
-    def _accept(self, seqs: Sequence[DecodeSeq], picks: Sequence[torch.Tensor]) -> list[TokenEvent]:
-        tokens = torch.stack(list(picks)).tolist()  # the step's one host sync
-        events = []
-        for s, tok in zip(seqs, tokens, strict=True):
-            s.tokens.append(tok)
-            text = s.stream.push(tok)
-            reason = None
-            if not s.params.ignore_eos and (tok in self.reasoner.end_ids or tok in s.params.stop_token_ids):
-                reason = "stop"
-            elif s.stream.stopped:
-                reason = "stop"
-            elif len(s.tokens) >= s.max_tokens:
-                reason = "length"
-            if reason is not None:
-                text += s.stream.finish()
-                s.finish_reason = reason
-                self.rows[s.row] = None
-            events.append(TokenEvent(s, tok, text, reason))
-        return events
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        dev = self.lm.device
+        if dev.type != "cuda":
+            return torch.tensor(values, dtype=dtype)
+        # From pinned memory without blocking: a pageable copy would wait for the device to reach it, which with
+        # lookahead is the end of the step in flight.
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(dev, non_blocking=True)
+
+    def _accept(self, step: _Step) -> list[TokenEvent]:
+        tokens = step.host_tokens()  # the step's one host sync
+        return [self._append(s, tok) for s, tok in zip(step.seqs, tokens, strict=True)
+                if self._holds(s)]  # not cancelled or finished meanwhile
+
+    def _append(self, s: DecodeSeq, tok: int) -> TokenEvent:
+        s.tokens.append(tok)
+        text = s.stream.push(tok)
+        reason = None
+        if not s.params.ignore_eos and (tok in self.reasoner.end_ids or tok in s.params.stop_token_ids):
+            reason = "stop"
+        elif s.stream.stopped:
+            reason = "stop"
+        elif len(s.tokens) >= s.max_tokens:
+            reason = "length"
+        if reason is not None:
+            text += s.stream.finish()
+            s.finish_reason = reason
+            self.rows[s.row] = None
+        return TokenEvent(s, tok, text, reason)
 
     def cancel(self, seq: DecodeSeq) -> None:
         if self.rows[seq.row] is seq:
@@ -250,12 +318,12 @@ class Reasoner:
         return embeds, DeepStack(mask, stacks)
 
     def generate(self, prompts: Sequence[PreparedPrompt], params: SamplingParams | Sequence[SamplingParams], *,
-                 on_step: Callable[[], None] | None = None, cuda_graphs: bool | None = None, fused: bool = False
-                 ) -> Iterator[list[TokenEvent]]:
+                 on_step: Callable[[], None] | None = None, cuda_graphs: bool | None = None, fused: bool = False,
+                 lookahead: bool = False) -> Iterator[list[TokenEvent]]:
         """Decode `prompts` as one batch; yields the events of each prefill and each step (`on_step` runs between
         any two of them: where a server gives the device to other work)."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        batch = DecodeBatch(self, len(prompts), cuda_graphs=cuda_graphs, fused=fused)
+        batch = DecodeBatch(self, len(prompts), cuda_graphs=cuda_graphs, fused=fused, lookahead=lookahead)
         for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
             if on_step is not None and i:
                 on_step()

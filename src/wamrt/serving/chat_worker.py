@@ -172,7 +172,10 @@ class ChatWorker:
                 self._admit()
                 if self.batch.live:
                     with self._device():
-                        events = self.batch.step()
+                        # The next step is launched before this one's tokens are read (the GPU never waits for
+                        # the host between steps) unless policy work is waiting: it then gets the device as soon as
+                        # this step's kernels end, not after one more.
+                        events = self.batch.step(lookahead=not self.gate.demand)
                     self.steps += 1
                     self._deliver(events)
             except Exception as exc:  # noqa: BLE001  # a failed step fails its requests, not the thread
