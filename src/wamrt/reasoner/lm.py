@@ -74,7 +74,7 @@ class _PrefillAttention:
 
 class _DecodeAttention:
     """One new token in each of the first B cache rows: its K/V goes to position `index[b]` of its row, its query
-    attends to the row's first `span` positions up to its own (`mask` [B, span])."""
+    attends to the row's first `span` positions up to its own (`mask` [B, 1, 1, span], additive: 0 or -inf)."""
 
     def __init__(self, cache: KVCache, layer: int, index: torch.Tensor, mask: torch.Tensor,
                  rows: torch.Tensor) -> None:
@@ -84,14 +84,14 @@ class _DecodeAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  key_mask: torch.Tensor | None) -> torch.Tensor:
         b, h, _, d = q.shape  # q [B, H, 1, d], k/v [B, K, 1, d]
-        kv_heads, span = k.shape[1], self.mask.shape[1]
+        kv_heads, span = k.shape[1], self.mask.shape[-1]
         keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]  # [B_max, K, S, d]
         keys[self.rows, :, self.index] = k[:, :, 0]
         values[self.rows, :, self.index] = v[:, :, 0]
         # The query heads of one K/V head share its keys: attend as [B, K, group, d] instead of repeating the cache
         # (a decode step would otherwise copy the whole cached span once per layer).
         o = F.scaled_dot_product_attention(q.reshape(b, kv_heads, h // kv_heads, d), keys[:b, :, :span],
-                                           values[:b, :, :span], attn_mask=self.mask[:, None, None, :])
+                                           values[:b, :, :span], attn_mask=self.mask)
         return o.reshape(b, h, 1, d)
 
 
@@ -154,7 +154,12 @@ class ReasonerLM(nn.Module):
         b = tokens.shape[0]
         u = self.embed(tokens)[:, None]  # [B, 1, h]
         rope = self.rope(rope_pos.float()[:, None, None].expand(b, 3, 1))
-        mask = torch.arange(span, device=tokens.device)[None] <= index[:, None]  # [B, span]
+        # Additive, in the model's dtype, made once a step: SDPA turns a boolean mask into this in every layer
+        # (bench/results/decode/2026-12-06-0230412-nano-h100: a bf16 fill twice a layer and an elementwise kernel
+        # once, 0.17 ms of a batch-1 Nano step on the H100, which this is meant to remove; not measured yet).
+        allowed = torch.arange(span, device=tokens.device)[None] <= index[:, None]  # [B, span]
+        mask = torch.zeros(allowed.shape, dtype=u.dtype, device=u.device).masked_fill_(~allowed, float("-inf"))
+        mask = mask[:, None, None, :]
         rows = torch.arange(b, device=tokens.device)
         for i, layer in enumerate(self.transformer.layers):
             attention = _DecodeAttention(cache, i, index, mask, rows)
