@@ -89,8 +89,8 @@ class DecodeBatch:
     def __init__(self, reasoner: Reasoner, rows: int, *, cuda_graphs: bool | None = None,
                  fused: bool = False, fused_mode: str | None = None, lookahead: bool = False) -> None:
         self.reasoner, self.lm = reasoner, reasoner.lm
-        # lookahead: the next step launched before this one's tokens are read (`step`); off for a server whose
-        # device gate hands the GPU to policy work between steps, which then would find a step still running
+        # lookahead: the next step launched before this one's tokens are read (`step`). A server decides per step
+        # (`step(lookahead=...)`): not while policy work waits for the device, which would find a step still running.
         self.lookahead = lookahead
         self._inflight: _Step | None = None
         # +1: the last cache position is the graphs' scratch space, never a sequence's; a whole number of MIN_SPAN
