@@ -205,11 +205,13 @@ def test_bench_decode_tiny_writes_its_rows(tmp_path):
     res = json.loads(path.read_text())
     assert res["kind"] == "latency" and res["mode"] == "decode" and res["prefill"]["tokens_per_s"] > 0
     # the plain rows, then the same batches with one matrix for q/k/v and one for gate/up (fuse_reasoner), then
-    # batches 1 and 8 with the next step launched before the tokens are read
-    assert [(r["batch"], r["fused_weights"], r["lookahead"]) for r in res["rows"]] == [
-        (1, False, False), (8, False, False), (32, False, False), (1, True, False), (8, True, False),
-        (32, True, False), (1, True, True), (8, True, True)]
+    # batches 1 and 8 with the next step launched before the tokens are read, with SDPA and the split-key kernel
+    assert [(r["batch"], r["fused_weights"], r["lookahead"], r["attention"]) for r in res["rows"]] == [
+        (1, False, False, "sdpa"), (8, False, False, "sdpa"), (32, False, False, "sdpa"), (1, True, False, "sdpa"),
+        (8, True, False, "sdpa"), (32, True, False, "sdpa"), (1, True, True, "sdpa"), (8, True, True, "sdpa"),
+        (1, True, True, "split"), (8, True, True, "split")]
     assert res["rows"][6]["greedy_tokens_agreeing_unfused"] == 16  # the same tokens, read a step later
+    assert res["rows"][8]["greedy_tokens_agreeing_unfused"] == 16  # on the CPU the kernel's reference runs
     for r in res["rows"]:
         assert r["tokens_per_s"] > 0 and r["first_use_step_ms"] > 0 and r["cuda_graph"] is False
     fused1 = res["rows"][3]  # fp32 on the CPU: the fused matrices decode the same greedy tokens
@@ -273,7 +275,7 @@ def test_decode_profile_sorts_kernels_by_kind_and_runs_on_the_cpu():
     reasoner = Reasoner(lm, None, max_len=64)
     ids = list(range(5, 21))
     prompt = PreparedPrompt(ids, torch.arange(len(ids), dtype=torch.float32).expand(3, -1), len(ids), [], None)
-    assert profile_decode(reasoner, prompt, steps=3, lookahead=True)["lookahead"] is True
+    assert profile_decode(reasoner, prompt, steps=3, lookahead=True, attention="split")["attention"] == "split"
     p = profile_decode(reasoner, prompt, steps=3)
     assert p["steps"] == 3 and p["step_ms_p50"] > 0 and p["device_events"] == 0 and p["busy_ms_per_step"] == 0
     assert p["idle_ms_per_step"] == p["step_ms_p50"] and p["top_kernels"] == []

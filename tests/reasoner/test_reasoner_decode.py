@@ -211,13 +211,14 @@ def _eager_graphs(monkeypatch, captures: list) -> None:
     import wamrt.reasoner.graphs as graphs
 
     class EagerGraphs(graphs.DecodeGraphs):
-        def __init__(self, lm, cache, layer_fn=None) -> None:
-            self.lm, self.cache, self.layer_fn, self.entries = lm, cache, layer_fn, {}
+        def __init__(self, lm, cache, layer_fn=None, attention="sdpa") -> None:
+            self.lm, self.cache, self.layer_fn, self.entries, self.attention = lm, cache, layer_fn, {}, attention
 
         def capture(self, rows: int, span: int):
             index = torch.full((rows,), self.scratch, dtype=torch.long)
             for _ in range(2):  # what warm-up and capture write
-                self.lm.decode_step(self.cache, torch.zeros(rows, dtype=torch.long), index, torch.zeros(rows), span)
+                self.lm.decode_step(self.cache, torch.zeros(rows, dtype=torch.long), index, torch.zeros(rows), span,
+                                    attention=self.attention)
             captures.append((rows, span))
             self.entries[(rows, span)] = True
             return True
@@ -225,7 +226,7 @@ def _eager_graphs(monkeypatch, captures: list) -> None:
         def step(self, tokens, index, rope_pos, span):
             if (tokens.shape[0], span) not in self.entries:
                 self.capture(tokens.shape[0], span)
-            return self.lm.decode_step(self.cache, tokens, index, rope_pos, span)
+            return self.lm.decode_step(self.cache, tokens, index, rope_pos, span, attention=self.attention)
 
     monkeypatch.setattr(graphs, "DecodeGraphs", EagerGraphs)
 
@@ -383,12 +384,12 @@ def test_a_decode_step_runs_eagerly_while_another_thread_captures(monkeypatch) -
     calls: list = []
 
     class FakeLM:
-        def decode_step(self, cache, tokens, index, rope_pos, span, layer_fn=None):
+        def decode_step(self, cache, tokens, index, rope_pos, span, layer_fn=None, attention="sdpa"):
             calls.append(layer_fn)
             return torch.full((tokens.shape[0], 4), 7.0)
 
     g = graphs.DecodeGraphs.__new__(graphs.DecodeGraphs)
-    g.lm, g.cache, g.layer_fn, g.entries = FakeLM(), None, "compiled", {}
+    g.lm, g.cache, g.layer_fn, g.entries, g.attention = FakeLM(), None, "compiled", {}, "sdpa"
     captured: list = []
 
     def capture(rows: int, span: int):

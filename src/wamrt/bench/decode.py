@@ -72,13 +72,14 @@ def _sync(device: torch.device) -> None:
 
 def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: float, fused: bool = False,
                 copy_floor_ms: float | None = None, fused_weights: bool = False, fused_mode: str | None = None,
-                lookahead: bool = False) -> dict:
+                lookahead: bool = False, attention: str = "sdpa") -> dict:
     from ..reasoner.engine import DecodeBatch
     from ..reasoner.sampling import SamplingParams
 
     dev = reasoner.lm.device
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    db = DecodeBatch(reasoner, batch, cuda_graphs=graphs, fused=fused, fused_mode=fused_mode, lookahead=lookahead)
+    db = DecodeBatch(reasoner, batch, cuda_graphs=graphs, fused=fused, fused_mode=fused_mode, lookahead=lookahead,
+                     decode_attention=attention)
     steps_ms: list[float] = []
     first_pass_ms: list[float] = []
     tokens: list[int] = []
@@ -95,7 +96,7 @@ def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: 
     fused = fused and (db.graphs is None or db.graphs.layer_fn is not None)
     return {"kind": "latency", "mode": "decode", "batch": batch, "cuda_graph": graphs, "fused": fused,
             "fused_weights": fused_weights, "fused_mode": (fused_mode or "default") if fused else None,
-            "lookahead": lookahead,
+            "lookahead": lookahead, "attention": attention,
             "tokens_per_s": batch * 1e3 / stats["p50_ms"], "step": stats,
             "floor_fraction": floor_ms / stats["p50_ms"], "tokens": tokens,
             "copy_floor_fraction": None if copy_floor_ms is None else copy_floor_ms / stats["p50_ms"],
@@ -189,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         del cache
         pre = summarize(prefill_ms)
         floors = {"floor_ms": floor_ms, "copy_floor_ms": copy_floor_ms}
+        failed: list[dict] = []  # rows whose configuration raised (a kernel that did not build), with the error
         rows = [_decode_row(reasoner, prompt, 1, min(args.new_tokens, 32), False, **floors)] if graphs else []
         rows += [_decode_row(reasoner, prompt, b, args.new_tokens, graphs, **floors) for b in args.batches]
         if graphs and args.fused:
@@ -205,18 +207,30 @@ def run(args: argparse.Namespace) -> int:
             for mode in args.fused_modes if graphs else []:  # batch 1, the bar, in the other compile modes
                 rows.append(_decode_row(reasoner, prompt, 1, args.new_tokens, graphs, fused=True, fused_weights=True,
                                         fused_mode=mode, **floors))
-            # the next step launched before this one's tokens are read (DecodeBatch(lookahead=True)), in the default
-            # compile mode and in the last of --fused-modes
+            # the next step launched before this one's tokens are read (DecodeBatch(lookahead=True)), then also the
+            # split-key attention kernel (ops/decode_attention.py), in the default compile mode and in the last of
+            # --fused-modes
             for mode in dict.fromkeys([None, *args.fused_modes[-1:]]):
-                rows += [_decode_row(reasoner, prompt, b, args.new_tokens, graphs, fused=graphs, fused_weights=True,
-                                     fused_mode=mode, lookahead=True, **floors) for b in args.batches[:2]]
+                for attention in ("sdpa", "split"):
+                    for b in args.batches[:2]:
+                        try:
+                            rows.append(_decode_row(reasoner, prompt, b, args.new_tokens, graphs, fused=graphs,
+                                                    fused_weights=True, fused_mode=mode, lookahead=True,
+                                                    attention=attention, **floors))
+                        except Exception as e:  # noqa: BLE001  a kernel that fails to build costs its rows only
+                            failed.append({"batch": b, "fused_mode": mode, "attention": attention,
+                                           "error": f"{type(e).__name__}: {str(e)[:500]}"})
+                            print(f"decode row batch {b} {attention} failed: {failed[-1]['error']}")
         profile = None
-        if graphs and args.profile_steps:  # the best configuration (fused weights where applied), kernel by kernel
+        # the best configurations (fused weights where applied), kernel by kernel; not after a kernel failed to build
+        if graphs and args.profile_steps and not failed:
             from .decode_profile import describe, profile_decode
 
             profile = {"fused_weights": args.fuse_weights,
-                       **{key: profile_decode(reasoner, prompt, steps=args.profile_steps, lookahead=ahead)
-                          for key, ahead in (("plain", False), ("lookahead", True))}}
+                       **{key: profile_decode(reasoner, prompt, steps=args.profile_steps, lookahead=ahead,
+                                              attention=attention)
+                          for key, ahead, attention in (("plain", False, "sdpa"), ("lookahead", True, "sdpa"),
+                                                        ("lookahead+split", True, "split"))}}
     ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs and not r["fused"]
                  and not r["fused_weights"] and not r["lookahead"])
     if graphs:  # the graph replays compute what the eager steps do
@@ -242,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         "copy_floor": None if copy_floor_ms is None else {"bytes_per_s": copy_bytes_per_s, "step_ms": copy_floor_ms},
         "prefill": {"kind": "latency", "mode": "prefill", "batch": 1, "prompt_tokens": len(ids),
                     "tokens_per_s": len(ids) * 1e3 / pre["p50_ms"], **pre},
-        "rows": rows, "transformers_generate": hf, "profile": profile,
+        "rows": rows, "failed_rows": failed, "transformers_generate": hf, "profile": profile,
     }
     copy = "" if copy_floor_ms is None else f", {copy_floor_ms:.2f} ms at the copy's {copy_bytes_per_s / 1e12:.2f} TB/s"
     print(f"{size} Reasoner ({weight_bytes / 1e9:.2f} GB, floor {floor_ms:.2f} ms/step at "
@@ -252,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         kind = ("graph" if r["cuda_graph"] else "eager") + ("+fused" if r["fused"] else "") \
             + ("+qkv/gate-up" if r["fused_weights"] else "") \
             + (f" ({r['fused_mode']})" if r["fused_mode"] not in (None, "default") else "") \
-            + (" +lookahead" if r["lookahead"] else "")
+            + (" +lookahead" if r["lookahead"] else "") + (" +split attention" if r["attention"] == "split" else "")
         print(f"decode batch {r['batch']:>2} {kind}: {r['tokens_per_s']:8.1f} "
               f"tokens/s, step {r['step']['p50_ms']:.2f} ms (CI {r['step']['ci95_p50_ms'][0]:.2f}-"
               f"{r['step']['ci95_p50_ms'][1]:.2f}), floor fraction {r['floor_fraction']:.2f}"
@@ -260,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
               + ", first use "
               f"{r['first_use_step_ms']:.0f} ms")
     if profile is not None:
-        print(describe(profile["plain"]) + "\n" + describe(profile["lookahead"]))
+        print("\n".join(describe(profile[k]) for k in ("plain", "lookahead", "lookahead+split")))
     if hf is not None:
         print(f"transformers generate batch 1: {hf['tokens_per_s']:.1f} tokens/s ({hf['ms_per_token']:.2f} ms/token); "
               f"ours x{hf['speedup_ours_batch1']:.2f}; greedy tokens agreeing: {hf['greedy_tokens_agreeing']}")

@@ -39,7 +39,8 @@ def _device_events(prof: Any) -> list[Any]:
 
 
 def profile_decode(reasoner: Any, prompt: Any, *, steps: int = 20, fused: bool = True,
-                   fused_mode: str | None = None, lookahead: bool = False, top: int = 15) -> dict[str, Any]:
+                   fused_mode: str | None = None, lookahead: bool = False, attention: str = "sdpa", top: int = 15
+                   ) -> dict[str, Any]:
     """Batch-1 decode with CUDA graphs and the fused layers: `steps` steps under the profiler, after the ones that
     capture."""
     from torch.profiler import ProfilerActivity, profile
@@ -50,7 +51,8 @@ def profile_decode(reasoner: Any, prompt: Any, *, steps: int = 20, fused: bool =
     dev = reasoner.lm.device
     cuda = dev.type == "cuda"  # elsewhere (the CPU test): eager steps, no device events
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    db = DecodeBatch(reasoner, 1, cuda_graphs=cuda, fused=fused and cuda, fused_mode=fused_mode, lookahead=lookahead)
+    db = DecodeBatch(reasoner, 1, cuda_graphs=cuda, fused=fused and cuda, fused_mode=fused_mode, lookahead=lookahead,
+                     decode_attention=attention)
     db.admit(prompt, params)
     for _ in range(4):  # captures (and compiles) the step's bucket
         db.step()
@@ -77,6 +79,7 @@ def profile_decode(reasoner: Any, prompt: Any, *, steps: int = 20, fused: bool =
     names = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     return {
         "steps": steps, "fused": fused, "fused_mode": fused_mode or "default", "lookahead": lookahead,
+        "attention": attention,
         "step_ms_p50": step_ms,
         "device_events": len(events), "kernels_per_step": len(events) / steps,
         "busy_ms_per_step": busy_ms, "idle_ms_per_step": step_ms - busy_ms,
@@ -87,7 +90,7 @@ def profile_decode(reasoner: Any, prompt: Any, *, steps: int = 20, fused: bool =
 
 
 def describe(p: dict[str, Any]) -> str:
-    ahead = " +lookahead" if p["lookahead"] else ""
+    ahead = (" +lookahead" if p["lookahead"] else "") + (" +split attention" if p["attention"] == "split" else "")
     lines = [f"profile, batch 1, graph+fused ({p['fused_mode']}){ahead}: step {p['step_ms_p50']:.2f} ms = kernels "
              f"{p['busy_ms_per_step']:.2f} ms ({p['kernels_per_step']:.0f} a step) "
              f"+ idle {p['idle_ms_per_step']:.2f} ms"]

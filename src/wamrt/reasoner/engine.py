@@ -87,8 +87,10 @@ class DecodeBatch:
     """`rows` sequences at most, each up to `max_len` tokens (prompt and output) in the cache."""
 
     def __init__(self, reasoner: Reasoner, rows: int, *, cuda_graphs: bool | None = None,
-                 fused: bool = False, fused_mode: str | None = None, lookahead: bool = False) -> None:
+                 fused: bool = False, fused_mode: str | None = None, lookahead: bool = False,
+                 decode_attention: str = "sdpa") -> None:
         self.reasoner, self.lm = reasoner, reasoner.lm
+        self.decode_attention = decode_attention  # `ReasonerLM.decode_step(attention=)`
         # lookahead: the next step launched before this one's tokens are read (`step`). A server decides per step
         # (`step(lookahead=...)`): not while policy work waits for the device, which would find a step still running.
         self.lookahead = lookahead
@@ -111,7 +113,7 @@ class DecodeBatch:
         if use_graphs:
             from .graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.lm, self.cache, self.layer_fn)
+            self.graphs = DecodeGraphs(self.lm, self.cache, self.layer_fn, decode_attention)
 
     def graph_buckets(self) -> list[tuple[int, int]]:
         """Every (rows, span) bucket a step can use, shortest spans first (most chats are short): what a server
@@ -208,7 +210,7 @@ class DecodeBatch:
             self.captures_on_step += (n, span) not in self.graphs.entries
             logits = self.graphs.step(t, i, r, span)
         else:
-            logits = self.lm.decode_step(self.cache, t, i, r, span, self.layer_fn)
+            logits = self.lm.decode_step(self.cache, t, i, r, span, self.layer_fn, self.decode_attention)
         if all(s.params.greedy and s.sampler.seen is None for s in seqs):  # one argmax for the batch
             picks = logits[self._to_device([s.row for s in seqs], torch.long)].argmax(-1)
         else:

@@ -29,10 +29,11 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, lm: ReasonerLM, cache: KVCache, layer_fn: LayerFn | None = None) -> None:
+    def __init__(self, lm: ReasonerLM, cache: KVCache, layer_fn: LayerFn | None = None, attention: str = "sdpa"
+                 ) -> None:
         if lm.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
-        self.lm, self.cache, self.layer_fn = lm, cache, layer_fn
+        self.lm, self.cache, self.layer_fn, self.attention = lm, cache, layer_fn, attention
         self.entries: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -50,7 +51,7 @@ class DecodeGraphs:
                     # Another thread is capturing (the policy ladder: a Nano graph's compile holds the turn ~20 s),
                     # and this thread holds the device for its step: run it on the eager layers (no compile beside a
                     # capture) and capture at a later step rather than keep policy requests waiting meanwhile.
-                    return self.lm.decode_step(self.cache, tokens, index, rope_pos, span, None)
+                    return self.lm.decode_step(self.cache, tokens, index, rope_pos, span, None, self.attention)
                 entry = self.capture(*key)
         entry.tokens.copy_(tokens, non_blocking=True)
         entry.index.copy_(index, non_blocking=True)
@@ -70,7 +71,8 @@ class DecodeGraphs:
             with torch.cuda.stream(side):  # warm-up off the capture (cuBLAS workspaces, lazy inits, compiling)
                 for _ in range(2):
                     try:
-                        self.lm.decode_step(self.cache, tokens, index, rope_pos, span, self.layer_fn)
+                        self.lm.decode_step(self.cache, tokens, index, rope_pos, span, self.layer_fn,
+                                            self.attention)
                     except Exception as exc:  # a compiler failure costs speed, not the chat: the eager layers remain
                         if self.layer_fn is None:
                             raise
@@ -80,7 +82,8 @@ class DecodeGraphs:
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with graph_capture(graph, pool=self.pool):
-                logits = self.lm.decode_step(self.cache, tokens, index, rope_pos, span, self.layer_fn)
+                logits = self.lm.decode_step(self.cache, tokens, index, rope_pos, span, self.layer_fn,
+                                             self.attention)
         entry = _Graph(graph, tokens, index, rope_pos, logits)
         self.entries[(rows, span)] = entry
         return entry

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..model import Cosmos3Transformer, Rope, sdpa_attention
+from ..ops.decode_attention import additive_mask, decode_attention, sdpa_over_cache
 
 LayerFn = Callable[..., torch.Tensor]  # (layer, u [B, 1, h], rope, attention) -> the next u
 
@@ -72,27 +72,29 @@ class _PrefillAttention:
         return sdpa_attention(q, k, v, causal=True)
 
 
+DECODE_ATTENTION = ("sdpa", "split")  # `decode_step(attention=)`: SDPA, or the split-key kernel (ops.decode_attention)
+
+
 class _DecodeAttention:
     """One new token in each of the first B cache rows: its K/V goes to position `index[b]` of its row, its query
-    attends to the row's first `span` positions up to its own (`mask` [B, 1, 1, span], additive: 0 or -inf)."""
+    attends to the row's first `span` positions up to its own: with "sdpa", SDPA under `mask` ([B, 1, 1, span],
+    additive); with "split", `ops.decode_attention`'s kernel, which also writes the cache."""
 
-    def __init__(self, cache: KVCache, layer: int, index: torch.Tensor, mask: torch.Tensor,
-                 rows: torch.Tensor) -> None:
+    def __init__(self, cache: KVCache, layer: int, index: torch.Tensor, mask: torch.Tensor | None,
+                 rows: torch.Tensor, span: int, kind: str = "sdpa") -> None:
         # rows: arange(B), made once per step for every layer (a kernel launch a layer otherwise)
         self.cache, self.layer, self.index, self.mask, self.rows = cache, layer, index, mask, rows
+        self.span, self.kind = span, kind
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  key_mask: torch.Tensor | None) -> torch.Tensor:
-        b, h, _, d = q.shape  # q [B, H, 1, d], k/v [B, K, 1, d]
-        kv_heads, span = k.shape[1], self.mask.shape[-1]
         keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]  # [B_max, K, S, d]
+        if self.kind == "split":
+            return decode_attention(q, k, v, keys, values, self.index, self.span)
+        assert self.mask is not None
         keys[self.rows, :, self.index] = k[:, :, 0]
         values[self.rows, :, self.index] = v[:, :, 0]
-        # The query heads of one K/V head share its keys: attend as [B, K, group, d] instead of repeating the cache
-        # (a decode step would otherwise copy the whole cached span once per layer).
-        o = F.scaled_dot_product_attention(q.reshape(b, kv_heads, h // kv_heads, d), keys[:b, :, :span],
-                                           values[:b, :, :span], attn_mask=self.mask)
-        return o.reshape(b, h, 1, d)
+        return sdpa_over_cache(q, keys, values, self.mask, k.shape[1])
 
 
 class ReasonerLM(nn.Module):
@@ -146,22 +148,23 @@ class ReasonerLM(nn.Module):
         return self._logits(u) if all_logits else self._logits(u[:, -1:])[:, 0]
 
     def decode_step(self, cache: KVCache, tokens: torch.Tensor, index: torch.Tensor, rope_pos: torch.Tensor,
-                    span: int, layer_fn: LayerFn | None = None) -> torch.Tensor:
+                    span: int, layer_fn: LayerFn | None = None, attention: str = "sdpa") -> torch.Tensor:
         """One token for each of the first B cache rows: tokens [B] long, index [B] long (its cache position),
         rope_pos [B] float (its MRoPE position, equal on the three axes) -> logits [B, V]. Keys beyond `span` are
         not read: pass the smallest span that covers every row's index. `layer_fn(layer, u, rope, attention)`
-        runs one layer's Reasoner half (default: `MoTLayer.reasoner`; `fused.FusedDecodeLayer` compiles it)."""
+        runs one layer's Reasoner half (default: `MoTLayer.reasoner`; `fused.FusedDecodeLayer` compiles it).
+        `attention`: one of `DECODE_ATTENTION` (see `_DecodeAttention`)."""
         b = tokens.shape[0]
         u = self.embed(tokens)[:, None]  # [B, 1, h]
         rope = self.rope(rope_pos.float()[:, None, None].expand(b, 3, 1))
+        if attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode attention {attention!r}: one of {', '.join(DECODE_ATTENTION)}")
         # Additive, in the model's dtype, made once a step: SDPA turns a boolean mask into this in every layer
         # (bench/results/decode/2026-12-06-0230412-nano-h100: a bf16 fill twice a layer and an elementwise kernel
         # once, 0.17 ms of a batch-1 Nano step on the H100, which this is meant to remove; not measured yet).
-        allowed = torch.arange(span, device=tokens.device)[None] <= index[:, None]  # [B, span]
-        mask = torch.zeros(allowed.shape, dtype=u.dtype, device=u.device).masked_fill_(~allowed, float("-inf"))
-        mask = mask[:, None, None, :]
+        mask = additive_mask(index, span, u.dtype) if attention == "sdpa" else None
         rows = torch.arange(b, device=tokens.device)
         for i, layer in enumerate(self.transformer.layers):
-            attention = _DecodeAttention(cache, i, index, mask, rows)
-            u = layer.reasoner(u, rope, attention)[0] if layer_fn is None else layer_fn(layer, u, rope, attention)
+            attn = _DecodeAttention(cache, i, index, mask, rows, span, attention)
+            u = layer.reasoner(u, rope, attn)[0] if layer_fn is None else layer_fn(layer, u, rope, attn)
         return self._logits(u)[:, 0]
