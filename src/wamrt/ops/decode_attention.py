@@ -65,7 +65,7 @@ def sdpa_over_cache(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     return o.reshape(b, h, 1, d)
 
 
-def decode_attention_problem(q: torch.Tensor, keys: torch.Tensor) -> str | None:
+def decode_attention_problem(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None) -> str | None:
     """Why the kernel cannot take these tensors, or None."""
     problem = triton_device_problem(q.device)
     if problem:
@@ -77,6 +77,8 @@ def decode_attention_problem(q: torch.Tensor, keys: torch.Tensor) -> str | None:
         return f"{q.dtype}: the kernel takes bf16 or fp16 (its products run on 16-bit tensor cores)"
     if keys.stride(-1) != 1 or q.dtype != keys.dtype:
         return "the cache must be dense in the head dimension and in the query's dtype"
+    if values is not None and (values.stride() != keys.stride() or values.dtype != keys.dtype):
+        return "keys and values must share one layout (the kernel reads both through the keys' strides)"
     return None
 
 
@@ -84,20 +86,21 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
                      values: torch.Tensor, index: torch.Tensor, span: int) -> torch.Tensor:
     """`decode_attention_reference` (same arguments, same cache write) in two Triton kernels; the reference where
     they cannot run (`decode_attention_problem`)."""
-    if decode_attention_problem(q, keys):
+    if decode_attention_problem(q, keys, values):
         return decode_attention_reference(q, k_new, v_new, keys, values, index, span)
     b, h, _, d = q.shape
     kv_heads = k_new.shape[1]
     group = h // kv_heads
-    q3 = q[:, :, 0].contiguous()  # [B, H, d]
-    kn, vn = k_new[:, :, 0].contiguous(), v_new[:, :, 0].contiguous()  # [B, K, d]
+    # [B, H, d] and [B, K, d] views, read through their strides: no copy a layer unless the head dim is strided
+    q3, kn, vn = (x[:, :, 0] if x.stride(-1) == 1 else x[:, :, 0].contiguous() for x in (q, k_new, v_new))
     splits = triton.cdiv(span, BLOCK_N)
     part = torch.empty((b, kv_heads, splits, group, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, kv_heads, splits, group), dtype=torch.float32, device=q.device)
     rows = max(MIN_ROWS, triton.next_power_of_2(group))
     _split_kernel[(b, kv_heads, splits)](
         q3, kn, vn, keys, values, index, part, lse,
-        q3.stride(0), q3.stride(1), kn.stride(0), kn.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        q3.stride(0), q3.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2),
         d ** -0.5, GROUP=group, ROWS=rows, D=d, BLOCK=BLOCK_N, num_warps=4)
     out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
     _merge_kernel[(b, h)](part, lse, out, splits, GROUP=group, D=d, SPLITS=triton.next_power_of_2(splits),
@@ -108,7 +111,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
 if triton is not None:
     @triton.jit
     def _split_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, idx_ptr, part_ptr, lse_ptr,
-                      sq_b, sq_h, sn_b, sn_h, sk_b, sk_h, sk_s, scale,
+                      sq_b, sq_h, sn_b, sn_h, sv_b, sv_h, sk_b, sk_h, sk_s, scale,
                       GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
@@ -121,9 +124,8 @@ if triton is not None:
         q = tl.load(q_ptr + b * sq_b + (kh * GROUP + g)[:, None] * sq_h + dd[None, :],
                     mask=(g < GROUP)[:, None], other=0.0)
         cache = b.to(tl.int64) * sk_b + kh * sk_h
-        new = b * sn_b + kh * sn_h
-        kn = tl.load(kn_ptr + new + dd)
-        vn = tl.load(vn_ptr + new + dd)
+        kn = tl.load(kn_ptr + b * sn_b + kh * sn_h + dd)
+        vn = tl.load(vn_ptr + b * sv_b + kh * sv_h + dd)
         old = (n < idx)[:, None]  # positions before the new token come from the cache
         k = tl.load(k_ptr + cache + n[:, None].to(tl.int64) * sk_s + dd[None, :], mask=old, other=0.0)
         v = tl.load(v_ptr + cache + n[:, None].to(tl.int64) * sk_s + dd[None, :], mask=old, other=0.0)
