@@ -12,16 +12,24 @@ import subprocess
 from pathlib import Path
 
 
+_head_at_first_call: str | None = None
+
+
 def git_sha() -> str:
-    """`WAMRT_GIT_SHA` when set (the GPU machine gets a copy of the tree without .git), else HEAD."""
+    """`WAMRT_GIT_SHA` when set (the GPU machine gets a copy of the tree without .git), else HEAD as it was at this
+    process's first call: a grid that writes its cells over an hour names the code it started with, not the commits
+    made meanwhile (`wamrt.cli.main` calls this at start)."""
+    global _head_at_first_call
     if os.environ.get("WAMRT_GIT_SHA"):
         return os.environ["WAMRT_GIT_SHA"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).parent)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
+    if _head_at_first_call is None:
+        try:
+            out = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True,
+                                 timeout=10, cwd=Path(__file__).parent)
+            _head_at_first_call = out.stdout.strip() or "unknown"
+        except (OSError, subprocess.TimeoutExpired):
+            _head_at_first_call = "unknown"
+    return _head_at_first_call
 
 
 def utc_now(timespec: str = "seconds") -> str:

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from .. import __version__
+from ..provenance import git_sha
 from .dispatch import Parser, lazy, missing_extra
 
 
@@ -62,4 +63,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
+    git_sha()  # pinned now: result files written later in this process name the code it started with
     return int(args.func(args) or 0)
