@@ -11,7 +11,6 @@ import platform
 import subprocess
 from pathlib import Path
 
-
 _head_at_first_call: str | None = None
 
 
