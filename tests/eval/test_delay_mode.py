@@ -328,3 +328,20 @@ def test_grid_sampling_overrides_reach_the_policy_and_never_a_server(tmp_path, m
     assert main(["eval", "grid", "--policy", "tiny-droid", "--out", str(tmp_path), "--guidance-interval", "1000",
                  "937"]) != 0
     assert main(["eval", "grid", "--policy", "ws://127.0.0.1:9", "--out", str(tmp_path), "--steps", "2"]) != 0
+
+
+def test_grid_records_a_quantized_checkpoints_recipe(tmp_path, monkeypatch):
+    """The gen-fp8 lever runs in the grid's own engine from a `wamrt quantize` artifact; its cells say so."""
+    from wamrt.cli import build_parser, main
+    from wamrt.cli import realtime as cli_realtime
+
+    monkeypatch.setenv("WAMRT_CACHE", str(tmp_path / "cache"))
+    q = tmp_path / "fp8"
+    assert main(["quantize", "--model", "tiny-droid", "--recipe", "gen-fp8", "--out", str(q)]) == 0
+    args = build_parser().parse_args(["eval", "grid", "--policy", str(q), "--out", str(tmp_path), "--steps", "2",
+                                      "--device", "cpu"])
+    backend, _, config = cli_realtime._backend(str(q), args)
+    assert config["quantization"] == "gen-fp8" and config["steps"] == 2
+    assert backend.overrides == {"steps": 2}  # the recipe is the checkpoint's, not a sampling override
+    _, _, plain = cli_realtime._backend("tiny-droid", args)
+    assert "quantization" not in plain

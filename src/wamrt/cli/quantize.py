@@ -20,7 +20,8 @@ DTYPES = ("bfloat16", "float16", "float32")  # of the tensors left unquantized
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", required=True, help="transformer folder or pipeline root (diffusers layout)")
+    ap.add_argument("--model", required=True,
+                    help="transformer folder, pipeline root (diffusers layout) or a model name (panda-droid, tiny-droid)")
     ap.add_argument("--recipe", required=True, choices=RECIPES,
                     help="what to quantize and how (docs/quant.md)")
     ap.add_argument("--out", required=True, help="artifact folder to create")
@@ -34,10 +35,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..model import load_transformer, resolve_transformer_folder
+    from ..pipeline.policy import checkpoint_root
     from ..quant.artifact import write_artifact
     from ..quant.errors import ArtifactError, RecipeError
 
-    src = Path(args.model)
+    src = checkpoint_root(args.model)  # a name as `wamrt serve --model` takes it (a built-in is built on first use)
     out = Path(args.out)
     t0 = time.perf_counter()
     try:
