@@ -21,7 +21,7 @@ DTYPES = ("bfloat16", "float16", "float32")  # of the tensors left unquantized
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", required=True,
-                    help="transformer folder, pipeline root (diffusers layout) or a model name (panda-droid, tiny-droid)")
+                    help="transformer folder, pipeline root (diffusers layout) or a model name (panda-droid)")
     ap.add_argument("--recipe", required=True, choices=RECIPES,
                     help="what to quantize and how (docs/quant.md)")
     ap.add_argument("--out", required=True, help="artifact folder to create")
