@@ -72,7 +72,7 @@ def _sync(device: torch.device) -> None:
 
 def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: float, fused: bool = False,
                 copy_floor_ms: float | None = None, fused_weights: bool = False, fused_mode: str | None = None,
-                lookahead: bool = False, attention: str = "sdpa") -> dict:
+                lookahead: bool = False, attention: str = "sdpa", gemv: str = "cublas") -> dict:
     from ..reasoner.engine import DecodeBatch
     from ..reasoner.sampling import SamplingParams
 
@@ -96,7 +96,7 @@ def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: 
     fused = fused and (db.graphs is None or db.graphs.layer_fn is not None)
     return {"kind": "latency", "mode": "decode", "batch": batch, "cuda_graph": graphs, "fused": fused,
             "fused_weights": fused_weights, "fused_mode": (fused_mode or "default") if fused else None,
-            "lookahead": lookahead, "attention": attention,
+            "lookahead": lookahead, "attention": attention, "gemv": gemv,
             "tokens_per_s": batch * 1e3 / stats["p50_ms"], "step": stats,
             "floor_fraction": floor_ms / stats["p50_ms"], "tokens": tokens,
             "copy_floor_fraction": None if copy_floor_ms is None else copy_floor_ms / stats["p50_ms"],
@@ -231,6 +231,26 @@ def run(args: argparse.Namespace) -> int:
                                               attention=attention)
                           for key, ahead, attention in (("plain", False, "sdpa"), ("lookahead", True, "sdpa"),
                                                         ("lookahead+split", True, "split"))}}
+        if graphs and args.fuse_weights:
+            # last: the batch-1 projections on the Triton GEMV (ops/gemv.py) instead of cuBLAS, with lookahead and the
+            # split kernel, in the default compile mode and the last of --fused-modes
+            from ..ops.gemv import use_gemv_kernel
+
+            use_gemv_kernel(lm)
+            gemv_failed = False
+            for mode in dict.fromkeys([None, *args.fused_modes[-1:]]):
+                try:
+                    rows.append(_decode_row(reasoner, prompt, 1, args.new_tokens, graphs, fused=True,
+                                            fused_weights=True, fused_mode=mode, lookahead=True, attention="split",
+                                            gemv="triton", **floors))
+                except Exception as e:  # noqa: BLE001  a kernel that fails to build costs its rows only
+                    gemv_failed = True
+                    failed.append({"batch": 1, "fused_mode": mode, "attention": "split", "gemv": "triton",
+                                   "error": f"{type(e).__name__}: {str(e)[:500]}"})
+                    print(f"decode row batch 1 gemv failed: {failed[-1]['error']}")
+            if profile is not None and not gemv_failed:
+                profile["lookahead+split+gemv"] = profile_decode(reasoner, prompt, steps=args.profile_steps,
+                                                                 lookahead=True, attention="split")
     ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs and not r["fused"]
                  and not r["fused_weights"] and not r["lookahead"])
     if graphs:  # the graph replays compute what the eager steps do
@@ -266,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
         kind = ("graph" if r["cuda_graph"] else "eager") + ("+fused" if r["fused"] else "") \
             + ("+qkv/gate-up" if r["fused_weights"] else "") \
             + (f" ({r['fused_mode']})" if r["fused_mode"] not in (None, "default") else "") \
-            + (" +lookahead" if r["lookahead"] else "") + (" +split attention" if r["attention"] == "split" else "")
+            + (" +lookahead" if r["lookahead"] else "") + (" +split attention" if r["attention"] == "split" else "") \
+            + (" +triton gemv" if r["gemv"] == "triton" else "")
         print(f"decode batch {r['batch']:>2} {kind}: {r['tokens_per_s']:8.1f} "
               f"tokens/s, step {r['step']['p50_ms']:.2f} ms (CI {r['step']['ci95_p50_ms'][0]:.2f}-"
               f"{r['step']['ci95_p50_ms'][1]:.2f}), floor fraction {r['floor_fraction']:.2f}"
@@ -274,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
               + ", first use "
               f"{r['first_use_step_ms']:.0f} ms")
     if profile is not None:
-        print("\n".join(describe(profile[k]) for k in ("plain", "lookahead", "lookahead+split")))
+        print("\n".join(f"[{k}] {describe(v)}" for k, v in profile.items() if k != "fused_weights"))
     if hf is not None:
         print(f"transformers generate batch 1: {hf['tokens_per_s']:.1f} tokens/s ({hf['ms_per_token']:.2f} ms/token); "
               f"ours x{hf['speedup_ours_batch1']:.2f}; greedy tokens agreeing: {hf['greedy_tokens_agreeing']}")
