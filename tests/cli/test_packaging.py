@@ -36,3 +36,26 @@ def test_diffusers_is_a_range_that_admits_the_installed_version():
     spec = next(Requirement(r) for r in PYPROJECT["project"]["dependencies"] if r.startswith("diffusers"))
     assert not any(s.operator == "==" for s in spec.specifier)
     assert version("diffusers") in spec.specifier
+
+
+def test_the_grid_and_the_serving_errors_load_without_the_web_stack():
+    """`wamrt eval grid` reads the server's engine settings on a machine that may carry only the simulator's wheels:
+    importing them must not pull in starlette / uvicorn (a GPU call lost its cells to that, 04235bf)."""
+    import subprocess
+    import sys
+
+    blocker = (
+        "import sys, importlib.abc\n"
+        "class B(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('starlette', 'uvicorn', 'websockets'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, B())\n"
+        "from wamrt.serving.config import ServeConfig\n"
+        "from wamrt.serving.errors import as_serving_error\n"
+        "import wamrt.cli.realtime\n"
+        "print(sorted(ServeConfig().engine_settings('cuda')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "attention" in out.stdout

@@ -5,8 +5,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from starlette.requests import ClientDisconnect
-
 from ..client.wire import WireError
 from ..pipeline.errors import RequestError
 
@@ -124,7 +122,7 @@ def as_serving_error(exc: BaseException) -> ServingError:
         return exc
     if isinstance(exc, RequestError | WireError):
         return InvalidRequest(str(exc), field=exc.field)
-    if isinstance(exc, ClientDisconnect):
+    if type(exc).__name__ == "ClientDisconnect":  # starlette's, matched by name: settings and errors load without it
         return Cancelled("client disconnected")
     if isinstance(exc, FloatingPointError):
         return ServingError("the model produced non-finite actions")
