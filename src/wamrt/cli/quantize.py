@@ -35,11 +35,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..model import load_transformer, resolve_transformer_folder
-    from ..pipeline.policy import checkpoint_root
     from ..quant.artifact import write_artifact
     from ..quant.errors import ArtifactError, RecipeError
 
-    src = checkpoint_root(args.model)  # a name as `wamrt serve --model` takes it (a built-in is built on first use)
+    src = Path(args.model)
+    if not src.exists():  # a model name as `wamrt serve --model` takes it (a built-in is built on first use)
+        from ..pipeline.policy import checkpoint_root
+
+        src = checkpoint_root(args.model)
     out = Path(args.out)
     t0 = time.perf_counter()
     try:
