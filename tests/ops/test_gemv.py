@@ -59,13 +59,16 @@ def test_compiled_and_captured_gemv_linear_equals_its_eager_self() -> None:
     lin = nn.Linear(4096, 2048, bias=True, device="cuda", dtype=torch.bfloat16)
     use_gemv_kernel(lin)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    eager = lin(x)
+    eager = torch.relu(lin(x)) * 2
     compiled = torch.compile(lambda t: torch.relu(lin(t)) * 2, dynamic=False)
     for _ in range(2):  # autotune and compile outside the capture
-        compiled(x)
+        uncaptured = compiled(x)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = compiled(x)
+    out.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, torch.relu(eager) * 2)
+    assert torch.equal(out, uncaptured)  # the replay computes what the compiled call does
+    # Inductor fuses the bias, ReLU and scale into one kernel that rounds once; eager rounds after each op
+    assert torch.allclose(out.float(), eager.float(), atol=GEMV_ATOL, rtol=GEMV_RTOL)

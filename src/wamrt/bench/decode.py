@@ -85,11 +85,17 @@ def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: 
     tokens: list[int] = []
     for timed in (False, True):  # the first pass captures the graphs its spans need (and compiles, fused)
         seqs = [db.admit(prompt, params).seq for _ in range(batch)]
+        _sync(dev)
+        t_prev = time.perf_counter()
         while db.live:
-            _sync(dev)
-            t0 = time.perf_counter()
-            db.step()  # ends in the step's host read of the sampled tokens
-            (steps_ms if timed else first_pass_ms).append(1e3 * (time.perf_counter() - t0))
+            # A step ends in the host read of sampled tokens: this step's, or with lookahead the previous one's while
+            # this one runs. So the time between two returns is the step period either way; a sync before each step
+            # would time only a lookahead step's launch (dfeffd6's rows: 0.24-0.33 ms "steps").
+            db.step()
+            now = time.perf_counter()
+            (steps_ms if timed else first_pass_ms).append(1e3 * (now - t_prev))
+            t_prev = now
+        _sync(dev)
         tokens = seqs[0].tokens
     stats = summarize(steps_ms)
     # a failed compile leaves the graphs on the eager layers (logged): not a fused row then
@@ -237,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
             from ..ops.gemv import use_gemv_kernel
 
             use_gemv_kernel(lm)
+            torch._dynamo.reset()  # the compiled layers of the rows above would keep calling cuBLAS (dfeffd6)
             gemv_failed = False
             for mode in dict.fromkeys([None, *args.fused_modes[-1:]]):
                 try:
