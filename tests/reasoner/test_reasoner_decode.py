@@ -407,3 +407,15 @@ def test_a_decode_step_runs_eagerly_while_another_thread_captures(monkeypatch) -
     assert calls == [None] and captured == [] and torch.equal(eager, torch.full((2, 4), 7.0))
     replayed = g.step(tokens, index, pos, 128)
     assert captured == [(2, 128)] and torch.equal(replayed, torch.ones(2, 4)) and calls == [None]
+
+
+def test_decode_attention_auto_takes_the_kernel_only_where_it_runs(tiny, monkeypatch) -> None:
+    """The default picks the split-key kernel where `decode_attention_problem` finds none (a CUDA device, bf16/fp16,
+    a power-of-two head size), SDPA elsewhere; an explicit choice is kept."""
+    import wamrt.ops.decode_attention as kernel
+
+    r = tiny.reasoner
+    assert DecodeBatch(r, 1, cuda_graphs=False).decode_attention == "sdpa"  # the CPU
+    assert DecodeBatch(r, 1, cuda_graphs=False, decode_attention="split").decode_attention == "split"
+    monkeypatch.setattr(kernel, "decode_attention_problem", lambda q, keys, values=None: None)
+    assert DecodeBatch(r, 1, cuda_graphs=False).decode_attention == "split"

@@ -88,9 +88,13 @@ class DecodeBatch:
 
     def __init__(self, reasoner: Reasoner, rows: int, *, cuda_graphs: bool | None = None,
                  fused: bool = False, fused_mode: str | None = None, lookahead: bool = False,
-                 decode_attention: str = "sdpa") -> None:
+                 decode_attention: str = "auto") -> None:
         self.reasoner, self.lm = reasoner, reasoner.lm
-        self.decode_attention = decode_attention  # `ReasonerLM.decode_step(attention=)`
+        # `ReasonerLM.decode_step(attention=)`. auto: the split-key kernel where it runs (0.75 ms off a batch-1 Nano
+        # step on the H100, bench/results/decode/2026-12-06-dfeffd6-nano-h100/), SDPA elsewhere (CPU, other dtypes)
+        if decode_attention == "auto":
+            decode_attention = "split" if self._split_kernel_runs() else "sdpa"
+        self.decode_attention = decode_attention
         # lookahead: the next step launched before this one's tokens are read (`step`). A server decides per step
         # (`step(lookahead=...)`): not while policy work waits for the device, which would find a step still running.
         self.lookahead = lookahead
@@ -114,6 +118,13 @@ class DecodeBatch:
             from .graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.lm, self.cache, self.layer_fn, decode_attention)
+
+    def _split_kernel_runs(self) -> bool:
+        from ..ops.decode_attention import decode_attention_problem
+
+        c, dev, dtype = self.lm.config, self.lm.device, self.lm.dtype
+        probe = torch.empty(1, 1, 1, c.head_dim, device=dev, dtype=dtype)
+        return decode_attention_problem(probe, probe) is None
 
     def graph_buckets(self) -> list[tuple[int, int]]:
         """Every (rows, span) bucket a step can use, shortest spans first (most chats are short): what a server
