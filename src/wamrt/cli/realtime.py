@@ -218,8 +218,7 @@ def _backend(name: str, args: argparse.Namespace) -> tuple[Any, str, dict[str, A
     from .. import load_policy
 
     policy = load_policy(name, device=args.device)
-    if quantization := getattr(policy, "quantization", None):  # a `wamrt quantize` artifact (the gen-fp8 lever)
-        overrides["quantization"] = quantization
+    quantization = getattr(policy, "quantization", None)  # a `wamrt quantize` artifact (the gen-fp8 lever)
     engine = "eager"
     if args.engine == "fast" or (args.engine == "auto" and policy.device.type == "cuda"):
         from ..engine import Engine, EngineConfig
@@ -231,10 +230,11 @@ def _backend(name: str, args: argparse.Namespace) -> tuple[Any, str, dict[str, A
         policy = Engine.from_policy(policy, EngineConfig(**{**settings, "compile": False}))
         engine = "fast" + (" (isolated requests)" if args.batch_invariant else "")
     gpu = torch.cuda.get_device_name(policy.device) if policy.device.type == "cuda" else "cpu"
-    backend = LocalBackend(policy, **{k: v for k, v in overrides.items() if k != "quantization"})
+    backend = LocalBackend(policy, **overrides)
     canvases = "simulator processes, 1 torch thread" if backend.host_contract is not None else "policy process"
     return backend, gpu, {"agent": "policy", "model": name, "engine": engine, "device": str(policy.device),
-                          "canvases_composed_in": canvases, **overrides}
+                          "canvases_composed_in": canvases, **overrides,
+                          **({"quantization": quantization} if quantization else {})}
 
 
 def _warm_up(backend: Any, task: str, batch: int) -> None:

@@ -7,22 +7,15 @@ the parts without a web stack (`serving.config`'s engine settings, which `wamrt 
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-__all__ = ["ServeConfig", "ServerThread", "build_app"]
+# name -> the module that defines it, imported on first access
+_LAZY = {"build_app": ".app", "ServeConfig": ".config", "ServerThread": ".server"}
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "build_app":
-        from .app import build_app
-
-        return build_app
-    if name == "ServeConfig":
-        from .config import ServeConfig
-
-        return ServeConfig
-    if name == "ServerThread":
-        from .server import ServerThread
-
-        return ServerThread
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
