@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from wamrt.ops.gemv import K_MULTIPLE, GemvLinear, gemv_op, gemv_problem, use_gemv_kernel
+from wamrt.ops.gemv import K_MULTIPLE, GemvLinear, gemv_op, gemv_problem, undo_gemv_kernel, use_gemv_kernel
 
 GEMV_ATOL = 2e-2  # bf16 outputs of O(1) values after fp32 accumulation over K; cuBLAS rounds the same way
 GEMV_RTOL = 2e-2
@@ -36,6 +36,14 @@ class _NotPlain(nn.Linear):
 def test_swap_leaves_other_linear_classes_alone() -> None:
     model = nn.Sequential(_NotPlain(4, 4), nn.Linear(4, 4))
     assert use_gemv_kernel(model) == 1 and type(model[0]) is _NotPlain
+
+
+def test_swap_by_size_and_undo() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))  # 4,096 and 512 weights
+    assert use_gemv_kernel(model, min_numel=1000) == 1
+    assert type(model[0]) is GemvLinear and type(model[1]) is nn.Linear
+    assert undo_gemv_kernel(model) == 1 and all(type(m) is nn.Linear for m in model)
+    assert undo_gemv_kernel(model) == 0
 
 
 @pytest.mark.gpu

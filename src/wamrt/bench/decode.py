@@ -70,6 +70,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# q/k/v (25 M weights at Nano) and o (17 M) below, gate/up (101 M), down (50 M) and lm_head (622 M) above
+GEMV_LARGE_NUMEL = 40_000_000
+
+
 def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: float, fused: bool = False,
                 copy_floor_ms: float | None = None, fused_weights: bool = False, fused_mode: str | None = None,
                 lookahead: bool = False, attention: str = "sdpa", gemv: str = "cublas") -> dict:
@@ -238,26 +242,41 @@ def run(args: argparse.Namespace) -> int:
                           for key, ahead, attention in (("plain", False, "sdpa"), ("lookahead", True, "sdpa"),
                                                         ("lookahead+split", True, "split"))}}
         if graphs and args.fuse_weights:
-            # last: the batch-1 projections on the Triton GEMV (ops/gemv.py) instead of cuBLAS, with lookahead and the
-            # split kernel, in the default compile mode and the last of --fused-modes
-            from ..ops.gemv import use_gemv_kernel
+            # last: the batch-1 projections on the Triton GEMV (ops/gemv.py) instead of what the compiler picks, with
+            # lookahead and the split kernel, in the default compile mode and the last of --fused-modes: on every
+            # matrix, then on the large ones only (gate/up, down, lm_head; q/k/v and o stay the compiler's)
+            from ..ops.gemv import undo_gemv_kernel, use_gemv_kernel
 
-            use_gemv_kernel(lm)
-            torch._dynamo.reset()  # the compiled layers of the rows above would keep calling cuBLAS (dfeffd6)
-            gemv_failed = False
-            for mode in dict.fromkeys([None, *args.fused_modes[-1:]]):
-                try:
-                    rows.append(_decode_row(reasoner, prompt, 1, args.new_tokens, graphs, fused=True,
-                                            fused_weights=True, fused_mode=mode, lookahead=True, attention="split",
-                                            gemv="triton", **floors))
-                except Exception as e:  # noqa: BLE001  a kernel that fails to build costs its rows only
-                    gemv_failed = True
-                    failed.append({"batch": 1, "fused_mode": mode, "attention": "split", "gemv": "triton",
-                                   "error": f"{type(e).__name__}: {str(e)[:500]}"})
-                    print(f"decode row batch 1 gemv failed: {failed[-1]['error']}")
-            if profile is not None and not gemv_failed:
-                profile["lookahead+split+gemv"] = profile_decode(reasoner, prompt, steps=args.profile_steps,
-                                                                 lookahead=True, attention="split")
+            last_mode = args.fused_modes[-1] if args.fused_modes else None
+            if profile is not None and last_mode is not None:  # where that mode's time goes, before any GEMV swap
+                profile[f"lookahead+split ({last_mode})"] = profile_decode(
+                    reasoner, prompt, steps=args.profile_steps, fused_mode=last_mode, lookahead=True, attention="split")
+            best: tuple[float, str, int] | None = None
+            for label, min_numel in (("all", 0), ("large", GEMV_LARGE_NUMEL)):
+                undo_gemv_kernel(lm)
+                use_gemv_kernel(lm, min_numel)
+                torch._dynamo.reset()  # compiled layers keep the kernels they were compiled with (dfeffd6)
+                for mode in dict.fromkeys([None, last_mode]):
+                    try:
+                        row = _decode_row(reasoner, prompt, 1, args.new_tokens, graphs, fused=True,
+                                          fused_weights=True, fused_mode=mode, lookahead=True, attention="split",
+                                          gemv=f"triton:{label}", **floors)
+                    except Exception as e:  # noqa: BLE001  a kernel that fails to build costs its rows only
+                        failed.append({"batch": 1, "fused_mode": mode, "attention": "split", "gemv": label,
+                                       "error": f"{type(e).__name__}: {str(e)[:500]}"})
+                        print(f"decode row batch 1 gemv {label} failed: {failed[-1]['error']}")
+                        continue
+                    rows.append(row)
+                    if best is None or row["step"]["p50_ms"] < best[0]:
+                        best = (row["step"]["p50_ms"], label, mode)
+            if profile is not None and best is not None:
+                _, label, mode = best
+                undo_gemv_kernel(lm)
+                use_gemv_kernel(lm, 0 if label == "all" else GEMV_LARGE_NUMEL)
+                torch._dynamo.reset()
+                profile[f"lookahead+split+gemv:{label} ({mode or 'default'})"] = profile_decode(
+                    reasoner, prompt, steps=args.profile_steps, fused_mode=mode, lookahead=True, attention="split")
+            undo_gemv_kernel(lm)
     ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs and not r["fused"]
                  and not r["fused_weights"] and not r["lookahead"])
     if graphs:  # the graph replays compute what the eager steps do
@@ -294,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
             + ("+qkv/gate-up" if r["fused_weights"] else "") \
             + (f" ({r['fused_mode']})" if r["fused_mode"] not in (None, "default") else "") \
             + (" +lookahead" if r["lookahead"] else "") + (" +split attention" if r["attention"] == "split" else "") \
-            + (" +triton gemv" if r["gemv"] == "triton" else "")
+            + (f" +{r['gemv'].replace(':', ' gemv on ')} matrices" if r["gemv"] != "cublas" else "")
         print(f"decode batch {r['batch']:>2} {kind}: {r['tokens_per_s']:8.1f} "
               f"tokens/s, step {r['step']['p50_ms']:.2f} ms (CI {r['step']['ci95_p50_ms'][0]:.2f}-"
               f"{r['step']['ci95_p50_ms'][1]:.2f}), floor fraction {r['floor_fraction']:.2f}"

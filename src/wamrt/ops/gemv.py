@@ -54,8 +54,8 @@ def _gemv_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 if triton is not None:
     @triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-                 for bn, bk, w in ((2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4),
-                                   (8, 512, 8), (16, 256, 8))],
+                 for bn, bk, w in ((1, 1024, 4), (2, 1024, 4), (2, 1024, 8), (4, 512, 4), (4, 1024, 4),
+                                   (4, 1024, 8), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 256, 8))],
         key=["n", "K"])
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, n, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -93,12 +93,23 @@ class GemvLinear(nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
-def use_gemv_kernel(module: nn.Module) -> int:
-    """Serve every plain nn.Linear under `module` through `GemvLinear` (idempotent); returns how many were swapped.
-    Quantized layers (other classes) keep their own kernels."""
+def use_gemv_kernel(module: nn.Module, min_numel: int = 0) -> int:
+    """Serve every plain nn.Linear under `module` with at least `min_numel` weights through `GemvLinear`
+    (idempotent); returns how many were swapped. Quantized layers (other classes) keep their own kernels.
+    min_numel leaves the small matrices to what the compiler picks for them (`wamrt bench decode` measures both)."""
     swapped = 0
     for sub in module.modules():
-        if type(sub) is nn.Linear:
+        if type(sub) is nn.Linear and sub.weight.numel() >= min_numel:
             sub.__class__ = GemvLinear
             swapped += 1
     return swapped
+
+
+def undo_gemv_kernel(module: nn.Module) -> int:
+    """The swap undone: every GemvLinear under `module` is an nn.Linear again; returns how many."""
+    undone = 0
+    for sub in module.modules():
+        if type(sub) is GemvLinear:
+            sub.__class__ = nn.Linear
+            undone += 1
+    return undone
