@@ -14,7 +14,7 @@ GEMV_RTOL = 2e-2
 
 
 def test_the_kernel_says_why_it_declines() -> None:
-    w = torch.zeros(8, K_MULTIPLE)
+    w = torch.zeros(8, K_MULTIPLE)  # no grad: the device is what it declines
     assert "CUDA" in gemv_problem(torch.zeros(1, K_MULTIPLE), w)
 
 
@@ -31,6 +31,13 @@ def test_gemv_linear_falls_back_to_f_linear_off_the_kernel_and_the_swap_is_idemp
 
 class _NotPlain(nn.Linear):
     """Stands in for a quantized layer class: not swapped."""
+
+
+def test_the_kernel_declines_under_autograd() -> None:
+    w = torch.zeros(8, K_MULTIPLE, requires_grad=True)
+    assert "autograd" in gemv_problem(torch.zeros(1, K_MULTIPLE), w)
+    with torch.no_grad():
+        assert "autograd" not in gemv_problem(torch.zeros(1, K_MULTIPLE), w)
 
 
 def test_swap_leaves_other_linear_classes_alone() -> None:
@@ -64,8 +71,8 @@ def test_kernel_equals_f_linear(n, k) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compiled_and_captured_gemv_linear_equals_its_eager_self() -> None:
     torch.manual_seed(0)
-    lin = nn.Linear(4096, 2048, bias=True, device="cuda", dtype=torch.bfloat16)
-    use_gemv_kernel(lin)
+    lin = nn.Linear(4096, 2048, bias=True, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    use_gemv_kernel(lin)  # (trainable weights under autograd take F.linear: the kernel has no backward)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     eager = torch.relu(lin(x)) * 2
     compiled = torch.compile(lambda t: torch.relu(lin(t)) * 2, dynamic=False)

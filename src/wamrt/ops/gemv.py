@@ -32,6 +32,8 @@ K_MULTIPLE = 1024  # every BLOCK_K below divides it: no masked loads along K
 
 def gemv_problem(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why the kernel cannot take these tensors, or None."""
+    if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
+        return "autograd is on: the kernel has no backward (decode runs under no_grad)"
     problem = triton_device_problem(x.device)
     if problem:
         return problem
