@@ -5,6 +5,7 @@
 #          quantization GPU tests and the fused fp8 activation kernel's)
 #          vae (the policy's frame-0 VAE encode and the world decode, kernel option by kernel option: `wamrt bench
 #          vae`, STAGES default encode,decode; then the GPU tests of both and of their per-pixel kernels)
+#          dagger (issue 41: one DAgger round on the robot's clock, scripts/dagger_round.sh; carry .whl .gl .ckpt-carry)
 #          host-timeline (a warm request's host work against its CUDA graphs: `wamrt bench host-timeline`)
 #          ab-edge ab-nano (this tree against an older one carried in .ab-before/ -- `git archive <sha> src` unpacked, less src/wamrt/assets,
 #          there, its sha in .ab-before/SHA -- in one process order per round, ROUNDS rounds alternating which side
@@ -396,6 +397,8 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
           done ;;
     prefix-train) # Issue 41: training-time RTC fine-tune of panda-droid + its synchronous pick_place evaluation
           RES=$res timeout "$limit" bash scripts/prefix_train.sh 2>&1 | tee "$res/log.txt" ;;
+    dagger) # Issue 41: a DAgger round on the robot's clock (scripts/dagger_round.sh); give it dagger:480
+          RES=$res timeout "$limit" bash scripts/dagger_round.sh 2>&1 | tee "$res/log.txt" ;;
     lever-gates) # Issue 41: the lossy levers at each configuration's own delay (needs the delay mode of eval gate)
           RES=$res timeout "$limit" bash scripts/lever_gates.sh 2>&1 | tee "$res/log.txt" ;;
     grid) # Issue 41: success against delay per strategy (the checkpoint for prefix-trained: TRAINED, default prefix-train's)

@@ -345,3 +345,66 @@ def test_grid_records_a_quantized_checkpoints_recipe(tmp_path, monkeypatch):
     assert backend.overrides == {"steps": 2}  # the recipe is the checkpoint's, not a sampling override
     _, _, plain = cli_realtime._backend("tiny-droid", args)
     assert "quantization" not in plain
+
+
+# ---- on-policy training data (eval/dagger.py) ----------------------------------------------------------------
+def test_a_recorded_request_holds_its_canvas_state_prefix_and_the_experts_continuation(tmp_path):
+    """Each request of a delayed episode is kept with the canvas the policy saw, its state row, and the expert
+    planner's chunk for it: the request's own prefix, then the expert's rows from where that prefix leaves the arm."""
+    from wamrt.client.clocks import SimClock
+    from wamrt.client.realtime import GRIPPER_KEY, DelayEstimator, RealtimeRunner
+    from wamrt.eval.dagger import DaggerEpisode
+    from wamrt.eval.planner import ExpertPlanner
+    from wamrt.eval.realtime import LaneEpisode
+    from wamrt.pipeline.noise import droid_state_row
+    from wamrt.sim.env import PandaEnv
+    from wamrt.train.data import policy_canvas
+
+    with PandaEnv("pick_place", exterior_hw=(32, 56)) as env:
+        runner = RealtimeRunner(WigglePolicy(), strategy="prefix", clock=SimClock(3), prefix_mode="clean",
+                                estimator=DelayEstimator(initial=3))
+        ep = LaneEpisode(env, runner, seed=5, max_steps=30)
+        planner = ExpertPlanner("pick_place")
+        record = DaggerEpisode("pick_place", 3, 5, "256", planner)
+        sent = []
+        while not ep.done:
+            request = ep.begin()
+            if request is not None:
+                record.add(env, request.obs)
+                sent.append(request.obs)
+                runner.dispatch(request)
+            ep.end()
+        path = record.write(tmp_path, ep.success)
+    assert path is not None and path.name == "dagger-pick_place-d03-0000005.npz"
+    with np.load(path) as z:
+        chunk, prefix_rows, canvas, state = z["chunk"], z["prefix_rows"], z["canvas"], z["state"]
+        assert z["actions"].shape == (len(sent), 8) and np.array_equal(z["actions"], chunk[:, 0])
+    assert chunk.shape == (len(sent), 32, 8) and len(sent) >= 3
+    assert prefix_rows[0] == 0 and all(p == 3 for p in prefix_rows[1:])  # the first request has nothing committed
+    for t, obs in enumerate(sent):
+        assert np.array_equal(canvas[t], policy_canvas(obs, "256")[0])
+        assert np.array_equal(state[t], droid_state_row(obs[JOINT_KEY], obs[GRIPPER_KEY]))
+        p = int(prefix_rows[t])
+        if p:
+            assert np.array_equal(chunk[t, :p], np.asarray(obs[PREFIX_KEY], np.float32))
+        # the expert continues from the prefix's end, at the arm's speed (never the wiggle's rows)
+        assert np.abs(np.diff(chunk[t, max(p - 1, 0):, :7], axis=0)).max() < 0.2
+        assert not np.allclose(chunk[t, p:p + 4], WigglePolicy().infer(obs, 0).actions[p:p + 4], atol=1e-3)
+
+
+def test_grid_records_one_file_per_episode_with_the_runners_prefixes(tmp_path):
+    from wamrt.eval.grid import LocalBackend, plan_cells, run_grid
+    from wamrt.train.data import load_demo_dirs
+
+    cells = plan_cells(["pick_place"], [3], ["prefix"])
+    run = run_grid(cells, [0, 1], {"base": LocalBackend(WigglePolicy())}, workers=1, lanes=2, max_batch=4,
+                   max_steps=20, env_kwargs={"exterior_hw": (32, 56)}, record={"dir": str(tmp_path), "tier": "256"})
+    files = sorted(tmp_path.glob("dagger-*.npz"))
+    assert [f.name for f in files] == ["dagger-pick_place-d03-0000000.npz", "dagger-pick_place-d03-0000001.npz"]
+    for f, result in zip(files, run.results[0], strict=True):
+        with np.load(f) as z:
+            assert len(z["chunk"]) == result.requests
+            assert z["prefix_rows"].tolist() == result.realtime["prefix_rows"]
+    ds = load_demo_dirs([tmp_path])
+    assert ds.chunks is not None and ds.chunk_row is not None and ds.fixed_prefix is not None
+    assert ds.chunk_row.tolist() == list(range(len(ds))) and ds.fixed_prefix.max() == 3

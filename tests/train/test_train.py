@@ -465,3 +465,77 @@ def test_prefix_open_loop_compares_no_prefix_expert_and_own_rows(tmp_path):
         float(np.abs(plain[later][:, d:d + 8, :7] - targets[later][:, d:d + 8, :7]).mean()), rel=1e-5)
     assert len(res["own_joint_abs_err_rad_per_row"]) == 8
     assert res["expert_joint_abs_err_rad_mean"] != res["own_joint_abs_err_rad_mean"]
+
+
+def _dagger_episode(obs: dict, length: int = 3, prefix: int = 2, seed: int = 9):
+    """A DAgger episode built by hand: `length` requests of one observation, each with its own chunk."""
+    from wamrt.client.realtime import JOINT_KEY
+
+    rng = np.random.default_rng(seed)
+    arrays, meta = episode_from_observations([obs] * length, np.zeros((length, 8), np.float32))
+    joints = np.asarray(obs[JOINT_KEY], np.float32)
+    chunk = np.concatenate([joints + rng.normal(0, 0.2, (length, 32, 7)), rng.integers(0, 2, (length, 32, 1))],
+                           axis=2).astype(np.float32)
+    arrays.update(chunk=chunk, prefix_rows=np.full(length, prefix, np.int64), actions=chunk[:, 0].copy())
+    return arrays, meta
+
+
+def test_trainer_takes_a_dagger_frames_chunk_and_prefix_and_no_future_frames(tmp_path):
+    from wamrt.train.data import demo_set_from_episodes
+
+    eps, observations = _moving_episodes()
+    dagger = _dagger_episode(observations[0])
+    ds = demo_set_from_episodes([*eps, dagger])
+    n = sum(len(a["actions"]) for a, _ in eps)
+    assert ds.chunk_row is not None and ds.chunk_row[:n].max() == -1 and ds.chunk_row[n:].tolist() == [0, 1, 2]
+    tr = PolicyTrainer(TrainConfig(size="tiny-qwen", batch=4, aug_shift_px=0, aug_colour=0.0, log_every=1000,
+                                   prefix_max=14, prefix_noise=0.5), ds, tmp_path / "ckpt", device="cpu")
+    tr.cache_latents()
+    idx = np.array([1, n + 1, 4, n + 2])
+    batch = tr.clean_batch(idx, augment_images=False)
+    assert batch["fixed_prefix"].tolist() == [-1, 2, -1, 2] and batch["vision_weight"].tolist() == [1, 0, 1, 0]
+    # the DAgger frame's rows are its recorded chunk, normalized as the served contract normalizes actions
+    plain = tr.clean_batch(np.array([1]), augment_images=False)["action"]
+    torch.testing.assert_close(batch["action"][:1], plain)  # an expert frame is as before
+    recorded = torch.from_numpy(dagger[0]["chunk"][1].copy())
+    recorded[:, -1] = 1.0 - recorded[:, -1]
+    norm = tr._norm
+    assert norm is not None
+    expect = (recorded - tr.raw_state[n + 1][None] * norm["relative"] - norm["action_mean"]) / norm["action_std"]
+    torch.testing.assert_close(batch["action"][1, tr.contract.history:, :8], expect)
+    # no future frames: frame 0 stands in for them, and they are out of the vision loss
+    assert torch.equal(batch["vision"][1, :, 1:], batch["vision"][1, :, :1].expand_as(batch["vision"][1, :, 1:]))
+
+    # its prefix is the recorded one (clean rows, out of the loss) and is never perturbed; the vision loss ignores it
+    velocity = tr.velocity
+
+    def loss(rows=None, sample=None, vision=False):
+        def spoiled(*args, **kw):
+            o = velocity(*args, **kw)
+            if rows is not None:
+                o.action[sample, rows] += 100.0
+            if vision:
+                o.vision[sample] += 100.0
+            return o
+        tr.velocity = spoiled
+        tr.gen.manual_seed(5)
+        with torch.no_grad():
+            out = tr.loss({**batch, "prefix_rows": torch.tensor([5, 5, 5, 5])}, text_dropout=False)
+        tr.velocity = velocity
+        return float(out["action"]), float(out["vision"])
+
+    base_a, base_v = loss()
+    assert loss(slice(1, 3), 1)[0] == base_a  # rows 1..2 of the DAgger sample: its prefix, clean
+    assert loss(slice(3, 4), 1)[0] > base_a + 1.0  # the row after it is generated
+    assert loss(slice(3, 6), 0)[0] == base_a  # the expert sample drew 5 rows: rows 1..5 clean
+    assert loss(sample=1, vision=True)[1] == base_v and loss(sample=0, vision=True)[1] > base_v + 1.0
+    for _ in range(2):
+        assert np.isfinite(tr.train_step(0.0)["loss"])
+    assert tr.save().joinpath("wamrt.json").read_text().count('"dagger_frames": 3') == 1
+
+    # --dagger-repeat K: a DAgger frame is drawn K times as often as an expert frame
+    heavy = PolicyTrainer(TrainConfig(size="tiny-qwen", batch=4, aug_shift_px=0, aug_colour=0.0, log_every=1000,
+                                      dagger_repeat=4), ds, tmp_path / "heavy", device="cpu")
+    drawn = heavy.train_idx_t.tolist()
+    assert all(drawn.count(i) == 4 for i in range(n, n + 3)) and all(drawn.count(i) == 1 for i in range(n))
+    assert sum(len(p) for p in heavy.prompt_pools) == len(drawn)

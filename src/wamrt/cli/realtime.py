@@ -184,6 +184,10 @@ def add_grid_command(ev: argparse._SubParsersAction) -> None:
     g.add_argument("--guidance-interval", type=int, nargs=2, metavar=("LO", "HI"),
                    help="CFG only where LO < t < HI (the lever 'guidance on the first step only': 937 1000 at 4 "
                         "steps, 833 1000 at 2; python -m wamrt.eval.levers)")
+    g.add_argument("--record-dagger", type=Path, metavar="DIR",
+                   help="also write every request of the policy with the scripted expert's chunk for it (its prefix, "
+                        "then the expert's plan from where that prefix leaves the arm): training data for `wamrt "
+                        "train fit --demos DIR`, one .npz per episode (eval/dagger.py)")
     g.add_argument("--api-key", help="for a server started with --api-key")
     g.add_argument("--resume", action="store_true",
                    help="skip the cells --out already holds complete for these seeds (a grid spread over device calls)")
@@ -322,6 +326,13 @@ def run_grid_command(args: argparse.Namespace) -> int:
         for b in {id(b): b for b in backends.values()}.values():
             _warm_up(b, tasks[0], args.max_batch)
     seeds = list(range(args.seed0, args.seed0 + args.episodes))
+    record = None
+    if args.record_dagger is not None:
+        if expert:
+            return _error("--record-dagger records a policy's requests: it needs --policy CKPT, not expert")
+        args.record_dagger.mkdir(parents=True, exist_ok=True)
+        contract = getattr(getattr(backends["base"], "policy", None), "contract", None)
+        record = {"dir": str(args.record_dagger), "tier": str(getattr(contract, "tier", None) or "256")}
     done: dict[Any, dict[str, Any]] = {}
     if args.resume:  # cells an earlier call finished, for exactly these seeds, are kept and not run again
         from ..eval.grid_report import load_cells
@@ -361,7 +372,8 @@ def run_grid_command(args: argparse.Namespace) -> int:
 
     run = run_grid(todo, seeds, backends, workers=args.workers, lanes=args.lanes, max_batch=args.max_batch,
                    max_steps=args.max_steps, env_kwargs=env_kwargs(args), execute_steps=args.execute_steps,
-                   seam_rows=args.seam_rows, budget_s=args.budget_s, progress=print_progress, on_cell=write_cell,
+                   seam_rows=args.seam_rows, budget_s=args.budget_s, record=record, progress=print_progress,
+                   on_cell=write_cell,
                    planner_kwargs={"turntable_rate": args.expert_turntable_rate} if expert else None)
     config["grid_wall_s"] = run.wall_s
     files = {**done, **{cell: result_of(cell, run.results[ci]) for ci, cell in enumerate(todo) if run.results[ci]}}

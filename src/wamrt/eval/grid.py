@@ -151,8 +151,11 @@ class _Mailbox:
 
 def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell], lanes: int,
             max_steps: int | None, env_kwargs: dict[str, Any], privileged: bool, execute_steps: int,
-            contracts: dict[str, Any], seam_rows: int = 0, planner_kwargs: dict[str, Any] | None = None) -> None:
+            contracts: dict[str, Any], seam_rows: int = 0, planner_kwargs: dict[str, Any] | None = None,
+            record: dict[str, str] | None = None) -> None:
     """Run `episodes` ([(cell index, seed)]) on `lanes` simulators side by side; report each result.
+
+    record: {"dir", "tier"}: every request is also written with the expert's label for it (eval/dagger.py).
 
     contracts: policy name -> its DroidContract where the policy takes prepared host inputs (an Engine): the
     worker validates and composes each request's canvas itself, one core per worker. In the policy's process
@@ -175,6 +178,7 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
     envs: dict[int, tuple[str, PandaEnv]] = {}
     planners: dict[tuple[str, int], ExpertPlanner] = {}
     running: dict[int, tuple[int, LaneEpisode]] = {}
+    recording: dict[int, Any] = {}  # lane -> its episode's DaggerEpisode (record)
     try:
         while (todo and not mail.stop) or running:
             for lane in range(lanes):  # fill idle lanes
@@ -196,10 +200,17 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
                                         clock=SimClock(cell.delay), prefix_mode=cell.prefix_mode,
                                         estimator=DelayEstimator(initial=cell.delay))
                 running[lane] = (ci, LaneEpisode(envs[lane][1], runner, seed, max_steps, privileged=privileged))
-            for _ci, ep in running.values():  # first half of the tick: requests out
+                if record is not None and not privileged:
+                    from .dagger import DaggerEpisode
+
+                    labeler = planners.setdefault((cell.task, 32), ExpertPlanner(cell.task))
+                    recording[lane] = DaggerEpisode(cell.task, cell.delay, seed, record["tier"], labeler)
+            for lane, (_ci, ep) in running.items():  # first half of the tick: requests out
                 request = ep.begin()
                 if request is None:
                     continue
+                if lane in recording:
+                    recording[lane].add(ep.env, request.obs)
                 if privileged:
                     ep.runner.dispatch(request)
                 else:
@@ -217,7 +228,10 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
             for lane, (ci, ep) in list(running.items()):  # second half: replies due now, rows run
                 ep.end()
                 if ep.done:
-                    conn.send(("result", ci, ep.result()))
+                    result = ep.result()
+                    if lane in recording:
+                        recording.pop(lane).write(record["dir"], result.success)  # type: ignore[index]
+                    conn.send(("result", ci, result))
                     del running[lane]
             mail.poll()
         conn.send(("done",))
@@ -305,10 +319,12 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
              lanes: int = 8, max_batch: int = 64, max_steps: int | None = None,
              env_kwargs: dict[str, Any] | None = None, execute_steps: int = 8, seam_rows: int = 0,
              budget_s: float | None = None, planner_kwargs: dict[str, Any] | None = None,
-             progress: Callable[[str], None] | None = None,
+             record: dict[str, str] | None = None, progress: Callable[[str], None] | None = None,
              on_cell: Callable[[int, list[Any]], None] | None = None) -> GridRun:
     """backends: policy name ("base", "trained") -> LocalBackend / RemoteBackend; None: the expert planner
     (`planner_kwargs` for its ExpertPlanner).
+    record: {"dir": folder, "tier": the policy's canvas tier}: the policy's requests with expert labels
+    (eval/dagger.py), one file per episode.
     `on_cell(cell index, results)` runs as each cell completes."""
     t0 = time.perf_counter()
     cells = list(cells)
@@ -322,7 +338,7 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_worker, name=f"grid-worker-{w}", daemon=True,
                         args=(child, items[w::workers], cells, lanes, max_steps, dict(env_kwargs or {}),
-                              backends is None, execute_steps, contracts, seam_rows, planner_kwargs))
+                              backends is None, execute_steps, contracts, seam_rows, planner_kwargs, record))
         p.start()
         child.close()
         conns.append(parent)

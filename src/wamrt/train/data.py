@@ -10,6 +10,10 @@ tier), so training sees byte for byte what `prepare_droid` feeds the VAE at infe
   state float32 [T, 8]        the DROID state row (7 joints, 1 - gripper closure) of that observation
   actions float32 [T, 8]      the expert's action t (7 joint targets, gripper 0 open .. 1 closed)
   meta                        JSON: task, seed, prompt, success, length, tier, image_size
+
+An episode may instead carry each frame's chunk explicitly (`chunk` [T, 32, 8] and `prefix_rows` [T]: the on-policy
+requests of `wamrt eval grid --record-dagger`, eval/dagger.py): its frames are requests, not consecutive steps, so
+its samples take their chunk and their clean prefix from there, and have no future frames.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 import numpy as np
 
 
-def _canvas_of(obs_dict: dict[str, Any], tier: str) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+def policy_canvas(obs_dict: dict[str, Any], tier: str) -> tuple[np.ndarray, tuple[int, int, int, int]]:
     from ..pipeline.canvas import compose_droid_canvas, pad_to_bucket
 
     padded = pad_to_bucket(compose_droid_canvas(obs_dict), tier)
@@ -126,6 +130,11 @@ class DemoSet:
     image_size: tuple[int, int, int, int]
     tier: str
     episodes: int
+    # Explicit chunks (DAgger episodes): frame i's chunk is chunks[chunk_row[i]] where chunk_row[i] >= 0, and its
+    # first fixed_prefix[i] rows are its clean prefix. None where no episode has any.
+    chunk_row: np.ndarray | None = None  # int64 [N], -1: the actions that follow the frame in its episode
+    chunks: np.ndarray | None = None  # float32 [M, 32, 8], robot space
+    fixed_prefix: np.ndarray | None = None  # int64 [N], -1: drawn in training
 
     def __len__(self) -> int:
         return len(self.state)
@@ -136,7 +145,7 @@ def load_demo_set(files: Sequence[str | Path]) -> DemoSet:
     for f in sorted(files):
         with np.load(f) as z:
             meta = json.loads(str(z["meta"]))
-            arrays = {k: z[k] for k in ("canvas", "state", "actions")}
+            arrays = {k: z[k] for k in ("canvas", "state", "actions", "chunk", "prefix_rows") if k in z.files}
         if episodes and meta["tier"] != episodes[0][1]["tier"]:
             raise ValueError(f"{f}: tier {meta['tier']} differs from {episodes[0][1]['tier']}")
         episodes.append((arrays, meta))
@@ -166,7 +175,7 @@ def episode_from_observations(observations: Sequence[dict[str, Any]], actions: n
 
     canv, states, size = [], [], None
     for d in observations:
-        pixels, size = _canvas_of(d, tier)
+        pixels, size = policy_canvas(d, tier)
         canv.append(pixels)
         states.append(droid_state_row(d["observation/joint_position"], d["observation/gripper_position"]))
     arrays = {"canvas": np.stack(canv), "state": np.stack(states).astype(np.float32),
@@ -181,9 +190,18 @@ def demo_set_from_episodes(episodes: Sequence[tuple[dict[str, np.ndarray], dict]
     if not episodes:
         raise ValueError("no episodes")
     canv, st, act, starts, ends, prompts = [], [], [], [], [], []
-    n = 0
+    chunk_row, chunks, fixed = [], [], []
+    n = m = 0
     for arrays, meta in episodes:
         t = len(arrays["actions"])
+        if "chunk" in arrays:
+            chunk_row.append(np.arange(m, m + t))
+            chunks.append(np.asarray(arrays["chunk"], np.float32))
+            fixed.append(np.asarray(arrays["prefix_rows"], np.int64))
+            m += t
+        else:
+            chunk_row.append(np.full(t, -1))
+            fixed.append(np.full(t, -1))
         canv.append(arrays["canvas"])
         st.append(arrays["state"])
         act.append(arrays["actions"])
@@ -192,5 +210,8 @@ def demo_set_from_episodes(episodes: Sequence[tuple[dict[str, np.ndarray], dict]
         prompts += [meta["prompt"]] * t
         n += t
     meta0 = episodes[0][1]
+    explicit = {"chunk_row": np.concatenate(chunk_row).astype(np.int64), "chunks": np.concatenate(chunks),
+                "fixed_prefix": np.concatenate(fixed)} if chunks else {}
     return DemoSet(np.concatenate(canv), np.concatenate(st), np.concatenate(act), np.concatenate(starts),
-                   np.concatenate(ends), prompts, tuple(meta0["image_size"]), meta0["tier"], len(episodes))  # type: ignore[arg-type]
+                   np.concatenate(ends), prompts, tuple(meta0["image_size"]), meta0["tier"], len(episodes),  # type: ignore[arg-type]
+                   **explicit)

@@ -53,7 +53,7 @@ def run_probe(task: str, episodes: int, vae_dir: str | None, tier: str, vae_seed
     from ..pipeline.vae import FrameEncoder, load_vae
     from ..sim.droid import droid_observation
     from ..sim.env import PandaEnv
-    from .data import _canvas_of
+    from .data import policy_canvas
 
     if vae_dir is None:
         vae_dir = str(Path(tempfile.mkdtemp()) / "vae")
@@ -64,7 +64,7 @@ def run_probe(task: str, episodes: int, vae_dir: str | None, tier: str, vae_seed
     with PandaEnv(task) as env, torch.no_grad():
         for s in range(seed0, seed0 + episodes):
             obs = env.reset(s)
-            canvas, size = _canvas_of(droid_observation(obs), tier)
+            canvas, size = policy_canvas(droid_observation(obs), tier)
             x = torch.from_numpy(canvas).permute(2, 0, 1).float()[None, :, None] / 127.5 - 1.0
             lat = encoder.encode(x)[0, :, 0]  # [C, h, w] of the padded bucket
             lh, lw = -(-size[2] // 16), -(-size[3] // 16)

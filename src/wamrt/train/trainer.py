@@ -23,6 +23,10 @@ With `prefix_noise` > 0 those rows are not the ground truth but the ground truth
 offset, and the rows after them are to return from it (`perturb_prefix`): served, the committed rows come from the
 policy's own earlier chunk, which is off by about as much as its open-loop error, and a model that only ever saw
 right prefixes carries their error on (docs/realtime.md).
+
+Frames recorded by `wamrt eval grid --record-dagger` (eval/dagger.py) bring their own chunk and prefix: the policy's
+own committed rows, then the expert's continuation from where they leave the arm; such a sample keeps that prefix
+(never perturbed, never redrawn) and has no vision loss (its neighbours are other requests, not future frames).
 """
 
 from __future__ import annotations
@@ -110,6 +114,9 @@ class TrainConfig:
     # truth), and over how many rows after the prefix the targets return from it (e-folding; 0: at once).
     prefix_noise: float = 0.0
     prefix_noise_rows: float = 4.0
+    # DAgger frames (eval/dagger.py) are drawn this many times as often as an expert frame: an episode gives ~20
+    # requests where a demo gives ~150 frames.
+    dagger_repeat: int = 1
 
 
 @dataclass
@@ -255,6 +262,8 @@ class PolicyTrainer:
         if cfg.prefix_noise < 0 or cfg.prefix_noise_rows < 0:
             raise ValueError(f"prefix_noise and prefix_noise_rows must be >= 0, got {cfg.prefix_noise}, "
                              f"{cfg.prefix_noise_rows}")
+        if cfg.dagger_repeat < 1:
+            raise ValueError(f"dagger_repeat must be >= 1, got {cfg.dagger_repeat}")
         if not 0 <= cfg.prefix_max <= MAX_PREFIX_ROWS or not 0.0 <= cfg.prefix_zero_share <= 1.0:
             raise ValueError(f"prefix_max must be in [0, {MAX_PREFIX_ROWS}] and prefix_zero_share in [0, 1], got "
                              f"{cfg.prefix_max}, {cfg.prefix_zero_share}")
@@ -317,15 +326,25 @@ class PolicyTrainer:
         self.state_rows = torch.from_numpy(np.ascontiguousarray(model_state)).to(self.device)
         self.actions = torch.from_numpy(ds.actions).to(self.device)
         self.episode_end = torch.from_numpy(ds.episode_end).to(self.device)
+        # DAgger frames (eval/dagger.py) bring their own chunk and clean prefix, and have no future frames.
+        self.chunk_row = self.chunks = self.fixed_prefix = None
+        if ds.chunks is not None and ds.chunk_row is not None and ds.fixed_prefix is not None:
+            self.chunk_row = torch.from_numpy(ds.chunk_row).to(self.device)
+            self.chunks = torch.from_numpy(ds.chunks).to(self.device)
+            self.fixed_prefix = torch.from_numpy(ds.fixed_prefix).to(self.device)
         norm = self.normalization.arrays() if self.normalization is not None else None
         self._norm = {k: torch.from_numpy(v).to(self.device) for k, v in norm.items()} if norm else None
         # Training frames per instruction (prompt_batches) and how often each instruction is drawn.
-        train_prompts = self.prompt_ids[self.train_idx]
-        self.prompt_pools = [torch.from_numpy(self.train_idx[train_prompts == i]).to(self.device)
+        sample_idx = self.train_idx
+        if ds.chunk_row is not None and cfg.dagger_repeat > 1:
+            own = self.train_idx[ds.chunk_row[self.train_idx] >= 0]
+            sample_idx = np.concatenate([sample_idx, np.repeat(own, cfg.dagger_repeat - 1)])
+        train_prompts = self.prompt_ids[sample_idx]
+        self.prompt_pools = [torch.from_numpy(sample_idx[train_prompts == i]).to(self.device)
                              for i in range(len(self.prompt_names))]
         counts = np.array([len(p) for p in self.prompt_pools], np.float64)
         self.prompt_weights = counts / counts.sum()
-        self.train_idx_t = torch.from_numpy(self.train_idx).to(self.device)
+        self.train_idx_t = torch.from_numpy(sample_idx).to(self.device)
         self.state = TrainState()
         self._latent_cache: torch.Tensor | None = None
 
@@ -377,6 +396,11 @@ class PolicyTrainer:
         # covers pixel frames 4k-3..4k, and the target uses the single-frame latent of its last frame (frame 0 is
         # exact; the future frames approximate the clip latent and serve only as the auxiliary vision target).
         frames = torch.minimum(idx[:, None] + self.encoder.temporal * torch.arange(lat_t, device=self.device), last)
+        explicit = row = None
+        if self.chunk_row is not None:  # a DAgger frame's neighbours are other requests: its frame 0 stands in
+            row = self.chunk_row[idx]
+            explicit = row >= 0
+            frames = torch.where(explicit[:, None], idx[:, None], frames)
         aug = augment_images and bool(self.cfg.aug_shift_px or self.cfg.aug_colour)
         if self._latent_cache is not None and not aug:
             vision = self._latent_cache[frames].permute(0, 2, 1, 3, 4).contiguous()  # [B, C, T, h, w]
@@ -397,12 +421,16 @@ class PolicyTrainer:
         action[:, 0, :8] = self.state_rows[idx]
         steps = torch.minimum(idx[:, None] + torch.arange(self.contract.chunk, device=self.device), last)
         chunk = self.actions[steps].clone()
+        extra: dict[str, torch.Tensor] = {}
+        if explicit is not None and row is not None and self.chunks is not None and self.fixed_prefix is not None:
+            chunk = torch.where(explicit[:, None, None], self.chunks[row.clamp(min=0)], chunk)
+            extra = {"fixed_prefix": self.fixed_prefix[idx], "vision_weight": (~explicit).float()}
         chunk[..., -1] = 1.0 - chunk[..., -1]  # model space: the gripper flipped (droid_actions flips back)
         if self._norm is not None:  # the inverse of ActionNormalization.actions_out, on the device
             n = self._norm
             chunk = (chunk - self.raw_state[idx, None, :] * n["relative"] - n["action_mean"]) / n["action_std"]
         action[:, self.contract.history:, :8] = chunk
-        return {"vision": vision, "action": action, "prompts": list(prompts)}
+        return {"vision": vision, "action": action, "prompts": list(prompts), **extra}
 
     # ---- forward / loss ------------------------------------------------------------------------------------
     def velocity(self, prompts: list[str], sigma: torch.Tensor, x_v: torch.Tensor, x_a: torch.Tensor,
@@ -456,6 +484,9 @@ class PolicyTrainer:
         cols = torch.arange(a0.shape[-1], device=self.device) < lay.raw_action_dim
         d = batch.get("prefix_rows")
         d = self.prefix_rows(b, gen) if d is None else d
+        fixed = batch.get("fixed_prefix")  # DAgger frames: the prefix their request carried
+        if fixed is not None:
+            d = torch.where(fixed >= 0, fixed, d)
         action_noisy = prefix_action_noisy(d, a0.shape[1], self.contract.history)  # [B, rows]
         an = action_noisy[:, :, None] & cols[None, None, :]  # [B, rows, A]: noised, and in the loss
         eps_v = torch.randn(v0.shape, generator=gen, device=self.device)
@@ -463,8 +494,12 @@ class PolicyTrainer:
         a_in = a0
         if cfg.prefix_noise > 0 and perturbed:  # a0 becomes the target the noisy rows are denoised towards
             # the DROID row: 7 joint positions, then the gripper (never perturbed: it is open or closed)
-            a_in, a0 = perturb_prefix(a0, d, self.contract.history, lay.raw_action_dim - 1, cfg.prefix_noise,
-                                      cfg.prefix_noise_rows, gen)
+            a_in, target = perturb_prefix(a0, d, self.contract.history, lay.raw_action_dim - 1, cfg.prefix_noise,
+                                          cfg.prefix_noise_rows, gen)
+            if fixed is not None:  # a DAgger prefix is the policy's own already: never perturbed
+                own = (fixed >= 0)[:, None, None]
+                a_in, target = torch.where(own, a0, a_in), torch.where(own, a0, target)
+            a0 = target
         s_v, s_a = sigma.view(b, 1, 1, 1, 1), sigma.view(b, 1, 1)
         x_v = torch.where(vn, (1 - s_v) * v0 + s_v * eps_v, v0)
         x_a = torch.where(an, (1 - s_a) * a0 + s_a * eps_a, a_in)
@@ -472,8 +507,10 @@ class PolicyTrainer:
             out = self.velocity(prompts, sigma, x_v, x_a, action_noisy)
         assert out.vision is not None and out.action is not None
         mv = vn.expand_as(v0).float()
+        if (weight := batch.get("vision_weight")) is not None:  # DAgger frames: no future frames to predict
+            mv = mv * weight.view(b, 1, 1, 1, 1)
         ma = an.expand_as(a0).float()
-        lv = (((out.vision.float() - (eps_v - v0)) ** 2) * mv).sum() / mv.sum()
+        lv = (((out.vision.float() - (eps_v - v0)) ** 2) * mv).sum() / mv.sum().clamp(min=1.0)
         la = (((out.action.float() - (eps_a - a0)) ** 2) * ma).sum() / ma.sum()
         return {"loss": lv + cfg.action_weight * la, "vision": lv, "action": la}
 
@@ -619,6 +656,7 @@ class PolicyTrainer:
                 "weights": f"trained by wamrt.train (EMA {self.cfg.ema}), {self.state.step} steps, "
                            f"{self.state.samples} samples",
                 "train": {**asdict(self.cfg), "episodes": self.ds.episodes, "frames": len(self.ds),
+                          "dagger_frames": 0 if self.ds.chunk_row is None else int((self.ds.chunk_row >= 0).sum()),
                           "steps": self.state.step, "elapsed_s": round(self.state.elapsed_s, 1), **(extra or {})},
                 "provenance": environment()}
         (out / "wamrt.json").write_text(json.dumps(meta, indent=2) + "\n")

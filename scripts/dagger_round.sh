@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Issue 41: one DAgger round on the robot's clock (docs/train.md, "Training on the policy's own prefixes"). Run by
+# `scripts/gpu_run.sh dagger[:SECONDS]`; carry .whl, .gl and the checkpoint to continue (INIT, default the
+# prefix-trained checkpoint packed in .ckpt-carry/ckpt.tgz).
+#
+# 1. From t = 0 for REC_S seconds, side by side on the host's cores:
+#    - `wamrt eval grid --record-dagger`: INIT drives DAGGER_EPISODES episodes per cell on the GPU (prefix-trained,
+#      d in DAGGER_DELAYS, on DAGGER_TASKS, seeds 800000..), every request written with the scripted expert's chunk
+#      for it (DAGGER_WORKERS simulator processes);
+#    - DART expert demos of each task (seeds 900000.., DEMO_WORKERS processes per task), so the round keeps seeing the
+#      expert's own states and future frames.
+# 2. `wamrt train fit` from INIT on both for MINUTES, the DAgger frames drawn DAGGER_REPEAT times as often, with the
+#    recipe of the perturbed-prefix round (prefix d 0..14, noise 0.5 on the demos' prefixes).
+# Writes $RES/{summary.txt, dagger-grid.txt, dagger-grid/ (the cells: INIT's own score on those seeds), demos-*.txt,
+#   train.txt, train_log.txt, ckpt-wamrt.json} and $OUT/prefix-ckpt.tgz; the checkpoint stays at $CKPT
+#   (/tmp/wamrt-prefix/ckpt) for a `grid` call on the warm machine.
+# CPU dry run (tiny, a minute):
+#   SKIP_INSTALL=1 PY=/work/main/.venv/bin/python RES=/tmp/dg-res OUT=/tmp/dg-out INIT=src/wamrt/assets/panda-droid \
+#   DAGGER_TASKS=pick_place DAGGER_DELAYS=3 DAGGER_EPISODES=2 DAGGER_WORKERS=1 DEMO_WORKERS=1 REC_S=40 MINUTES=0.1 \
+#   BATCH=4 GRID_ARGS="--max-steps 24 --lanes 2 --max-batch 4" bash scripts/dagger_round.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RES=${RES:?set RES (the part folder)}
+WORK=${PREFIX_WORK:-/tmp/wamrt-prefix}
+CKPT=${CKPT:-$WORK/ckpt}
+mkdir -p "$WORK"
+# shellcheck source=scripts/gpu_lib.sh
+source scripts/gpu_lib.sh
+part_start || exit 1
+export PYTHONPATH=${PYTHONPATH:-$PWD/src}
+
+INIT=$(carried_ckpt "${INIT:-.ckpt-carry/ckpt.tgz}") || { log "FATAL: cannot unpack INIT"; exit 1; }
+DAGGER_TASKS=${DAGGER_TASKS:-turntable,pick_place}
+DAGGER_DELAYS=${DAGGER_DELAYS:-0,3,6,10,14}
+DAGGER_EPISODES=${DAGGER_EPISODES:-60}
+DAGGER_WORKERS=${DAGGER_WORKERS:-9}
+DEMO_WORKERS=${DEMO_WORKERS:-3}
+DAGGER_REPEAT=${DAGGER_REPEAT:-6}
+REC_S=${REC_S:-150}
+MINUTES=${MINUTES:-3}
+BATCH=${BATCH:-128}
+LR=${LR:-1e-4}
+GRID_ARGS=${GRID_ARGS:---lanes 16 --max-batch 128}
+TRAIN_ARGS=${TRAIN_ARGS:-}
+rm -rf "$WORK/dagger" "$WORK/dagger-grid" "$WORK"/demos-dart-*
+log "dagger round: init $INIT; recording $REC_S s: $DAGGER_EPISODES episodes per cell of $DAGGER_TASKS at d $DAGGER_DELAYS ($DAGGER_WORKERS workers) + DART demos ($DEMO_WORKERS workers a task)"
+
+# shellcheck disable=SC2086
+"$PY" -m wamrt.cli eval grid --policy "$INIT" --trained-policy "$INIT" --tasks "$DAGGER_TASKS" \
+  --delays "$DAGGER_DELAYS" --strategies prefix-trained --episodes "$DAGGER_EPISODES" --seed0 800000 \
+  --workers "$DAGGER_WORKERS" --budget-s "$REC_S" --record-dagger "$WORK/dagger" --out "$WORK/dagger-grid" \
+  $GRID_ARGS > "$RES/dagger-grid.txt" 2>&1 &
+grid_pid=$!
+demo_pids=() dirs=("$WORK/dagger")
+for t in ${DAGGER_TASKS//,/ }; do
+  d=$WORK/demos-dart-$t
+  dirs+=("$d")
+  "$PY" -m wamrt.cli train record --task "$t" --episodes 2000 --seed0 900000 --workers "$DEMO_WORKERS" \
+    --seconds "$REC_S" --action-noise 0.02 --out "$d" > "$RES/demos-$t.txt" 2>&1 &
+  demo_pids+=($!)
+done
+wait "${demo_pids[@]}"
+wait "$grid_pid"
+cp -r "$WORK/dagger-grid" "$RES/dagger-grid" 2>/dev/null
+log "recorded: $(ls "$WORK/dagger"/*.npz 2>/dev/null | wc -l) DAgger episodes ($(grep -c . "$RES/dagger-grid.txt") grid lines; last: $(grep -v Warning "$RES/dagger-grid.txt" | tail -1 | cut -c1-160)); demos: $(for t in ${DAGGER_TASKS//,/ }; do echo -n "$t $(ls "$WORK/demos-dart-$t"/*.npz 2>/dev/null | wc -l) "; done)"
+[ -n "$(ls "$WORK/dagger"/*.npz 2>/dev/null)" ] || { log "FATAL: no DAgger episodes"; tail -5 "$RES/dagger-grid.txt"; exit 1; }
+
+n=0; for d in "${dirs[@]}"; do n=$(( n + $(ls "$d"/*.npz 2>/dev/null | wc -l) )); done
+val=$(( n / 10 < 10 ? n / 10 : 10 ))  # the last episodes in path order: demos-dart-turntable's (expert frames)
+log "train: $MINUTES min from $INIT on $n episodes ($val held out), DAgger frames x$DAGGER_REPEAT, batch $BATCH, lr $LR"
+# shellcheck disable=SC2086
+timeout "$("$PY" -c "print(int($MINUTES * 60 + 200))")" "$PY" -m wamrt.cli train fit --demos "${dirs[@]}" \
+  --out "$WORK/ckpt-dagger" --minutes "$MINUTES" --batch "$BATCH" --lr "$LR" --warmup 50 --val-episodes "$val" \
+  --aug-shift 0 --aug-colour 0 --log-every 100 --init-from "$INIT" --prefix-max 14 --prefix-zero-share 0.25 \
+  --prefix-noise 0.5 --prefix-noise-rows 4 --dagger-repeat "$DAGGER_REPEAT" $TRAIN_ARGS > "$RES/train.txt" 2>&1
+cp "$WORK/ckpt-dagger/train_log.txt" "$RES/train_log.txt" 2>/dev/null
+log "train: $(grep '^done' "$RES/train.txt" | head -1); last: $(grep '^step' "$RES/train.txt" | tail -1 | cut -c1-190)"
+[ -f "$WORK/ckpt-dagger/wamrt.json" ] || { log "FATAL: no checkpoint: $(grep -v Warning "$RES/train.txt" | tail -3)"; exit 1; }
+rm -rf "$CKPT"; mv "$WORK/ckpt-dagger" "$CKPT"
+cp "$CKPT/wamrt.json" "$RES/ckpt-wamrt.json"
+tar czf "$OUT/prefix-ckpt.tgz" -C "$CKPT" --exclude=snapshots --exclude=vae transformer tokenizer wamrt.json train_log.txt
+log "dagger round done in $(( $(date +%s) - T0 )) s; checkpoint at $CKPT, $(du -b "$OUT/prefix-ckpt.tgz" | cut -f1) bytes in prefix-ckpt.tgz (no vae: panda-droid's)"

@@ -1,0 +1,73 @@
+"""On-policy training data for delayed execution: the policy drives, the expert labels what it should have asked for.
+
+Why (docs/train.md, "Training on the policy's own prefixes"): at d = 10 a prefix-trained policy keeps the
+turntable's successes only where its committed rows are right, and in training they always were (the expert's own,
+or the expert's plus noise). Served, they are its own earlier rows, planned from a view 10-20 steps old. DAgger
+(Ross et al., 2011) applied to that: the grid runs the policy on the robot's clock (`wamrt eval grid
+--record-dagger DIR`), and every request it sends is recorded with the chunk the scripted expert would return for
+it. The expert plans with the simulator state of the request's step after executing the request's own prefix
+(`ExpertPlanner`), so the label's first rows are that prefix and the rest continue from where those rows leave the
+arm, in the world as it will be by then.
+
+One `.npz` per episode, the layout of `wamrt.train.data` (canvas, state, actions) plus:
+
+  chunk float32 [T, 32, 8]   the expert's chunk for request t (robot space: joint targets, gripper 0 open .. 1)
+  prefix_rows int64 [T]      how many of its first rows were the request's committed prefix (clean in training)
+
+`actions` holds each chunk's row 0, so a reader that knows nothing of `chunk` still sees a valid file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..client.realtime import GRIPPER_KEY, JOINT_KEY, PREFIX_KEY
+from .planner import SIM_STATE_KEY, ExpertPlanner, snapshot
+
+
+class DaggerEpisode:
+    """The requests of one episode with their expert labels, written as one file when the episode ends."""
+
+    def __init__(self, task: str, delay: int, seed: int, tier: str, planner: ExpertPlanner) -> None:
+        self.task, self.delay, self.seed, self.tier, self.planner = task, delay, seed, tier, planner
+        self.canvas: list[np.ndarray] = []
+        self.state: list[np.ndarray] = []
+        self.chunk: list[np.ndarray] = []
+        self.prefix_rows: list[int] = []
+        self.prompt = ""
+        self.image_size: tuple[int, ...] = ()
+
+    def add(self, env: Any, obs: dict[str, Any]) -> None:
+        """One request, sent at the current step of `env` with observation dict `obs` (its prefix keys included)."""
+        from ..pipeline.noise import droid_state_row
+        from ..train.data import policy_canvas
+
+        prefix = np.asarray(obs.get(PREFIX_KEY, np.zeros((0, 8))), np.float32).reshape(-1, 8)
+        label = self.planner.infer({SIM_STATE_KEY: snapshot(env, self.seed), PREFIX_KEY: prefix})["actions"]
+        pixels, size = policy_canvas(obs, self.tier)
+        self.canvas.append(pixels)
+        self.state.append(droid_state_row(obs[JOINT_KEY], obs[GRIPPER_KEY]))
+        self.chunk.append(np.asarray(label, np.float32))
+        self.prefix_rows.append(len(prefix))
+        self.prompt, self.image_size = str(obs["prompt"]), tuple(size)
+
+    def write(self, out_dir: str | Path, success: bool) -> Path | None:
+        if not self.chunk:
+            return None
+        chunk = np.stack(self.chunk)
+        meta = {"kind": "dagger", "task": self.task, "seed": int(self.seed), "delay_steps": int(self.delay),
+                "prompt": self.prompt, "tier": self.tier, "image_size": list(self.image_size),
+                "length": len(chunk), "success": bool(success)}
+        final = Path(out_dir) / f"dagger-{self.task}-d{self.delay:02d}-{self.seed:07d}.npz"
+        tmp = final.with_suffix(".npz.part")  # renamed when complete: a killed run leaves no truncated episode
+        with open(tmp, "wb") as f:
+            np.savez(f, meta=np.array(json.dumps(meta)), canvas=np.stack(self.canvas),
+                     state=np.stack(self.state).astype(np.float32), actions=chunk[:, 0].copy(), chunk=chunk,
+                     prefix_rows=np.asarray(self.prefix_rows, np.int64))
+        os.replace(tmp, final)
+        return final
