@@ -179,6 +179,12 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
     planners: dict[tuple[str, int], ExpertPlanner] = {}
     running: dict[int, tuple[int, LaneEpisode]] = {}
     recording: dict[int, Any] = {}  # lane -> its episode's DaggerEpisode (record)
+
+    def planner(task: str, horizon: int) -> ExpertPlanner:  # one per (task, horizon): each holds a simulator
+        if (task, horizon) not in planners:
+            planners[(task, horizon)] = ExpertPlanner(task, horizon=horizon, **(planner_kwargs or {}))
+        return planners[(task, horizon)]
+
     try:
         while (todo and not mail.stop) or running:
             for lane in range(lanes):  # fill idle lanes
@@ -193,8 +199,7 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
                 policy = None
                 if privileged:  # rows a chunk can run: d + max(period, d), plus a margin (cheaper plans at small d)
                     horizon = min(32, cell.delay + max(execute_steps, cell.delay) + 4)
-                    policy = planners.setdefault((cell.task, horizon), ExpertPlanner(cell.task, horizon=horizon,
-                                                                                **(planner_kwargs or {})))
+                    policy = planner(cell.task, horizon)
                 runner = RealtimeRunner(policy, strategy=cell.runner_strategy, execute_steps=execute_steps,
                                         seam_rows=seam_rows if cell.seam_rows is None else cell.seam_rows,
                                         clock=SimClock(cell.delay), prefix_mode=cell.prefix_mode,
@@ -203,14 +208,16 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
                 if record is not None and not privileged:
                     from .dagger import DaggerEpisode
 
-                    labeler = planners.setdefault((cell.task, 32), ExpertPlanner(cell.task))
-                    recording[lane] = DaggerEpisode(cell.task, cell.delay, seed, record["tier"], labeler)
+                    recording[lane] = DaggerEpisode(cell.task, cell.delay, seed, record["tier"], planner(cell.task, 32))
             for lane, (_ci, ep) in running.items():  # first half of the tick: requests out
                 request = ep.begin()
                 if request is None:
                     continue
                 if lane in recording:
-                    recording[lane].add(ep.env, request.obs)
+                    try:
+                        recording[lane].add(ep.env, request.obs)
+                    except Exception:  # noqa: BLE001  a request the expert cannot label: the episode is not kept
+                        del recording[lane]
                 if privileged:
                     ep.runner.dispatch(request)
                 else:
@@ -240,6 +247,8 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
     finally:
         for _, env in envs.values():
             env.close()
+        for p in planners.values():
+            p.close()
 
 
 # ---- policy backends (this process) ------------------------------------------------------------------------
