@@ -393,6 +393,7 @@ def test_a_recorded_request_holds_its_canvas_state_prefix_and_the_experts_contin
 
 
 def test_grid_records_one_file_per_episode_with_the_runners_prefixes(tmp_path):
+    from wamrt.eval.dagger import dagger_gap
     from wamrt.eval.grid import LocalBackend, plan_cells, run_grid
     from wamrt.train.data import load_demo_dirs
 
@@ -405,6 +406,15 @@ def test_grid_records_one_file_per_episode_with_the_runners_prefixes(tmp_path):
         with np.load(f) as z:
             assert len(z["chunk"]) == result.requests
             assert z["prefix_rows"].tolist() == result.realtime["prefix_rows"]
+            # the policy's reply beside the label: the wiggle answers every request that arrived with the prefix
+            # as its first rows; the last requests of an episode may still be in flight (NaN)
+            answered = ~np.isnan(z["reply"]).any(axis=(1, 2))
+            assert answered.sum() >= len(result.realtime["delays"]) >= 2
+            for reply, chunk, p in zip(z["reply"][answered], z["chunk"][answered], z["prefix_rows"][answered],
+                                       strict=True):
+                assert np.array_equal(reply[:p], chunk[:p])
+    gap = dagger_gap(files)
+    assert list(gap) == [3] and gap[3]["requests"] >= 4 and gap[3]["mean_rad"] > 0.01
     ds = load_demo_dirs([tmp_path])
     assert ds.chunks is not None and ds.chunk_row is not None and ds.fixed_prefix is not None
     assert ds.chunk_row.tolist() == list(range(len(ds))) and ds.fixed_prefix.max() == 3

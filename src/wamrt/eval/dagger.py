@@ -13,6 +13,8 @@ One `.npz` per episode, the layout of `wamrt.train.data` (canvas, state, actions
 
   chunk float32 [T, 32, 8]   the expert's chunk for request t (robot space: joint targets, gripper 0 open .. 1)
   prefix_rows int64 [T]      how many of its first rows were the request's committed prefix (clean in training)
+  reply float32 [T, 32, 8]   the policy's own answer to request t (NaN where the episode ended before it arrived):
+                             how far the policy is from the expert on its own states (`dagger_gap`)
 
 `actions` holds each chunk's row 0, so a reader that knows nothing of `chunk` still sees a valid file.
 """
@@ -39,6 +41,7 @@ class DaggerEpisode:
         self.state: list[np.ndarray] = []
         self.chunk: list[np.ndarray] = []
         self.prefix_rows: list[int] = []
+        self.reply: list[np.ndarray] = []
         self.prompt = ""
         self.image_size: tuple[int, ...] = ()
 
@@ -54,7 +57,16 @@ class DaggerEpisode:
         self.state.append(droid_state_row(obs[JOINT_KEY], obs[GRIPPER_KEY]))
         self.chunk.append(np.asarray(label, np.float32))
         self.prefix_rows.append(len(prefix))
+        self.reply.append(np.full_like(self.chunk[-1], np.nan))
         self.prompt, self.image_size = str(obs["prompt"]), tuple(size)
+
+    def answered(self, index: int, rows: Any) -> Any:
+        """The policy's reply to request `index` (as the lane received it); returned unchanged."""
+        if not isinstance(rows, str | BaseException):
+            rows = np.asarray(rows, np.float32)
+            if rows.shape == self.reply[index].shape:
+                self.reply[index] = rows
+        return rows
 
     def write(self, out_dir: str | Path, success: bool) -> Path | None:
         if not self.chunk:
@@ -68,6 +80,22 @@ class DaggerEpisode:
         with open(tmp, "wb") as f:
             np.savez(f, meta=np.array(json.dumps(meta)), canvas=np.stack(self.canvas),
                      state=np.stack(self.state).astype(np.float32), actions=chunk[:, 0].copy(), chunk=chunk,
-                     prefix_rows=np.asarray(self.prefix_rows, np.int64))
+                     prefix_rows=np.asarray(self.prefix_rows, np.int64), reply=np.stack(self.reply))
         os.replace(tmp, final)
         return final
+
+
+def dagger_gap(files: Any, rows: int = 8) -> dict[str, Any]:
+    """Per delay: the mean absolute joint difference (rad) between the policy's reply and the expert's label over the
+    `rows` rows after each request's prefix -- the rows the arm runs next -- on the policy's own states."""
+    by_delay: dict[int, list[float]] = {}
+    for f in files:
+        with np.load(f) as z:
+            meta = json.loads(str(z["meta"]))
+            for chunk, reply, p in zip(z["chunk"], z["reply"], z["prefix_rows"], strict=True):
+                if np.isnan(reply).any():
+                    continue
+                gap = np.abs(reply[p:p + rows, :7] - chunk[p:p + rows, :7]).mean()
+                by_delay.setdefault(int(meta["delay_steps"]), []).append(float(gap))
+    return {d: {"requests": len(v), "mean_rad": float(np.mean(v)), "median_rad": float(np.median(v)),
+                "p90_rad": float(np.quantile(v, 0.9))} for d, v in sorted(by_delay.items())}

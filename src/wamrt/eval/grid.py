@@ -230,7 +230,11 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
                         except RequestError:  # the policy's own admission reports it, in this lane's slot
                             pass
                     ticket = mail.post(name, obs, request.seed)
-                    ep.runner.clock.submit(request, lambda t=ticket: mail.get(t))
+                    if lane in recording:  # the reply is kept beside the expert's label
+                        rec, k = recording[lane], len(recording[lane].chunk) - 1
+                        ep.runner.clock.submit(request, lambda t=ticket, r=rec, k=k: r.answered(k, mail.get(t)))
+                    else:
+                        ep.runner.clock.submit(request, lambda t=ticket: mail.get(t))
             mail.send()
             for lane, (ci, ep) in list(running.items()):  # second half: replies due now, rows run
                 ep.end()
