@@ -24,12 +24,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..client.realtime import GRIPPER_KEY, JOINT_KEY, PREFIX_KEY
-from .planner import SIM_STATE_KEY, ExpertPlanner, snapshot
+
+if TYPE_CHECKING:  # the planner imports the simulator: only where requests are labelled (`dagger_gap` reads files)
+    from .planner import ExpertPlanner
 
 
 class DaggerEpisode:
@@ -49,6 +51,7 @@ class DaggerEpisode:
         """One request, sent at the current step of `env` with observation dict `obs` (its prefix keys included)."""
         from ..pipeline.noise import droid_state_row
         from ..train.data import policy_canvas
+        from .planner import SIM_STATE_KEY, snapshot
 
         prefix = np.asarray(obs.get(PREFIX_KEY, np.zeros((0, 8))), np.float32).reshape(-1, 8)
         label = self.planner.infer({SIM_STATE_KEY: snapshot(env, self.seed), PREFIX_KEY: prefix})["actions"]
