@@ -64,11 +64,10 @@ class DaggerEpisode:
         self.prompt, self.image_size = str(obs["prompt"]), tuple(size)
 
     def answered(self, index: int, rows: Any) -> Any:
-        """The policy's reply to request `index` (as the lane received it); returned unchanged."""
-        if not isinstance(rows, str | BaseException):
-            rows = np.asarray(rows, np.float32)
-            if rows.shape == self.reply[index].shape:
-                self.reply[index] = rows
+        """The policy's reply to request `index` (as the lane received it), kept where it is a chunk; returned."""
+        chunk = np.asarray(rows, np.float32)
+        if chunk.shape == self.reply[index].shape:
+            self.reply[index] = chunk
         return rows
 
     def write(self, out_dir: str | Path, success: bool) -> Path | None:
@@ -88,7 +87,7 @@ class DaggerEpisode:
         return final
 
 
-def dagger_gap(files: Any, rows: int = 8) -> dict[str, Any]:
+def dagger_gap(files: Any, rows: int = 8) -> dict[int, dict[str, float]]:
     """Per delay: the mean absolute joint difference (rad) between the policy's reply and the expert's label over the
     `rows` rows after each request's prefix -- the rows the arm runs next -- on the policy's own states."""
     by_delay: dict[int, list[float]] = {}
