@@ -418,3 +418,16 @@ def test_grid_records_one_file_per_episode_with_the_runners_prefixes(tmp_path):
     ds = load_demo_dirs([tmp_path])
     assert ds.chunks is not None and ds.chunk_row is not None and ds.fixed_prefix is not None
     assert ds.chunk_row.tolist() == list(range(len(ds))) and ds.fixed_prefix.max() == 3
+
+
+def test_the_planner_module_imports_first_in_a_fresh_process():
+    """eval/planner.py is importable before anything else of the simulator (it once imported mujoco before wamrt.sim
+    chose the GL backend, which then refused to)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MUJOCO_GL", "PYOPENGL_PLATFORM")}
+    done = subprocess.run([sys.executable, "-c", "import wamrt.eval.planner, wamrt.eval.dagger"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-800:]

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import mujoco
 import numpy as np
 
 from ..client.realtime import PREFIX_KEY
@@ -70,6 +69,8 @@ class ExpertPlanner:
         if self._layout_seed != snap.seed:  # model-level layout (pad, disc, colours) of this episode
             env.reset(snap.seed, render=False)
             self._layout_seed = snap.seed
+        import mujoco  # after wamrt.sim (imported above), which must choose the GL backend before mujoco loads
+
         mujoco.mj_copyData(env.data, env.model, snap.data)
         env.last_action, env.step_count = snap.last_action.copy(), snap.step
         env.halted = snap.halted
