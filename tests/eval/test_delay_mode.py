@@ -356,6 +356,7 @@ def test_a_recorded_request_holds_its_canvas_state_prefix_and_the_experts_contin
     from wamrt.eval.dagger import DaggerEpisode
     from wamrt.eval.planner import ExpertPlanner
     from wamrt.eval.realtime import LaneEpisode
+    from wamrt.pipeline.droid import DroidContract, droid_host_inputs
     from wamrt.pipeline.noise import droid_state_row
     from wamrt.sim.env import PandaEnv
     from wamrt.train.data import policy_canvas
@@ -367,10 +368,13 @@ def test_a_recorded_request_holds_its_canvas_state_prefix_and_the_experts_contin
         planner = ExpertPlanner("pick_place")
         record = DaggerEpisode("pick_place", 3, 5, "256", planner)
         sent = []
+        contract = DroidContract(tier="256")
         while not ep.done:
             request = ep.begin()
             if request is not None:
-                record.add(env, request.obs)
+                # every other request with the canvas an engine's host inputs hold, as the grid passes it
+                padded = droid_host_inputs(request.obs, contract).padded if len(sent) % 2 else None
+                record.add(env, request.obs, padded)
                 sent.append(request.obs)
                 runner.dispatch(request)
             ep.end()

@@ -47,15 +47,16 @@ class DaggerEpisode:
         self.prompt = ""
         self.image_size: tuple[int, ...] = ()
 
-    def add(self, env: Any, obs: dict[str, Any]) -> None:
-        """One request, sent at the current step of `env` with observation dict `obs` (its prefix keys included)."""
+    def add(self, env: Any, obs: dict[str, Any], padded: Any = None) -> None:
+        """One request, sent at the current step of `env` with observation dict `obs` (its prefix keys included);
+        `padded`: its PaddedCanvas at this tier where the caller composed it already (an engine's host inputs)."""
         from ..pipeline.noise import droid_state_row
         from ..train.data import policy_canvas
         from .planner import SIM_STATE_KEY, snapshot
 
         prefix = np.asarray(obs.get(PREFIX_KEY, np.zeros((0, 8))), np.float32).reshape(-1, 8)
         label = self.planner.infer({SIM_STATE_KEY: snapshot(env, self.seed), PREFIX_KEY: prefix})["actions"]
-        pixels, size = policy_canvas(obs, self.tier)
+        pixels, size = (padded.pixels, padded.image_size) if padded is not None else policy_canvas(obs, self.tier)
         self.canvas.append(pixels)
         self.state.append(droid_state_row(obs[JOINT_KEY], obs[GRIPPER_KEY]))
         self.chunk.append(np.asarray(label, np.float32))

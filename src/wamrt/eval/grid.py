@@ -213,22 +213,23 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
                 request = ep.begin()
                 if request is None:
                     continue
-                if lane in recording:
-                    try:
-                        recording[lane].add(ep.env, request.obs)
-                    except Exception:  # noqa: BLE001  a request the expert cannot label: the episode is not kept
-                        del recording[lane]
                 if privileged:
                     ep.runner.dispatch(request)
                 else:
-                    name, obs = cells[_ci].policy, request.obs
+                    name, obs, host = cells[_ci].policy, request.obs, None
                     if name in contracts:
                         try:
+                            host = droid_host_inputs(obs, contracts[name])
                             # Without the full 540 x 640 canvas (1 MB; a request keeps it only for inspection,
                             # the engine encodes `padded`): it would more than double what crosses the pipe.
-                            obs = replace(droid_host_inputs(obs, contracts[name]), canvas=NO_CANVAS)
+                            obs = replace(host, canvas=NO_CANVAS)
                         except RequestError:  # the policy's own admission reports it, in this lane's slot
                             pass
+                    if lane in recording:  # with the canvas just composed for the engine, where there is one
+                        try:
+                            recording[lane].add(ep.env, request.obs, host.padded if host is not None else None)
+                        except Exception:  # noqa: BLE001  a request the expert cannot label: the episode is not kept
+                            del recording[lane]
                     ticket = mail.post(name, obs, request.seed)
                     if lane in recording:  # the reply is kept beside the expert's label
                         rec, k = recording[lane], len(recording[lane].chunk) - 1
