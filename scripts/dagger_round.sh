@@ -5,18 +5,21 @@
 #
 # 1. From t = 0 for REC_S seconds, side by side on the host's cores:
 #    - `wamrt eval grid --record-dagger`: INIT drives DAGGER_EPISODES episodes per cell on the GPU (prefix-trained,
-#      d in DAGGER_DELAYS, on DAGGER_TASKS, seeds 800000..), every request written with the scripted expert's chunk
-#      for it (DAGGER_WORKERS simulator processes);
+#      d in DAGGER_DELAYS, seeds 800000..), every request written with the scripted expert's chunk for it; one grid
+#      process per task in DAGGER_TASKS, side by side, sharing DAGGER_WORKERS simulator processes;
 #    - DART expert demos of each task (seeds 900000.., DEMO_WORKERS processes per task), so the round keeps seeing the
 #      expert's own states and future frames.
-# 2. `wamrt train fit` from INIT on both for MINUTES, the DAgger frames drawn DAGGER_REPEAT times as often, with the
-#    recipe of the perturbed-prefix round (prefix d 0..14, noise 0.5 on the demos' prefixes).
-# Writes $RES/{summary.txt, dagger-grid.txt, dagger-grid/ (the cells: INIT's own score on those seeds), demos-*.txt,
+# 2. `wamrt train fit` from INIT on both for MINUTES, the DAgger frames drawn DAGGER_REPEAT times as often (those
+#    recorded at d = 0: DAGGER_D0_REPEAT), with the recipe of the perturbed-prefix round (prefix d 0..14, noise 0.5
+#    on the demos' prefixes).
+# Writes $RES/{summary.txt, dagger-grid-<task>.txt, dagger-grid/<task>/ (the cells: INIT's own score on those seeds), demos-*.txt,
 #   train.txt, train_log.txt, ckpt-wamrt.json} and $OUT/prefix-ckpt.tgz; the checkpoint stays at $CKPT
 #   (/tmp/wamrt-prefix/ckpt) for a `grid` call on the warm machine.
+# Timing (945d6c9, H100): REC_S=75 took 130 s of recording (the episodes in flight at the budget run to their end) and
+# MINUTES=2.2 took 151 s with loading and saving: give the part REC_S + 60 * MINUTES + 100 s.
 # CPU dry run (tiny, a minute):
 #   SKIP_INSTALL=1 PY=/work/main/.venv/bin/python RES=/tmp/dg-res OUT=/tmp/dg-out INIT=src/wamrt/assets/panda-droid \
-#   DAGGER_TASKS=pick_place DAGGER_DELAYS=3 DAGGER_EPISODES=2 DAGGER_WORKERS=1 DEMO_WORKERS=1 REC_S=40 MINUTES=0.1 \
+#   DAGGER_TASKS=pick_place,turntable DAGGER_DELAYS=3 DAGGER_EPISODES=2 DAGGER_WORKERS=1 DEMO_WORKERS=1 REC_S=40 MINUTES=0.1 \
 #   BATCH=4 GRID_ARGS="--max-steps 24 --lanes 2 --max-batch 4" bash scripts/dagger_round.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +39,7 @@ DAGGER_EPISODES=${DAGGER_EPISODES:-60}
 DAGGER_WORKERS=${DAGGER_WORKERS:-9}
 DEMO_WORKERS=${DEMO_WORKERS:-3}
 DAGGER_REPEAT=${DAGGER_REPEAT:-6}
+DAGGER_D0_REPEAT=${DAGGER_D0_REPEAT:-$DAGGER_REPEAT}  # the frames recorded at d = 0 (no prefix)
 REC_S=${REC_S:-150}
 MINUTES=${MINUTES:-3}
 BATCH=${BATCH:-128}
@@ -45,34 +49,40 @@ TRAIN_ARGS=${TRAIN_ARGS:-}
 rm -rf "$WORK/dagger" "$WORK/dagger-grid" "$WORK"/demos-dart-*
 log "dagger round: init $INIT; recording $REC_S s: $DAGGER_EPISODES episodes per cell of $DAGGER_TASKS at d $DAGGER_DELAYS ($DAGGER_WORKERS workers) + DART demos ($DEMO_WORKERS workers a task)"
 
-# shellcheck disable=SC2086
-"$PY" -m wamrt.cli eval grid --policy "$INIT" --trained-policy "$INIT" --tasks "$DAGGER_TASKS" \
-  --delays "$DAGGER_DELAYS" --strategies prefix-trained --episodes "$DAGGER_EPISODES" --seed0 800000 \
-  --workers "$DAGGER_WORKERS" --budget-s "$REC_S" --record-dagger "$WORK/dagger" --out "$WORK/dagger-grid" \
-  $GRID_ARGS > "$RES/dagger-grid.txt" 2>&1 &
-grid_pid=$!
-demo_pids=() dirs=("$WORK/dagger")
-for t in ${DAGGER_TASKS//,/ }; do
+# One grid process per task, side by side, each with the whole budget and its share of DAGGER_WORKERS: a single grid
+# runs one task's cells before the other's, and in 945d6c9's round the budget ran out after 183 turntable episodes
+# and 2 of pick_place (bench/results/rollout/2026-12-06-945d6c9-dagger-round-h100/).
+tasks=(${DAGGER_TASKS//,/ })
+task_workers=$(( DAGGER_WORKERS / ${#tasks[@]} > 0 ? DAGGER_WORKERS / ${#tasks[@]} : 1 ))
+grid_pids=() demo_pids=() dirs=("$WORK/dagger")
+for t in "${tasks[@]}"; do
+  # shellcheck disable=SC2086
+  "$PY" -m wamrt.cli eval grid --policy "$INIT" --trained-policy "$INIT" --tasks "$t" \
+    --delays "$DAGGER_DELAYS" --strategies prefix-trained --episodes "$DAGGER_EPISODES" --seed0 800000 \
+    --workers "$task_workers" --budget-s "$REC_S" --record-dagger "$WORK/dagger" --out "$WORK/dagger-grid/$t" \
+    $GRID_ARGS > "$RES/dagger-grid-$t.txt" 2>&1 &
+  grid_pids+=($!)
+done
+for t in "${tasks[@]}"; do
   d=$WORK/demos-dart-$t
   dirs+=("$d")
   "$PY" -m wamrt.cli train record --task "$t" --episodes 2000 --seed0 900000 --workers "$DEMO_WORKERS" \
     --seconds "$REC_S" --action-noise 0.02 --out "$d" > "$RES/demos-$t.txt" 2>&1 &
   demo_pids+=($!)
 done
-wait "${demo_pids[@]}"
-wait "$grid_pid"
+wait "${demo_pids[@]}" "${grid_pids[@]}"
 cp -r "$WORK/dagger-grid" "$RES/dagger-grid" 2>/dev/null
-log "recorded: $(ls "$WORK/dagger"/*.npz 2>/dev/null | wc -l) DAgger episodes ($(grep -c . "$RES/dagger-grid.txt") grid lines; last: $(grep -v Warning "$RES/dagger-grid.txt" | tail -1 | cut -c1-160)); demos: $(for t in ${DAGGER_TASKS//,/ }; do echo -n "$t $(ls "$WORK/demos-dart-$t"/*.npz 2>/dev/null | wc -l) "; done)"
-[ -n "$(ls "$WORK/dagger"/*.npz 2>/dev/null)" ] || { log "FATAL: no DAgger episodes"; tail -5 "$RES/dagger-grid.txt"; exit 1; }
+log "recorded DAgger episodes: $(for t in "${tasks[@]}"; do echo -n "$t $(ls "$WORK/dagger"/dagger-"$t"-*.npz 2>/dev/null | wc -l) "; done)(grids' last lines: $(for t in "${tasks[@]}"; do grep -v Warning "$RES/dagger-grid-$t.txt" | tail -1 | cut -c1-100 | tr -d "\n"; echo -n "; "; done)); demos: $(for t in "${tasks[@]}"; do echo -n "$t $(ls "$WORK/demos-dart-$t"/*.npz 2>/dev/null | wc -l) "; done)"
+[ -n "$(ls "$WORK/dagger"/*.npz 2>/dev/null)" ] || { log "FATAL: no DAgger episodes"; tail -5 "$RES"/dagger-grid-*.txt; exit 1; }
 
 n=0; for d in "${dirs[@]}"; do n=$(( n + $(ls "$d"/*.npz 2>/dev/null | wc -l) )); done
 val=$(( n / 10 < 10 ? n / 10 : 10 ))  # the last episodes in path order: demos-dart-turntable's (expert frames)
-log "train: $MINUTES min from $INIT on $n episodes ($val held out), DAgger frames x$DAGGER_REPEAT, batch $BATCH, lr $LR"
+log "train: $MINUTES min from $INIT on $n episodes ($val held out), DAgger frames x$DAGGER_REPEAT (at d = 0 x$DAGGER_D0_REPEAT), batch $BATCH, lr $LR"
 # shellcheck disable=SC2086
 timeout "$("$PY" -c "print(int($MINUTES * 60 + 200))")" "$PY" -m wamrt.cli train fit --demos "${dirs[@]}" \
   --out "$WORK/ckpt-dagger" --minutes "$MINUTES" --batch "$BATCH" --lr "$LR" --warmup 50 --val-episodes "$val" \
   --aug-shift 0 --aug-colour 0 --log-every 100 --init-from "$INIT" --prefix-max 14 --prefix-zero-share 0.25 \
-  --prefix-noise 0.5 --prefix-noise-rows 4 --dagger-repeat "$DAGGER_REPEAT" $TRAIN_ARGS > "$RES/train.txt" 2>&1
+  --prefix-noise 0.5 --prefix-noise-rows 4 --dagger-repeat "$DAGGER_REPEAT" --dagger-d0-repeat "$DAGGER_D0_REPEAT" $TRAIN_ARGS > "$RES/train.txt" 2>&1
 cp "$WORK/ckpt-dagger/train_log.txt" "$RES/train_log.txt" 2>/dev/null
 log "train: $(grep '^done' "$RES/train.txt" | head -1); last: $(grep '^step' "$RES/train.txt" | tail -1 | cut -c1-190)"
 [ -f "$WORK/ckpt-dagger/wamrt.json" ] || { log "FATAL: no checkpoint: $(grep -v Warning "$RES/train.txt" | tail -3)"; exit 1; }

@@ -79,6 +79,7 @@ def test_compiled_decode_layers_run_on_the_fused_matrices(tmp_path, mode):
     from wamrt.reasoner.engine import DecodeBatch
     from wamrt.reasoner.sampling import SamplingParams
 
+    torch._dynamo.reset()  # an earlier test may have compiled the same regions (the cache is per function): count anew
     graphs_before = counters["stats"]["unique_graphs"]
     r = build_tiny_reasoner(tmp_path, vision=False).reasoner
     fuse_reasoner(r.lm.transformer)

@@ -137,6 +137,19 @@ def test_grid_expert_turntable_rate_is_recorded_and_only_for_the_expert(tmp_path
     assert "pick_place has no turntable" in capsys.readouterr().err  # the default tasks: pick_place,turntable
 
 
+def test_grid_of_only_trained_strategies_without_a_trained_policy_is_refused(tmp_path, capsys):
+    """Seen on the GPU (945d6c9): with no checkpoint for prefix-trained, a grid of only that strategy planned no
+    cells and then failed drawing its empty chart. It is refused up front, naming the flag."""
+    from wamrt.cli import main
+
+    argv = ["eval", "grid", "--policy", "tiny-droid", "--tasks", "turntable", "--delays", "0,10", "--strategies",
+            "prefix-trained", "--episodes", "1", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "prefix-trained needs --trained-policy" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
+
+
 def test_grid_runs_cells_shares_d0_and_pairs_them(tmp_path):
     from wamrt.eval.grid import LocalBackend, plan_cells, run_grid
     from wamrt.eval.grid_report import cell_result, write_grid

@@ -61,3 +61,46 @@ def test_chat_worker_precaptures_every_bucket_on_the_gpu(tmp_path) -> None:
         worker.stop()
     eager = list(r.generate([prompt], params, cuda_graphs=False))[-1][0].seq
     assert text == eager.stream.text and worker.stats()["graphs"]["captured_on_request"] == 0
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_one_row_gemv_stack_equals_the_fused_layers_at_kernel_shapes(fold: bool) -> None:
+    """`OneRowDecode` on the Triton kernels (bf16, K a multiple of 1,024, so every GEMV runs on them) against the
+    per-layer fused decode with cuBLAS, same weights and cache: the logits of a few steps within the fused GEMVs'
+    rounding, the same cache written; with `fold`, the norms folded into the matrices (after the reference ran)."""
+    import dataclasses
+
+    from wamrt.engine.fuse import fold_reasoner_norms, fuse_reasoner
+    from wamrt.model import Cosmos3Transformer
+    from wamrt.model.checkpoint import init_random_
+    from wamrt.model.config import get_config
+    from wamrt.ops.gemv import use_gemv_kernel
+    from wamrt.reasoner.fused import FusedDecodeLayer, OneRowDecode
+    from wamrt.reasoner.lm import KVCache, ReasonerLM
+
+    cfg = dataclasses.replace(get_config("tiny-qwen"), hidden_size=1024, intermediate_size=3072, num_hidden_layers=3,
+                              num_attention_heads=8, num_key_value_heads=2, head_dim=128, rope_axes_dim=(24, 20, 20),
+                              vocab_size=4096)
+    transformer = init_random_(Cosmos3Transformer(cfg), seed=3).eval().requires_grad_(False)
+    head = torch.nn.Linear(1024, 4096, bias=False).requires_grad_(False)
+    torch.nn.init.normal_(head.weight, std=1024 ** -0.5)
+    lm = ReasonerLM(transformer, head).to("cuda", torch.bfloat16)
+    fuse_reasoner(lm.transformer)
+    caches, logits = {}, {}
+    with torch.no_grad():
+        for name, layer_fn in (("layers", FusedDecodeLayer()), ("one_row", OneRowDecode())):
+            if name == "one_row":
+                use_gemv_kernel(lm)
+                if fold:
+                    assert fold_reasoner_norms(lm.transformer, lm.lm_head) == 2 * cfg.num_hidden_layers + 1
+            cache = caches[name] = KVCache.empty(lm.transformer, 1, 64)
+            steps = []
+            for pos, token in enumerate((5, 17, 900, 3)):
+                index = torch.tensor([pos], device="cuda")
+                steps.append(lm.decode_step(cache, torch.tensor([token], device="cuda"), index,
+                                            index.float(), 64, layer_fn, "sdpa"))
+            logits[name] = torch.cat(steps)
+    scale = logits["layers"].abs().max().item()
+    assert (logits["one_row"] - logits["layers"]).abs().max().item() <= 0.05 * scale
+    for a, b in ((caches["one_row"].keys, caches["layers"].keys), (caches["one_row"].values, caches["layers"].values)):
+        assert torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.05)

@@ -194,6 +194,7 @@ def test_fused_decode_layers_equal_the_model_layers(tiny) -> None:
     prompts = [r.prepare([{"role": "user", "content": c}]) for c in ("Short.", "A longer prompt about robots.")]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     logits, tokens = {}, {}
+    torch._dynamo.reset()  # an earlier test may have compiled the same regions (the cache is per function): count anew
     graphs_before = counters["stats"]["unique_graphs"]
     original = r.lm.decode_step
     for fused in (False, True):
@@ -217,3 +218,74 @@ def test_fused_decode_layers_equal_the_model_layers(tiny) -> None:
     assert counters["stats"]["unique_graphs"] - graphs_before >= 2  # the two regions compiled (not a fallback)
     assert tokens[True] == tokens[False]
     _close(logits[True], logits[False])
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_one_row_decode_equals_the_fused_layers(tmp_path, rows: int) -> None:
+    """`OneRowDecode` (reasoner/fused.py: residual adds carried into the next GEMV, norms and SiLU * up inside
+    them; off the GPU kernel the model's ops, one by one) gives the logits of the per-layer fused decode at every
+    step: one row through the whole-stack path, two through the per-layer one."""
+    from wamrt.engine.fuse import fold_reasoner_norms, fuse_reasoner
+    from wamrt.reasoner.engine import DecodeBatch
+    from wamrt.reasoner.fused import OneRowDecode
+
+    r = build_tiny_reasoner(tmp_path, vision=False).reasoner
+    with pytest.raises(ValueError, match="fused q/k/v"):
+        DecodeBatch(r, rows, cuda_graphs=False, one_row=True)
+    fuse_reasoner(r.lm.transformer)
+    if rows == 1:  # the one-row path also on norms folded into the matrices (exact in fp32, up to rounding)
+        fold_reasoner_norms(r.lm.transformer, r.lm.lm_head)
+    prompts = [r.prepare([{"role": "user", "content": c}]) for c in ("Short.", "A longer prompt about robots.")][:rows]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    original, logits, tokens, stacks = r.lm.decode_step, {}, {}, []
+    for one_row in (False, True):
+        seen = []
+
+        def spy(*args, _seen=seen, **kw):
+            out = original(*args, **kw)
+            _seen.append(out.clone())
+            return out
+
+        batch = DecodeBatch(r, rows, cuda_graphs=False, fused=True, one_row=one_row)
+        assert isinstance(batch.layer_fn, OneRowDecode) == one_row
+        if one_row:
+            run_stack = batch.layer_fn.run_stack
+            batch.layer_fn.run_stack = lambda lm, u, *a: stacks.append(u.shape[0]) or run_stack(lm, u, *a)
+        r.lm.decode_step = spy
+        try:
+            seqs = [batch.admit(p, params).seq for p in prompts]
+            while batch.live:
+                batch.step()
+        finally:
+            del r.lm.decode_step
+        logits[one_row], tokens[one_row] = torch.stack(seen), [s.tokens for s in seqs]
+    assert stacks and set(stacks) == {rows}  # every step went through the whole-stack runner
+    assert tokens[True] == tokens[False]
+    _close(logits[True], logits[False])
+
+
+def test_folding_the_norms_into_the_matrices_keeps_the_logits(tmp_path) -> None:
+    """`engine.fuse.fold_reasoner_norms`: each Reasoner norm's weight moved into the matrix after it (the norm left
+    at ones, marked folded) gives the same prompt logits (fp32: within REL_TOL), once; it refuses unfused matrices
+    and leaves an lm_head that shares the embedding's storage alone."""
+    from wamrt.engine.fuse import fold_reasoner_norms, fuse_reasoner
+
+    r = build_tiny_reasoner(tmp_path, vision=False).reasoner
+    with pytest.raises(TypeError, match="fuse_reasoner"):
+        fold_reasoner_norms(r.lm.transformer, r.lm.lm_head)
+    fuse_reasoner(r.lm.transformer)
+    ids = torch.tensor([[3, 17, 42, 99, 7, 250]])
+    positions = torch.arange(6)[None, None].expand(1, 3, 6)
+    before = r.lm.run_prompt(r.lm.embed(ids), positions, all_logits=True)
+    layers = r.lm.transformer.layers
+    assert any((layer.input_layernorm.weight != 1).any() for layer in layers)  # random norms: the fold changes W
+    assert fold_reasoner_norms(r.lm.transformer, r.lm.lm_head) == 2 * len(layers) + 1
+    assert fold_reasoner_norms(r.lm.transformer, r.lm.lm_head) == 0
+    assert all((layer.post_attention_layernorm.weight == 1).all() for layer in layers)
+    _close(r.lm.run_prompt(r.lm.embed(ids), positions, all_logits=True), before)
+
+    tied = build_tiny_reasoner(tmp_path / "tied", vision=False).reasoner.lm
+    fuse_reasoner(tied.transformer)
+    tied.lm_head.weight = tied.transformer.embed_tokens.weight
+    assert fold_reasoner_norms(tied.transformer, tied.lm_head) == 2 * len(layers)
+    assert not getattr(tied.transformer.norm, "folded", False)

@@ -539,3 +539,14 @@ def test_trainer_takes_a_dagger_frames_chunk_and_prefix_and_no_future_frames(tmp
     drawn = heavy.train_idx_t.tolist()
     assert all(drawn.count(i) == 4 for i in range(n, n + 3)) and all(drawn.count(i) == 1 for i in range(n))
     assert sum(len(p) for p in heavy.prompt_pools) == len(drawn)
+
+    # --dagger-d0-repeat K0: DAgger frames without a prefix (recorded at d = 0) drawn K0 times instead
+    at_d0 = _dagger_episode(observations[0], prefix=0, seed=10)
+    mixed = demo_set_from_episodes([*eps, dagger, at_d0])
+    assert mixed.fixed_prefix is not None and mixed.fixed_prefix[n:].tolist() == [2, 2, 2, 0, 0, 0]
+    weighted = PolicyTrainer(TrainConfig(size="tiny-qwen", batch=4, aug_shift_px=0, aug_colour=0.0, log_every=1000,
+                                         dagger_repeat=4, dagger_d0_repeat=2), mixed, tmp_path / "d0", device="cpu")
+    drawn = weighted.train_idx_t.tolist()
+    assert [drawn.count(i) for i in range(n, n + 6)] == [4, 4, 4, 2, 2, 2]
+    with pytest.raises(ValueError, match="dagger_d0_repeat"):
+        PolicyTrainer(TrainConfig(size="tiny-qwen", dagger_d0_repeat=0), mixed, tmp_path / "bad", device="cpu")

@@ -300,8 +300,11 @@ def run_grid_command(args: argparse.Namespace) -> int:
         return _error(f"--expert-turntable-rate: {', '.join(still)} has no turntable (--tasks turntable)")
     needs_trained = [s for s in strategies if s in GRID_STRATEGY_NAMES and _strategy_policy(s) == "trained"]
     if needs_trained and not args.trained_policy and not expert:
-        print(f"note: no --trained-policy: the {', '.join(needs_trained)} cells are left out", file=sys.stderr)
         strategies = [s for s in strategies if s not in needs_trained]
+        if not strategies:  # nothing would run (and the report of no cells would fail on its empty chart)
+            return _error(f"--strategies: {', '.join(needs_trained)} needs --trained-policy (a checkpoint trained "
+                          "with action prefixes), and no other strategy was asked for")
+        print(f"note: no --trained-policy: the {', '.join(needs_trained)} cells are left out", file=sys.stderr)
     try:
         cells = plan_cells(tasks, delays, strategies, priority)
     except ValueError as e:

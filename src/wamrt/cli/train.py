@@ -77,6 +77,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--dagger-repeat", type=int, default=1, metavar="K",
                      help="draw the on-policy frames of `wamrt eval grid --record-dagger` folders K times as often "
                           "as an expert demo's frames (default 1)")
+    fit.add_argument("--dagger-d0-repeat", type=int, metavar="K0",
+                     help="the same for DAgger frames recorded without a prefix (d = 0); default: --dagger-repeat")
     fit.add_argument("--seed", type=int, default=0, help="initialization and sampling seed")
     fit.add_argument("--log-every", type=int, default=50, help="optimizer steps between log lines")
     fit.add_argument("--device", help="cpu or cuda (default: cuda if available)")
@@ -127,7 +129,8 @@ def run_fit(args: argparse.Namespace) -> int:
                       prompt_batches=not args.mixed_prompts, snapshot_minutes=tuple(args.snapshot_minutes),
                       init_from=str(args.init_from) if args.init_from else None, prefix_max=args.prefix_max,
                       prefix_zero_share=args.prefix_zero_share, prefix_noise=args.prefix_noise,
-                      prefix_noise_rows=args.prefix_noise_rows, dagger_repeat=args.dagger_repeat)
+                      prefix_noise_rows=args.prefix_noise_rows, dagger_repeat=args.dagger_repeat,
+                      dagger_d0_repeat=args.dagger_d0_repeat)
     try:
         trainer = PolicyTrainer(cfg, ds, args.out, device=args.device, log_path=args.log)
     except ValueError as e:  # tier mismatch, held-out count, prefix range

@@ -63,6 +63,34 @@ def fuse_reasoner(model: Cosmos3Transformer, *, drop_originals: bool = True) -> 
     return model
 
 
+def fold_reasoner_norms(model: Cosmos3Transformer, lm_head: nn.Linear | None = None) -> int:
+    """Fold each Reasoner RMSNorm's weight into the one matrix that reads its output (input_layernorm into q/k/v,
+    post_attention_layernorm into gate/up, the final norm into `lm_head` unless it shares the embedding's storage),
+    leaving the norm's weight at ones and marked `folded`: `ops.gemv_fused.norm_gemv` then reads no norm weight.
+    The same function up to one bf16 rounding of the matrix (W * w rounded once, where the eager norm rounds its
+    product with w). Needs `fuse_reasoner`'s matrices (the norms feed nothing else); idempotent. Returns how many
+    norms it folded."""
+    pairs = []
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(attn, FusedReasonerQKV) or not isinstance(mlp, FusedGateUp):
+            raise TypeError(f"layer {i}: fold_reasoner_norms needs fuse_reasoner's q/k/v and gate/up matrices")
+        pairs += [(layer.input_layernorm, attn.qkv_proj), (layer.post_attention_layernorm, mlp.gate_up_proj)]
+    if lm_head is not None and lm_head.weight.data_ptr() != model.embed_tokens.weight.data_ptr():
+        pairs.append((model.norm, lm_head))
+    folded = 0
+    with torch.no_grad():
+        for norm, linear in pairs:
+            if getattr(norm, "folded", False):
+                continue
+            w = linear.weight
+            w.copy_((w.float() * norm.weight.float()[None, :]).to(w.dtype))
+            norm.weight.fill_(1)
+            norm.folded = True
+            folded += 1
+    return folded
+
+
 def _fuse_gate_up(mlp: MLP, drop_originals: bool) -> None:
     if mlp.gated and not isinstance(mlp, FusedGateUp):
         mlp.gate_up_proj = _fused_linear([mlp.gate_proj, mlp.up_proj])

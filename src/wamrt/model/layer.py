@@ -71,7 +71,12 @@ class MoTAttention(nn.Module):
         self, x: torch.Tensor, rope: Rope
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, U, h] (normed) -> q [B, H, U, d], k, k_for_gen, v [B, K, U, d] (after norm + RoPE)."""
-        q, k, v = self.reasoner_projections(x)
+        return self.reasoner_heads(*self.reasoner_projections(x), rope)
+
+    def reasoner_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections' outputs [B, U, H*d] / [B, U, K*d] -> per-head norms and RoPE: q [B, H, U, d], k,
+        k_for_gen, v [B, K, U, d]."""
         q = self.norm_q(self._heads(q, self.num_heads))
         k = self.norm_k(self._heads(k, self.num_kv_heads))
         v = self._heads(v, self.num_kv_heads)

@@ -26,6 +26,7 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs (CI) have none
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
+GEMV_CONFIGS: list = []
 
 K_MULTIPLE = 1024  # every BLOCK_K below divides it: no masked loads along K
 
@@ -54,11 +55,12 @@ def _gemv_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
-    @triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-                 for bn, bk, w in ((1, 1024, 4), (2, 1024, 4), (2, 1024, 8), (4, 512, 4), (4, 1024, 4),
-                                   (4, 1024, 8), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 256, 8))],
-        key=["n", "K"])
+    # (BLOCK_N, BLOCK_K, warps): autotuned per shape; ops/gemv_fused.py's kernels share them
+    GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+                    for bn, bk, w in ((1, 1024, 4), (2, 1024, 4), (2, 1024, 8), (4, 512, 4), (4, 1024, 4),
+                                      (4, 1024, 8), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 256, 8))]
+
+    @triton.autotune(configs=GEMV_CONFIGS, key=["n", "K"])
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, n, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

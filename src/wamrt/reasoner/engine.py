@@ -88,7 +88,7 @@ class DecodeBatch:
 
     def __init__(self, reasoner: Reasoner, rows: int, *, cuda_graphs: bool | None = None,
                  fused: bool = False, fused_mode: str | None = None, lookahead: bool = False,
-                 decode_attention: str = "auto") -> None:
+                 decode_attention: str = "auto", one_row: bool = False) -> None:
         self.reasoner, self.lm = reasoner, reasoner.lm
         # `ReasonerLM.decode_step(attention=)`. auto: the split-key kernel where it runs (0.75 ms off a batch-1 Nano
         # step on the H100, bench/results/decode/2026-12-06-dfeffd6-nano-h100/), SDPA elsewhere (CPU, other dtypes)
@@ -107,8 +107,17 @@ class DecodeBatch:
         use_graphs = self.lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         # fused: the layers' small kernels compiled into two regions (`fused.FusedDecodeLayer`, `fused_mode` its
         # compile mode); off by default: each row count's first step compiles for seconds (`wamrt bench decode`)
+        # one_row: fused, and a one-row step's norms, residual adds and SiLU * up inside its GEMVs
+        # (`fused.OneRowDecode`; needs `engine.fuse.fuse_reasoner`'s matrices)
         self.layer_fn = None
-        if fused:
+        if one_row:
+            from .fused import OneRowDecode
+
+            problem = OneRowDecode.problem(self.lm)
+            if problem:
+                raise ValueError(problem)
+            self.layer_fn = OneRowDecode(fused_mode)
+        elif fused:
             from .fused import FusedDecodeLayer
 
             self.layer_fn = FusedDecodeLayer(fused_mode)

@@ -7,6 +7,11 @@ not to bytes (bench/results/decode/2026-12-05-602b653-nano/). Here the work befo
 projections, q/k norms, RoPE) and after it (output projection, residuals, post-attention norm, MLP) are two
 compiled regions, shared by every layer (parameters are graph inputs), compiled once per row count; attention
 stays eager, since its key span changes from step to step.
+
+`OneRowDecode` goes further at one row, where a step is GEMVs: each layer is four GEMV kernels (`ops/gemv_fused.py`:
+RMSNorm inside the q/k/v and gate/up GEMVs, silu(gate) * up inside the down projection's, the residual adds in the
+o and down projections' epilogues), the q/k norms and RoPE compiled between them, and attention; then the final
+norm inside `lm_head`'s GEMV.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 import torch
 
 from ..model import Rope
+from ..ops.gemv_fused import gemv_add, norm_gemv, silu_gemv
 
 
 def _before_attention(layer: Any, u: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,3 +61,47 @@ class FusedDecodeLayer:
         q, k, v = self.before(layer, u, rope)
         o = attention(q, k, v, causal=True, key_mask=None)
         return self.after(layer, u, o)
+
+
+def _heads(layer: Any, qkv: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    attn = layer.self_attn
+    q, k, _k_gen, v = attn.reasoner_heads(*qkv.split(attn.reasoner_qkv_sizes, dim=-1), rope)
+    return q, k, v
+
+
+class OneRowDecode(FusedDecodeLayer):
+    """`layer_fn` for `ReasonerLM.decode_step` that runs the whole stack (`run_stack`): at one row, GEMVs with the
+    norms, SiLU * up and residual adds inside them (module docstring); at more rows, `FusedDecodeLayer` per layer.
+    Needs the Reasoner's fused q/k/v and gate/up matrices (`engine.fuse.fuse_reasoner`) and no projection biases."""
+
+    def __init__(self, mode: str | None = None) -> None:
+        super().__init__(mode)
+        self.heads = torch.compile(_heads, dynamic=False)
+
+    @staticmethod
+    def problem(lm: Any) -> str | None:
+        """Why the one-row stack cannot run `lm`'s layers, or None."""
+        for i, layer in enumerate(lm.transformer.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if getattr(attn, "qkv_proj", None) is None or getattr(mlp, "gate_up_proj", None) is None:
+                return f"layer {i}: the one-row decode needs fused q/k/v and gate/up matrices (fuse_reasoner)"
+            if any(m.bias is not None for m in (attn.qkv_proj, attn.to_out, mlp.gate_up_proj, mlp.down_proj)):
+                return f"layer {i}: the one-row decode takes projections without biases"
+        if lm.lm_head.bias is not None:
+            return "lm_head has a bias: the one-row decode takes none"
+        return None
+
+    def run_stack(self, lm: Any, u: torch.Tensor, rope: Rope, attentions: list) -> torch.Tensor:
+        """u [B, 1, h] embeddings -> logits [B, V], through every layer and the final norm."""
+        if u.shape[0] != 1:
+            for layer, attn in zip(lm.transformer.layers, attentions, strict=True):
+                u = self(layer, u, rope, attn)
+            return lm.lm_head(lm.transformer.norm(u)).float()[:, 0]
+        for layer, attn in zip(lm.transformer.layers, attentions, strict=True):
+            qkv = norm_gemv(u, layer.input_layernorm, layer.self_attn.qkv_proj.weight)
+            o = attn(*self.heads(layer, qkv, rope), causal=True, key_mask=None)
+            u = gemv_add(o.transpose(1, 2).flatten(2), layer.self_attn.to_out.weight, u)
+            gate_up = norm_gemv(u, layer.post_attention_layernorm, layer.mlp.gate_up_proj.weight)
+            u = silu_gemv(gate_up, layer.mlp.down_proj.weight, residual=u)
+        logits = norm_gemv(u, lm.transformer.norm, lm.lm_head.weight)
+        return logits.float()[:, 0]

@@ -152,7 +152,8 @@ class ReasonerLM(nn.Module):
         """One token for each of the first B cache rows: tokens [B] long, index [B] long (its cache position),
         rope_pos [B] float (its MRoPE position, equal on the three axes) -> logits [B, V]. Keys beyond `span` are
         not read: pass the smallest span that covers every row's index. `layer_fn(layer, u, rope, attention)`
-        runs one layer's Reasoner half (default: `MoTLayer.reasoner`; `fused.FusedDecodeLayer` compiles it).
+        runs one layer's Reasoner half (default: `MoTLayer.reasoner`; `fused.FusedDecodeLayer` compiles it); one
+        with a `run_stack(lm, u, rope, attentions)` method runs all of them and the logits (`fused.OneRowDecode`).
         `attention`: one of `DECODE_ATTENTION` (see `_DecodeAttention`)."""
         b = tokens.shape[0]
         u = self.embed(tokens)[:, None]  # [B, 1, h]
@@ -164,7 +165,10 @@ class ReasonerLM(nn.Module):
         # once, 0.17 ms of a batch-1 Nano step on the H100, which this is meant to remove; not measured yet).
         mask = additive_mask(index, span, u.dtype) if attention == "sdpa" else None
         rows = torch.arange(b, device=tokens.device)
-        for i, layer in enumerate(self.transformer.layers):
-            attn = _DecodeAttention(cache, i, index, mask, rows, span, attention)
+        attentions = [_DecodeAttention(cache, i, index, mask, rows, span, attention)
+                      for i in range(len(self.transformer.layers))]
+        if hasattr(layer_fn, "run_stack"):  # a whole-stack runner (`fused.OneRowDecode`)
+            return layer_fn.run_stack(self, u, rope, attentions)
+        for layer, attn in zip(self.transformer.layers, attentions, strict=True):
             u = layer.reasoner(u, rope, attn)[0] if layer_fn is None else layer_fn(layer, u, rope, attn)
         return self._logits(u)[:, 0]

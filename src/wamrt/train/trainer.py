@@ -117,6 +117,10 @@ class TrainConfig:
     # DAgger frames (eval/dagger.py) are drawn this many times as often as an expert frame: an episode gives ~20
     # requests where a demo gives ~150 frames.
     dagger_repeat: int = 1
+    # The same for DAgger frames without a prefix (recorded at d = 0, classic DAgger); None: dagger_repeat. The first
+    # round's d = 0 cell gained 26 points and its d = 10 cell 4 (bench/results/rollout/2026-12-06-945d6c9-dagger-
+    # round-h100/): this weights the delayed frames over them.
+    dagger_d0_repeat: int | None = None
 
 
 @dataclass
@@ -262,8 +266,9 @@ class PolicyTrainer:
         if cfg.prefix_noise < 0 or cfg.prefix_noise_rows < 0:
             raise ValueError(f"prefix_noise and prefix_noise_rows must be >= 0, got {cfg.prefix_noise}, "
                              f"{cfg.prefix_noise_rows}")
-        if cfg.dagger_repeat < 1:
-            raise ValueError(f"dagger_repeat must be >= 1, got {cfg.dagger_repeat}")
+        if cfg.dagger_repeat < 1 or (cfg.dagger_d0_repeat is not None and cfg.dagger_d0_repeat < 1):
+            raise ValueError(f"dagger_repeat and dagger_d0_repeat must be >= 1, got {cfg.dagger_repeat}, "
+                             f"{cfg.dagger_d0_repeat}")
         if not 0 <= cfg.prefix_max <= MAX_PREFIX_ROWS or not 0.0 <= cfg.prefix_zero_share <= 1.0:
             raise ValueError(f"prefix_max must be in [0, {MAX_PREFIX_ROWS}] and prefix_zero_share in [0, 1], got "
                              f"{cfg.prefix_max}, {cfg.prefix_zero_share}")
@@ -336,9 +341,12 @@ class PolicyTrainer:
         self._norm = {k: torch.from_numpy(v).to(self.device) for k, v in norm.items()} if norm else None
         # Training frames per instruction (prompt_batches) and how often each instruction is drawn.
         sample_idx = self.train_idx
-        if ds.chunk_row is not None and cfg.dagger_repeat > 1:
+        if ds.chunk_row is not None and ds.fixed_prefix is not None:
             own = self.train_idx[ds.chunk_row[self.train_idx] >= 0]
-            sample_idx = np.concatenate([sample_idx, np.repeat(own, cfg.dagger_repeat - 1)])
+            at_d0 = ds.fixed_prefix[own] == 0
+            d0_repeat = cfg.dagger_repeat if cfg.dagger_d0_repeat is None else cfg.dagger_d0_repeat
+            sample_idx = np.concatenate([sample_idx, np.repeat(own[~at_d0], cfg.dagger_repeat - 1),
+                                         np.repeat(own[at_d0], d0_repeat - 1)])
         train_prompts = self.prompt_ids[sample_idx]
         self.prompt_pools = [torch.from_numpy(sample_idx[train_prompts == i]).to(self.device)
                              for i in range(len(self.prompt_names))]
