@@ -76,6 +76,7 @@ if [ "${GRID:-1}" = 1 ]; then
   rm -rf "$RES/grid"; mkdir -p "$RES/grid"
   for phase in $PHASES; do
     task=${phase%%:*}; delays=$DELAYS
+    phase_name=${phase//[:\/]/-}  # turntable:0/10 -> grid-turntable-0-10.txt (no ':' in committed file names)
     [ "$task" != "$phase" ] && delays=${phase#*:} && delays=${delays//\//,}
     left=$(( BUDGET_S - ($(date +%s) - grid_t0) ))
     if [ "$left" -lt 30 ]; then log "grid $phase: skipped, ${left} s of BUDGET_S left"; continue; fi
@@ -86,9 +87,9 @@ if [ "${GRID:-1}" = 1 ]; then
     "$PY" -m wamrt.cli eval grid --policy "$pol" ${TRAINED:+--trained-policy "$TRAINED"} --tasks "$task" \
       --delays "$delays" --strategies "$STRATEGIES" --episodes "$EPISODES" --workers "$WORKERS" --lanes "$LANES" \
       --max-batch "$MAX_BATCH" --budget-s "$left" --out "$GRID_DIR/$task" --resume $GRID_ARGS 2>&1 \
-      | grep --line-buffered -v Warning | tee "$RES/grid-${phase//\//-}.txt"
+      | grep --line-buffered -v Warning | tee "$RES/grid-$phase_name.txt"
     rm -rf "$RES/grid/$task"; cp -r "$GRID_DIR/$task" "$RES/grid/$task"
-    log "grid $phase done: $(tail -1 "$RES/grid-${phase//\//-}.txt")"
+    log "grid $phase done: $(tail -1 "$RES/grid-$phase_name.txt")"
   done
 fi
 
