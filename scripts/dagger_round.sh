@@ -40,6 +40,7 @@ DAGGER_WORKERS=${DAGGER_WORKERS:-9}
 DEMO_WORKERS=${DEMO_WORKERS:-3}
 DAGGER_REPEAT=${DAGGER_REPEAT:-6}
 DAGGER_D0_REPEAT=${DAGGER_D0_REPEAT:-$DAGGER_REPEAT}  # the frames recorded at d = 0 (no prefix)
+SEAM_WEIGHT=${SEAM_WEIGHT:-1}  # `train fit --seam-weight`: the first 4 rows after a prefix weigh this much more
 REC_S=${REC_S:-150}
 MINUTES=${MINUTES:-3}
 BATCH=${BATCH:-128}
@@ -82,7 +83,7 @@ log "train: $MINUTES min from $INIT on $n episodes ($val held out), DAgger frame
 timeout "$("$PY" -c "print(int($MINUTES * 60 + 200))")" "$PY" -m wamrt.cli train fit --demos "${dirs[@]}" \
   --out "$WORK/ckpt-dagger" --minutes "$MINUTES" --batch "$BATCH" --lr "$LR" --warmup 50 --val-episodes "$val" \
   --aug-shift 0 --aug-colour 0 --log-every 100 --init-from "$INIT" --prefix-max 14 --prefix-zero-share 0.25 \
-  --prefix-noise 0.5 --prefix-noise-rows 4 --dagger-repeat "$DAGGER_REPEAT" --dagger-d0-repeat "$DAGGER_D0_REPEAT" $TRAIN_ARGS > "$RES/train.txt" 2>&1
+  --prefix-noise 0.5 --prefix-noise-rows 4 --dagger-repeat "$DAGGER_REPEAT" --dagger-d0-repeat "$DAGGER_D0_REPEAT" --seam-weight "$SEAM_WEIGHT" $TRAIN_ARGS > "$RES/train.txt" 2>&1
 cp "$WORK/ckpt-dagger/train_log.txt" "$RES/train_log.txt" 2>/dev/null
 log "train: $(grep '^done' "$RES/train.txt" | head -1); last: $(grep '^step' "$RES/train.txt" | tail -1 | cut -c1-190)"
 [ -f "$WORK/ckpt-dagger/wamrt.json" ] || { log "FATAL: no checkpoint: $(grep -v Warning "$RES/train.txt" | tail -3)"; exit 1; }

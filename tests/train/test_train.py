@@ -550,3 +550,43 @@ def test_trainer_takes_a_dagger_frames_chunk_and_prefix_and_no_future_frames(tmp
     assert [drawn.count(i) for i in range(n, n + 6)] == [4, 4, 4, 2, 2, 2]
     with pytest.raises(ValueError, match="dagger_d0_repeat"):
         PolicyTrainer(TrainConfig(size="tiny-qwen", dagger_d0_repeat=0), mixed, tmp_path / "bad", device="cpu")
+
+
+def test_seam_weight_weighs_the_rows_right_after_a_prefix(tmp_path):
+    """--seam-weight W: an error on one of the first --seam-rows generated rows after a prefix costs W times what the
+    same error on a later row costs; samples without a prefix have no seam."""
+    from wamrt.train.data import demo_set_from_episodes
+
+    eps, _ = _moving_episodes()
+    ds = demo_set_from_episodes(eps)
+
+    def cost(weight: float, row: int, prefix: int) -> float:
+        tr = PolicyTrainer(TrainConfig(size="tiny-qwen", batch=2, aug_shift_px=0, aug_colour=0.0, log_every=1000,
+                                       seam_weight=weight, seam_rows=2), ds, tmp_path / f"s{weight}", device="cpu")
+        tr.cache_latents()
+        batch = tr.clean_batch(np.array([1, 7]), augment_images=False)
+        velocity, h = tr.velocity, tr.contract.history
+
+        def run(spoil: bool) -> float:
+            def spoiled(*args, **kw):
+                o = velocity(*args, **kw)
+                if spoil:
+                    o.action[0, h + row] += 100.0
+                return o
+            tr.velocity = spoiled
+            tr.gen.manual_seed(3)
+            with torch.no_grad():
+                out = tr.loss({**batch, "prefix_rows": torch.tensor([prefix, prefix])}, text_dropout=False)
+            tr.velocity = velocity
+            return float(out["action"])
+
+        return run(True) - run(False)
+
+    # prefix 3: rows 3 and 4 are the seam, row 10 is not
+    plain_seam, plain_later = cost(1.0, 3, 3), cost(1.0, 10, 3)
+    assert plain_seam == pytest.approx(plain_later, rel=0.05)
+    seam, later = cost(4.0, 4, 3), cost(4.0, 10, 3)
+    assert seam == pytest.approx(4 * later, rel=0.05)
+    assert cost(4.0, 0, 0) == pytest.approx(cost(4.0, 10, 0), rel=0.05)  # no prefix, no seam
+    with pytest.raises(ValueError, match="seam_weight"):
+        PolicyTrainer(TrainConfig(size="tiny-qwen", seam_weight=0.0), ds, tmp_path / "bad", device="cpu")

@@ -79,6 +79,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                           "as an expert demo's frames (default 1)")
     fit.add_argument("--dagger-d0-repeat", type=int, metavar="K0",
                      help="the same for DAgger frames recorded without a prefix (d = 0); default: --dagger-repeat")
+    fit.add_argument("--seam-weight", type=float, default=1.0, metavar="W",
+                     help="weigh the first --seam-rows generated rows after a prefix W times as much in the action "
+                          "loss (the rows the arm runs first after its committed ones; default 1)")
+    fit.add_argument("--seam-rows", type=int, default=4, metavar="N", help="rows that --seam-weight covers (default 4)")
     fit.add_argument("--seed", type=int, default=0, help="initialization and sampling seed")
     fit.add_argument("--log-every", type=int, default=50, help="optimizer steps between log lines")
     fit.add_argument("--device", help="cpu or cuda (default: cuda if available)")
@@ -130,7 +134,8 @@ def run_fit(args: argparse.Namespace) -> int:
                       init_from=str(args.init_from) if args.init_from else None, prefix_max=args.prefix_max,
                       prefix_zero_share=args.prefix_zero_share, prefix_noise=args.prefix_noise,
                       prefix_noise_rows=args.prefix_noise_rows, dagger_repeat=args.dagger_repeat,
-                      dagger_d0_repeat=args.dagger_d0_repeat)
+                      dagger_d0_repeat=args.dagger_d0_repeat, seam_weight=args.seam_weight,
+                      seam_rows=args.seam_rows)
     try:
         trainer = PolicyTrainer(cfg, ds, args.out, device=args.device, log_path=args.log)
     except ValueError as e:  # tier mismatch, held-out count, prefix range

@@ -121,6 +121,12 @@ class TrainConfig:
     # round's d = 0 cell gained 26 points and its d = 10 cell 4 (bench/results/rollout/2026-12-06-945d6c9-dagger-
     # round-h100/): this weights the delayed frames over them.
     dagger_d0_repeat: int | None = None
+    # The seam: the first `seam_rows` generated rows after a prefix (d > 0), what the arm runs first when it leaves the
+    # committed rows for a new plan, weigh `seam_weight` times as much in the action loss (1: no weighting). After the
+    # first DAgger round these rows were the ones that did not get closer to the expert at d = 10
+    # (bench/results/rollout/2026-12-06-560a357-dagger-gap-round1-cpu/).
+    seam_weight: float = 1.0
+    seam_rows: int = 4
 
 
 @dataclass
@@ -266,6 +272,8 @@ class PolicyTrainer:
         if cfg.prefix_noise < 0 or cfg.prefix_noise_rows < 0:
             raise ValueError(f"prefix_noise and prefix_noise_rows must be >= 0, got {cfg.prefix_noise}, "
                              f"{cfg.prefix_noise_rows}")
+        if cfg.seam_weight <= 0 or cfg.seam_rows < 0:
+            raise ValueError(f"seam_weight must be > 0 and seam_rows >= 0, got {cfg.seam_weight}, {cfg.seam_rows}")
         if cfg.dagger_repeat < 1 or (cfg.dagger_d0_repeat is not None and cfg.dagger_d0_repeat < 1):
             raise ValueError(f"dagger_repeat and dagger_d0_repeat must be >= 1, got {cfg.dagger_repeat}, "
                              f"{cfg.dagger_d0_repeat}")
@@ -518,6 +526,10 @@ class PolicyTrainer:
         if (weight := batch.get("vision_weight")) is not None:  # DAgger frames: no future frames to predict
             mv = mv * weight.view(b, 1, 1, 1, 1)
         ma = an.expand_as(a0).float()
+        if cfg.seam_weight != 1.0 and cfg.seam_rows > 0:
+            after = torch.arange(a0.shape[1], device=self.device)[None] - self.contract.history - d[:, None]
+            seam = (d[:, None] > 0) & (after >= 0) & (after < cfg.seam_rows)  # [B, rows]
+            ma = ma * torch.where(seam, cfg.seam_weight, 1.0)[:, :, None]
         lv = (((out.vision.float() - (eps_v - v0)) ** 2) * mv).sum() / mv.sum().clamp(min=1.0)
         la = (((out.action.float() - (eps_a - a0)) ** 2) * ma).sum() / ma.sum()
         return {"loss": lv + cfg.action_weight * la, "vision": lv, "action": la}
