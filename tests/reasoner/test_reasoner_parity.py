@@ -183,6 +183,25 @@ def test_cached_decode_equals_full_reforward_every_step(tiny) -> None:
     assert len(seen_logits) == 23 and all(len(s.tokens) == 24 for s in seqs)
 
 
+def _decode_to_the_end(r, batch, prompts, params) -> tuple[torch.Tensor, list[list[int]]]:
+    """Every step's logits [steps, rows, V] (through a spy on `decode_step`) and each prompt's tokens."""
+    original, seen = r.lm.decode_step, []
+
+    def spy(*args, **kw):
+        out = original(*args, **kw)
+        seen.append(out.clone())
+        return out
+
+    r.lm.decode_step = spy
+    try:
+        seqs = [batch.admit(p, params).seq for p in prompts]
+        while batch.live:
+            batch.step()
+    finally:
+        del r.lm.decode_step
+    return torch.stack(seen), [s.tokens for s in seqs]
+
+
 def test_fused_decode_layers_equal_the_model_layers(tiny) -> None:
     """The compiled decode layers (reasoner/fused.py: the layer's code split around attention, Inductor-compiled)
     give the logits of `MoTLayer.reasoner` at every step of a two-row batch, so the same greedy tokens."""
@@ -196,25 +215,10 @@ def test_fused_decode_layers_equal_the_model_layers(tiny) -> None:
     logits, tokens = {}, {}
     torch._dynamo.reset()  # an earlier test may have compiled the same regions (the cache is per function): count anew
     graphs_before = counters["stats"]["unique_graphs"]
-    original = r.lm.decode_step
     for fused in (False, True):
-        seen = []
-
-        def spy(*args, _seen=seen, **kw):
-            out = original(*args, **kw)
-            _seen.append(out.clone())
-            return out
-
         batch = DecodeBatch(r, 2, cuda_graphs=False, fused=fused)
         assert (batch.layer_fn is not None) == fused
-        r.lm.decode_step = spy
-        try:
-            seqs = [batch.admit(p, params).seq for p in prompts]
-            while batch.live:
-                batch.step()
-        finally:
-            del r.lm.decode_step
-        logits[fused], tokens[fused] = torch.stack(seen), [s.tokens for s in seqs]
+        logits[fused], tokens[fused] = _decode_to_the_end(r, batch, prompts, params)
     assert counters["stats"]["unique_graphs"] - graphs_before >= 2  # the two regions compiled (not a fallback)
     assert tokens[True] == tokens[False]
     _close(logits[True], logits[False])
@@ -222,9 +226,9 @@ def test_fused_decode_layers_equal_the_model_layers(tiny) -> None:
 
 @pytest.mark.parametrize("rows", [1, 2])
 def test_one_row_decode_equals_the_fused_layers(tmp_path, rows: int) -> None:
-    """`OneRowDecode` (reasoner/fused.py: residual adds carried into the next GEMV, norms and SiLU * up inside
-    them; off the GPU kernel the model's ops, one by one) gives the logits of the per-layer fused decode at every
-    step: one row through the whole-stack path, two through the per-layer one."""
+    """`OneRowDecode` (reasoner/fused.py: norms and SiLU * up inside the GEMVs, residual adds in their epilogues; off
+    the GPU kernel the model's ops, one by one) gives the logits of the per-layer fused decode at every step: one row
+    through the whole-stack path (on folded norms), two through the per-layer one."""
     from wamrt.engine.fuse import fold_reasoner_norms, fuse_reasoner
     from wamrt.reasoner.engine import DecodeBatch
     from wamrt.reasoner.fused import OneRowDecode
@@ -237,28 +241,14 @@ def test_one_row_decode_equals_the_fused_layers(tmp_path, rows: int) -> None:
         fold_reasoner_norms(r.lm.transformer, r.lm.lm_head)
     prompts = [r.prepare([{"role": "user", "content": c}]) for c in ("Short.", "A longer prompt about robots.")][:rows]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    original, logits, tokens, stacks = r.lm.decode_step, {}, {}, []
+    logits, tokens, stacks = {}, {}, []
     for one_row in (False, True):
-        seen = []
-
-        def spy(*args, _seen=seen, **kw):
-            out = original(*args, **kw)
-            _seen.append(out.clone())
-            return out
-
         batch = DecodeBatch(r, rows, cuda_graphs=False, fused=True, one_row=one_row)
         assert isinstance(batch.layer_fn, OneRowDecode) == one_row
         if one_row:
             run_stack = batch.layer_fn.run_stack
             batch.layer_fn.run_stack = lambda lm, u, *a: stacks.append(u.shape[0]) or run_stack(lm, u, *a)
-        r.lm.decode_step = spy
-        try:
-            seqs = [batch.admit(p, params).seq for p in prompts]
-            while batch.live:
-                batch.step()
-        finally:
-            del r.lm.decode_step
-        logits[one_row], tokens[one_row] = torch.stack(seen), [s.tokens for s in seqs]
+        logits[one_row], tokens[one_row] = _decode_to_the_end(r, batch, prompts, params)
     assert stacks and set(stacks) == {rows}  # every step went through the whole-stack runner
     assert tokens[True] == tokens[False]
     _close(logits[True], logits[False])
