@@ -12,8 +12,8 @@
 # 2. `wamrt train fit` from INIT on both for MINUTES, the DAgger frames drawn DAGGER_REPEAT times as often (those
 #    recorded at d = 0: DAGGER_D0_REPEAT), with the recipe of the perturbed-prefix round (prefix d 0..14, noise 0.5
 #    on the demos' prefixes).
-# Writes $RES/{summary.txt, dagger-grid-<task>.txt, dagger-grid/<task>/ (the cells: INIT's own score on those seeds), demos-*.txt,
-#   train.txt, train_log.txt, ckpt-wamrt.json} and $OUT/prefix-ckpt.tgz; the checkpoint stays at $CKPT
+# Writes $RES/{summary.txt, dagger-grid-<task>.txt, dagger-grid/<task>/ (the cells: INIT's own score on those seeds),
+#   demos-*.txt, train.txt, train_log.txt, ckpt-wamrt.json} and $OUT/prefix-ckpt.tgz; the checkpoint stays at $CKPT
 #   (/tmp/wamrt-prefix/ckpt) for a `grid` call on the warm machine.
 # Timing (945d6c9, H100): REC_S=75 took 130 s of recording (the episodes in flight at the budget run to their end) and
 # MINUTES=2.2 took 151 s with loading and saving: give the part REC_S + 60 * MINUTES + 100 s.
@@ -83,7 +83,8 @@ log "train: $MINUTES min from $INIT on $n episodes ($val held out), DAgger frame
 timeout "$("$PY" -c "print(int($MINUTES * 60 + 200))")" "$PY" -m wamrt.cli train fit --demos "${dirs[@]}" \
   --out "$WORK/ckpt-dagger" --minutes "$MINUTES" --batch "$BATCH" --lr "$LR" --warmup 50 --val-episodes "$val" \
   --aug-shift 0 --aug-colour 0 --log-every 100 --init-from "$INIT" --prefix-max 14 --prefix-zero-share 0.25 \
-  --prefix-noise 0.5 --prefix-noise-rows 4 --dagger-repeat "$DAGGER_REPEAT" --dagger-d0-repeat "$DAGGER_D0_REPEAT" --seam-weight "$SEAM_WEIGHT" $TRAIN_ARGS > "$RES/train.txt" 2>&1
+  --prefix-noise 0.5 --prefix-noise-rows 4 --dagger-repeat "$DAGGER_REPEAT" --dagger-d0-repeat "$DAGGER_D0_REPEAT" \
+  --seam-weight "$SEAM_WEIGHT" $TRAIN_ARGS > "$RES/train.txt" 2>&1
 cp "$WORK/ckpt-dagger/train_log.txt" "$RES/train_log.txt" 2>/dev/null
 log "train: $(grep '^done' "$RES/train.txt" | head -1); last: $(grep '^step' "$RES/train.txt" | tail -1 | cut -c1-190)"
 [ -f "$WORK/ckpt-dagger/wamrt.json" ] || { log "FATAL: no checkpoint: $(grep -v Warning "$RES/train.txt" | tail -3)"; exit 1; }
