@@ -119,3 +119,48 @@ def test_graph_decode_with_the_kernel_equals_its_eager_steps(tmp_path) -> None:
         p = torch.tensor([float(seq.prompt.next_position)], device="cuda")
         logits[kind] = r.lm.decode_step(batch.cache, t, i, p, 128, attention=kind).float()
     assert torch.allclose(logits["split"], logits["sdpa"], atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "index"), [(32, 8, 128, [600]), (8, 2, 64, [5, 190])])
+def test_kernel_from_raw_projections_applies_the_norms_and_rope(qk_norm, heads, kv_heads, d, index) -> None:
+    """`decode_attention_from_projections`: the q/k norms and RoPE inside the split kernel equal the model's
+    `reasoner_heads` followed by the reference, output and cache (the new key normed and rotated)."""
+    import dataclasses
+
+    from wamrt.model.config import get_config
+    from wamrt.model.layer import MoTAttention
+    from wamrt.model.rope import mrope_tables
+    from wamrt.ops.decode_attention import (
+        decode_attention_from_projections,
+        decode_attention_from_projections_problem,
+    )
+
+    b, third = len(index), d // 2 // 3
+    axes = (d // 2 - 2 * third, third, third)
+    cfg = dataclasses.replace(get_config("tiny-qwen"), hidden_size=heads * d, num_attention_heads=heads,
+                              num_key_value_heads=kv_heads, head_dim=d, rope_axes_dim=axes, qk_norm_for_text=qk_norm)
+    attn = MoTAttention(cfg).to("cuda", torch.bfloat16).requires_grad_(False)
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    if qk_norm:
+        for norm in (attn.norm_q, attn.norm_k):
+            norm.weight.copy_(1 + 0.3 * torch.randn(d, device="cuda", generator=gen))
+    qkv = (2 * torch.randn(b, 1, (heads + 2 * kv_heads) * d, device="cuda", generator=gen)).to(torch.bfloat16)
+    idx = torch.tensor(index, device="cuda")
+    rope = mrope_tables(idx.float()[:, None, None].expand(b, 3, 1), head_dim=d, theta=5e6, axes=axes,
+                        dtype=torch.bfloat16)
+    keys = torch.randn(b, kv_heads, 1024, d, device="cuda", generator=gen).to(torch.bfloat16)
+    values = torch.randn(b, kv_heads, 1024, d, device="cuda", generator=gen).to(torch.bfloat16)
+    span = -(-(max(index) + 1) // BLOCK_N) * BLOCK_N
+    k_ref, v_ref = keys.clone(), values.clone()
+    q, k, _, v = attn.reasoner_heads(*qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1), rope)
+    ref = decode_attention_reference(q, k, v, k_ref, v_ref, idx, span)
+    norms = (attn.norm_q, attn.norm_k) if qk_norm else (None, None)
+    assert decode_attention_from_projections_problem(qkv, keys, values, *norms, rope.cos) is None
+    out = decode_attention_from_projections(qkv, heads, kv_heads, *norms, rope.cos, rope.sin, keys, values, idx, span)
+    assert out.shape == ref.shape
+    assert torch.allclose(out.float(), ref.float(), atol=KERNEL_ATOL, rtol=KERNEL_RTOL), (out - ref).abs().max()
+    assert torch.allclose(keys.float(), k_ref.float(), atol=KERNEL_ATOL, rtol=KERNEL_RTOL)  # the key it wrote
+    assert torch.equal(values, v_ref)

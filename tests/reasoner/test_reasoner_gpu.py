@@ -63,11 +63,12 @@ def test_chat_worker_precaptures_every_bucket_on_the_gpu(tmp_path) -> None:
     assert text == eager.stream.text and worker.stats()["graphs"]["captured_on_request"] == 0
 
 
-@pytest.mark.parametrize("fold", [False, True])
-def test_one_row_gemv_stack_equals_the_fused_layers_at_kernel_shapes(fold: bool) -> None:
+@pytest.mark.parametrize(("fold", "attention"), [(False, "sdpa"), (True, "sdpa"), (True, "split")])
+def test_one_row_gemv_stack_equals_the_fused_layers_at_kernel_shapes(fold: bool, attention: str) -> None:
     """`OneRowDecode` on the Triton kernels (bf16, K a multiple of 1,024, so every GEMV runs on them) against the
     per-layer fused decode with cuBLAS, same weights and cache: the logits of a few steps within the fused GEMVs'
-    rounding, the same cache written; with `fold`, the norms folded into the matrices (after the reference ran)."""
+    rounding, the same cache written; with `fold`, the norms folded into the matrices (after the reference ran); with
+    the split attention kernel, the q/k norms and RoPE inside it on the one-row side."""
     import dataclasses
 
     from wamrt.engine.fuse import fold_reasoner_norms, fuse_reasoner
@@ -98,7 +99,7 @@ def test_one_row_gemv_stack_equals_the_fused_layers_at_kernel_shapes(fold: bool)
             for pos, token in enumerate((5, 17, 900, 3)):
                 index = torch.tensor([pos], device="cuda")
                 steps.append(lm.decode_step(cache, torch.tensor([token], device="cuda"), index,
-                                            index.float(), 64, layer_fn, "sdpa"))
+                                            index.float(), 64, layer_fn, attention))
             logits[name] = torch.cat(steps)
     scale = logits["layers"].abs().max().item()
     assert (logits["one_row"] - logits["layers"]).abs().max().item() <= 0.05 * scale

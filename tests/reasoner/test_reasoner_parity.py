@@ -224,11 +224,12 @@ def test_fused_decode_layers_equal_the_model_layers(tiny) -> None:
     _close(logits[True], logits[False])
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_one_row_decode_equals_the_fused_layers(tmp_path, rows: int) -> None:
+@pytest.mark.parametrize(("rows", "attention"), [(1, "auto"), (2, "auto"), (1, "split")])
+def test_one_row_decode_equals_the_fused_layers(tmp_path, rows: int, attention: str) -> None:
     """`OneRowDecode` (reasoner/fused.py: norms and SiLU * up inside the GEMVs, residual adds in their epilogues; off
     the GPU kernel the model's ops, one by one) gives the logits of the per-layer fused decode at every step: one row
-    through the whole-stack path (on folded norms), two through the per-layer one."""
+    through the whole-stack path (on folded norms), two through the per-layer one; with the split attention's
+    reference (no Triton here), the norms and RoPE stay in the compiled region."""
     from wamrt.engine.fuse import fold_reasoner_norms, fuse_reasoner
     from wamrt.reasoner.engine import DecodeBatch
     from wamrt.reasoner.fused import OneRowDecode
@@ -243,7 +244,7 @@ def test_one_row_decode_equals_the_fused_layers(tmp_path, rows: int) -> None:
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     logits, tokens, stacks = {}, {}, []
     for one_row in (False, True):
-        batch = DecodeBatch(r, rows, cuda_graphs=False, fused=True, one_row=one_row)
+        batch = DecodeBatch(r, rows, cuda_graphs=False, fused=True, one_row=one_row, decode_attention=attention)
         assert isinstance(batch.layer_fn, OneRowDecode) == one_row
         if one_row:
             run_stack = batch.layer_fn.run_stack

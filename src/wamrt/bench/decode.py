@@ -76,14 +76,15 @@ GEMV_LARGE_NUMEL = 40_000_000
 
 def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: float, fused: bool = False,
                 copy_floor_ms: float | None = None, fused_weights: bool = False, fused_mode: str | None = None,
-                lookahead: bool = False, attention: str = "sdpa", gemv: str = "cublas", one_row: bool = False) -> dict:
+                lookahead: bool = False, attention: str = "sdpa", gemv: str = "cublas", one_row: bool = False,
+                attention_prep: bool = True) -> dict:
     from ..reasoner.engine import DecodeBatch
     from ..reasoner.sampling import SamplingParams
 
     dev = reasoner.lm.device
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     db = DecodeBatch(reasoner, batch, cuda_graphs=graphs, fused=fused, fused_mode=fused_mode, lookahead=lookahead,
-                     decode_attention=attention, one_row=one_row)
+                     decode_attention=attention, one_row=one_row, attention_prep=attention_prep)
     steps_ms: list[float] = []
     first_pass_ms: list[float] = []
     tokens: list[int] = []
@@ -107,6 +108,7 @@ def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: 
     return {"kind": "latency", "mode": "decode", "batch": batch, "cuda_graph": graphs, "fused": fused,
             "fused_weights": fused_weights, "fused_mode": (fused_mode or "default") if fused else None,
             "lookahead": lookahead, "attention": attention, "gemv": gemv, "one_row": one_row and fused,
+            "attention_prep": one_row and fused and attention_prep,
             "tokens_per_s": batch * 1e3 / stats["p50_ms"], "step": stats,
             "floor_fraction": floor_ms / stats["p50_ms"], "tokens": tokens,
             "copy_floor_fraction": None if copy_floor_ms is None else copy_floor_ms / stats["p50_ms"],
@@ -253,9 +255,11 @@ def run(args: argparse.Namespace) -> int:
                     reasoner, prompt, steps=args.profile_steps, fused_mode=last_mode, lookahead=True, attention="split")
             best: tuple[float, str, int] | None = None
             # "one-row": every matrix on the GEMV and the layer's norms, residual adds and SiLU * up inside the GEMVs
-            # (reasoner/fused.py `OneRowDecode`, ops/gemv_fused.py); "one-row-folded": the same with the norms'
-            # weights folded into the matrices (engine/fuse.py fold_reasoner_norms; changes the model: last)
-            for label, min_numel in (("all", 0), ("large", GEMV_LARGE_NUMEL), ("one-row", 0), ("one-row-folded", 0)):
+            # (reasoner/fused.py `OneRowDecode`, ops/gemv_fused.py), the q/k norms and RoPE inside the attention kernel
+            # ("-noprep": compiled between); "one-row-folded": the norms' weights folded into the matrices
+            # (engine/fuse.py fold_reasoner_norms; changes the model: last). These in the default compile mode only.
+            for label, min_numel in (("all", 0), ("large", GEMV_LARGE_NUMEL), ("one-row-noprep", 0), ("one-row", 0),
+                                     ("one-row-folded", 0)):
                 if label == "one-row-folded":
                     from ..engine.fuse import fold_reasoner_norms
 
@@ -263,11 +267,13 @@ def run(args: argparse.Namespace) -> int:
                 undo_gemv_kernel(lm)
                 use_gemv_kernel(lm, min_numel)
                 torch._dynamo.reset()  # compiled layers keep the kernels they were compiled with (dfeffd6)
-                for mode in dict.fromkeys([None, last_mode]):
+                one_row = label.startswith("one-row")
+                for mode in [None] if one_row else dict.fromkeys([None, last_mode]):
                     try:
                         row = _decode_row(reasoner, prompt, 1, args.new_tokens, graphs, fused=True,
                                           fused_weights=True, fused_mode=mode, lookahead=True, attention="split",
-                                          gemv=f"triton:{label}", one_row=label.startswith("one-row"), **floors)
+                                          gemv=f"triton:{label}", one_row=one_row,
+                                          attention_prep=label != "one-row-noprep", **floors)
                     except Exception as e:  # noqa: BLE001  a kernel that fails to build costs its rows only
                         failed.append({"batch": 1, "fused_mode": mode, "attention": "split", "gemv": label,
                                        "error": f"{type(e).__name__}: {str(e)[:500]}"})
@@ -278,14 +284,14 @@ def run(args: argparse.Namespace) -> int:
                         best = (row["step"]["p50_ms"], label, mode)
             if profile is not None and best is not None:
                 _, label, mode = best
-                if label == "one-row":  # the model's norms are folded by now: what the profile then runs
-                    label = "one-row-folded"
+                if label in ("one-row", "one-row-noprep"):  # the norms are folded by now: what the profile runs
+                    label = label.replace("one-row", "one-row-folded")
                 undo_gemv_kernel(lm)
                 use_gemv_kernel(lm, GEMV_LARGE_NUMEL if label == "large" else 0)
                 torch._dynamo.reset()
                 profile[f"lookahead+split+gemv:{label} ({mode or 'default'})"] = profile_decode(
                     reasoner, prompt, steps=args.profile_steps, fused_mode=mode, lookahead=True, attention="split",
-                    one_row=label.startswith("one-row"))
+                    one_row=label.startswith("one-row"), attention_prep=not label.endswith("noprep"))
             undo_gemv_kernel(lm)
     ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs and not r["fused"]
                  and not r["fused_weights"] and not r["lookahead"])

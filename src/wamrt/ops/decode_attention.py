@@ -14,6 +14,13 @@ The query heads of one K/V head (GQA, 4 at Nano) share that head's keys: they ar
 16. Keys past `index[b]` are not read. Scores, softmax and accumulation are fp32; the probabilities are rounded to the
 cache's dtype before the PV product, as flash kernels do. `decode_attention_reference` is the same computation in
 PyTorch (SDPA over the masked span), and runs where Triton cannot (CPU).
+
+`decode_attention_from_projections` takes the q/k/v projections before the per-head q/k RMSNorms and RoPE and applies
+them as the split kernel loads the query and the new key (each program for its own query heads; the key it writes
+to the cache is the normed, rotated one). At one row that is two fewer kernels a layer: the compiled norm + RoPE
+region took 0.12 ms of a 5.9 ms Nano step on the H100 (bench/results/decode/2026-12-06-945d6c9-nano-h100-one-row/).
+Triton's CPU interpreter runs these kernels in fp16 (its bf16 `tl.dot` is wrong), which is how they were checked
+before a GPU ran them.
 """
 
 from __future__ import annotations
@@ -88,21 +95,63 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     they cannot run (`decode_attention_problem`)."""
     if decode_attention_problem(q, keys, values):
         return decode_attention_reference(q, k_new, v_new, keys, values, index, span)
-    b, h, _, d = q.shape
-    kv_heads = k_new.shape[1]
-    group = h // kv_heads
     # [B, H, d] and [B, K, d] views, read through their strides: no copy a layer unless the head dim is strided
     q3, kn, vn = (x[:, :, 0] if x.stride(-1) == 1 else x[:, :, 0].contiguous() for x in (q, k_new, v_new))
+    return _launch(q3, kn, vn, keys, values, index, span)
+
+
+def decode_attention_from_projections(qkv: torch.Tensor, heads: int, kv_heads: int, norm_q: torch.nn.Module | None,
+                                      norm_k: torch.nn.Module | None, cos: torch.Tensor, sin: torch.Tensor,
+                                      keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, span: int
+                                      ) -> torch.Tensor:
+    """`decode_attention` of the step's q/k/v projections before their per-head RMSNorms (`norm_q` / `norm_k`, or
+    None) and rotary embedding (`cos` / `sin` [B, 1, d], rotate-half): qkv [B, 1, (H + 2K) d] -> [B, H, 1, d]. The
+    split kernel applies the norms and RoPE to the query and the new key as it loads them (in fp32, rounded once), so
+    they are no kernels of their own; the key it writes to the cache is the normed, rotated one. Only where
+    `decode_attention_from_projections_problem` is None."""
+    b, d = qkv.shape[0], keys.shape[-1]
+    flat = qkv.reshape(b, (heads + 2 * kv_heads) * d)
+    q3 = flat[:, :heads * d].unflatten(1, (heads, d))
+    kn = flat[:, heads * d:(heads + kv_heads) * d].unflatten(1, (kv_heads, d))
+    vn = flat[:, (heads + kv_heads) * d:].unflatten(1, (kv_heads, d))
+    has_norm = norm_q is not None
+    return _launch(q3, kn, vn, keys, values, index, span, prep=(
+        norm_q.weight if has_norm else cos, norm_k.weight if has_norm else cos, cos.reshape(b, d), sin.reshape(b, d),
+        float(norm_q.eps) if has_norm else 0.0, float(norm_k.eps) if has_norm else 0.0, has_norm))
+
+
+def decode_attention_from_projections_problem(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                              norm_q: torch.nn.Module | None, norm_k: torch.nn.Module | None,
+                                              cos: torch.Tensor) -> str | None:
+    """Why `decode_attention_from_projections` cannot take these, or None."""
+    d = keys.shape[-1]
+    problem = decode_attention_problem(qkv[..., :d], keys, values)
+    if problem:
+        return problem
+    if not qkv.is_contiguous() or not cos.is_contiguous() or cos.shape[-1] != d or cos.dtype != qkv.dtype:
+        return "the projections and the RoPE tables must be contiguous, in the cache's dtype"
+    if (norm_q is None) != (norm_k is None) or any(
+            n is not None and (n.weight.shape != (d,) or n.weight.dtype != qkv.dtype) for n in (norm_q, norm_k)):
+        return "the q/k norms must both be RMSNorms over the head, in the cache's dtype (or both absent)"
+    return None
+
+
+def _launch(q3, kn, vn, keys, values, index, span, prep=None):
+    b, h, d = q3.shape
+    kv_heads = kn.shape[1]
+    group = h // kv_heads
     splits = triton.cdiv(span, BLOCK_N)
-    part = torch.empty((b, kv_heads, splits, group, d), dtype=torch.float32, device=q.device)
-    lse = torch.empty((b, kv_heads, splits, group), dtype=torch.float32, device=q.device)
+    part = torch.empty((b, kv_heads, splits, group, d), dtype=torch.float32, device=q3.device)
+    lse = torch.empty((b, kv_heads, splits, group), dtype=torch.float32, device=q3.device)
     rows = max(MIN_ROWS, triton.next_power_of_2(group))
+    norm_q, norm_k, cos, sin, eps_q, eps_k, has_norm = prep or (q3, q3, q3, q3, 0.0, 0.0, False)
     _split_kernel[(b, kv_heads, splits)](
-        q3, kn, vn, keys, values, index, part, lse,
+        q3, kn, vn, keys, values, index, part, lse, norm_q, norm_k, cos, sin,
         q3.stride(0), q3.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
-        keys.stride(0), keys.stride(1), keys.stride(2),
-        d ** -0.5, GROUP=group, ROWS=rows, D=d, BLOCK=BLOCK_N, num_warps=4)
-    out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
+        keys.stride(0), keys.stride(1), keys.stride(2), cos.stride(0),
+        d ** -0.5, eps_q, eps_k, GROUP=group, ROWS=rows, D=d, BLOCK=BLOCK_N, PREP=prep is not None,
+        HAS_NORM=has_norm, num_warps=4)
+    out = torch.empty((b, h, d), dtype=keys.dtype, device=q3.device)
     _merge_kernel[(b, h)](part, lse, out, splits, GROUP=group, D=d, SPLITS=triton.next_power_of_2(splits),
                           num_warps=4)
     return out[:, :, None]
@@ -110,9 +159,10 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
 
 if triton is not None:
     @triton.jit
-    def _split_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, idx_ptr, part_ptr, lse_ptr,
-                      sq_b, sq_h, sn_b, sn_h, sv_b, sv_h, sk_b, sk_h, sk_s, scale,
-                      GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    def _split_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, idx_ptr, part_ptr, lse_ptr, nq_ptr, nk_ptr, cos_ptr,
+                      sin_ptr, sq_b, sq_h, sn_b, sn_h, sv_b, sv_h, sk_b, sk_h, sk_s, sc_b, scale, eps_q, eps_k,
+                      GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                      PREP: tl.constexpr, HAS_NORM: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -121,11 +171,29 @@ if triton is not None:
         g = tl.arange(0, ROWS)
         dd = tl.arange(0, D)
         n = sp * BLOCK + tl.arange(0, BLOCK)
-        q = tl.load(q_ptr + b * sq_b + (kh * GROUP + g)[:, None] * sq_h + dd[None, :],
-                    mask=(g < GROUP)[:, None], other=0.0)
+        q_rows = q_ptr + b * sq_b + (kh * GROUP + g)[:, None] * sq_h
+        q = tl.load(q_rows + dd[None, :], mask=(g < GROUP)[:, None], other=0.0)
         cache = b.to(tl.int64) * sk_b + kh * sk_h
         kn = tl.load(kn_ptr + b * sn_b + kh * sn_h + dd)
         vn = tl.load(vn_ptr + b * sv_b + kh * sv_h + dd)
+        if PREP:  # q and the new k are raw projections: per-head RMSNorm, then RoPE (rotate-half), in fp32
+            half = (dd + D // 2) % D  # rotate_half(x)[i] = -x[i + D/2] below D/2, x[i - D/2] above
+            sign = tl.where(dd < D // 2, -1.0, 1.0)
+            cos = tl.load(cos_ptr + b * sc_b + dd).to(tl.float32)
+            sin = tl.load(sin_ptr + b * sc_b + dd).to(tl.float32) * sign
+            qf = q.to(tl.float32)
+            q_half = tl.load(q_rows + half[None, :], mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
+            kf = kn.to(tl.float32)
+            k_half = tl.load(kn_ptr + b * sn_b + kh * sn_h + half).to(tl.float32)
+            if HAS_NORM:
+                q_scale = tl.rsqrt(tl.sum(qf * qf, axis=1) / D + eps_q)[:, None]
+                qf = qf * q_scale * tl.load(nq_ptr + dd).to(tl.float32)[None, :]
+                q_half = q_half * q_scale * tl.load(nq_ptr + half).to(tl.float32)[None, :]
+                k_scale = tl.rsqrt(tl.sum(kf * kf, axis=0) / D + eps_k)
+                kf = kf * k_scale * tl.load(nk_ptr + dd).to(tl.float32)
+                k_half = k_half * k_scale * tl.load(nk_ptr + half).to(tl.float32)
+            q = (qf * cos[None, :] + q_half * sin[None, :]).to(k_ptr.dtype.element_ty)
+            kn = (kf * cos + k_half * sin).to(k_ptr.dtype.element_ty)
         old = (n < idx)[:, None]  # positions before the new token come from the cache
         k = tl.load(k_ptr + cache + n[:, None].to(tl.int64) * sk_s + dd[None, :], mask=old, other=0.0)
         v = tl.load(v_ptr + cache + n[:, None].to(tl.int64) * sk_s + dd[None, :], mask=old, other=0.0)

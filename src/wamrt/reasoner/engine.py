@@ -88,7 +88,7 @@ class DecodeBatch:
 
     def __init__(self, reasoner: Reasoner, rows: int, *, cuda_graphs: bool | None = None,
                  fused: bool = False, fused_mode: str | None = None, lookahead: bool = False,
-                 decode_attention: str = "auto", one_row: bool = False) -> None:
+                 decode_attention: str = "auto", one_row: bool = False, attention_prep: bool = True) -> None:
         self.reasoner, self.lm = reasoner, reasoner.lm
         # `ReasonerLM.decode_step(attention=)`. auto: the split-key kernel where it runs (0.75 ms off a batch-1 Nano
         # step on the H100, bench/results/decode/2026-12-06-dfeffd6-nano-h100/), SDPA elsewhere (CPU, other dtypes)
@@ -108,7 +108,8 @@ class DecodeBatch:
         # fused: the layers' small kernels compiled into two regions (`fused.FusedDecodeLayer`, `fused_mode` its
         # compile mode); off by default: each row count's first step compiles for seconds (`wamrt bench decode`)
         # one_row: fused, and a one-row step's norms, residual adds and SiLU * up inside its GEMVs
-        # (`fused.OneRowDecode`; needs `engine.fuse.fuse_reasoner`'s matrices)
+        # (`fused.OneRowDecode`; needs `engine.fuse.fuse_reasoner`'s matrices); attention_prep: its q/k norms and
+        # RoPE inside the split attention kernel
         self.layer_fn = None
         if one_row:
             from .fused import OneRowDecode
@@ -116,7 +117,7 @@ class DecodeBatch:
             problem = OneRowDecode.problem(self.lm)
             if problem:
                 raise ValueError(problem)
-            self.layer_fn = OneRowDecode(fused_mode)
+            self.layer_fn = OneRowDecode(fused_mode, attention_prep=attention_prep)
         elif fused:
             from .fused import FusedDecodeLayer
 

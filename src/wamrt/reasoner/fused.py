@@ -10,8 +10,8 @@ stays eager, since its key span changes from step to step.
 
 `OneRowDecode` goes further at one row, where a step is GEMVs: each layer is four GEMV kernels (`ops/gemv_fused.py`:
 RMSNorm inside the q/k/v and gate/up GEMVs, silu(gate) * up inside the down projection's, the residual adds in the
-o and down projections' epilogues), the q/k norms and RoPE compiled between them, and attention; then the final
-norm inside `lm_head`'s GEMV.
+o and down projections' epilogues), and attention, whose split-key kernel applies the q/k norms and RoPE as it
+loads the query and the new key (elsewhere they are compiled between); then the final norm inside `lm_head`'s GEMV.
 """
 
 from __future__ import annotations
@@ -74,9 +74,12 @@ class OneRowDecode(FusedDecodeLayer):
     norms, SiLU * up and residual adds inside them (module docstring); at more rows, `FusedDecodeLayer` per layer.
     Needs the Reasoner's fused q/k/v and gate/up matrices (`engine.fuse.fuse_reasoner`) and no projection biases."""
 
-    def __init__(self, mode: str | None = None) -> None:
+    def __init__(self, mode: str | None = None, *, attention_prep: bool = True) -> None:
         super().__init__(mode)
         self.heads = torch.compile(_heads, dynamic=False)
+        # the q/k norms and RoPE inside the split-key attention kernel where it runs (`from_projections`), not in
+        # the compiled `heads` region: two kernels a layer fewer
+        self.attention_prep = attention_prep
 
     @staticmethod
     def problem(lm: Any) -> str | None:
@@ -99,7 +102,9 @@ class OneRowDecode(FusedDecodeLayer):
             return lm.lm_head(lm.transformer.norm(u)).float()[:, 0]
         for layer, attn in zip(lm.transformer.layers, attentions, strict=True):
             qkv = norm_gemv(u, layer.input_layernorm, layer.self_attn.qkv_proj.weight)
-            o = attn(*self.heads(layer, qkv, rope), causal=True, key_mask=None)
+            o = attn.from_projections(qkv, layer.self_attn, rope) if self.attention_prep else None
+            if o is None:
+                o = attn(*self.heads(layer, qkv, rope), causal=True, key_mask=None)
             u = gemv_add(o.transpose(1, 2).flatten(2), layer.self_attn.to_out.weight, u)
             gate_up = norm_gemv(u, layer.post_attention_layernorm, layer.mlp.gate_up_proj.weight)
             u = silu_gemv(gate_up, layer.mlp.down_proj.weight, residual=u)

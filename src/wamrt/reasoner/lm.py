@@ -18,7 +18,13 @@ import torch
 from torch import nn
 
 from ..model import Cosmos3Transformer, Rope, sdpa_attention
-from ..ops.decode_attention import additive_mask, decode_attention, sdpa_over_cache
+from ..ops.decode_attention import (
+    additive_mask,
+    decode_attention,
+    decode_attention_from_projections,
+    decode_attention_from_projections_problem,
+    sdpa_over_cache,
+)
 
 LayerFn = Callable[..., torch.Tensor]  # (layer, u [B, 1, h], rope, attention) -> the next u
 
@@ -95,6 +101,19 @@ class _DecodeAttention:
         keys[self.rows, :, self.index] = k[:, :, 0]
         values[self.rows, :, self.index] = v[:, :, 0]
         return sdpa_over_cache(q, keys, values, self.mask, k.shape[1])
+
+    def from_projections(self, qkv: torch.Tensor, attn: nn.Module, rope: Rope) -> torch.Tensor | None:
+        """The same attention from the step's raw q/k/v projections qkv [B, 1, (H + 2K) d], with `attn`'s per-head
+        norms and RoPE applied inside the split kernel; None where that kernel cannot take them (then run
+        `MoTAttention.reasoner_heads` and call this object)."""
+        if self.kind != "split":
+            return None
+        norm_q, norm_k = (n if getattr(n, "weight", None) is not None else None for n in (attn.norm_q, attn.norm_k))
+        keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]
+        if decode_attention_from_projections_problem(qkv, keys, values, norm_q, norm_k, rope.cos):
+            return None
+        return decode_attention_from_projections(qkv, attn.num_heads, attn.num_kv_heads, norm_q, norm_k, rope.cos,
+                                                 rope.sin, keys, values, self.index, self.span)
 
 
 class ReasonerLM(nn.Module):
