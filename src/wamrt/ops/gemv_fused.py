@@ -16,7 +16,7 @@ already streams the whole input vector through its K loop:
   o and down projections is no kernel of its own.
 A first version added the residual inside the next norm GEMV instead (each program reading x, the update and the
 norm weight): the kernel count fell from 475 to 323 a step but those GEMVs read ~0.34 ms slower, and the step stayed
-at 5.88 ms (bench/results/decode/2026-12-06-945d6c9-nano-h100/).
+at 5.88 ms (bench/results/decode/2026-12-06-945d6c9-nano-h100-one-row/).
 The normalised input is not rounded to bf16 here (the eager norm rounds it before and after its weight), so outputs
 differ from the unfused ops by about one bf16 rounding of the input: `FUSED_GEMV_ATOL` / `_RTOL`.
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .gemv import GEMV_CONFIGS, K_MULTIPLE, gemv_problem
+from .gemv import GEMV_CONFIGS, gemv_problem
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs (CI) have none and never run the kernel
     import triton
@@ -115,4 +115,4 @@ if triton is not None:
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=rows < n)
 
 
-__all__ = ["FUSED_GEMV_ATOL", "FUSED_GEMV_RTOL", "K_MULTIPLE", "gemv_add", "norm_gemv", "silu_gemv"]
+__all__ = ["FUSED_GEMV_ATOL", "FUSED_GEMV_RTOL", "gemv_add", "norm_gemv", "silu_gemv"]

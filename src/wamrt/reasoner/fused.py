@@ -99,7 +99,7 @@ class OneRowDecode(FusedDecodeLayer):
         if u.shape[0] != 1:
             for layer, attn in zip(lm.transformer.layers, attentions, strict=True):
                 u = self(layer, u, rope, attn)
-            return lm.lm_head(lm.transformer.norm(u)).float()[:, 0]
+            return lm._logits(u)[:, 0]
         for layer, attn in zip(lm.transformer.layers, attentions, strict=True):
             qkv = norm_gemv(u, layer.input_layernorm, layer.self_attn.qkv_proj.weight)
             o = attn.from_projections(qkv, layer.self_attn, rope) if self.attention_prep else None
