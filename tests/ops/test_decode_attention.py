@@ -68,19 +68,28 @@ def test_the_kernel_says_why_it_cannot_run_and_falls_back() -> None:
     (1, 8, 4, 128, 128, [0]),  # the first position: one key
     (3, 8, 4, 128, 1024, [BLOCK_N - 1, BLOCK_N, 1000]),  # at a split's last and first key
     (2, 4, 8, 64, 256, [130, 7]),  # other head sizes and groups
-    (2, 2, 1, 128, 8192, [8000, 4095]),  # long spans: 128 splits
+    (2, 2, 1, 128, 8192, [8000, 4095]),  # long spans: 128 splits (8 merge passes)
+    (1, 4, 3, 64, 2048, [1500]),  # a group that is no power of two; 32 splits (2 merge passes)
 ])
-def test_kernel_equals_the_reference_and_writes_the_same_cache(b, kv_heads, group, d, span, index) -> None:
+@pytest.mark.parametrize("merge", ["kernel", "last-split"])
+def test_kernel_equals_the_reference_and_writes_the_same_cache(b, kv_heads, group, d, span, index, merge) -> None:
+    """Both merges (a second kernel; the last split program to arrive, counted in `arrivals`) equal the reference,
+    twice in a row: the counters the last programs set back to zero serve the next call."""
     length = span + 8
-    args = _inputs(b, b + 1, kv_heads, group, d, length, index, "cuda", torch.bfloat16, seed=len(index) + span)
-    q, k_new, v_new, keys, values, idx = args
-    assert decode_attention_problem(q, keys) is None
-    ref_keys, ref_values = keys.clone(), values.clone()
-    ref = decode_attention_reference(q, k_new, v_new, ref_keys, ref_values, idx, span)
-    out = decode_attention(q, k_new, v_new, keys, values, idx, span)
-    assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)  # the same cache, bit for bit
-    assert torch.allclose(out.float(), ref.float(), atol=KERNEL_ATOL, rtol=KERNEL_RTOL), \
-        (out.float() - ref.float()).abs().max()
+    arrivals = torch.zeros(b + 1, kv_heads, dtype=torch.int32, device="cuda") if merge == "last-split" else None
+    for call in range(2):
+        seed = len(index) + span + call
+        q, k_new, v_new, keys, values, idx = _inputs(b, b + 1, kv_heads, group, d, length, index, "cuda",
+                                                     torch.bfloat16, seed=seed)
+        assert decode_attention_problem(q, keys) is None
+        ref_keys, ref_values = keys.clone(), values.clone()
+        ref = decode_attention_reference(q, k_new, v_new, ref_keys, ref_values, idx, span)
+        out = decode_attention(q, k_new, v_new, keys, values, idx, span, arrivals=arrivals)
+        assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)  # the same cache, bit for bit
+        assert torch.allclose(out.float(), ref.float(), atol=KERNEL_ATOL, rtol=KERNEL_RTOL), \
+            (call, (out.float() - ref.float()).abs().max())
+        if arrivals is not None:
+            assert not arrivals.any(), arrivals
 
 
 @pytest.mark.gpu
@@ -125,9 +134,15 @@ def test_graph_decode_with_the_kernel_equals_its_eager_steps(tmp_path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize(("heads", "kv_heads", "d", "index"), [(32, 8, 128, [600]), (8, 2, 64, [5, 190])])
-def test_kernel_from_raw_projections_applies_the_norms_and_rope(qk_norm, heads, kv_heads, d, index) -> None:
+@pytest.mark.parametrize("launch", ["plain", "last-split+pdl"])
+def test_kernel_from_raw_projections_applies_the_norms_and_rope(qk_norm, heads, kv_heads, d, index, launch) -> None:
     """`decode_attention_from_projections`: the q/k norms and RoPE inside the split kernel equal the model's
-    `reasoner_heads` followed by the reference, output and cache (the new key normed and rotated)."""
+    `reasoner_heads` followed by the reference, output and cache (the new key normed and rotated); also merged by
+    the last split program and launched with PDL (right after the kernel that computes its projections)."""
+    from wamrt.ops.triton_support import pdl_problem
+
+    if launch != "plain" and pdl_problem(torch.device("cuda")):
+        pytest.skip(pdl_problem(torch.device("cuda")))
     import dataclasses
 
     from wamrt.model.config import get_config
@@ -159,7 +174,12 @@ def test_kernel_from_raw_projections_applies_the_norms_and_rope(qk_norm, heads, 
     ref = decode_attention_reference(q, k, v, k_ref, v_ref, idx, span)
     norms = (attn.norm_q, attn.norm_k) if qk_norm else (None, None)
     assert decode_attention_from_projections_problem(qkv, keys, values, *norms, rope.cos) is None
-    out = decode_attention_from_projections(qkv, heads, kv_heads, *norms, rope.cos, rope.sin, keys, values, idx, span)
+    arrivals = torch.zeros(b, kv_heads, dtype=torch.int32, device="cuda") if launch != "plain" else None
+    raw = qkv.clone()
+    qkv.zero_()
+    qkv.add_(raw)  # the projections come from the kernel just before, which a PDL launch must wait for
+    out = decode_attention_from_projections(qkv, heads, kv_heads, *norms, rope.cos, rope.sin, keys, values, idx, span,
+                                            arrivals=arrivals, pdl=launch != "plain")
     assert out.shape == ref.shape
     assert torch.allclose(out.float(), ref.float(), atol=KERNEL_ATOL, rtol=KERNEL_RTOL), (out - ref).abs().max()
     assert torch.allclose(keys.float(), k_ref.float(), atol=KERNEL_ATOL, rtol=KERNEL_RTOL)  # the key it wrote

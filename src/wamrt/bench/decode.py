@@ -77,14 +77,16 @@ GEMV_LARGE_NUMEL = 40_000_000
 def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: float, fused: bool = False,
                 copy_floor_ms: float | None = None, fused_weights: bool = False, fused_mode: str | None = None,
                 lookahead: bool = False, attention: str = "sdpa", gemv: str = "cublas", one_row: bool = False,
-                attention_prep: bool = True) -> dict:
+                attention_prep: bool = True, merge_in_split: bool = False, pdl: bool = False) -> dict:
     from ..reasoner.engine import DecodeBatch
     from ..reasoner.sampling import SamplingParams
 
     dev = reasoner.lm.device
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    # merge_in_split and pdl off unless asked: the rows before them were measured without (DecodeBatch's defaults)
     db = DecodeBatch(reasoner, batch, cuda_graphs=graphs, fused=fused, fused_mode=fused_mode, lookahead=lookahead,
-                     decode_attention=attention, one_row=one_row, attention_prep=attention_prep)
+                     decode_attention=attention, one_row=one_row, attention_prep=attention_prep,
+                     merge_in_split=merge_in_split, pdl=pdl)
     steps_ms: list[float] = []
     first_pass_ms: list[float] = []
     tokens: list[int] = []
@@ -109,6 +111,7 @@ def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: 
             "fused_weights": fused_weights, "fused_mode": (fused_mode or "default") if fused else None,
             "lookahead": lookahead, "attention": attention, "gemv": gemv, "one_row": one_row and fused,
             "attention_prep": one_row and fused and attention_prep,
+            "merge_in_split": merge_in_split and attention == "split", "pdl": pdl and one_row and fused,
             "tokens_per_s": batch * 1e3 / stats["p50_ms"], "step": stats,
             "floor_fraction": floor_ms / stats["p50_ms"], "tokens": tokens,
             "copy_floor_fraction": None if copy_floor_ms is None else copy_floor_ms / stats["p50_ms"],
@@ -257,9 +260,12 @@ def run(args: argparse.Namespace) -> int:
             # "one-row": every matrix on the GEMV and the layer's norms, residual adds and SiLU * up inside the GEMVs
             # (reasoner/fused.py `OneRowDecode`, ops/gemv_fused.py), the q/k norms and RoPE inside the attention kernel
             # ("-noprep": compiled between); "one-row-folded": the norms' weights folded into the matrices
-            # (engine/fuse.py fold_reasoner_norms; changes the model: last). These in the default compile mode only.
+            # (engine/fuse.py fold_reasoner_norms; changes the model: last); "+merge": the attention's splits merged
+            # by its last program; "+pdl": the stack's kernels launched with programmatic dependent launch. These in
+            # the default compile mode only.
             for label, min_numel in (("all", 0), ("large", GEMV_LARGE_NUMEL), ("one-row-noprep", 0), ("one-row", 0),
-                                     ("one-row-folded", 0)):
+                                     ("one-row-folded", 0), ("one-row-folded+merge", 0),
+                                     ("one-row-folded+merge+pdl", 0)):
                 if label == "one-row-folded":
                     from ..engine.fuse import fold_reasoner_norms
 
@@ -273,7 +279,8 @@ def run(args: argparse.Namespace) -> int:
                         row = _decode_row(reasoner, prompt, 1, args.new_tokens, graphs, fused=True,
                                           fused_weights=True, fused_mode=mode, lookahead=True, attention="split",
                                           gemv=f"triton:{label}", one_row=one_row,
-                                          attention_prep=label != "one-row-noprep", **floors)
+                                          attention_prep=label != "one-row-noprep", merge_in_split="+merge" in label,
+                                          pdl="+pdl" in label, **floors)
                     except Exception as e:  # noqa: BLE001  a kernel that fails to build costs its rows only
                         failed.append({"batch": 1, "fused_mode": mode, "attention": "split", "gemv": label,
                                        "error": f"{type(e).__name__}: {str(e)[:500]}"})
@@ -291,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
                 torch._dynamo.reset()
                 profile[f"lookahead+split+gemv:{label} ({mode or 'default'})"] = profile_decode(
                     reasoner, prompt, steps=args.profile_steps, fused_mode=mode, lookahead=True, attention="split",
-                    one_row=label.startswith("one-row"), attention_prep=not label.endswith("noprep"))
+                    one_row=label.startswith("one-row"), attention_prep=not label.endswith("noprep"),
+                    merge_in_split="+merge" in label, pdl="+pdl" in label)
             undo_gemv_kernel(lm)
     ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs and not r["fused"]
                  and not r["fused_weights"] and not r["lookahead"])

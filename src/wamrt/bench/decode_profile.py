@@ -40,7 +40,8 @@ def _device_events(prof: Any) -> list[Any]:
 
 def profile_decode(reasoner: Any, prompt: Any, *, steps: int = 20, fused: bool = True,
                    fused_mode: str | None = None, lookahead: bool = False, attention: str = "sdpa", top: int = 15,
-                   one_row: bool = False, attention_prep: bool = True) -> dict[str, Any]:
+                   one_row: bool = False, attention_prep: bool = True, merge_in_split: bool = False,
+                   pdl: bool = False) -> dict[str, Any]:
     """Batch-1 decode with CUDA graphs and the fused layers: `steps` steps under the profiler, after the ones that
     capture."""
     from torch.profiler import ProfilerActivity, profile
@@ -53,7 +54,7 @@ def profile_decode(reasoner: Any, prompt: Any, *, steps: int = 20, fused: bool =
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     db = DecodeBatch(reasoner, 1, cuda_graphs=cuda, fused=fused and cuda, fused_mode=fused_mode, lookahead=lookahead,
                      decode_attention=attention, one_row=one_row and cuda,
-                     attention_prep=attention_prep)
+                     attention_prep=attention_prep, merge_in_split=merge_in_split, pdl=pdl)
     db.admit(prompt, params)
     for _ in range(4):  # captures (and compiles) the step's bucket
         db.step()

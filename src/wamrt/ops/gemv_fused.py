@@ -20,6 +20,12 @@ at 5.88 ms (bench/results/decode/2026-12-06-945d6c9-nano-h100-one-row/).
 The normalised input is not rounded to bf16 here (the eager norm rounds it before and after its weight), so outputs
 differ from the unfused ops by about one bf16 rounding of the input: `FUSED_GEMV_ATOL` / `_RTOL`.
 
+`pdl=True` launches the kernel with programmatic dependent launch (`triton_support.pdl_problem`). It may then start
+while the kernel before it still runs: its programs read their first weight slice, which no kernel writes, and wait
+(`griddepcontrol.wait`) before they read the input vector or the residual. In a chain of such GEMVs the next
+matrix's reads begin during the previous kernel's last wave, where most SMs sit idle, instead of after it and a
+launch gap.
+
 Off the kernel (CPU, several rows, shapes it does not take) they run the model's own modules, op by op, so the
 decode stack built on them is the model's math there (its CPU tests compare it with the per-layer decode).
 """
@@ -36,34 +42,40 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs (CI) have none
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
+try:  # grid-dependency control (PDL); not in every Triton, and never traced unless `pdl=True`
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the install
+    gdc_launch_dependents = gdc_wait = None
 
 # The fused kernels against the unfused ops (bf16, K up to 12,288, unit-scale inputs): one bf16 rounding of the
 # normalised input, accumulated over K in fp32.
 FUSED_GEMV_ATOL, FUSED_GEMV_RTOL = 3e-2, 2e-2
 
 
-def norm_gemv(x: torch.Tensor, norm: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+def norm_gemv(x: torch.Tensor, norm: torch.nn.Module, weight: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """norm(x) @ weight.T for x [..., K] (`norm` an RMSNorm, `model.norms.RMSNorm`: `weight`, `eps`). A norm whose
     weight `engine.fuse.fold_reasoner_norms` folded into the matrix is all ones, and the kernel skips it."""
     grad = torch.is_grad_enabled() and norm.weight.requires_grad
     if gemv_problem(x, weight) is None and not grad and norm.weight.dtype == x.dtype:
         folded = getattr(norm, "folded", False)
-        return _fused_gemv(x, weight, INPUT_NORM, norm_weight=None if folded else norm.weight, eps=float(norm.eps))
+        return _fused_gemv(x, weight, INPUT_NORM, norm_weight=None if folded else norm.weight, eps=float(norm.eps),
+                           pdl=pdl)
     return F.linear(norm(x), weight)
 
 
-def gemv_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def gemv_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """residual + x @ weight.T: a projection and the residual add after it."""
     if gemv_problem(x, weight) is None and residual.dtype == x.dtype:
-        return _fused_gemv(x, weight, INPUT_PLAIN, residual=residual)
+        return _fused_gemv(x, weight, INPUT_PLAIN, residual=residual, pdl=pdl)
     return residual + F.linear(x, weight)
 
 
-def silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+def silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, *,
+              pdl: bool = False) -> torch.Tensor:
     """(silu(gate) * up) @ weight.T (+ residual) for gate_up [..., 2I] = [gate | up], the fused gate/up output."""
     gate, up = gate_up.chunk(2, dim=-1)
     if gemv_problem(gate, weight) is None and (residual is None or residual.dtype == gate_up.dtype):
-        return _fused_gemv(gate_up, weight, INPUT_SILU, residual=residual)
+        return _fused_gemv(gate_up, weight, INPUT_SILU, residual=residual, pdl=pdl)
     out = F.linear(F.silu(gate) * up, weight)
     return out if residual is None else residual + out
 
@@ -71,42 +83,61 @@ def silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
 INPUT_PLAIN, INPUT_SILU, INPUT_NORM = 0, 1, 2  # what the kernel computes from its input vector, slice by slice
 
 
-def _fused_gemv(x, weight, kind, *, residual=None, norm_weight=None, eps=0.0):
+def _fused_gemv(x, weight, kind, *, residual=None, norm_weight=None, eps=0.0, pdl=False):
     n, k = weight.shape
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     flat = x.reshape(x.shape[-1])
     _fused_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
         flat, weight, out, flat if residual is None else residual.reshape(n),
         flat if norm_weight is None else norm_weight, n, eps, k, INPUT=kind, HAS_RESIDUAL=residual is not None,
-        HAS_NORM_WEIGHT=norm_weight is not None)
+        HAS_NORM_WEIGHT=norm_weight is not None, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     return out.reshape(*x.shape[:-1], n)
 
 
 if triton is not None:
-    @triton.autotune(configs=GEMV_CONFIGS, key=["n", "K", "INPUT", "HAS_RESIDUAL", "HAS_NORM_WEIGHT"])
+    @triton.jit
+    def _input_slice(acc, squares, w, x_ptr, nw_ptr, out_ptr, k0, cols, K: tl.constexpr, INPUT: tl.constexpr,
+                     HAS_NORM_WEIGHT: tl.constexpr):
+        """One BLOCK_K slice of the K loop: the input slice computed from x, the dot products accumulated."""
+        if INPUT == 1:  # [gate | up]: silu(gate) * up, rounded to the model's dtype as the eager product is
+            gate = tl.load(x_ptr + k0 + cols).to(tl.float32)
+            up = tl.load(x_ptr + K + k0 + cols).to(tl.float32)
+            xs = (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            xs = tl.load(x_ptr + k0 + cols).to(tl.float32)
+        if INPUT == 2:  # RMSNorm: the sum of squares on the way, the scale after the loop
+            squares += xs * xs
+            if HAS_NORM_WEIGHT:
+                xs = xs * tl.load(nw_ptr + k0 + cols).to(tl.float32)
+        acc += w.to(tl.float32) * xs[None, :]
+        return acc, squares
+
+    @triton.autotune(configs=GEMV_CONFIGS, key=["n", "K", "INPUT", "HAS_RESIDUAL", "HAS_NORM_WEIGHT", "PDL"])
     @triton.jit
     def _fused_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, n, eps, K: tl.constexpr, INPUT: tl.constexpr,
-                           HAS_RESIDUAL: tl.constexpr, HAS_NORM_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           HAS_RESIDUAL: tl.constexpr, HAS_NORM_WEIGHT: tl.constexpr, PDL: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.arange(0, BLOCK_K)
         live = (rows < n)[:, None]
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            w = tl.load(w_ptrs + k0, mask=live, other=0.0, eviction_policy="evict_first")
-            if INPUT == 1:  # [gate | up]: silu(gate) * up, rounded to the model's dtype as the eager product is
-                gate = tl.load(x_ptr + k0 + cols).to(tl.float32)
-                up = tl.load(x_ptr + K + k0 + cols).to(tl.float32)
-                xs = (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty).to(tl.float32)
-            else:
-                xs = tl.load(x_ptr + k0 + cols).to(tl.float32)
-            if INPUT == 2:  # RMSNorm: the sum of squares on the way, the scale after the loop
-                squares += xs * xs
-                if HAS_NORM_WEIGHT:
-                    xs = xs * tl.load(nw_ptr + k0 + cols).to(tl.float32)
-            acc += w.to(tl.float32) * xs[None, :]
+        if PDL:
+            gdc_launch_dependents()
+            # the first weight slice before the wait: weights are no kernel's output
+            w = tl.load(w_ptrs, mask=live, other=0.0, eviction_policy="evict_first")
+            gdc_wait()
+            acc, squares = _input_slice(acc, squares, w, x_ptr, nw_ptr, out_ptr, 0, cols, K, INPUT, HAS_NORM_WEIGHT)
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                w = tl.load(w_ptrs + k0, mask=live, other=0.0, eviction_policy="evict_first")
+                acc, squares = _input_slice(acc, squares, w, x_ptr, nw_ptr, out_ptr, k0, cols, K, INPUT,
+                                            HAS_NORM_WEIGHT)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                w = tl.load(w_ptrs + k0, mask=live, other=0.0, eviction_policy="evict_first")
+                acc, squares = _input_slice(acc, squares, w, x_ptr, nw_ptr, out_ptr, k0, cols, K, INPUT,
+                                            HAS_NORM_WEIGHT)
         y = tl.sum(acc, axis=1)
         if INPUT == 2:
             y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)

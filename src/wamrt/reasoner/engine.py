@@ -88,7 +88,8 @@ class DecodeBatch:
 
     def __init__(self, reasoner: Reasoner, rows: int, *, cuda_graphs: bool | None = None,
                  fused: bool = False, fused_mode: str | None = None, lookahead: bool = False,
-                 decode_attention: str = "auto", one_row: bool = False, attention_prep: bool = True) -> None:
+                 decode_attention: str = "auto", one_row: bool = False, attention_prep: bool = True,
+                 merge_in_split: bool = True, pdl: bool = True) -> None:
         self.reasoner, self.lm = reasoner, reasoner.lm
         # `ReasonerLM.decode_step(attention=)`. auto: the split-key kernel where it runs (0.75 ms off a batch-1 Nano
         # step on the H100, bench/results/decode/2026-12-06-dfeffd6-nano-h100/), SDPA elsewhere (CPU, other dtypes)
@@ -102,14 +103,15 @@ class DecodeBatch:
         # +1: the last cache position is the graphs' scratch space, never a sequence's; a whole number of MIN_SPAN
         # positions, so every span a step reads is one too (attention kernels want aligned key masks).
         length = -(-(reasoner.max_len + 1) // MIN_SPAN) * MIN_SPAN
-        self.cache = KVCache.empty(self.lm.transformer, rows, length)
+        # merge_in_split: the split kernel's last program per K/V head merges the splits (`KVCache.arrivals`)
+        self.cache = KVCache.empty(self.lm.transformer, rows, length, merge_in_split=merge_in_split)
         self.rows: list[DecodeSeq | None] = [None] * rows
         use_graphs = self.lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         # fused: the layers' small kernels compiled into two regions (`fused.FusedDecodeLayer`, `fused_mode` its
         # compile mode); off by default: each row count's first step compiles for seconds (`wamrt bench decode`)
         # one_row: fused, and a one-row step's norms, residual adds and SiLU * up inside its GEMVs
         # (`fused.OneRowDecode`; needs `engine.fuse.fuse_reasoner`'s matrices); attention_prep: its q/k norms and
-        # RoPE inside the split attention kernel
+        # RoPE inside the split attention kernel; pdl: its kernels launched with programmatic dependent launch
         self.layer_fn = None
         if one_row:
             from .fused import OneRowDecode
@@ -117,7 +119,7 @@ class DecodeBatch:
             problem = OneRowDecode.problem(self.lm)
             if problem:
                 raise ValueError(problem)
-            self.layer_fn = OneRowDecode(fused_mode, attention_prep=attention_prep)
+            self.layer_fn = OneRowDecode(fused_mode, attention_prep=attention_prep, pdl=pdl)
         elif fused:
             from .fused import FusedDecodeLayer
 

@@ -12,6 +12,8 @@ stays eager, since its key span changes from step to step.
 RMSNorm inside the q/k/v and gate/up GEMVs, silu(gate) * up inside the down projection's, the residual adds in the
 o and down projections' epilogues), and attention, whose split-key kernel applies the q/k norms and RoPE as it
 loads the query and the new key (elsewhere they are compiled between); then the final norm inside `lm_head`'s GEMV.
+With `pdl` (on by default where `ops.triton_support.pdl_problem` is None) those kernels are launched with
+programmatic dependent launch: each may start during the last wave of the one before it, reading its weights.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from ..model import Rope
 from ..ops.gemv_fused import gemv_add, norm_gemv, silu_gemv
+from ..ops.triton_support import pdl_problem
 
 
 def _before_attention(layer: Any, u: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,12 +77,13 @@ class OneRowDecode(FusedDecodeLayer):
     norms, SiLU * up and residual adds inside them (module docstring); at more rows, `FusedDecodeLayer` per layer.
     Needs the Reasoner's fused q/k/v and gate/up matrices (`engine.fuse.fuse_reasoner`) and no projection biases."""
 
-    def __init__(self, mode: str | None = None, *, attention_prep: bool = True) -> None:
+    def __init__(self, mode: str | None = None, *, attention_prep: bool = True, pdl: bool = True) -> None:
         super().__init__(mode)
         self.heads = torch.compile(_heads, dynamic=False)
         # the q/k norms and RoPE inside the split-key attention kernel where it runs (`from_projections`), not in
         # the compiled `heads` region: two kernels a layer fewer
         self.attention_prep = attention_prep
+        self.pdl = pdl  # where the device takes it (`run_stack`)
 
     @staticmethod
     def problem(lm: Any) -> str | None:
@@ -100,13 +104,16 @@ class OneRowDecode(FusedDecodeLayer):
             for layer, attn in zip(lm.transformer.layers, attentions, strict=True):
                 u = self(layer, u, rope, attn)
             return lm._logits(u)[:, 0]
+        pdl = self.pdl and pdl_problem(u.device) is None
         for layer, attn in zip(lm.transformer.layers, attentions, strict=True):
-            qkv = norm_gemv(u, layer.input_layernorm, layer.self_attn.qkv_proj.weight)
-            o = attn.from_projections(qkv, layer.self_attn, rope) if self.attention_prep else None
+            qkv = norm_gemv(u, layer.input_layernorm, layer.self_attn.qkv_proj.weight, pdl=pdl)
+            o = attn.from_projections(qkv, layer.self_attn, rope, pdl=pdl) if self.attention_prep else None
             if o is None:
                 o = attn(*self.heads(layer, qkv, rope), causal=True, key_mask=None)
-            u = gemv_add(o.transpose(1, 2).flatten(2), layer.self_attn.to_out.weight, u)
-            gate_up = norm_gemv(u, layer.post_attention_layernorm, layer.mlp.gate_up_proj.weight)
-            u = silu_gemv(gate_up, layer.mlp.down_proj.weight, residual=u)
-        logits = norm_gemv(u, lm.transformer.norm, lm.lm_head.weight)
+            # after an attention of torch's kernels (SDPA, or the compiled heads) PDL is harmless: without the
+            # kernel's trigger the next launch waits for it to finish
+            u = gemv_add(o.transpose(1, 2).flatten(2), layer.self_attn.to_out.weight, u, pdl=pdl)
+            gate_up = norm_gemv(u, layer.post_attention_layernorm, layer.mlp.gate_up_proj.weight, pdl=pdl)
+            u = silu_gemv(gate_up, layer.mlp.down_proj.weight, residual=u, pdl=pdl)
+        logits = norm_gemv(u, lm.transformer.norm, lm.lm_head.weight, pdl=pdl)
         return logits.float()[:, 0]

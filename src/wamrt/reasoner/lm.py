@@ -31,17 +31,22 @@ LayerFn = Callable[..., torch.Tensor]  # (layer, u [B, 1, h], rope, attention) -
 
 @dataclass
 class KVCache:
-    """Per-layer Reasoner keys (after norm and RoPE) and values of up to `batch` sequences: [L, B, K, S, d]."""
+    """Per-layer Reasoner keys (after norm and RoPE) and values of up to `batch` sequences: [L, B, K, S, d].
+    `arrivals` [L, B, K] int32: the split-key attention kernel's counters, zero between steps, with which the last
+    split program of each K/V head merges the splits itself (`ops.decode_attention`); None: a merge kernel does."""
 
     keys: torch.Tensor
     values: torch.Tensor
+    arrivals: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, model: Cosmos3Transformer, batch: int, length: int) -> KVCache:
+    def empty(cls, model: Cosmos3Transformer, batch: int, length: int, *, merge_in_split: bool = True) -> KVCache:
         c = model.config
         p = model.embed_tokens.weight
         shape = (c.num_hidden_layers, batch, c.num_key_value_heads, length, c.head_dim)
-        return cls(*(torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(2)))
+        arrivals = (torch.zeros(shape[:3], dtype=torch.int32, device=p.device)
+                    if merge_in_split and p.device.type == "cuda" else None)
+        return cls(*(torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(2)), arrivals)
 
     @property
     def batch(self) -> int:
@@ -96,16 +101,20 @@ class _DecodeAttention:
                  key_mask: torch.Tensor | None) -> torch.Tensor:
         keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]  # [B_max, K, S, d]
         if self.kind == "split":
-            return decode_attention(q, k, v, keys, values, self.index, self.span)
+            return decode_attention(q, k, v, keys, values, self.index, self.span, arrivals=self._arrivals())
         assert self.mask is not None
         keys[self.rows, :, self.index] = k[:, :, 0]
         values[self.rows, :, self.index] = v[:, :, 0]
         return sdpa_over_cache(q, keys, values, self.mask, k.shape[1])
 
-    def from_projections(self, qkv: torch.Tensor, attn: nn.Module, rope: Rope) -> torch.Tensor | None:
+    def _arrivals(self) -> torch.Tensor | None:
+        return None if self.cache.arrivals is None else self.cache.arrivals[self.layer]
+
+    def from_projections(self, qkv: torch.Tensor, attn: nn.Module, rope: Rope, *, pdl: bool = False
+                         ) -> torch.Tensor | None:
         """The same attention from the step's raw q/k/v projections qkv [B, 1, (H + 2K) d], with `attn`'s per-head
-        norms and RoPE applied inside the split kernel; None where that kernel cannot take them (then run
-        `MoTAttention.reasoner_heads` and call this object)."""
+        norms and RoPE applied inside the split kernel (launched with PDL if `pdl`); None where that kernel cannot
+        take them (then run `MoTAttention.reasoner_heads` and call this object)."""
         if self.kind != "split":
             return None
         norm_q, norm_k = (n if getattr(n, "weight", None) is not None else None for n in (attn.norm_q, attn.norm_k))
@@ -113,7 +122,8 @@ class _DecodeAttention:
         if decode_attention_from_projections_problem(qkv, keys, values, norm_q, norm_k, rope.cos):
             return None
         return decode_attention_from_projections(qkv, attn.num_heads, attn.num_kv_heads, norm_q, norm_k, rope.cos,
-                                                 rope.sin, keys, values, self.index, self.span)
+                                                 rope.sin, keys, values, self.index, self.span,
+                                                 arrivals=self._arrivals(), pdl=pdl)
 
 
 class ReasonerLM(nn.Module):
