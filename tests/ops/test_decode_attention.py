@@ -134,11 +134,12 @@ def test_graph_decode_with_the_kernel_equals_its_eager_steps(tmp_path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize(("heads", "kv_heads", "d", "index"), [(32, 8, 128, [600]), (8, 2, 64, [5, 190])])
-@pytest.mark.parametrize("launch", ["plain", "last-split+pdl"])
+@pytest.mark.parametrize("launch", ["plain", "pdl", "last-split+pdl"])
 def test_kernel_from_raw_projections_applies_the_norms_and_rope(qk_norm, heads, kv_heads, d, index, launch) -> None:
     """`decode_attention_from_projections`: the q/k norms and RoPE inside the split kernel equal the model's
-    `reasoner_heads` followed by the reference, output and cache (the new key normed and rotated); also merged by
-    the last split program and launched with PDL (right after the kernel that computes its projections)."""
+    `reasoner_heads` followed by the reference, output and cache (the new key normed and rotated); also launched with
+    PDL right after the kernel that computes its projections, its splits merged by a PDL merge kernel or by the last
+    split program."""
     from wamrt.ops.triton_support import pdl_problem
 
     if launch != "plain" and pdl_problem(torch.device("cuda")):
@@ -174,7 +175,7 @@ def test_kernel_from_raw_projections_applies_the_norms_and_rope(qk_norm, heads, 
     ref = decode_attention_reference(q, k, v, k_ref, v_ref, idx, span)
     norms = (attn.norm_q, attn.norm_k) if qk_norm else (None, None)
     assert decode_attention_from_projections_problem(qkv, keys, values, *norms, rope.cos) is None
-    arrivals = torch.zeros(b, kv_heads, dtype=torch.int32, device="cuda") if launch != "plain" else None
+    arrivals = torch.zeros(b, kv_heads, dtype=torch.int32, device="cuda") if launch.startswith("last-split") else None
     raw = qkv.clone()
     qkv.zero_()
     qkv.add_(raw)  # the projections come from the kernel just before, which a PDL launch must wait for

@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
             # by its last program; "+pdl": the stack's kernels launched with programmatic dependent launch. These in
             # the default compile mode only.
             for label, min_numel in (("all", 0), ("large", GEMV_LARGE_NUMEL), ("one-row-noprep", 0), ("one-row", 0),
-                                     ("one-row-folded", 0), ("one-row-folded+merge", 0),
+                                     ("one-row-folded", 0), ("one-row-folded+merge", 0), ("one-row-folded+pdl", 0),
                                      ("one-row-folded+merge+pdl", 0)):
                 if label == "one-row-folded":
                     from ..engine.fuse import fold_reasoner_norms

@@ -178,7 +178,7 @@ def _launch(q3, kn, vn, keys, values, index, span, prep=None, arrivals=None, pdl
         num_warps=4, **({"launch_pdl": True} if pdl else {}))
     if not merge:
         _merge_kernel[(b, h)](part, lse, out, splits, GROUP=group, D=d, SPLITS=triton.next_power_of_2(splits),
-                              num_warps=4)
+                              PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out[:, :, None]
 
 
@@ -283,7 +283,10 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(part_ptr, lse_ptr, out_ptr, splits, GROUP: tl.constexpr, D: tl.constexpr,
-                      SPLITS: tl.constexpr):
+                      SPLITS: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # nothing to read before the split kernel's output: the launch alone is what overlaps
+            gdc_launch_dependents()
+            gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
         heads = tl.num_programs(1)
