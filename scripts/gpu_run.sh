@@ -387,8 +387,11 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
              --new-tokens "${NEW_TOKENS:-128}" --hf-tokens "${HF_TOKENS:-64}" ${FUSED_MODES:+--fused-modes $FUSED_MODES} \
              --profile-steps "${PROFILE_STEPS:-20}" ${DECODE_ARGS:-} \
              --out "$res" 2>&1 | tee "$res/log.txt"
-          [ "${DECODE_TESTS:-1}" = 0 ] || timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/reasoner/test_reasoner_gpu.py \
-             tests/ops/test_decode_attention.py tests/ops/test_gemv.py tests/ops/test_gemv_fused.py 2>&1 | tail -80 | tee -a "$res/log.txt" ;;
+          # DECODE_TESTS: the GPU test files to run after it (default all four; 0: none)
+          tests=${DECODE_TESTS:-tests/reasoner/test_reasoner_gpu.py tests/ops/test_decode_attention.py tests/ops/test_gemv.py tests/ops/test_gemv_fused.py}
+          # shellcheck disable=SC2086
+          [ "$tests" = 0 ] || timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu -s $tests 2>&1 | tail -80 \
+             | tee -a "$res/log.txt" ;;
     prefix-cost) # Issue 41: what a prefix request costs on the eager reference (none / inpaint / guided RTC), Edge at
           # its d = 3 and Nano at its d = 10 (and each at the other's), random weights; give it prefix-cost:420
           for size in ${PREFIX_COST_MODELS:-edge nano}; do
