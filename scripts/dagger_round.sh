@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 41: one DAgger round on the robot's clock (docs/train.md, "Training on the policy's own prefixes"). Run by
-# `scripts/gpu_run.sh dagger[:SECONDS]`; carry .whl, .gl and the checkpoint to continue (INIT, default the
-# prefix-trained checkpoint packed in .ckpt-carry/ckpt.tgz).
+# `scripts/gpu_run.sh dagger[:SECONDS]`; carry .whl and .gl. INIT, the checkpoint to continue: default the embedded
+# panda-droid-rt; a .tgz a call returned is unpacked with panda-droid's VAE.
 #
 # 1. From t = 0 for REC_S seconds, side by side on the host's cores:
 #    - `wamrt eval grid --record-dagger`: INIT drives DAGGER_EPISODES episodes per cell on the GPU (prefix-trained,
@@ -32,7 +32,7 @@ source scripts/gpu_lib.sh
 part_start || exit 1
 export PYTHONPATH=${PYTHONPATH:-$PWD/src}
 
-INIT=$(carried_ckpt "${INIT:-.ckpt-carry/ckpt.tgz}") || { log "FATAL: cannot unpack INIT"; exit 1; }
+INIT=$(carried_ckpt "${INIT:-src/wamrt/assets/panda-droid-rt}") || { log "FATAL: cannot unpack INIT"; exit 1; }
 DAGGER_TASKS=${DAGGER_TASKS:-turntable,pick_place}
 DAGGER_DELAYS=${DAGGER_DELAYS:-0,3,6,10,14}
 DAGGER_EPISODES=${DAGGER_EPISODES:-60}
