@@ -419,3 +419,54 @@ def test_decode_attention_auto_takes_the_kernel_only_where_it_runs(tiny, monkeyp
     assert DecodeBatch(r, 1, cuda_graphs=False, decode_attention="split").decode_attention == "split"
     monkeypatch.setattr(kernel, "decode_attention_problem", lambda q, keys, values=None: None)
     assert DecodeBatch(r, 1, cuda_graphs=False).decode_attention == "split"
+
+
+def test_chat_worker_one_row_decodes_the_layers_tokens(tiny) -> None:
+    """`--chat-decode one-row`: the chat thread's batch runs `OneRowDecode` on the model's own matrices, nothing
+    compiled and nothing fused or folded (the policy shares them), and a greedy chat gets the tokens of the layers;
+    a model it cannot run (a projection that is not a plain linear layer) keeps the layers."""
+    import torch
+
+    from wamrt.reasoner.fused import OneRowDecode
+    from wamrt.serving.batcher import DeviceGate
+    from wamrt.serving.chat_worker import ChatWorker
+
+    r = tiny.reasoner
+    prompt = r.prepare([{"role": "user", "content": "Describe a kitchen."}])
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    weights = {name: p.clone() for name, p in r.lm.named_parameters()}
+    worker = ChatWorker(r, DeviceGate(), max_batch=2, max_queue=4, one_row=True)
+    try:
+        text, reason, tokens = worker.run(prompt, params)
+        layer_fn = worker.batch.layer_fn
+    finally:
+        worker.stop()
+    assert isinstance(layer_fn, OneRowDecode) and not layer_fn.compile_rows
+    assert all(torch.equal(p, weights[name]) for name, p in r.lm.named_parameters())  # the model untouched
+    eager = list(r.generate([prompt], params, cuda_graphs=False))[-1][0].seq
+    assert (reason, tokens, text) == ("length", 8, eager.stream.text)
+    attn = r.lm.transformer.layers[0].self_attn
+    plain, attn.to_v = attn.to_v, torch.nn.Sequential(attn.to_v)
+    try:
+        fallback = ChatWorker(r, DeviceGate(), max_batch=1, max_queue=4, one_row=True)
+        fallback.stop()
+    finally:
+        attn.to_v = plain
+    assert fallback.decode_options == {}
+
+
+def test_chat_decode_flag_reaches_the_config_and_is_checked() -> None:
+    import argparse
+
+    from wamrt.cli.serve import add_arguments
+    from wamrt.serving.config import CHAT_DECODE, ServeConfig, ServeConfigError
+    from wamrt.serving.server import config_from_args
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    assert config_from_args(ap.parse_args([])).chat_decode == "layers" == ServeConfig.chat_decode
+    assert config_from_args(ap.parse_args(["--chat-decode", "one-row"])).chat_decode == "one-row"
+    assert set(ap._option_string_actions["--chat-decode"].choices) == set(CHAT_DECODE)
+    with pytest.raises(ServeConfigError) as err:
+        ServeConfig(chat_decode="fast")
+    assert err.value.flag == "--chat-decode" and "one-row" in str(err.value)

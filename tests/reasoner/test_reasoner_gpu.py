@@ -37,9 +37,11 @@ def test_graph_decode_equals_eager(tmp_path, fused: bool, fuse_weights: bool) ->
     assert runs[True] == runs[False]
 
 
-def test_chat_worker_precaptures_every_bucket_on_the_gpu(tmp_path) -> None:
+@pytest.mark.parametrize("one_row", [False, True])
+def test_chat_worker_precaptures_every_bucket_on_the_gpu(tmp_path, one_row: bool) -> None:
     """The chat thread's captures while idle (serving/chat_worker.py) on real CUDA graphs: every bucket captured
-    ahead, then a chat decodes the eager path's tokens without capturing on a step."""
+    ahead, then a chat decodes the eager path's tokens without capturing on a step; also with `--chat-decode
+    one-row` (`OneRowDecode` in the one-row buckets' graphs)."""
     import time
 
     from wamrt.serving.batcher import DeviceGate
@@ -50,7 +52,7 @@ def test_chat_worker_precaptures_every_bucket_on_the_gpu(tmp_path) -> None:
     r.lm.to("cuda")
     prompt = r.prepare([{"role": "user", "content": "A longer prompt about robots."}])
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    worker = ChatWorker(r, DeviceGate(), max_batch=2, max_queue=4, precapture_when=lambda: True)
+    worker = ChatWorker(r, DeviceGate(), max_batch=2, max_queue=4, precapture_when=lambda: True, one_row=one_row)
     try:
         deadline = time.monotonic() + 300
         while worker.graphs_planned == 0 or worker.graphs_precaptured < worker.graphs_planned:
@@ -63,12 +65,14 @@ def test_chat_worker_precaptures_every_bucket_on_the_gpu(tmp_path) -> None:
     assert text == eager.stream.text and worker.stats()["graphs"]["captured_on_request"] == 0
 
 
-@pytest.mark.parametrize(("fold", "attention"), [(False, "sdpa"), (True, "sdpa"), (True, "split")])
-def test_one_row_gemv_stack_equals_the_fused_layers_at_kernel_shapes(fold: bool, attention: str) -> None:
+@pytest.mark.parametrize(("fold", "attention", "weights"), [(False, "sdpa", "fused"), (True, "sdpa", "fused"),
+                                                      (True, "split", "fused"), (False, "split", "separate")])
+def test_one_row_gemv_stack_equals_the_fused_layers_at_kernel_shapes(fold: bool, attention: str, weights: str) -> None:
     """`OneRowDecode` on the Triton kernels (bf16, K a multiple of 1,024, so every GEMV runs on them) against the
     per-layer fused decode with cuBLAS, same weights and cache: the logits of a few steps within the fused GEMVs'
     rounding, the same cache written; with `fold`, the norms folded into the matrices (after the reference ran); with
-    the split attention kernel, the q/k norms and RoPE inside it on the one-row side."""
+    the split attention kernel, the q/k norms and RoPE inside it on the one-row side; with separate q/k/v and
+    gate/up matrices (a served model's), one GEMV each into its slice of the layer's buffer."""
     import dataclasses
 
     from wamrt.engine.fuse import fold_reasoner_norms, fuse_reasoner
@@ -86,7 +90,8 @@ def test_one_row_gemv_stack_equals_the_fused_layers_at_kernel_shapes(fold: bool,
     head = torch.nn.Linear(1024, 4096, bias=False).requires_grad_(False)
     torch.nn.init.normal_(head.weight, std=1024 ** -0.5)
     lm = ReasonerLM(transformer, head).to("cuda", torch.bfloat16)
-    fuse_reasoner(lm.transformer)
+    if weights == "fused":
+        fuse_reasoner(lm.transformer)
     caches, logits = {}, {}
     with torch.no_grad():
         for name, layer_fn in (("layers", FusedDecodeLayer()), ("one_row", OneRowDecode())):

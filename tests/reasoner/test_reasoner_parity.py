@@ -224,35 +224,60 @@ def test_fused_decode_layers_equal_the_model_layers(tiny) -> None:
     _close(logits[True], logits[False])
 
 
-@pytest.mark.parametrize(("rows", "attention"), [(1, "auto"), (2, "auto"), (1, "split")])
-def test_one_row_decode_equals_the_fused_layers(tmp_path, rows: int, attention: str) -> None:
+@pytest.mark.parametrize(("rows", "attention", "weights"), [(1, "auto", "fused"), (2, "auto", "fused"),
+                                                         (1, "split", "fused"), (1, "auto", "separate"),
+                                                         (2, "auto", "separate")])
+def test_one_row_decode_equals_the_fused_layers(tmp_path, rows: int, attention: str, weights: str) -> None:
     """`OneRowDecode` (reasoner/fused.py: norms and SiLU * up inside the GEMVs, residual adds in their epilogues; off
     the GPU kernel the model's ops, one by one) gives the logits of the per-layer fused decode at every step: one row
-    through the whole-stack path (on folded norms), two through the per-layer one; with the split attention's
+    through the whole-stack path (on folded norms where the matrices are fused; on separate q/k/v and gate/up
+    matrices, one GEMV each into its slice, as a served model keeps them), two through the per-layer one (with
+    separate matrices and `fused=False`: the model's own layers, nothing compiled); with the split attention's
     reference (no Triton here), the norms and RoPE stay in the compiled region."""
     from wamrt.engine.fuse import fold_reasoner_norms, fuse_reasoner
     from wamrt.reasoner.engine import DecodeBatch
     from wamrt.reasoner.fused import OneRowDecode
 
     r = build_tiny_reasoner(tmp_path, vision=False).reasoner
-    with pytest.raises(ValueError, match="fused q/k/v"):
-        DecodeBatch(r, rows, cuda_graphs=False, one_row=True)
-    fuse_reasoner(r.lm.transformer)
-    if rows == 1:  # the one-row path also on norms folded into the matrices (exact in fp32, up to rounding)
-        fold_reasoner_norms(r.lm.transformer, r.lm.lm_head)
+    if weights == "fused":
+        fuse_reasoner(r.lm.transformer)
+        if rows == 1:  # the one-row path also on norms folded into the matrices (exact in fp32, up to rounding)
+            fold_reasoner_norms(r.lm.transformer, r.lm.lm_head)
     prompts = [r.prepare([{"role": "user", "content": c}]) for c in ("Short.", "A longer prompt about robots.")][:rows]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     logits, tokens, stacks = {}, {}, []
+    compiled = weights == "fused"
     for one_row in (False, True):
-        batch = DecodeBatch(r, rows, cuda_graphs=False, fused=True, one_row=one_row, decode_attention=attention)
+        batch = DecodeBatch(r, rows, cuda_graphs=False, fused=compiled or not one_row, one_row=one_row,
+                            decode_attention=attention)
         assert isinstance(batch.layer_fn, OneRowDecode) == one_row
         if one_row:
+            assert batch.layer_fn.compile_rows == compiled
             run_stack = batch.layer_fn.run_stack
             batch.layer_fn.run_stack = lambda lm, u, *a: stacks.append(u.shape[0]) or run_stack(lm, u, *a)
         logits[one_row], tokens[one_row] = _decode_to_the_end(r, batch, prompts, params)
     assert stacks and set(stacks) == {rows}  # every step went through the whole-stack runner
     assert tokens[True] == tokens[False]
     _close(logits[True], logits[False])
+
+
+def test_one_row_decode_refuses_what_it_cannot_run(tmp_path) -> None:
+    """A Reasoner whose projections are not plain linear layers (a quantized one) or carry biases gets a one-line
+    reason, and `DecodeBatch(one_row=True)` raises it."""
+    from wamrt.reasoner.engine import DecodeBatch
+    from wamrt.reasoner.fused import OneRowDecode
+
+    r = build_tiny_reasoner(tmp_path, vision=False).reasoner
+    assert OneRowDecode.problem(r.lm) is None
+    attn = r.lm.transformer.layers[1].self_attn
+    plain = attn.to_k
+    attn.to_k = torch.nn.Sequential(plain)
+    assert OneRowDecode.problem(r.lm) == "layer 1: the one-row decode takes plain linear projections, not Sequential"
+    with pytest.raises(ValueError, match="plain linear"):
+        DecodeBatch(r, 1, cuda_graphs=False, one_row=True)
+    attn.to_k = plain
+    attn.to_out.bias = torch.nn.Parameter(torch.zeros(attn.to_out.out_features))
+    assert "without biases" in OneRowDecode.problem(r.lm)
 
 
 def test_folding_the_norms_into_the_matrices_keeps_the_logits(tmp_path) -> None:

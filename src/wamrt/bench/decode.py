@@ -109,9 +109,9 @@ def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: 
     fused = fused and (db.graphs is None or db.graphs.layer_fn is not None)
     return {"kind": "latency", "mode": "decode", "batch": batch, "cuda_graph": graphs, "fused": fused,
             "fused_weights": fused_weights, "fused_mode": (fused_mode or "default") if fused else None,
-            "lookahead": lookahead, "attention": attention, "gemv": gemv, "one_row": one_row and fused,
-            "attention_prep": one_row and fused and attention_prep,
-            "merge_in_split": merge_in_split and attention == "split", "pdl": pdl and one_row and fused,
+            "lookahead": lookahead, "attention": attention, "gemv": gemv, "one_row": one_row,
+            "attention_prep": one_row and attention_prep,
+            "merge_in_split": merge_in_split and attention == "split", "pdl": pdl and one_row,
             "tokens_per_s": batch * 1e3 / stats["p50_ms"], "step": stats,
             "floor_fraction": floor_ms / stats["p50_ms"], "tokens": tokens,
             "copy_floor_fraction": None if copy_floor_ms is None else copy_floor_ms / stats["p50_ms"],
@@ -213,6 +213,14 @@ def run(args: argparse.Namespace) -> int:
                      for b in args.batches]
         hf = _hf_baseline(model, head, torch.tensor([ids], device=device), args.hf_tokens) if args.hf_tokens > 1 \
             else None
+        if graphs:  # the one-row stack on the model's own separate matrices, nothing compiled: the chat server's
+            try:
+                rows.append(_decode_row(reasoner, prompt, 1, args.new_tokens, graphs, lookahead=True,
+                                        attention="split", gemv="triton:one-row-separate+merge+pdl", one_row=True,
+                                        merge_in_split=True, pdl=True, **floors))
+            except Exception as e:  # noqa: BLE001  a kernel that fails to build costs its row only
+                failed.append({"batch": 1, "gemv": "one-row-separate", "error": f"{type(e).__name__}: {str(e)[:500]}"})
+                print(f"decode row batch 1 one-row-separate failed: {failed[-1]['error']}")
         if args.fuse_weights:  # last: it changes the model (one matrix for q/k/v and one for gate/up, every layer)
             from ..engine.fuse import fuse_reasoner
 
@@ -307,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         eager = rows[0]["tokens"]
         ours1["greedy_tokens_equal_eager"] = ours1["tokens"][:len(eager)] == eager
     for r in rows:  # fused kernels and matrices round differently: how far greedy decoding goes before it parts
-        if (r["fused"] or r["fused_weights"]) and r["batch"] == 1:
+        if (r["fused"] or r["fused_weights"] or r["one_row"]) and r["batch"] == 1:
             r["greedy_tokens_agreeing_unfused"] = _agreeing(r["tokens"], ours1["tokens"])
     if hf is not None:
         hf["greedy_tokens_agreeing"] = _agreeing(ours1["tokens"], hf["tokens"])

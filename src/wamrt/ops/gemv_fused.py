@@ -52,15 +52,18 @@ except ImportError:  # pragma: no cover - depends on the install
 FUSED_GEMV_ATOL, FUSED_GEMV_RTOL = 3e-2, 2e-2
 
 
-def norm_gemv(x: torch.Tensor, norm: torch.nn.Module, weight: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+def norm_gemv(x: torch.Tensor, norm: torch.nn.Module, weight: torch.Tensor, *, pdl: bool = False,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """norm(x) @ weight.T for x [..., K] (`norm` an RMSNorm, `model.norms.RMSNorm`: `weight`, `eps`). A norm whose
-    weight `engine.fuse.fold_reasoner_norms` folded into the matrix is all ones, and the kernel skips it."""
+    weight `engine.fuse.fold_reasoner_norms` folded into the matrix is all ones, and the kernel skips it. `out`: a
+    contiguous [..., N] view to write into (e.g. q's slice of a [q | k | v] buffer), returned."""
     grad = torch.is_grad_enabled() and norm.weight.requires_grad
     if gemv_problem(x, weight) is None and not grad and norm.weight.dtype == x.dtype:
         folded = getattr(norm, "folded", False)
         return _fused_gemv(x, weight, INPUT_NORM, norm_weight=None if folded else norm.weight, eps=float(norm.eps),
-                           pdl=pdl)
-    return F.linear(norm(x), weight)
+                           pdl=pdl, out=out)
+    y = F.linear(norm(x), weight)
+    return y if out is None else out.copy_(y)
 
 
 def gemv_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
@@ -83,9 +86,14 @@ def silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
 INPUT_PLAIN, INPUT_SILU, INPUT_NORM = 0, 1, 2  # what the kernel computes from its input vector, slice by slice
 
 
-def _fused_gemv(x, weight, kind, *, residual=None, norm_weight=None, eps=0.0, pdl=False):
+def _fused_gemv(x, weight, kind, *, residual=None, norm_weight=None, eps=0.0, pdl=False, out=None):
     n, k = weight.shape
-    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(n, dtype=x.dtype, device=x.device)
+    elif out.numel() != n or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out: a contiguous {x.dtype} view of {n} elements, got {out.dtype} {list(out.shape)}")
+    else:
+        out = out.view(n)
     flat = x.reshape(x.shape[-1])
     _fused_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
         flat, weight, out, flat if residual is None else residual.reshape(n),

@@ -109,9 +109,9 @@ class DecodeBatch:
         use_graphs = self.lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         # fused: the layers' small kernels compiled into two regions (`fused.FusedDecodeLayer`, `fused_mode` its
         # compile mode); off by default: each row count's first step compiles for seconds (`wamrt bench decode`)
-        # one_row: fused, and a one-row step's norms, residual adds and SiLU * up inside its GEMVs
-        # (`fused.OneRowDecode`; needs `engine.fuse.fuse_reasoner`'s matrices); attention_prep: its q/k norms and
-        # RoPE inside the split attention kernel; pdl: its kernels launched with programmatic dependent launch
+        # one_row: a one-row step's norms, residual adds and SiLU * up inside its GEMVs (`fused.OneRowDecode`; with
+        # `fused` its steps of more rows compiled, else the model's layers); attention_prep: its q/k norms and RoPE
+        # inside the split attention kernel; pdl: its kernels launched with programmatic dependent launch
         self.layer_fn = None
         if one_row:
             from .fused import OneRowDecode
@@ -119,7 +119,8 @@ class DecodeBatch:
             problem = OneRowDecode.problem(self.lm)
             if problem:
                 raise ValueError(problem)
-            self.layer_fn = OneRowDecode(fused_mode, attention_prep=attention_prep, pdl=pdl)
+            self.layer_fn = OneRowDecode(fused_mode if fused else None, attention_prep=attention_prep, pdl=pdl,
+                                         compile_rows=fused)
         elif fused:
             from .fused import FusedDecodeLayer
 

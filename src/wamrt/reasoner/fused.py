@@ -10,10 +10,12 @@ stays eager, since its key span changes from step to step.
 
 `OneRowDecode` goes further at one row, where a step is GEMVs: each layer is four GEMV kernels (`ops/gemv_fused.py`:
 RMSNorm inside the q/k/v and gate/up GEMVs, silu(gate) * up inside the down projection's, the residual adds in the
-o and down projections' epilogues), and attention, whose split-key kernel applies the q/k norms and RoPE as it
-loads the query and the new key (elsewhere they are compiled between); then the final norm inside `lm_head`'s GEMV.
-With `pdl` (on by default where `ops.triton_support.pdl_problem` is None) those kernels are launched with
-programmatic dependent launch: each may start during the last wave of the one before it, reading its weights.
+o and down projections' epilogues; seven where q/k/v and gate/up are separate matrices, as a served model shares
+them with the policy: each then writes its slice of one [q | k | v] or [gate | up] buffer), and attention, whose
+split-key kernel applies the q/k norms and RoPE as it loads the query and the new key (elsewhere they are compiled
+between); then the final norm inside `lm_head`'s GEMV. With `pdl` (on by default where
+`ops.triton_support.pdl_problem` is None) those kernels are launched with programmatic dependent launch: each may
+start during the last wave of the one before it, reading its weights.
 """
 
 from __future__ import annotations
@@ -68,18 +70,48 @@ class FusedDecodeLayer:
 
 def _heads(layer: Any, qkv: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     attn = layer.self_attn
-    q, k, _k_gen, v = attn.reasoner_heads(*qkv.split(attn.reasoner_qkv_sizes, dim=-1), rope)
+    sizes = getattr(attn, "reasoner_qkv_sizes", None) or [p.weight.shape[0] for p in (attn.to_q, attn.to_k, attn.to_v)]
+    q, k, _k_gen, v = attn.reasoner_heads(*qkv.split(sizes, dim=-1), rope)
     return q, k, v
+
+
+def _qkv_weights(attn: Any) -> list[torch.Tensor]:
+    fused = getattr(attn, "qkv_proj", None)
+    return [fused.weight] if fused is not None else [attn.to_q.weight, attn.to_k.weight, attn.to_v.weight]
+
+
+def _gate_up_weights(mlp: Any) -> list[torch.Tensor]:
+    fused = getattr(mlp, "gate_up_proj", None)
+    return [fused.weight] if fused is not None else [mlp.gate_proj.weight, mlp.up_proj.weight]
+
+
+def _norm_gemvs(u: torch.Tensor, norm: Any, weights: list[torch.Tensor], pdl: bool) -> torch.Tensor:
+    """norm(u) @ [W_1 | W_2 | ...].T: one GEMV on a fused matrix, else one per matrix into its slice of one buffer."""
+    if len(weights) == 1:
+        return norm_gemv(u, norm, weights[0], pdl=pdl)
+    out = u.new_empty(*u.shape[:-1], sum(w.shape[0] for w in weights))
+    start = 0
+    for w in weights:
+        norm_gemv(u, norm, w, pdl=pdl, out=out[..., start:start + w.shape[0]])
+        start += w.shape[0]
+    return out
 
 
 class OneRowDecode(FusedDecodeLayer):
     """`layer_fn` for `ReasonerLM.decode_step` that runs the whole stack (`run_stack`): at one row, GEMVs with the
-    norms, SiLU * up and residual adds inside them (module docstring); at more rows, `FusedDecodeLayer` per layer.
-    Needs the Reasoner's fused q/k/v and gate/up matrices (`engine.fuse.fuse_reasoner`) and no projection biases."""
+    norms, SiLU * up and residual adds inside them (module docstring); at more rows, `FusedDecodeLayer` per layer
+    (`compile_rows`; else the model's own layers, uncompiled: nothing compiles in a server). Takes the Reasoner's
+    q/k/v and gate/up fused (`engine.fuse.fuse_reasoner`) or not; needs plain linear projections without biases and
+    a gated MLP."""
 
-    def __init__(self, mode: str | None = None, *, attention_prep: bool = True, pdl: bool = True) -> None:
-        super().__init__(mode)
-        self.heads = torch.compile(_heads, dynamic=False)
+    def __init__(self, mode: str | None = None, *, attention_prep: bool = True, pdl: bool = True,
+                 compile_rows: bool = True) -> None:
+        if compile_rows:
+            super().__init__(mode)
+        elif mode is not None:
+            raise ValueError("a compile mode needs compile_rows=True")
+        self.compile_rows = compile_rows
+        self.heads = torch.compile(_heads, dynamic=False) if compile_rows else _heads
         # the q/k norms and RoPE inside the split-key attention kernel where it runs (`from_projections`), not in
         # the compiled `heads` region: two kernels a layer fewer
         self.attention_prep = attention_prep
@@ -90,9 +122,16 @@ class OneRowDecode(FusedDecodeLayer):
         """Why the one-row stack cannot run `lm`'s layers, or None."""
         for i, layer in enumerate(lm.transformer.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            if getattr(attn, "qkv_proj", None) is None or getattr(mlp, "gate_up_proj", None) is None:
-                return f"layer {i}: the one-row decode needs fused q/k/v and gate/up matrices (fuse_reasoner)"
-            if any(m.bias is not None for m in (attn.qkv_proj, attn.to_out, mlp.gate_up_proj, mlp.down_proj)):
+            if not getattr(mlp, "gated", True):
+                return f"layer {i}: the one-row decode needs a gated (SiLU) MLP"
+            qkv = [attn.qkv_proj] if getattr(attn, "qkv_proj", None) is not None else [attn.to_q, attn.to_k, attn.to_v]
+            gate_up = ([mlp.gate_up_proj] if getattr(mlp, "gate_up_proj", None) is not None
+                       else [mlp.gate_proj, mlp.up_proj])
+            projections = [*qkv, attn.to_out, *gate_up, mlp.down_proj]
+            if any(type(m) is not torch.nn.Linear for m in projections):  # e.g. a quantized Reasoner (reasoner-w8)
+                kind = next(type(m).__name__ for m in projections if type(m) is not torch.nn.Linear)
+                return f"layer {i}: the one-row decode takes plain linear projections, not {kind}"
+            if any(m.bias is not None for m in projections):
                 return f"layer {i}: the one-row decode takes projections without biases"
         if lm.lm_head.bias is not None:
             return "lm_head has a bias: the one-row decode takes none"
@@ -102,18 +141,18 @@ class OneRowDecode(FusedDecodeLayer):
         """u [B, 1, h] embeddings -> logits [B, V], through every layer and the final norm."""
         if u.shape[0] != 1:
             for layer, attn in zip(lm.transformer.layers, attentions, strict=True):
-                u = self(layer, u, rope, attn)
+                u = self(layer, u, rope, attn) if self.compile_rows else layer.reasoner(u, rope, attn)[0]
             return lm._logits(u)[:, 0]
         pdl = self.pdl and pdl_problem(u.device) is None
         for layer, attn in zip(lm.transformer.layers, attentions, strict=True):
-            qkv = norm_gemv(u, layer.input_layernorm, layer.self_attn.qkv_proj.weight, pdl=pdl)
+            qkv = _norm_gemvs(u, layer.input_layernorm, _qkv_weights(layer.self_attn), pdl)
             o = attn.from_projections(qkv, layer.self_attn, rope, pdl=pdl) if self.attention_prep else None
             if o is None:
                 o = attn(*self.heads(layer, qkv, rope), causal=True, key_mask=None)
             # after an attention of torch's kernels (SDPA, or the compiled heads) PDL is harmless: without the
             # kernel's trigger the next launch waits for it to finish
             u = gemv_add(o.transpose(1, 2).flatten(2), layer.self_attn.to_out.weight, u, pdl=pdl)
-            gate_up = norm_gemv(u, layer.post_attention_layernorm, layer.mlp.gate_up_proj.weight, pdl=pdl)
+            gate_up = _norm_gemvs(u, layer.post_attention_layernorm, _gate_up_weights(layer.mlp), pdl)
             u = silu_gemv(gate_up, layer.mlp.down_proj.weight, residual=u, pdl=pdl)
         logits = norm_gemv(u, lm.transformer.norm, lm.lm_head.weight, pdl=pdl)
         return logits.float()[:, 0]

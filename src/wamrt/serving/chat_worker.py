@@ -57,9 +57,21 @@ class ChatWorker:
 
     def __init__(self, reasoner: Any, gate: DeviceGate, *, max_batch: int, max_queue: int,
                  on_first_token: Callable[[float], None] | None = None,
-                 precapture_when: Callable[[], bool] | None = None) -> None:
+                 precapture_when: Callable[[], bool] | None = None, one_row: bool = False) -> None:
         if max_batch < 1 or max_queue < 1:
             raise ValueError("max_batch and max_queue must be >= 1")
+        # one_row (`--chat-decode one-row`): steps of one request on `reasoner.fused.OneRowDecode`, on the model's
+        # own matrices (nothing fused or folded: the policy shares them), nothing compiled; where it cannot run this
+        # model, the layers, said once in the log
+        self.decode_options: dict[str, Any] = {}
+        if one_row:
+            from ..reasoner.fused import OneRowDecode
+
+            problem = OneRowDecode.problem(reasoner.lm)
+            if problem:
+                log.warning("chat: --chat-decode one-row cannot run this model (%s); decoding with its layers", problem)
+            else:
+                self.decode_options = {"one_row": True}
         self.reasoner, self.gate, self.max_batch, self.max_queue = reasoner, gate, max_batch, max_queue
         self.on_first_token = on_first_token  # seconds from queued to the first token (Metrics.first_token)
         self.batch: Any = None  # DecodeBatch, made on the first request or for the first precapture
@@ -167,7 +179,7 @@ class ChatWorker:
                 continue
             try:
                 if self.batch is None:
-                    self.batch = DecodeBatch(self.reasoner, self.max_batch)
+                    self.batch = DecodeBatch(self.reasoner, self.max_batch, **self.decode_options)
                 self._drop_cancelled()
                 self._admit()
                 if self.batch.live:
@@ -193,7 +205,7 @@ class ChatWorker:
             if self._to_capture is None:
                 if self.batch is None:  # the K/V cache the memory plan reserved for chat, allocated now
                     with self._device():
-                        self.batch = decode_batch(self.reasoner, self.max_batch)
+                        self.batch = decode_batch(self.reasoner, self.max_batch, **self.decode_options)
                 self._to_capture = self.batch.graph_buckets()  # none without CUDA graphs
                 self.graphs_planned = len(self._to_capture)
                 if self._to_capture:

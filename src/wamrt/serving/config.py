@@ -11,6 +11,7 @@ from .limits import Limits
 
 ATTENTION_CHOICES = ("cudnn", "flash", "efficient", "fa4")
 EPILOGUE_CHOICES = ("inductor", "quack")
+CHAT_DECODE = ("layers", "one-row")
 
 
 @dataclass
@@ -100,6 +101,7 @@ class ServeConfig:
     # of one K/V cache, 0 = no chat), waiting requests before busy, the context (prompt + output tokens) of a row,
     # limits of one request, and the tokens an upsampling run may write.
     chat_max_batch: int = 4
+    chat_decode: str = "layers"  # "one-row": `reasoner.fused.OneRowDecode` for one-row steps (`--chat-decode`)
     chat_max_queue: int = 64
     chat_context: int = 8192
     chat_max_prompt_tokens: int = 6144
@@ -143,6 +145,8 @@ class ServeConfig:
                                  ("--upsample-max-tokens", self.upsample_max_tokens, 16)):
             if value < low:
                 raise ServeConfigError(f"must be >= {low}, got {value}", flag=flag)
+        if self.chat_decode not in CHAT_DECODE:
+            raise ServeConfigError(f"one of {', '.join(CHAT_DECODE)}, got {self.chat_decode!r}", flag="--chat-decode")
         if self.generation_step_segments < 1:
             raise ServeConfigError(f"must be >= 1, got {self.generation_step_segments}",
                                    flag="--generation-step-segments")

@@ -32,6 +32,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_generation_jobs=args.max_generation_jobs, sampler=args.sampler,
         generation_step_segments=args.generation_step_segments, generation_warmup=tuple(args.generation_warmup),
         attention=args.attention, epilogues=args.epilogues, chat_max_batch=args.chat_max_batch,
+        chat_decode=args.chat_decode,
         chat_max_queue=args.chat_max_queue, chat_context=args.chat_context,
         chat_max_prompt_tokens=args.chat_max_prompt_tokens, chat_max_tokens=args.chat_max_tokens,
         chat_max_image_pixels=args.chat_max_image_pixels, upsample_max_tokens=args.upsample_max_tokens,

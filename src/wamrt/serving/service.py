@@ -131,7 +131,8 @@ class Service:
         if self.reasoner is not None:  # its own thread and queue, the device shared the same way
             self.chat = ChatWorker(self.reasoner, self.batcher.gate, max_batch=self.config.chat_max_batch,
                                    max_queue=self.config.chat_max_queue, on_first_token=self.metrics.first_token,
-                                   precapture_when=self._idle_captures_allowed)
+                                   precapture_when=self._idle_captures_allowed,
+                                   one_row=self.config.chat_decode == "one-row")
             self.metrics.watch_chat(self.chat.stats)
         if self.world is not None:  # its own thread and queue; the device is shared through the batcher's gate
             self.generation = GenerationWorker(self.world, self.batcher.gate,
