@@ -216,7 +216,10 @@ def test_bench_decode_tiny_writes_its_rows(tmp_path):
         assert r["tokens_per_s"] > 0 and r["first_use_step_ms"] > 0 and r["cuda_graph"] is False
     fused1 = res["rows"][3]  # fp32 on the CPU: the fused matrices decode the same greedy tokens
     assert fused1["greedy_tokens_agreeing_unfused"] == 16
-    assert res["transformers_generate"]["greedy_tokens_agreeing"] >= 1
+    hf = res["transformers_generate"]
+    assert hf["greedy_tokens_agreeing"] >= 1
+    fastest = max(r["tokens_per_s"] for r in res["rows"] if r["batch"] == 1)  # the speedup of the best row too
+    assert hf["speedup_best_batch1"] == pytest.approx(fastest / hf["tokens_per_s"])
     assert res["copy_floor"] is None and all(r["copy_floor_fraction"] is None for r in res["rows"])  # no GPU
 
 
