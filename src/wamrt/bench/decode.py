@@ -258,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
             # last: the batch-1 projections on the Triton GEMV (ops/gemv.py) instead of what the compiler picks, with
             # lookahead and the split kernel, in the default compile mode and the last of --fused-modes: on every
             # matrix, then on the large ones only (gate/up, down, lm_head; q/k/v and o stay the compiler's)
+            from ..ops import gemv_fused
             from ..ops.gemv import undo_gemv_kernel, use_gemv_kernel
 
             last_mode = args.fused_modes[-1] if args.fused_modes else None
@@ -269,11 +270,13 @@ def run(args: argparse.Namespace) -> int:
             # (reasoner/fused.py `OneRowDecode`, ops/gemv_fused.py), the q/k norms and RoPE inside the attention kernel
             # ("-noprep": compiled between); "one-row-folded": the norms' weights folded into the matrices
             # (engine/fuse.py fold_reasoner_norms; changes the model: last); "+merge": the attention's splits merged
-            # by its last program; "+pdl": the stack's kernels launched with programmatic dependent launch. These in
-            # the default compile mode only.
+            # by its last program; "+pdl": the stack's kernels launched with programmatic dependent launch;
+            # "+preload2": each GEMV reads two weight slices before it waits, not one. These in the default compile
+            # mode only.
             for label, min_numel in (("all", 0), ("large", GEMV_LARGE_NUMEL), ("one-row-noprep", 0), ("one-row", 0),
                                      ("one-row-folded", 0), ("one-row-folded+merge", 0), ("one-row-folded+pdl", 0),
-                                     ("one-row-folded+merge+pdl", 0)):
+                                     ("one-row-folded+merge+pdl", 0), ("one-row-folded+pdl+preload2", 0),
+                                     ("one-row-folded+merge+pdl+preload2", 0)):
                 if label == "one-row-folded":
                     from ..engine.fuse import fold_reasoner_norms
 
@@ -282,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
                 use_gemv_kernel(lm, min_numel)
                 torch._dynamo.reset()  # compiled layers keep the kernels they were compiled with (dfeffd6)
                 one_row = label.startswith("one-row")
+                gemv_fused.PDL_PRELOAD_SLICES = 2 if "+preload2" in label else 1
                 for mode in [None] if one_row else dict.fromkeys([None, last_mode]):
                     try:
                         row = _decode_row(reasoner, prompt, 1, args.new_tokens, graphs, fused=True,
@@ -304,11 +308,13 @@ def run(args: argparse.Namespace) -> int:
                 undo_gemv_kernel(lm)
                 use_gemv_kernel(lm, GEMV_LARGE_NUMEL if label == "large" else 0)
                 torch._dynamo.reset()
+                gemv_fused.PDL_PRELOAD_SLICES = 2 if "+preload2" in label else 1
                 profile[f"lookahead+split+gemv:{label} ({mode or 'default'})"] = profile_decode(
                     reasoner, prompt, steps=args.profile_steps, fused_mode=mode, lookahead=True, attention="split",
                     one_row=label.startswith("one-row"), attention_prep=not label.endswith("noprep"),
                     merge_in_split="+merge" in label, pdl="+pdl" in label)
             undo_gemv_kernel(lm)
+            gemv_fused.PDL_PRELOAD_SLICES = 1
     ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs and not r["fused"]
                  and not r["fused_weights"] and not r["lookahead"])
     if graphs:  # the graph replays compute what the eager steps do

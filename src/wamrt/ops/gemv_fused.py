@@ -21,7 +21,8 @@ The normalised input is not rounded to bf16 here (the eager norm rounds it befor
 differ from the unfused ops by about one bf16 rounding of the input: `FUSED_GEMV_ATOL` / `_RTOL`.
 
 `pdl=True` launches the kernel with programmatic dependent launch (`triton_support.pdl_problem`). It may then start
-while the kernel before it still runs: its programs read their first weight slice, which no kernel writes, and wait
+while the kernel before it still runs: its programs read their first weight slice (`PDL_PRELOAD_SLICES`: or the
+first two), which no kernel writes, and wait
 (`griddepcontrol.wait`) before they read the input vector or the residual. In a chain of such GEMVs the next
 matrix's reads begin during the previous kernel's last wave, where most SMs sit idle, instead of after it and a
 launch gap.
@@ -50,6 +51,9 @@ except ImportError:  # pragma: no cover - depends on the install
 # The fused kernels against the unfused ops (bf16, K up to 12,288, unit-scale inputs): one bf16 rounding of the
 # normalised input, accumulated over K in fp32.
 FUSED_GEMV_ATOL, FUSED_GEMV_RTOL = 3e-2, 2e-2
+# With PDL: how many weight slices a program reads before it waits for the kernel before it (1 or 2). A module
+# setting, read at launch, so `wamrt bench decode` can measure both in one process (+preload2 rows).
+PDL_PRELOAD_SLICES = 1
 
 
 def norm_gemv(x: torch.Tensor, norm: torch.nn.Module, weight: torch.Tensor, *, pdl: bool = False,
@@ -98,7 +102,8 @@ def _fused_gemv(x, weight, kind, *, residual=None, norm_weight=None, eps=0.0, pd
     _fused_gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
         flat, weight, out, flat if residual is None else residual.reshape(n),
         flat if norm_weight is None else norm_weight, n, eps, k, INPUT=kind, HAS_RESIDUAL=residual is not None,
-        HAS_NORM_WEIGHT=norm_weight is not None, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+        HAS_NORM_WEIGHT=norm_weight is not None, PDL=pdl, PRELOAD=PDL_PRELOAD_SLICES if pdl else 0,
+        **({"launch_pdl": True} if pdl else {}))
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -120,18 +125,31 @@ if triton is not None:
         acc += w.to(tl.float32) * xs[None, :]
         return acc, squares
 
-    @triton.autotune(configs=GEMV_CONFIGS, key=["n", "K", "INPUT", "HAS_RESIDUAL", "HAS_NORM_WEIGHT", "PDL"])
+    @triton.autotune(configs=GEMV_CONFIGS,
+                     key=["n", "K", "INPUT", "HAS_RESIDUAL", "HAS_NORM_WEIGHT", "PDL", "PRELOAD"])
     @triton.jit
     def _fused_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, n, eps, K: tl.constexpr, INPUT: tl.constexpr,
                            HAS_RESIDUAL: tl.constexpr, HAS_NORM_WEIGHT: tl.constexpr, PDL: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           PRELOAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.arange(0, BLOCK_K)
         live = (rows < n)[:, None]
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        if PDL:
+        if PDL and PRELOAD > 1 and K > BLOCK_K:  # two weight slices before the wait
+            gdc_launch_dependents()
+            w = tl.load(w_ptrs, mask=live, other=0.0, eviction_policy="evict_first")
+            w_second = tl.load(w_ptrs + BLOCK_K, mask=live, other=0.0, eviction_policy="evict_first")
+            gdc_wait()
+            acc, squares = _input_slice(acc, squares, w, x_ptr, nw_ptr, out_ptr, 0, cols, K, INPUT, HAS_NORM_WEIGHT)
+            acc, squares = _input_slice(acc, squares, w_second, x_ptr, nw_ptr, out_ptr, BLOCK_K, cols, K, INPUT,
+                                        HAS_NORM_WEIGHT)
+            for k0 in range(2 * BLOCK_K, K, BLOCK_K):
+                w = tl.load(w_ptrs + k0, mask=live, other=0.0, eviction_policy="evict_first")
+                acc, squares = _input_slice(acc, squares, w, x_ptr, nw_ptr, out_ptr, k0, cols, K, INPUT,
+                                            HAS_NORM_WEIGHT)
+        elif PDL:
             gdc_launch_dependents()
             # the first weight slice before the wait: weights are no kernel's output
             w = tl.load(w_ptrs, mask=live, other=0.0, eviction_policy="evict_first")
