@@ -107,12 +107,12 @@ def _chain(x: torch.Tensor, norm: RMSNorm, weights: list[torch.Tensor], pdl: boo
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("preload", [1, 2])
+@pytest.mark.parametrize("preload", [1, 2, 4])
 def test_pdl_chain_in_a_graph_reads_each_kernels_finished_output(preload: int, monkeypatch) -> None:
     """Under PDL a GEMV starts while the one before it runs and must wait before it reads that one's output (after
-    one or two weight slices: `PDL_PRELOAD_SLICES`). Two layers of the chain, captured, replayed on 20 fresh inputs:
-    each replay bit for bit the same chain run eagerly with PDL, and within the kernels' tolerance of the chain
-    without it."""
+    one, two or four weight slices: `PDL_PRELOAD_SLICES`). Two layers of the chain, captured, replayed on 20 fresh
+    inputs: each replay bit for bit the same chain run eagerly with PDL, and within the kernels' tolerance of the
+    chain without it."""
     from wamrt.ops import gemv_fused
     from wamrt.ops.triton_support import pdl_problem
 

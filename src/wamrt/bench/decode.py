@@ -120,6 +120,12 @@ def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: 
             "first_use_step_ms": max(first_pass_ms)}
 
 
+def _preload_slices(label: str) -> int:
+    """`ops.gemv_fused.PDL_PRELOAD_SLICES` for a gemv row label: N for "+preloadN", else 1."""
+    _, found, n = label.partition("+preload")
+    return int(n) if found else 1
+
+
 def _agreeing(a: list[int], b: list[int]) -> int:
     """How many leading tokens two greedy runs share."""
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
@@ -271,12 +277,13 @@ def run(args: argparse.Namespace) -> int:
             # ("-noprep": compiled between); "one-row-folded": the norms' weights folded into the matrices
             # (engine/fuse.py fold_reasoner_norms; changes the model: last); "+merge": the attention's splits merged
             # by its last program; "+pdl": the stack's kernels launched with programmatic dependent launch;
-            # "+preload2": each GEMV reads two weight slices before it waits, not one. These in the default compile
+            # "+preloadN": each GEMV reads N weight slices before it waits, not one. These in the default compile
             # mode only.
             for label, min_numel in (("all", 0), ("large", GEMV_LARGE_NUMEL), ("one-row-noprep", 0), ("one-row", 0),
                                      ("one-row-folded", 0), ("one-row-folded+merge", 0), ("one-row-folded+pdl", 0),
                                      ("one-row-folded+merge+pdl", 0), ("one-row-folded+pdl+preload2", 0),
-                                     ("one-row-folded+merge+pdl+preload2", 0)):
+                                     ("one-row-folded+merge+pdl+preload2", 0), ("one-row-folded+pdl+preload4", 0),
+                                     ("one-row-folded+merge+pdl+preload4", 0)):
                 if label == "one-row-folded":
                     from ..engine.fuse import fold_reasoner_norms
 
@@ -285,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
                 use_gemv_kernel(lm, min_numel)
                 torch._dynamo.reset()  # compiled layers keep the kernels they were compiled with (dfeffd6)
                 one_row = label.startswith("one-row")
-                gemv_fused.PDL_PRELOAD_SLICES = 2 if "+preload2" in label else 1
+                gemv_fused.PDL_PRELOAD_SLICES = _preload_slices(label)
                 for mode in [None] if one_row else dict.fromkeys([None, last_mode]):
                     try:
                         row = _decode_row(reasoner, prompt, 1, args.new_tokens, graphs, fused=True,
@@ -308,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
                 undo_gemv_kernel(lm)
                 use_gemv_kernel(lm, GEMV_LARGE_NUMEL if label == "large" else 0)
                 torch._dynamo.reset()
-                gemv_fused.PDL_PRELOAD_SLICES = 2 if "+preload2" in label else 1
+                gemv_fused.PDL_PRELOAD_SLICES = _preload_slices(label)
                 profile[f"lookahead+split+gemv:{label} ({mode or 'default'})"] = profile_decode(
                     reasoner, prompt, steps=args.profile_steps, fused_mode=mode, lookahead=True, attention="split",
                     one_row=label.startswith("one-row"), attention_prep=not label.endswith("noprep"),

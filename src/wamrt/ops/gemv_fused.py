@@ -22,7 +22,7 @@ differ from the unfused ops by about one bf16 rounding of the input: `FUSED_GEMV
 
 `pdl=True` launches the kernel with programmatic dependent launch (`triton_support.pdl_problem`). It may then start
 while the kernel before it still runs: its programs read their first weight slice (`PDL_PRELOAD_SLICES`: or the
-first two), which no kernel writes, and wait
+first two or four, as one tile), which no kernel writes, and wait
 (`griddepcontrol.wait`) before they read the input vector or the residual. In a chain of such GEMVs the next
 matrix's reads begin during the previous kernel's last wave, where most SMs sit idle, instead of after it and a
 launch gap.
@@ -51,8 +51,8 @@ except ImportError:  # pragma: no cover - depends on the install
 # The fused kernels against the unfused ops (bf16, K up to 12,288, unit-scale inputs): one bf16 rounding of the
 # normalised input, accumulated over K in fp32.
 FUSED_GEMV_ATOL, FUSED_GEMV_RTOL = 3e-2, 2e-2
-# With PDL: how many weight slices a program reads before it waits for the kernel before it (1 or 2). A module
-# setting, read at launch, so `wamrt bench decode` can measure both in one process (+preload2 rows).
+# With PDL: how many weight slices a program reads before it waits for the kernel before it (1, 2 or 4; fewer where K
+# is shorter). A module setting, read at launch, so `wamrt bench decode` measures each in one process (+preloadN).
 PDL_PRELOAD_SLICES = 1
 
 
@@ -137,25 +137,22 @@ if triton is not None:
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        if PDL and PRELOAD > 1 and K > BLOCK_K:  # two weight slices before the wait
+        first_y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        first_squares = 0.0
+        if PDL:
             gdc_launch_dependents()
-            w = tl.load(w_ptrs, mask=live, other=0.0, eviction_policy="evict_first")
-            w_second = tl.load(w_ptrs + BLOCK_K, mask=live, other=0.0, eviction_policy="evict_first")
+            # the first PRELOAD weight slices, as one tile, before the wait: weights are no kernel's output
+            FIRST: tl.constexpr = PRELOAD * BLOCK_K if PRELOAD * BLOCK_K <= K else BLOCK_K
+            wide = tl.arange(0, FIRST)
+            w_first = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + wide[None, :], mask=live, other=0.0,
+                              eviction_policy="evict_first")
             gdc_wait()
-            acc, squares = _input_slice(acc, squares, w, x_ptr, nw_ptr, out_ptr, 0, cols, K, INPUT, HAS_NORM_WEIGHT)
-            acc, squares = _input_slice(acc, squares, w_second, x_ptr, nw_ptr, out_ptr, BLOCK_K, cols, K, INPUT,
-                                        HAS_NORM_WEIGHT)
-            for k0 in range(2 * BLOCK_K, K, BLOCK_K):
-                w = tl.load(w_ptrs + k0, mask=live, other=0.0, eviction_policy="evict_first")
-                acc, squares = _input_slice(acc, squares, w, x_ptr, nw_ptr, out_ptr, k0, cols, K, INPUT,
-                                            HAS_NORM_WEIGHT)
-        elif PDL:
-            gdc_launch_dependents()
-            # the first weight slice before the wait: weights are no kernel's output
-            w = tl.load(w_ptrs, mask=live, other=0.0, eviction_policy="evict_first")
-            gdc_wait()
-            acc, squares = _input_slice(acc, squares, w, x_ptr, nw_ptr, out_ptr, 0, cols, K, INPUT, HAS_NORM_WEIGHT)
-            for k0 in range(BLOCK_K, K, BLOCK_K):
+            first, wide_squares = _input_slice(tl.zeros((BLOCK_N, FIRST), dtype=tl.float32),
+                                               tl.zeros((FIRST,), dtype=tl.float32), w_first, x_ptr, nw_ptr, out_ptr, 0,
+                                               wide, K, INPUT, HAS_NORM_WEIGHT)
+            first_y = tl.sum(first, axis=1)
+            first_squares = tl.sum(wide_squares, axis=0)
+            for k0 in range(FIRST, K, BLOCK_K):
                 w = tl.load(w_ptrs + k0, mask=live, other=0.0, eviction_policy="evict_first")
                 acc, squares = _input_slice(acc, squares, w, x_ptr, nw_ptr, out_ptr, k0, cols, K, INPUT,
                                             HAS_NORM_WEIGHT)
@@ -164,9 +161,9 @@ if triton is not None:
                 w = tl.load(w_ptrs + k0, mask=live, other=0.0, eviction_policy="evict_first")
                 acc, squares = _input_slice(acc, squares, w, x_ptr, nw_ptr, out_ptr, k0, cols, K, INPUT,
                                             HAS_NORM_WEIGHT)
-        y = tl.sum(acc, axis=1)
+        y = tl.sum(acc, axis=1) + first_y
         if INPUT == 2:
-            y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+            y = y * tl.rsqrt((tl.sum(squares, axis=0) + first_squares) / K + eps)
         if HAS_RESIDUAL:  # the projection rounded, then the add rounded: the eager ops' two roundings
             y = y.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(res_ptr + rows, mask=rows < n).to(tl.float32)
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=rows < n)
