@@ -263,12 +263,17 @@ def test_one_row_decode_equals_the_fused_layers(tmp_path, rows: int, attention: 
 
 def test_one_row_decode_refuses_what_it_cannot_run(tmp_path) -> None:
     """A Reasoner whose projections are not plain linear layers (a quantized one) or carry biases gets a one-line
-    reason, and `DecodeBatch(one_row=True)` raises it."""
+    reason, and `DecodeBatch(one_row=True)` raises it. Layers swapped to the Triton GEMV (`use_gemv_kernel`, as
+    `wamrt bench decode` leaves them) hold the same matrices and are taken."""
+    from wamrt.ops.gemv import undo_gemv_kernel, use_gemv_kernel
     from wamrt.reasoner.engine import DecodeBatch
     from wamrt.reasoner.fused import OneRowDecode
 
     r = build_tiny_reasoner(tmp_path, vision=False).reasoner
     assert OneRowDecode.problem(r.lm) is None
+    assert use_gemv_kernel(r.lm) > 0
+    assert OneRowDecode.problem(r.lm) is None
+    undo_gemv_kernel(r.lm)
     attn = r.lm.transformer.layers[1].self_attn
     plain = attn.to_k
     attn.to_k = torch.nn.Sequential(plain)

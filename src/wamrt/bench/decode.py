@@ -288,10 +288,11 @@ def run(args: argparse.Namespace) -> int:
                     from ..engine.fuse import fold_reasoner_norms
 
                     fold_reasoner_norms(lm.transformer, lm.lm_head)
-                undo_gemv_kernel(lm)
-                use_gemv_kernel(lm, min_numel)
-                torch._dynamo.reset()  # compiled layers keep the kernels they were compiled with (dfeffd6)
                 one_row = label.startswith("one-row")
+                undo_gemv_kernel(lm)
+                if not one_row:  # the one-row stack calls its own kernels on the matrices
+                    use_gemv_kernel(lm, min_numel)
+                torch._dynamo.reset()  # compiled layers keep the kernels they were compiled with (dfeffd6)
                 gemv_fused.PDL_PRELOAD_SLICES = _preload_slices(label)
                 for mode in [None] if one_row else dict.fromkeys([None, last_mode]):
                     try:
@@ -313,7 +314,8 @@ def run(args: argparse.Namespace) -> int:
                 if label in ("one-row", "one-row-noprep"):  # the norms are folded by now: what the profile runs
                     label = label.replace("one-row", "one-row-folded")
                 undo_gemv_kernel(lm)
-                use_gemv_kernel(lm, GEMV_LARGE_NUMEL if label == "large" else 0)
+                if not label.startswith("one-row"):
+                    use_gemv_kernel(lm, GEMV_LARGE_NUMEL if label == "large" else 0)
                 torch._dynamo.reset()
                 gemv_fused.PDL_PRELOAD_SLICES = _preload_slices(label)
                 profile[f"lookahead+split+gemv:{label} ({mode or 'default'})"] = profile_decode(

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..model import Rope
+from ..ops.gemv import GemvLinear
 from ..ops.gemv_fused import gemv_add, norm_gemv, silu_gemv
 from ..ops.triton_support import pdl_problem
 
@@ -128,8 +129,9 @@ class OneRowDecode(FusedDecodeLayer):
             gate_up = ([mlp.gate_up_proj] if getattr(mlp, "gate_up_proj", None) is not None
                        else [mlp.gate_proj, mlp.up_proj])
             projections = [*qkv, attn.to_out, *gate_up, mlp.down_proj]
-            if any(type(m) is not torch.nn.Linear for m in projections):  # e.g. a quantized Reasoner (reasoner-w8)
-                kind = next(type(m).__name__ for m in projections if type(m) is not torch.nn.Linear)
+            # GemvLinear (`ops.gemv.use_gemv_kernel`) holds the same matrix; a quantized Reasoner (reasoner-w8) none
+            if any(type(m) not in (torch.nn.Linear, GemvLinear) for m in projections):
+                kind = next(type(m).__name__ for m in projections if type(m) not in (torch.nn.Linear, GemvLinear))
                 return f"layer {i}: the one-row decode takes plain linear projections, not {kind}"
             if any(m.bias is not None for m in projections):
                 return f"layer {i}: the one-row decode takes projections without biases"
