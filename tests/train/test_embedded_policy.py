@@ -42,7 +42,8 @@ def test_embedded_policy_serves_raw_joint_targets_near_the_state():
 def test_real_time_policy_is_embedded_and_takes_a_committed_prefix():
     """`panda-droid-rt` (issue 41): trained with clean action prefixes, its wamrt.json says so and records its
     lineage; a request with the rows the arm has committed to answers a chunk that starts from them."""
-    from wamrt.sample import sample_observation
+    from wamrt.sim import PandaEnv
+    from wamrt.sim.droid import droid_observation
 
     folder = TRAINED_MODELS["panda-droid-rt"]
     meta = json.loads((folder / "wamrt.json").read_text())
@@ -52,15 +53,17 @@ def test_real_time_policy_is_embedded_and_takes_a_committed_prefix():
     assert size <= LIMIT_MB, size
     policy = wamrt.load_policy("panda-droid-rt", device="cpu")
     assert policy.contract.trained_with_action_prefix
-    obs = sample_observation()
-    obs["observation/joint_position"] = np.array([0.0, -0.35, 0.0, -2.3, 0.0, 1.95, 0.785], np.float32)
-    free = policy.infer(obs, seed=0).actions
-    assert free.shape == (32, 8) and np.isfinite(free).all()
-    committed = free[:6].copy()
-    committed[:, :7] += 0.02  # rows the arm committed to, not the ones this seed would draw
-    obs["action_prefix"] = committed
-    chunk = policy.infer(obs, seed=1).actions
-    assert np.allclose(chunk[:6], committed, atol=1e-4)
-    # the free rows continue from the committed ones: the step across the seam is no larger than the largest step
-    # between two rows of the unconditioned chunk (this random-image observation is far from the simulator's)
-    assert np.abs(chunk[6, :7] - committed[5, :7]).max() <= np.abs(np.diff(free[:, :7], axis=0)).max()
+    for task in ("pick_place", "turntable"):  # the simulator's own observations: what it was trained on
+        with PandaEnv(task) as env:
+            obs = droid_observation(env.reset(0))
+        free = policy.infer(obs, seed=0).actions
+        assert free.shape == (32, 8) and np.isfinite(free).all()
+        committed = free[:6].copy()
+        committed[:, :7] += 0.1  # rows the arm committed to, away from the ones this seed would draw
+        chunk = policy.infer({**obs, "action_prefix": committed}, seed=1).actions
+        assert np.allclose(chunk[:6], committed, atol=1e-4), task
+        # the free rows continue from the committed ones, not from the plan the policy would have made without
+        # them: the first free row is nearer the last committed row than the unconditioned chunk's row is
+        follows = np.abs(chunk[6, :7] - committed[5, :7]).mean()
+        ignores = np.abs(free[6, :7] - committed[5, :7]).mean()
+        assert follows < ignores, (task, follows, ignores)
