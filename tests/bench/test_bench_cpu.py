@@ -283,3 +283,40 @@ def test_decode_profile_sorts_kernels_by_kind_and_runs_on_the_cpu():
     assert p["steps"] == 3 and p["step_ms_p50"] > 0 and p["device_events"] == 0 and p["busy_ms_per_step"] == 0
     assert p["idle_ms_per_step"] == p["step_ms_p50"] and p["top_kernels"] == []
     assert describe(p).startswith("profile, batch 1")
+
+
+def test_every_gemv_row_of_bench_decode_builds_its_decode_batch():
+    """`bench decode`'s batch-1 GEMV rows run only on a GPU, after everything else; 5e3177d's call lost all ten
+    one-row rows to a setup the CPU never built (the GemvLinear swap of the rows before them, refused by
+    OneRowDecode). Here each label, in the bench's order on one fused model, sets the model up and its DecodeBatch is
+    made and steps once."""
+    import torch
+
+    from wamrt.bench.decode import GEMV_ROWS, setup_gemv_row
+    from wamrt.engine.fuse import fuse_reasoner
+    from wamrt.ops import gemv_fused
+    from wamrt.ops.gemv import GemvLinear
+    from wamrt.pipeline.random_weights import random_transformer
+    from wamrt.reasoner.engine import DecodeBatch, Reasoner
+    from wamrt.reasoner.lm import ReasonerLM
+    from wamrt.reasoner.load import random_lm_head
+    from wamrt.reasoner.prompt import PreparedPrompt
+    from wamrt.reasoner.sampling import SamplingParams
+
+    model = random_transformer("tiny-qwen", torch.device("cpu"), torch.float32)
+    lm = ReasonerLM(model, random_lm_head(model, seed=1))
+    fuse_reasoner(model)
+    reasoner = Reasoner(lm, None, max_len=64)
+    ids = list(range(5, 21))
+    prompt = PreparedPrompt(ids, torch.arange(len(ids), dtype=torch.float32).expand(3, -1), len(ids), [], None)
+    try:
+        for label in GEMV_ROWS:
+            options = setup_gemv_row(lm, label)
+            swapped = any(type(m) is GemvLinear for m in lm.modules())
+            assert swapped == (label == "all"), label  # "large": no tiny matrix is GEMV_LARGE_NUMEL
+            assert gemv_fused.PDL_PRELOAD_SLICES == (int(label[-1]) if "+preload" in label else 1), label
+            batch = DecodeBatch(reasoner, 1, cuda_graphs=False, lookahead=True, decode_attention="sdpa", **options)
+            batch.admit(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+            batch.step()
+    finally:
+        gemv_fused.PDL_PRELOAD_SLICES = 1

@@ -464,8 +464,8 @@ def test_chat_decode_flag_reaches_the_config_and_is_checked() -> None:
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
-    assert config_from_args(ap.parse_args([])).chat_decode == "layers" == ServeConfig.chat_decode
-    assert config_from_args(ap.parse_args(["--chat-decode", "one-row"])).chat_decode == "one-row"
+    assert config_from_args(ap.parse_args([])).chat_decode == "one-row" == ServeConfig.chat_decode
+    assert config_from_args(ap.parse_args(["--chat-decode", "layers"])).chat_decode == "layers"
     assert set(ap._option_string_actions["--chat-decode"].choices) == set(CHAT_DECODE)
     with pytest.raises(ServeConfigError) as err:
         ServeConfig(chat_decode="fast")

@@ -120,6 +120,38 @@ def _decode_row(reasoner, prompt, batch: int, new: int, graphs: bool, floor_ms: 
             "first_use_step_ms": max(first_pass_ms)}
 
 
+# The batch-1 rows on the Triton GEMVs, in this order (the fold changes the model: the folded rows come last).
+# "all" / "large": `ops.gemv.GemvLinear` on every matrix / on gate/up, down and lm_head only (q/k/v and o stay the
+# compiler's). "one-row": every matrix on the GEMV and the layer's norms, residual adds and SiLU * up inside the GEMVs
+# (reasoner/fused.py `OneRowDecode`, ops/gemv_fused.py), the q/k norms and RoPE inside the attention kernel
+# ("-noprep": compiled between); "one-row-folded": the norms' weights folded into the matrices (engine/fuse.py
+# fold_reasoner_norms); "+merge": the attention's splits merged by its last program; "+pdl": the stack's kernels
+# launched with programmatic dependent launch; "+preloadN": each GEMV reads N weight slices before it waits, not one.
+GEMV_ROWS = ("all", "large", "one-row-noprep", "one-row", "one-row-folded", "one-row-folded+merge",
+             "one-row-folded+pdl", "one-row-folded+merge+pdl", "one-row-folded+pdl+preload2",
+             "one-row-folded+merge+pdl+preload2", "one-row-folded+pdl+preload4", "one-row-folded+merge+pdl+preload4")
+
+
+def setup_gemv_row(lm, label: str) -> dict:
+    """Puts `lm` (its Reasoner matrices fused, `engine.fuse.fuse_reasoner`) in the state a `GEMV_ROWS` label
+    measures; returns the row's `DecodeBatch` options. The one-row stack calls its kernels on plain nn.Linear
+    matrices: 5e3177d's call left the `GemvLinear` swap of the rows before on them, and every one-row row failed."""
+    from ..engine.fuse import fold_reasoner_norms
+    from ..ops import gemv_fused
+    from ..ops.gemv import undo_gemv_kernel, use_gemv_kernel
+
+    one_row = label.startswith("one-row")
+    if label.startswith("one-row-folded"):
+        fold_reasoner_norms(lm.transformer, lm.lm_head)  # once: a folded model folds nothing more
+    undo_gemv_kernel(lm)
+    if not one_row:
+        use_gemv_kernel(lm, GEMV_LARGE_NUMEL if label == "large" else 0)
+    torch._dynamo.reset()  # compiled layers keep the kernels they were compiled with (dfeffd6)
+    gemv_fused.PDL_PRELOAD_SLICES = _preload_slices(label)
+    return {"one_row": one_row, "attention_prep": not label.endswith("noprep"), "merge_in_split": "+merge" in label,
+            "pdl": "+pdl" in label}
+
+
 def _preload_slices(label: str) -> int:
     """`ops.gemv_fused.PDL_PRELOAD_SLICES` for a gemv row label: N for "+preloadN", else 1."""
     _, found, n = label.partition("+preload")
@@ -265,42 +297,21 @@ def run(args: argparse.Namespace) -> int:
             # lookahead and the split kernel, in the default compile mode and the last of --fused-modes: on every
             # matrix, then on the large ones only (gate/up, down, lm_head; q/k/v and o stay the compiler's)
             from ..ops import gemv_fused
-            from ..ops.gemv import undo_gemv_kernel, use_gemv_kernel
+            from ..ops.gemv import undo_gemv_kernel
 
             last_mode = args.fused_modes[-1] if args.fused_modes else None
             if profile is not None and last_mode is not None:  # where that mode's time goes, before any GEMV swap
                 profile[f"lookahead+split ({last_mode})"] = profile_decode(
                     reasoner, prompt, steps=args.profile_steps, fused_mode=last_mode, lookahead=True, attention="split")
             best: tuple[float, str, int] | None = None
-            # "one-row": every matrix on the GEMV and the layer's norms, residual adds and SiLU * up inside the GEMVs
-            # (reasoner/fused.py `OneRowDecode`, ops/gemv_fused.py), the q/k norms and RoPE inside the attention kernel
-            # ("-noprep": compiled between); "one-row-folded": the norms' weights folded into the matrices
-            # (engine/fuse.py fold_reasoner_norms; changes the model: last); "+merge": the attention's splits merged
-            # by its last program; "+pdl": the stack's kernels launched with programmatic dependent launch;
-            # "+preloadN": each GEMV reads N weight slices before it waits, not one. These in the default compile
-            # mode only.
-            for label, min_numel in (("all", 0), ("large", GEMV_LARGE_NUMEL), ("one-row-noprep", 0), ("one-row", 0),
-                                     ("one-row-folded", 0), ("one-row-folded+merge", 0), ("one-row-folded+pdl", 0),
-                                     ("one-row-folded+merge+pdl", 0), ("one-row-folded+pdl+preload2", 0),
-                                     ("one-row-folded+merge+pdl+preload2", 0), ("one-row-folded+pdl+preload4", 0),
-                                     ("one-row-folded+merge+pdl+preload4", 0)):
-                if label == "one-row-folded":
-                    from ..engine.fuse import fold_reasoner_norms
-
-                    fold_reasoner_norms(lm.transformer, lm.lm_head)
-                one_row = label.startswith("one-row")
-                undo_gemv_kernel(lm)
-                if not one_row:  # the one-row stack calls its own kernels on the matrices
-                    use_gemv_kernel(lm, min_numel)
-                torch._dynamo.reset()  # compiled layers keep the kernels they were compiled with (dfeffd6)
-                gemv_fused.PDL_PRELOAD_SLICES = _preload_slices(label)
+            for label in GEMV_ROWS:
+                options = setup_gemv_row(lm, label)
+                one_row = options["one_row"]
                 for mode in [None] if one_row else dict.fromkeys([None, last_mode]):
                     try:
                         row = _decode_row(reasoner, prompt, 1, args.new_tokens, graphs, fused=True,
                                           fused_weights=True, fused_mode=mode, lookahead=True, attention="split",
-                                          gemv=f"triton:{label}", one_row=one_row,
-                                          attention_prep=label != "one-row-noprep", merge_in_split="+merge" in label,
-                                          pdl="+pdl" in label, **floors)
+                                          gemv=f"triton:{label}", **options, **floors)
                     except Exception as e:  # noqa: BLE001  a kernel that fails to build costs its rows only
                         failed.append({"batch": 1, "fused_mode": mode, "attention": "split", "gemv": label,
                                        "error": f"{type(e).__name__}: {str(e)[:500]}"})
@@ -313,15 +324,9 @@ def run(args: argparse.Namespace) -> int:
                 _, label, mode = best
                 if label in ("one-row", "one-row-noprep"):  # the norms are folded by now: what the profile runs
                     label = label.replace("one-row", "one-row-folded")
-                undo_gemv_kernel(lm)
-                if not label.startswith("one-row"):
-                    use_gemv_kernel(lm, GEMV_LARGE_NUMEL if label == "large" else 0)
-                torch._dynamo.reset()
-                gemv_fused.PDL_PRELOAD_SLICES = _preload_slices(label)
                 profile[f"lookahead+split+gemv:{label} ({mode or 'default'})"] = profile_decode(
                     reasoner, prompt, steps=args.profile_steps, fused_mode=mode, lookahead=True, attention="split",
-                    one_row=label.startswith("one-row"), attention_prep=not label.endswith("noprep"),
-                    merge_in_split="+merge" in label, pdl="+pdl" in label)
+                    **setup_gemv_row(lm, label))
             undo_gemv_kernel(lm)
             gemv_fused.PDL_PRELOAD_SLICES = 1
     ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs and not r["fused"]

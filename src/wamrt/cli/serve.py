@@ -74,11 +74,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     chat.add_argument("--chat-max-batch", type=int, default=4, metavar="N",
                       help="chat requests decoded together (rows of one K/V cache, allocated at the first request; "
                            "0 = no chat)")
-    chat.add_argument("--chat-decode", choices=["layers", "one-row"], default="layers",
-                      help="how a step decoding one request runs: layers = the model's layers in CUDA graphs; "
-                           "one-row = the one-row GEMV stack (norms and adds inside the GEMVs, programmatic dependent "
-                           "launch: 0.77 of the HBM floor in `wamrt bench decode` on fused matrices; on a server's own "
-                           "matrices not yet measured); see docs/reasoner.md")
+    chat.add_argument("--chat-decode", choices=["layers", "one-row"], default="one-row",
+                      help="how a step decoding one request runs: one-row = the one-row GEMV stack on the model's own "
+                           "matrices (norms and adds inside the GEMVs, programmatic dependent launch; x1.89 the layers "
+                           "on an H100 in `wamrt bench decode`); layers = the model's layers in CUDA graphs (also "
+                           "what a model the stack cannot run gets, with a log line); see docs/reasoner.md")
     chat.add_argument("--chat-max-queue", type=int, default=64, metavar="N", help="waiting chat requests before busy")
     chat.add_argument("--chat-context", type=int, default=8192, metavar="TOKENS",
                       help="prompt + output tokens of one request (the K/V cache rows are this long)")

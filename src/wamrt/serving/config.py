@@ -101,7 +101,7 @@ class ServeConfig:
     # of one K/V cache, 0 = no chat), waiting requests before busy, the context (prompt + output tokens) of a row,
     # limits of one request, and the tokens an upsampling run may write.
     chat_max_batch: int = 4
-    chat_decode: str = "layers"  # "one-row": `reasoner.fused.OneRowDecode` for one-row steps (`--chat-decode`)
+    chat_decode: str = "one-row"  # `reasoner.fused.OneRowDecode` for one-row steps; "layers" (`--chat-decode`)
     chat_max_queue: int = 64
     chat_context: int = 8192
     chat_max_prompt_tokens: int = 6144
