@@ -320,3 +320,33 @@ def test_every_gemv_row_of_bench_decode_builds_its_decode_batch():
             batch.step()
     finally:
         gemv_fused.PDL_PRELOAD_SLICES = 1
+
+
+def test_gemvs_alone_reads_every_matrix_of_the_step_once():
+    """`bench decode`'s `gemvs_alone`: every matrix a batch-1 step reads, by kind (fused q/k/v and gate/up or not),
+    each read once per timed run, its bytes those of the Reasoner's matrices; on the CPU by F.linear, eagerly."""
+    import torch
+
+    from wamrt.bench.decode import reasoner_weight_bytes
+    from wamrt.bench.decode_gemvs import describe, gemvs_alone, step_matrices
+    from wamrt.engine.fuse import fuse_reasoner
+    from wamrt.pipeline.random_weights import random_transformer
+    from wamrt.reasoner.lm import ReasonerLM
+    from wamrt.reasoner.load import random_lm_head
+
+    model = random_transformer("tiny-qwen", torch.device("cpu"), torch.float32)
+    lm = ReasonerLM(model, random_lm_head(model, seed=1))
+    layers = len(model.layers)
+    separate = step_matrices(lm)
+    assert [len(separate[k]) for k in ("qkv", "o", "gate_up", "down", "lm_head")] == [3 * layers, layers,
+                                                                                       2 * layers, layers, 1]
+    fuse_reasoner(model)
+    alone = gemvs_alone(lm, reps=2)
+    assert alone["triton_in_graphs"] is False and alone["ms"] > 0
+    assert [alone["kinds"][k]["matrices"] for k in ("qkv", "gate_up")] == [layers, layers]
+    norms = sum(p.numel() * p.element_size() for layer in model.layers for m in
+                (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.norm_q,
+                 layer.self_attn.norm_k) for p in m.parameters())
+    norms += sum(p.numel() * p.element_size() for p in model.norm.parameters())
+    assert alone["bytes"] == reasoner_weight_bytes(model, lm.lm_head) - norms  # every matrix, nothing else
+    assert describe(alone, 2 * alone["ms"]).startswith("GEMVs alone:") and "besides them" in describe(alone, 1.0)

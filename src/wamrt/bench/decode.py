@@ -329,6 +329,14 @@ def run(args: argparse.Namespace) -> int:
                     **setup_gemv_row(lm, label))
             undo_gemv_kernel(lm)
             gemv_fused.PDL_PRELOAD_SLICES = 1
+    gemvs = None
+    if graphs:  # last: the step's matrices read by the GEMV kernel alone (bench/decode_gemvs.py)
+        from .decode_gemvs import gemvs_alone
+
+        try:
+            gemvs = gemvs_alone(lm)
+        except Exception as e:  # noqa: BLE001  a diagnostic: its failure costs only itself
+            gemvs = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
     ours1 = next(r for r in rows if r["batch"] == 1 and r["cuda_graph"] == graphs and not r["fused"]
                  and not r["fused_weights"] and not r["lookahead"])
     if graphs:  # the graph replays compute what the eager steps do
@@ -356,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
         "copy_floor": None if copy_floor_ms is None else {"bytes_per_s": copy_bytes_per_s, "step_ms": copy_floor_ms},
         "prefill": {"kind": "latency", "mode": "prefill", "batch": 1, "prompt_tokens": len(ids),
                     "tokens_per_s": len(ids) * 1e3 / pre["p50_ms"], **pre},
-        "rows": rows, "failed_rows": failed, "transformers_generate": hf, "profile": profile,
+        "rows": rows, "failed_rows": failed, "transformers_generate": hf, "profile": profile, "gemvs_alone": gemvs,
     }
     copy = "" if copy_floor_ms is None else f", {copy_floor_ms:.2f} ms at the copy's {copy_bytes_per_s / 1e12:.2f} TB/s"
     print(f"{size} Reasoner ({weight_bytes / 1e9:.2f} GB, floor {floor_ms:.2f} ms/step at "
@@ -376,6 +384,10 @@ def run(args: argparse.Namespace) -> int:
               f"{r['first_use_step_ms']:.0f} ms")
     if profile is not None:
         print("\n".join(f"[{k}] {describe(v)}" for k, v in profile.items() if k != "fused_weights"))
+    if gemvs is not None:
+        from .decode_gemvs import describe as describe_gemvs
+
+        print(gemvs["error"] if "error" in gemvs else describe_gemvs(gemvs, best1["step"]["p50_ms"]))
     if hf is not None:
         print(f"transformers generate batch 1: {hf['tokens_per_s']:.1f} tokens/s ({hf['ms_per_token']:.2f} ms/token); "
               f"ours x{hf['speedup_ours_batch1']:.2f} (graph), x{hf['speedup_best_batch1']:.2f} (best row); "
