@@ -256,7 +256,7 @@ def test_decode_profile_sorts_kernels_by_kind_and_runs_on_the_cpu():
     runs its steps (on the CPU eagerly, with no device events: busy 0, all of the step idle)."""
     import torch
 
-    from wamrt.bench.decode_profile import describe, kernel_kind, profile_decode
+    from wamrt.bench.decode_profile import _union_us, describe, kernel_kind, profile_decode
     from wamrt.pipeline.random_weights import random_transformer
     from wamrt.reasoner.engine import Reasoner
     from wamrt.reasoner.lm import ReasonerLM
@@ -282,7 +282,10 @@ def test_decode_profile_sorts_kernels_by_kind_and_runs_on_the_cpu():
     p = profile_decode(reasoner, prompt, steps=3)
     assert p["steps"] == 3 and p["step_ms_p50"] > 0 and p["device_events"] == 0 and p["busy_ms_per_step"] == 0
     assert p["idle_ms_per_step"] == p["step_ms_p50"] and p["top_kernels"] == []
-    assert describe(p).startswith("profile, batch 1")
+    assert describe(p).startswith("profile, batch 1") and "overlapping" not in describe(p)
+    # busy time under PDL: the union of the kernels' intervals, not their sum
+    assert _union_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17 and _union_us([]) == 0
+    assert "overlapping 0.30 ms" in describe({**p, "busy_ms_per_step": 1.0, "overlap_ms_per_step": 0.3})
 
 
 def test_every_gemv_row_of_bench_decode_builds_its_decode_batch():
