@@ -470,3 +470,16 @@ def test_chat_decode_flag_reaches_the_config_and_is_checked() -> None:
     with pytest.raises(ServeConfigError) as err:
         ServeConfig(chat_decode="fast")
     assert err.value.flag == "--chat-decode" and "one-row" in str(err.value)
+
+
+def test_wamrt_chat_decodes_the_same_answer_on_the_one_row_stack(capsys) -> None:
+    """`wamrt chat --decode one-row` (the default) answers what `--decode layers` answers (greedy, tiny-world on the
+    CPU, where the stack runs the model's own ops)."""
+    from wamrt.cli import main
+
+    answers = {}
+    for decode in ("one-row", "layers"):
+        assert main(["chat", "--model", "tiny-world", "--device", "cpu", "--prompt", "Describe a kitchen.",
+                     "--max-tokens", "12", "--temperature", "0", "--decode", decode]) == 0
+        answers[decode] = capsys.readouterr().out
+    assert answers["one-row"] == answers["layers"] and answers["layers"].strip()

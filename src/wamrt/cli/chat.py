@@ -28,6 +28,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="divides (multiplies) the positive (negative) logits of tokens already seen (1: off)")
     ap.add_argument("--seed", type=int, help="sampling seed (default: a random one)")
     ap.add_argument("--context", type=int, default=8192, help="prompt + answer tokens")
+    ap.add_argument("--decode", choices=["one-row", "layers"], default="one-row",
+                    help="one-row = the one-row GEMV stack on the model's matrices (as `wamrt serve --chat-decode`); "
+                         "layers = the model's layers (also where the stack cannot run this model)")
 
 
 def _user_message(text: str, image: Path | None) -> dict[str, Any]:
@@ -56,6 +59,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     info = reasoner.describe()
     print(f"{args.model}: Reasoner, {info['note']}", file=sys.stderr)
+    one_row = args.decode == "one-row"
+    if one_row:
+        from ..reasoner.fused import OneRowDecode
+
+        problem = OneRowDecode.problem(reasoner.lm)
+        if problem:
+            print(f"--decode one-row cannot run this model ({problem}); decoding with its layers", file=sys.stderr)
+            one_row = False
     history: list[dict[str, Any]] = [{"role": "system", "content": args.system}] if args.system else []
     image = args.image
     while True:
@@ -86,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         print("reasoner> " if args.prompt is None else "", end="", flush=True)
         seq = None
-        for events in reasoner.generate([prompt], params):
+        for events in reasoner.generate([prompt], params, one_row=one_row):
             for e in events:
                 print(e.text, end="", flush=True)
                 seq = e.seq

@@ -349,11 +349,12 @@ class Reasoner:
 
     def generate(self, prompts: Sequence[PreparedPrompt], params: SamplingParams | Sequence[SamplingParams], *,
                  on_step: Callable[[], None] | None = None, cuda_graphs: bool | None = None, fused: bool = False,
-                 lookahead: bool = False) -> Iterator[list[TokenEvent]]:
+                 lookahead: bool = False, one_row: bool = False) -> Iterator[list[TokenEvent]]:
         """Decode `prompts` as one batch; yields the events of each prefill and each step (`on_step` runs between
-        any two of them: where a server gives the device to other work)."""
+        any two of them: where a server gives the device to other work). `one_row`: `DecodeBatch(one_row=True)`."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        batch = DecodeBatch(self, len(prompts), cuda_graphs=cuda_graphs, fused=fused, lookahead=lookahead)
+        batch = DecodeBatch(self, len(prompts), cuda_graphs=cuda_graphs, fused=fused, lookahead=lookahead,
+                            one_row=one_row)
         for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
             if on_step is not None and i:
                 on_step()
