@@ -141,3 +141,13 @@ def test_pdl_chain_in_a_graph_reads_each_kernels_finished_output(preload: int, m
             assert torch.equal(out, eager_pdl), (i, (out.float() - eager_pdl.float()).abs().max())
             assert torch.allclose(out.float(), plain.float(), atol=4 * FUSED_GEMV_ATOL, rtol=4 * FUSED_GEMV_RTOL), \
                 (i, (out.float() - plain.float()).abs().max())
+
+
+def test_a_preload_depth_the_kernel_cannot_tile_is_refused_by_name(monkeypatch) -> None:
+    """`PDL_PRELOAD_SLICES` sets the width of the first tile (a power of two of slices): 3 is refused before any
+    launch, with the setting's name."""
+    from wamrt.ops import gemv_fused
+
+    monkeypatch.setattr(gemv_fused, "PDL_PRELOAD_SLICES", 3)
+    with pytest.raises(ValueError, match="PDL_PRELOAD_SLICES: 1, 2 or 4, got 3"):
+        gemv_fused._fused_gemv(torch.ones(1024), torch.ones(8, 1024), gemv_fused.INPUT_PLAIN, pdl=True)

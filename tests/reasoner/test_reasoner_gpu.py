@@ -65,23 +65,16 @@ def test_chat_worker_precaptures_every_bucket_on_the_gpu(tmp_path, one_row: bool
     assert text == eager.stream.text and worker.stats()["graphs"]["captured_on_request"] == 0
 
 
-@pytest.mark.parametrize(("fold", "attention", "weights"), [(False, "sdpa", "fused"), (True, "sdpa", "fused"),
-                                                      (True, "split", "fused"), (False, "split", "separate")])
-def test_one_row_gemv_stack_equals_the_fused_layers_at_kernel_shapes(fold: bool, attention: str, weights: str) -> None:
-    """`OneRowDecode` on the Triton kernels (bf16, K a multiple of 1,024, so every GEMV runs on them) against the
-    per-layer fused decode with cuBLAS, same weights and cache: the logits of a few steps within the fused GEMVs'
-    rounding, the same cache written; with `fold`, the norms folded into the matrices (after the reference ran); with
-    the split attention kernel, the q/k norms and RoPE inside it on the one-row side; with separate q/k/v and
-    gate/up matrices (a served model's), one GEMV each into its slice of the layer's buffer."""
+def _kernel_shape_lm(weights: str):
+    """A bf16 Reasoner on the GPU whose every matrix the Triton GEMVs take (K a multiple of 1,024); q/k/v and gate/up
+    fused (`weights="fused"`) or the model's separate matrices (a served model's)."""
     import dataclasses
 
-    from wamrt.engine.fuse import fold_reasoner_norms, fuse_reasoner
+    from wamrt.engine.fuse import fuse_reasoner
     from wamrt.model import Cosmos3Transformer
     from wamrt.model.checkpoint import init_random_
     from wamrt.model.config import get_config
-    from wamrt.ops.gemv import use_gemv_kernel
-    from wamrt.reasoner.fused import FusedDecodeLayer, OneRowDecode
-    from wamrt.reasoner.lm import KVCache, ReasonerLM
+    from wamrt.reasoner.lm import ReasonerLM
 
     cfg = dataclasses.replace(get_config("tiny-qwen"), hidden_size=1024, intermediate_size=3072, num_hidden_layers=3,
                               num_attention_heads=8, num_key_value_heads=2, head_dim=128, rope_axes_dim=(24, 20, 20),
@@ -92,6 +85,48 @@ def test_one_row_gemv_stack_equals_the_fused_layers_at_kernel_shapes(fold: bool,
     lm = ReasonerLM(transformer, head).to("cuda", torch.bfloat16)
     if weights == "fused":
         fuse_reasoner(lm.transformer)
+    return lm
+
+
+@pytest.mark.parametrize("weights", ["fused", "separate"])
+def test_one_row_decode_in_graphs_replays_its_eager_steps_on_the_kernels(weights: str) -> None:
+    """`DecodeBatch(one_row=True)` at kernel shapes (every GEMV on Triton, PDL and the merge in the split kernel where
+    the device has them, as `--chat-decode one-row` runs it): the captured steps decode, token for token, what the
+    same stack decodes eagerly. The tiny fp32 chat tests never reach the kernels."""
+    from wamrt.reasoner.engine import DecodeBatch, Reasoner
+    from wamrt.reasoner.prompt import PreparedPrompt
+
+    lm = _kernel_shape_lm(weights)
+    reasoner = Reasoner(lm, None, max_len=128)
+    ids = [5, 17, 900, 3, 64, 2048, 7, 11, 1000, 42]
+    prompt = PreparedPrompt(ids, torch.arange(len(ids), dtype=torch.float32).expand(3, -1), len(ids), [], None)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    tokens = {}
+    for graphs in (False, True):
+        batch = DecodeBatch(reasoner, 1, cuda_graphs=graphs, one_row=True)
+        seq = batch.admit(prompt, params).seq
+        while batch.live:
+            batch.step()
+        tokens[graphs] = seq.tokens
+    assert len(tokens[True]) == 24 and tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize(("fold", "attention", "weights"), [(False, "sdpa", "fused"), (True, "sdpa", "fused"),
+                                                      (True, "split", "fused"), (False, "split", "separate")])
+def test_one_row_gemv_stack_equals_the_fused_layers_at_kernel_shapes(fold: bool, attention: str, weights: str) -> None:
+    """`OneRowDecode` on the Triton kernels (bf16, K a multiple of 1,024, so every GEMV runs on them) against the
+    per-layer fused decode with cuBLAS, same weights and cache: the logits of a few steps within the fused GEMVs'
+    rounding, the same cache written; with `fold`, the norms folded into the matrices (after the reference ran); with
+    the split attention kernel, the q/k norms and RoPE inside it on the one-row side; with separate q/k/v and
+    gate/up matrices (a served model's), one GEMV each into its slice of the layer's buffer."""
+
+    from wamrt.engine.fuse import fold_reasoner_norms
+    from wamrt.ops.gemv import use_gemv_kernel
+    from wamrt.reasoner.fused import FusedDecodeLayer, OneRowDecode
+    from wamrt.reasoner.lm import KVCache
+
+    lm = _kernel_shape_lm(weights)
+    cfg = lm.transformer.config
     caches, logits = {}, {}
     with torch.no_grad():
         for name, layer_fn in (("layers", FusedDecodeLayer()), ("one_row", OneRowDecode())):
