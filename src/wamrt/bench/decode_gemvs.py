@@ -20,23 +20,18 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.gemv import gemv_op, gemv_problem
+from ..reasoner.fused import gate_up_weights, qkv_weights
 from .stats import device_ms
 
 
 def step_matrices(lm: Any) -> dict[str, list[torch.Tensor]]:
     """The weight matrices a batch-1 decode step of `lm` (a `ReasonerLM`) reads, by kind, in layer order; q/k/v and
     gate/up fused (`engine.fuse.fuse_reasoner`) or not."""
-    kinds: dict[str, list[torch.Tensor]] = {"qkv": [], "o": [], "gate_up": [], "down": []}
-    for layer in lm.transformer.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        fused_qkv = getattr(attn, "qkv_proj", None)
-        kinds["qkv"] += [fused_qkv.weight] if fused_qkv is not None else [attn.to_q.weight, attn.to_k.weight,
-                                                                           attn.to_v.weight]
-        kinds["o"].append(attn.to_out.weight)
-        fused_gate_up = getattr(mlp, "gate_up_proj", None)
-        kinds["gate_up"] += [fused_gate_up.weight] if fused_gate_up is not None else [mlp.gate_proj.weight,
-                                                                                       mlp.up_proj.weight]
-        kinds["down"].append(mlp.down_proj.weight)
+    layers = lm.transformer.layers
+    kinds = {"qkv": [w for layer in layers for w in qkv_weights(layer.self_attn)],
+             "o": [layer.self_attn.to_out.weight for layer in layers],
+             "gate_up": [w for layer in layers for w in gate_up_weights(layer.mlp)],
+             "down": [layer.mlp.down_proj.weight for layer in layers]}
     kinds["lm_head"] = [lm.lm_head.weight]
     return kinds
 

@@ -92,7 +92,7 @@ INPUT_PLAIN, INPUT_SILU, INPUT_NORM = 0, 1, 2  # what the kernel computes from i
 
 def _fused_gemv(x, weight, kind, *, residual=None, norm_weight=None, eps=0.0, pdl=False, out=None):
     n, k = weight.shape
-    if PDL_PRELOAD_SLICES not in (1, 2, 4):  # the first tile's width is a power of two
+    if pdl and PDL_PRELOAD_SLICES not in (1, 2, 4):  # the first tile's width is a power of two
         raise ValueError(f"PDL_PRELOAD_SLICES: 1, 2 or 4, got {PDL_PRELOAD_SLICES!r}")
     if out is None:
         out = torch.empty(n, dtype=x.dtype, device=x.device)

@@ -76,12 +76,14 @@ def _heads(layer: Any, qkv: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, tor
     return q, k, v
 
 
-def _qkv_weights(attn: Any) -> list[torch.Tensor]:
+def qkv_weights(attn: Any) -> list[torch.Tensor]:
+    """The q/k/v matrices a step reads: one fused (`engine.fuse.fuse_reasoner`) or the model's three."""
     fused = getattr(attn, "qkv_proj", None)
     return [fused.weight] if fused is not None else [attn.to_q.weight, attn.to_k.weight, attn.to_v.weight]
 
 
-def _gate_up_weights(mlp: Any) -> list[torch.Tensor]:
+def gate_up_weights(mlp: Any) -> list[torch.Tensor]:
+    """The gate/up matrices a step reads: one fused or the model's two."""
     fused = getattr(mlp, "gate_up_proj", None)
     return [fused.weight] if fused is not None else [mlp.gate_proj.weight, mlp.up_proj.weight]
 
@@ -147,14 +149,14 @@ class OneRowDecode(FusedDecodeLayer):
             return lm._logits(u)[:, 0]
         pdl = self.pdl and pdl_problem(u.device) is None
         for layer, attn in zip(lm.transformer.layers, attentions, strict=True):
-            qkv = _norm_gemvs(u, layer.input_layernorm, _qkv_weights(layer.self_attn), pdl)
+            qkv = _norm_gemvs(u, layer.input_layernorm, qkv_weights(layer.self_attn), pdl)
             o = attn.from_projections(qkv, layer.self_attn, rope, pdl=pdl) if self.attention_prep else None
             if o is None:
                 o = attn(*self.heads(layer, qkv, rope), causal=True, key_mask=None)
             # after an attention of torch's kernels (SDPA, or the compiled heads) PDL is harmless: without the
             # kernel's trigger the next launch waits for it to finish
             u = gemv_add(o.transpose(1, 2).flatten(2), layer.self_attn.to_out.weight, u, pdl=pdl)
-            gate_up = _norm_gemvs(u, layer.post_attention_layernorm, _gate_up_weights(layer.mlp), pdl)
+            gate_up = _norm_gemvs(u, layer.post_attention_layernorm, gate_up_weights(layer.mlp), pdl)
             u = silu_gemv(gate_up, layer.mlp.down_proj.weight, residual=u, pdl=pdl)
         logits = norm_gemv(u, lm.transformer.norm, lm.lm_head.weight, pdl=pdl)
         return logits.float()[:, 0]
