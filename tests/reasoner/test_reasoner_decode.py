@@ -384,6 +384,8 @@ def test_a_decode_step_runs_eagerly_while_another_thread_captures(monkeypatch) -
     calls: list = []
 
     class FakeLM:
+        device = torch.device("cpu")
+
         def decode_step(self, cache, tokens, index, rope_pos, span, layer_fn=None, attention="sdpa"):
             calls.append(layer_fn)
             return torch.full((tokens.shape[0], 4), 7.0)
@@ -395,13 +397,13 @@ def test_a_decode_step_runs_eagerly_while_another_thread_captures(monkeypatch) -
     def capture(rows: int, span: int):
         captured.append((rows, span))
         entry = SimpleNamespace(tokens=torch.zeros(rows, dtype=torch.long), index=torch.zeros(rows, dtype=torch.long),
-                                rope_pos=torch.zeros(rows), logits=torch.ones(rows, 4),
+                                rope_pos=torch.zeros(rows, dtype=torch.long), logits=torch.ones(rows, 4),
                                 graph=SimpleNamespace(replay=lambda: None))
         g.entries[(rows, span)] = entry
         return entry
 
     monkeypatch.setattr(g, "capture", capture)
-    tokens, index, pos = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), torch.zeros(2)
+    tokens, index, pos = (torch.zeros(2, dtype=torch.long) for _ in range(3))
     with turn_held_elsewhere():  # the policy ladder compiling
         eager = g.step(tokens, index, pos, 128)
     assert calls == [None] and captured == [] and torch.equal(eager, torch.full((2, 4), 7.0))
@@ -483,3 +485,21 @@ def test_wamrt_chat_decodes_the_same_answer_on_the_one_row_stack(capsys) -> None
                      "--max-tokens", "12", "--temperature", "0", "--decode", decode]) == 0
         answers[decode] = capsys.readouterr().out
     assert answers["one-row"] == answers["layers"] and answers["layers"].strip()
+
+
+def test_text_rope_gathers_what_the_per_step_tables_compute(tiny) -> None:
+    """`ReasonerLM.text_rope` (the decode step's cos/sin, gathered from tables made once per cache length) equals the
+    MRoPE tables made for the same positions on the three axes, bit for bit, from long and from float positions; the
+    table is made once; a position past the table is an error, not a silent clamp."""
+    lm = tiny.reasoner.lm
+    pos = torch.tensor([0, 5, 37, 127])
+    want = lm.rope(pos.float()[:, None, None].expand(4, 3, 1))
+    for given in (pos, pos.float()):
+        got = lm.text_rope(given, 128)
+        assert got.cos.shape == want.cos.shape == (4, 1, lm.config.head_dim)
+        assert torch.equal(got.cos, want.cos) and torch.equal(got.sin, want.sin)
+    tables = dict(lm._text_rope)
+    lm.text_rope(pos, 128)
+    assert lm._text_rope == tables and all(a is b for a, b in zip(lm._text_rope.values(), tables.values(), strict=True))
+    with pytest.raises(IndexError):
+        lm.text_rope(torch.tensor([128]), 128)

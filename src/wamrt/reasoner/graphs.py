@@ -24,7 +24,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     tokens: torch.Tensor  # [B] long
     index: torch.Tensor  # [B] long
-    rope_pos: torch.Tensor  # [B] float32
+    rope_pos: torch.Tensor  # [B] long (text positions are whole: `ReasonerLM.text_rope`)
     logits: torch.Tensor  # [B, V] float32
 
 
@@ -43,6 +43,8 @@ class DecodeGraphs:
         return self.cache.length - 1
 
     def step(self, tokens: torch.Tensor, index: torch.Tensor, rope_pos: torch.Tensor, span: int) -> torch.Tensor:
+        """tokens, index, rope_pos [B]: on the device, or in pinned host memory (copied straight into the graph's
+        inputs, one copy each and none in between)."""
         key = (tokens.shape[0], span)
         entry = self.entries.get(key)
         if entry is None:
@@ -51,7 +53,9 @@ class DecodeGraphs:
                     # Another thread is capturing (the policy ladder: a Nano graph's compile holds the turn ~20 s),
                     # and this thread holds the device for its step: run it on the eager layers (no compile beside a
                     # capture) and capture at a later step rather than keep policy requests waiting meanwhile.
-                    return self.lm.decode_step(self.cache, tokens, index, rope_pos, span, None, self.attention)
+                    dev = self.lm.device
+                    return self.lm.decode_step(self.cache, tokens.to(dev), index.to(dev), rope_pos.to(dev), span, None,
+                                               self.attention)
                 entry = self.capture(*key)
         entry.tokens.copy_(tokens, non_blocking=True)
         entry.index.copy_(index, non_blocking=True)
@@ -64,7 +68,7 @@ class DecodeGraphs:
         dev = self.lm.device
         tokens = torch.zeros(rows, dtype=torch.long, device=dev)
         index = torch.full((rows,), self.scratch, dtype=torch.long, device=dev)
-        rope_pos = torch.zeros(rows, dtype=torch.float32, device=dev)
+        rope_pos = torch.zeros(rows, dtype=torch.long, device=dev)
         with capture_turn():  # the warm-up compiles, and no other thread may capture meanwhile (ops.capture_turn)
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))

@@ -137,6 +137,7 @@ class ReasonerLM(nn.Module):
             raise ValueError(f"lm_head is [{vocab}, {hidden}], the transformer's hidden size is "
                              f"{transformer.config.hidden_size}")
         self.transformer, self.lm_head = transformer, lm_head
+        self._text_rope: dict[tuple[int, torch.device, torch.dtype], Rope] = {}
 
     @property
     def config(self):  # noqa: ANN201 - Cosmos3Config
@@ -160,6 +161,25 @@ class ReasonerLM(nn.Module):
     def rope(self, positions: torch.Tensor) -> Rope:
         return self.transformer.rope(positions)
 
+    def text_rope(self, rope_pos: torch.Tensor, length: int) -> Rope:
+        """The cos/sin rows [B, 1, d] of one text token per row at MRoPE position rope_pos [B] (equal on the three
+        axes; long or integral float), gathered from tables of the positions 0..length-1 made once per length: the
+        values `rope` gives at those positions. At one row of a Nano step that is two gathers where `rope` runs ~12
+        small kernels (arange, power, products, strided copies, concatenation, cos, sin, casts), each with its gap in
+        the graph. A text position never passes its cache position (`prompt.mrope_positions`: a medium advances the
+        positions by at most its token count), so `length` = the cache's; a larger position is an indexing error."""
+        key = (length, self.device, self.dtype)
+        table = self._text_rope.get(key)
+        if table is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # a graph would rebuild the table at every replay (DecodeGraphs builds it in the warm-up before)
+                return self.rope(rope_pos.float()[:, None, None].expand(rope_pos.shape[0], 3, 1))
+            positions = torch.arange(length, dtype=torch.float32, device=self.device)
+            full = self.rope(positions[None, None].expand(1, 3, length))
+            table = self._text_rope[key] = Rope(full.cos[0], full.sin[0])
+        rows = rope_pos if rope_pos.dtype == torch.long else rope_pos.long()
+        return Rope(table.cos[rows][:, None], table.sin[rows][:, None])
+
     def _logits(self, u: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.transformer.norm(u)).float()
 
@@ -179,14 +199,14 @@ class ReasonerLM(nn.Module):
     def decode_step(self, cache: KVCache, tokens: torch.Tensor, index: torch.Tensor, rope_pos: torch.Tensor,
                     span: int, layer_fn: LayerFn | None = None, attention: str = "sdpa") -> torch.Tensor:
         """One token for each of the first B cache rows: tokens [B] long, index [B] long (its cache position),
-        rope_pos [B] float (its MRoPE position, equal on the three axes) -> logits [B, V]. Keys beyond `span` are
+        rope_pos [B] (its MRoPE position, equal on the three axes; `text_rope`) -> logits [B, V]. Keys beyond `span` are
         not read: pass the smallest span that covers every row's index. `layer_fn(layer, u, rope, attention)`
         runs one layer's Reasoner half (default: `MoTLayer.reasoner`; `fused.FusedDecodeLayer` compiles it); one
         with a `run_stack(lm, u, rope, attentions)` method runs all of them and the logits (`fused.OneRowDecode`).
         `attention`: one of `DECODE_ATTENTION` (see `_DecodeAttention`)."""
         b = tokens.shape[0]
         u = self.embed(tokens)[:, None]  # [B, 1, h]
-        rope = self.rope(rope_pos.float()[:, None, None].expand(b, 3, 1))
+        rope = self.text_rope(rope_pos, cache.length)
         if attention not in DECODE_ATTENTION:
             raise ValueError(f"decode attention {attention!r}: one of {', '.join(DECODE_ATTENTION)}")
         # Additive, in the model's dtype, made once a step: SDPA turns a boolean mask into this in every layer
