@@ -228,6 +228,8 @@ class DecodeBatch:
             tokens[s.row], source[s.row] = (0 if ahead else s.tokens[-1]), j
             index[s.row] = s.index + ahead
             rope[s.row] = s.prompt.next_position + len(s.tokens) - 1 + ahead
+        if max(rope) >= self.cache.length:  # past `text_rope`'s tables: on CUDA a device-side assert, not an error
+            raise RuntimeError(f"MRoPE position {max(rope)} at or past the cache length {self.cache.length}")
         span = _bucket(max(index) + 1, MIN_SPAN, self.cache.length)
         # The step's own small copies and kernels sit between two graphs with nothing to overlap them (at one row of
         # a Nano step on the H200, 34 of its 215 kernels and copies): a graph takes the positions straight from pinned
