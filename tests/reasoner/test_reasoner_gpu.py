@@ -119,7 +119,6 @@ def test_one_row_gemv_stack_equals_the_fused_layers_at_kernel_shapes(fold: bool,
     rounding, the same cache written; with `fold`, the norms folded into the matrices (after the reference ran); with
     the split attention kernel, the q/k norms and RoPE inside it on the one-row side; with separate q/k/v and
     gate/up matrices (a served model's), one GEMV each into its slice of the layer's buffer."""
-
     from wamrt.engine.fuse import fold_reasoner_norms
     from wamrt.ops.gemv import use_gemv_kernel
     from wamrt.reasoner.fused import FusedDecodeLayer, OneRowDecode
