@@ -312,6 +312,7 @@ def test_every_gemv_row_of_bench_decode_builds_its_decode_batch():
     reasoner = Reasoner(lm, None, max_len=64)
     ids = list(range(5, 21))
     prompt = PreparedPrompt(ids, torch.arange(len(ids), dtype=torch.float32).expand(3, -1), len(ids), [], None)
+    default_preload = gemv_fused.PDL_PRELOAD_SLICES
     try:
         for label in GEMV_ROWS:
             options = setup_gemv_row(lm, label)
@@ -322,7 +323,7 @@ def test_every_gemv_row_of_bench_decode_builds_its_decode_batch():
             batch.admit(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
             batch.step()
     finally:
-        gemv_fused.PDL_PRELOAD_SLICES = 1
+        gemv_fused.PDL_PRELOAD_SLICES = default_preload
 
 
 def test_gemvs_alone_reads_every_matrix_of_the_step_once():

@@ -90,9 +90,9 @@ def _kernel_shape_lm(weights: str):
 
 @pytest.mark.parametrize("weights", ["fused", "separate"])
 def test_one_row_decode_in_graphs_replays_its_eager_steps_on_the_kernels(weights: str) -> None:
-    """`DecodeBatch(one_row=True)` at kernel shapes (every GEMV on Triton, PDL and the merge in the split kernel where
-    the device has them, as `--chat-decode one-row` runs it): the captured steps decode, token for token, what the
-    same stack decodes eagerly. The tiny fp32 chat tests never reach the kernels."""
+    """`DecodeBatch(one_row=True)` at kernel shapes (every GEMV on Triton, with PDL and its preloaded weight slices
+    where the device has them, as `--chat-decode one-row` runs it): the captured steps decode, token for token, what
+    the same stack decodes eagerly. The tiny fp32 chat tests never reach the kernels."""
     from wamrt.reasoner.engine import DecodeBatch, Reasoner
     from wamrt.reasoner.prompt import PreparedPrompt
 

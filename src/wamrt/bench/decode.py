@@ -153,7 +153,7 @@ def setup_gemv_row(lm, label: str) -> dict:
 
 
 def _preload_slices(label: str) -> int:
-    """`ops.gemv_fused.PDL_PRELOAD_SLICES` for a gemv row label: N for "+preloadN", else 1."""
+    """`ops.gemv_fused.PDL_PRELOAD_SLICES` for a gemv row label: N for "+preloadN", else 1 (not the default)."""
     _, found, n = label.partition("+preload")
     return int(n) if found else 1
 
@@ -198,6 +198,7 @@ def _hf_baseline(model, head, ids: torch.Tensor, new: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..ops import gemv_fused
     from ..pipeline.random_weights import random_transformer
     from ..reasoner.engine import Reasoner
     from ..reasoner.lm import KVCache, ReasonerLM
@@ -254,8 +255,8 @@ def run(args: argparse.Namespace) -> int:
         if graphs:  # the one-row stack on the model's own separate matrices, nothing compiled: the chat server's
             try:
                 rows.append(_decode_row(reasoner, prompt, 1, args.new_tokens, graphs, lookahead=True,
-                                        attention="split", gemv="triton:one-row-separate+merge+pdl", one_row=True,
-                                        merge_in_split=True, pdl=True, **floors))
+                                        attention="split", gemv="triton:one-row-separate+pdl+preload"
+                                        f"{gemv_fused.PDL_PRELOAD_SLICES}", one_row=True, pdl=True, **floors))
             except Exception as e:  # noqa: BLE001  a kernel that fails to build costs its row only
                 failed.append({"batch": 1, "gemv": "one-row-separate", "error": f"{type(e).__name__}: {str(e)[:500]}"})
                 print(f"decode row batch 1 one-row-separate failed: {failed[-1]['error']}")
@@ -296,7 +297,6 @@ def run(args: argparse.Namespace) -> int:
             # last: the batch-1 projections on the Triton GEMV (ops/gemv.py) instead of what the compiler picks, with
             # lookahead and the split kernel, in the default compile mode and the last of --fused-modes: on every
             # matrix, then on the large ones only (gate/up, down, lm_head; q/k/v and o stay the compiler's)
-            from ..ops import gemv_fused
             from ..ops.gemv import undo_gemv_kernel
 
             last_mode = args.fused_modes[-1] if args.fused_modes else None
@@ -304,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
                 profile[f"lookahead+split ({last_mode})"] = profile_decode(
                     reasoner, prompt, steps=args.profile_steps, fused_mode=last_mode, lookahead=True, attention="split")
             best: tuple[float, str, int] | None = None
+            default_preload = gemv_fused.PDL_PRELOAD_SLICES
             for label in GEMV_ROWS:
                 options = setup_gemv_row(lm, label)
                 one_row = options["one_row"]
@@ -328,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
                     reasoner, prompt, steps=args.profile_steps, fused_mode=mode, lookahead=True, attention="split",
                     **setup_gemv_row(lm, label))
             undo_gemv_kernel(lm)
-            gemv_fused.PDL_PRELOAD_SLICES = 1
+            gemv_fused.PDL_PRELOAD_SLICES = default_preload
     gemvs = None
     if graphs:  # last: the step's matrices read by the GEMV kernel alone (bench/decode_gemvs.py)
         from .decode_gemvs import gemvs_alone

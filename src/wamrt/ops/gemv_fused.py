@@ -53,7 +53,9 @@ except ImportError:  # pragma: no cover - depends on the install
 FUSED_GEMV_ATOL, FUSED_GEMV_RTOL = 3e-2, 2e-2
 # With PDL: how many weight slices a program reads before it waits for the kernel before it (1, 2 or 4; fewer where K
 # is shorter). A module setting, read at launch, so `wamrt bench decode` measures each in one process (+preloadN).
-PDL_PRELOAD_SLICES = 1
+# 2: 0.11 ms off the batch-1 Nano step against 1, and 4 gave back most of it (H100, two runs,
+# bench/results/decode/2026-12-07-d0bd6bc-nano-h100-glue/).
+PDL_PRELOAD_SLICES = 2
 
 
 def norm_gemv(x: torch.Tensor, norm: torch.nn.Module, weight: torch.Tensor, *, pdl: bool = False,

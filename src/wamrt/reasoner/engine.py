@@ -89,7 +89,7 @@ class DecodeBatch:
     def __init__(self, reasoner: Reasoner, rows: int, *, cuda_graphs: bool | None = None,
                  fused: bool = False, fused_mode: str | None = None, lookahead: bool = False,
                  decode_attention: str = "auto", one_row: bool = False, attention_prep: bool = True,
-                 merge_in_split: bool | None = None, pdl: bool = True) -> None:
+                 merge_in_split: bool = False, pdl: bool = True) -> None:
         self.reasoner, self.lm = reasoner, reasoner.lm
         # `ReasonerLM.decode_step(attention=)`. auto: the split-key kernel where it runs (0.75 ms off a batch-1 Nano
         # step on the H100, bench/results/decode/2026-12-06-dfeffd6-nano-h100/), SDPA elsewhere (CPU, other dtypes)
@@ -103,11 +103,10 @@ class DecodeBatch:
         # +1: the last cache position is the graphs' scratch space, never a sequence's; a whole number of MIN_SPAN
         # positions, so every span a step reads is one too (attention kernels want aligned key masks).
         length = -(-(reasoner.max_len + 1) // MIN_SPAN) * MIN_SPAN
-        # merge_in_split: the split kernel's last program per K/V head merges the splits (`KVCache.arrivals`). None:
-        # with the one-row stack's PDL only. On the H200 it made a step 0.06 ms slower than the merge kernel without
-        # PDL and was part of the fastest step with it (bench/results/decode/2026-12-06-9456251-nano-h200-pdl/).
-        if merge_in_split is None:
-            merge_in_split = one_row and pdl
+        # merge_in_split: the split kernel's last program per K/V head merges the splits (`KVCache.arrivals`), instead
+        # of a merge kernel. Off: the last program merges alone after an atomic round trip, and that made a batch-1
+        # Nano step 0.06 ms slower without PDL (H200, bench/results/decode/2026-12-06-9456251-nano-h200-pdl/) and
+        # 0.10 ms slower with it (H100, bench/results/decode/2026-12-07-d0bd6bc-nano-h100-glue/).
         self.cache = KVCache.empty(self.lm.transformer, rows, length, merge_in_split=merge_in_split)
         self.rows: list[DecodeSeq | None] = [None] * rows
         use_graphs = self.lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
