@@ -78,7 +78,7 @@ def test_interleave_rows_and_activations() -> None:
 def test_engine_refuses_quack_where_it_cannot_run() -> None:
     from wamrt.pipeline.policy import random_policy
 
-    policy = random_policy("tiny-qwen", torch.device("cpu"), torch.float32)
+    policy = random_policy("tiny-qwen", torch.device("cpu"), torch.float32, tiny_vae=True)
     with pytest.raises(ValueError, match="epilogues='quack' needs quack-kernels"):
         Engine.from_policy(policy, EngineConfig(compile=False, cuda_graph=False, epilogues="quack"))
     with pytest.raises(ValueError, match="epilogues must be one of"):

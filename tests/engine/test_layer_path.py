@@ -15,7 +15,7 @@ from wamrt.pipeline.policy import random_policy
 
 
 def test_refusal_leaves_the_shared_model_untouched() -> None:
-    policy = random_policy("tiny-qwen", torch.device("cpu"), torch.float32)
+    policy = random_policy("tiny-qwen", torch.device("cpu"), torch.float32, tiny_vae=True)
     with pytest.raises(ValueError, match="epilogues='quack' needs quack-kernels"):
         build_layer_path(policy.model, EngineConfig(compile=True, cuda_graph=False, epilogues="quack"),
                          torch.device("cpu"))
@@ -23,7 +23,7 @@ def test_refusal_leaves_the_shared_model_untouched() -> None:
 
 
 def test_resolved_choices_off_cuda() -> None:
-    policy = random_policy("tiny-qwen", torch.device("cpu"), torch.float32)
+    policy = random_policy("tiny-qwen", torch.device("cpu"), torch.float32, tiny_vae=True)
     path = build_layer_path(policy.model, EngineConfig(compile=False, cuda_graph=False), torch.device("cpu"))
     assert path.head_epilogue == "inductor"  # "auto" without CUDA
     assert path.fp8_triton_gemms == () and path.fp8_fast_accum is False  # unquantized weights: no fused gen-fp8 layer
@@ -46,7 +46,7 @@ def test_cpu_engine_leaves_the_cublaslt_environment_alone(monkeypatch) -> None:
     from wamrt.engine import Engine
 
     monkeypatch.delenv(CUBLASLT_WORKSPACE_ENV, raising=False)
-    policy = random_policy("tiny-qwen", torch.device("cpu"), torch.float32)
+    policy = random_policy("tiny-qwen", torch.device("cpu"), torch.float32, tiny_vae=True)
     engine = Engine.from_policy(policy, EngineConfig(compile=False, cuda_graph=False))
     assert engine.config.workspace_free_gemms  # the default
     assert CUBLASLT_WORKSPACE_ENV not in os.environ

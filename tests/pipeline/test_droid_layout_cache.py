@@ -40,7 +40,7 @@ def test_engine_rope_tables_are_cached_per_layout() -> None:
     from wamrt.pipeline.policy import random_policy
     from wamrt.sample import sample_observation
 
-    policy = random_policy("tiny-qwen", torch.device("cpu"), torch.float32)
+    policy = random_policy("tiny-qwen", torch.device("cpu"), torch.float32, tiny_vae=True)
     engine = Engine.from_policy(policy, EngineConfig(compile=False, cuda_graph=False, attention="auto"))
     obs = sample_observation(0)
     first = engine.infer(obs, seed=3).actions

@@ -48,8 +48,8 @@ def endpoint(tmp_path_factory):
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
                  configure_logging=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        # max_policy_steps: the 150-step requests below (default: 4 x the checkpoint's 4)
-        config = ServeConfig(max_batch=4, warmup_requests=0, model_name="tiny-droid", max_policy_steps=150)
+        # max_policy_steps: the 40-step requests below (default: 4 x the checkpoint's 4)
+        config = ServeConfig(max_batch=4, warmup_requests=0, model_name="tiny-droid", max_policy_steps=40)
         opts = deployment_options(replicas=2, gpus_per_replica=0, cpus_per_replica=1, max_batch=4)
         serve.run(application("tiny-droid", device="cpu", serve_config=config, **opts), name="wamrt",
                   route_prefix="/")
@@ -118,7 +118,8 @@ def test_two_replicas_serve_ws_and_http_and_survive_a_replica_kill(endpoint):
     round_s = time.monotonic() - t0
 
     # Kill one replica while both have a long request in flight.
-    slow = dict(obs, params={"num_steps": 150})
+    # 40 steps: ~14 s on a one-CPU replica (0.35 s a step), in flight well past the kill at 0.5 s; 150 took 54 s
+    slow = dict(obs, params={"num_steps": 40})
     results.clear()
     lanes = [threading.Thread(target=ws_lane, args=("victim", doomed, slow)),
              threading.Thread(target=ws_lane, args=("survivor", kept, slow))]
@@ -129,7 +130,7 @@ def test_two_replicas_serve_ws_and_http_and_survive_a_replica_kill(endpoint):
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
     for t in lanes:
         t.join(120)
-    print(f"4-step round {round_s:.2f} s; 150-step survivor finished {time.monotonic() - t_kill:.2f} s after the kill")
+    print(f"4-step round {round_s:.2f} s; 40-step survivor finished {time.monotonic() - t_kill:.2f} s after the kill")
     assert isinstance(results["victim"], ConnectionClosed | ServerError), results["victim"]
     assert results["survivor"]["actions"].shape == (32, 8), results["survivor"]
 
