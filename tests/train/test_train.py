@@ -444,7 +444,7 @@ def test_prefix_open_loop_compares_no_prefix_expert_and_own_rows(tmp_path):
     taken from that request's chunk `stride` rows on, errors on rows d..d+7 against the expert's."""
     import wamrt
     from wamrt.train.data import chunk_indices
-    from wamrt.train.openloop import open_loop_chunks, prefix_open_loop
+    from wamrt.train.openloop import open_loop_chunks, prefix_open_loop, progress_ratio
 
     eps, _ = _moving_episodes()
     tr = PolicyTrainer(TrainConfig(size="tiny-qwen", batch=4, aug_shift_px=0, aug_colour=0.0, log_every=1000,
@@ -465,6 +465,27 @@ def test_prefix_open_loop_compares_no_prefix_expert_and_own_rows(tmp_path):
         float(np.abs(plain[later][:, d:d + 8, :7] - targets[later][:, d:d + 8, :7]).mean()), rel=1e-5)
     assert len(res["own_joint_abs_err_rad_per_row"]) == 8
     assert res["expert_joint_abs_err_rad_mean"] != res["own_joint_abs_err_rad_mean"]
+    assert res["none_progress_ratio"] == pytest.approx(progress_ratio(plain[later], targets[later], d, 8), rel=1e-5)
+
+
+def test_progress_ratio_is_the_share_of_the_experts_displacement() -> None:
+    """`openloop.progress_ratio`: chunks that move as the expert 1, half as far 0.5, backwards -1; motion across the
+    expert's direction counts nothing, and jitter inside the window (recorded action noise) does not count."""
+    from wamrt.train.openloop import progress_ratio
+
+    rng = np.random.default_rng(0)
+    targets = np.cumsum(rng.normal(0, 0.05, (5, 32, 8)), axis=1).astype(np.float32)
+    start = targets[:, 2:3]
+    assert progress_ratio(targets, targets, 2, 8) == pytest.approx(1.0)
+    assert progress_ratio(start + 0.5 * (targets - start), targets, 2, 8) == pytest.approx(0.5)
+    assert progress_ratio(start - (targets - start), targets, 2, 8) == pytest.approx(-1.0)
+    jittered = targets.copy()
+    jittered[:, 3:9] += rng.normal(0, 0.3, (5, 6, 8))  # rows strictly inside the window 2..9
+    assert progress_ratio(jittered, targets, 2, 8) == pytest.approx(1.0)
+    de = targets[:, 9, :7] - targets[:, 2, :7]
+    across = np.zeros_like(targets)  # row 9 turned by 90 degrees in the joint pairs (0, 1), (2, 3), (4, 5)
+    across[:, 9, [0, 1, 2, 3, 4, 5]] = np.stack([-de[:, 1], de[:, 0], -de[:, 3], de[:, 2], -de[:, 5], de[:, 4]], 1)
+    assert progress_ratio(across, targets, 2, 8) == pytest.approx(0.0, abs=1e-6)
 
 
 def _dagger_episode(obs: dict, length: int = 3, prefix: int = 2, seed: int = 9):

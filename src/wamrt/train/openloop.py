@@ -52,6 +52,17 @@ def open_loop_chunks(policy: Any, ds: Any, frames: np.ndarray, *, seed: int = 0,
     return np.stack(chunks)
 
 
+def progress_ratio(chunks: np.ndarray, targets: np.ndarray, first: int, rows: int) -> float:
+    """How far the chunks' 7 joints move from row `first` to row `first + rows - 1`, along the expert's own
+    displacement over those rows, as a share of it: sum(dp . de) / sum(|de|^2) over frames. 1: the expert's pace;
+    below 1: slower (or partly elsewhere); negative: backwards. Displacements, not path lengths, so the expert's
+    recorded action noise (`train record --action-noise`) does not count as motion."""
+    last = first + rows - 1
+    dp = chunks[:, last, :7] - chunks[:, first, :7]
+    de = targets[:, last, :7] - targets[:, first, :7]
+    return float((dp * de).sum() / max(float((de * de).sum()), 1e-12))
+
+
 def open_loop_error(checkpoint: str | Path, ds: Any, *, stride: int = 8, rows: int = 8, seed: int = 0,
                     device: str | None = None) -> dict[str, Any]:
     from .. import load_policy
@@ -61,8 +72,8 @@ def open_loop_error(checkpoint: str | Path, ds: Any, *, stride: int = 8, rows: i
     frames = np.concatenate([np.arange(s, e, stride) for s, e in sorted(set(zip(ds.episode_start, ds.episode_end)))])
     targets = ds.actions[chunk_indices(ds, frames, policy.contract.chunk)]  # [F, chunk, 8], client convention
     t0 = time.perf_counter()
-    errors = np.abs(open_loop_chunks(policy, ds, frames, seed=seed) - targets)
-    err = errors  # [F, chunk, 8]
+    chunks = open_loop_chunks(policy, ds, frames, seed=seed)
+    err = np.abs(chunks - targets)  # [F, chunk, 8]
     joints = err[:, :rows, :7]
     return {
         "checkpoint": str(checkpoint), "frames": int(len(frames)), "episodes": int(ds.episodes), "stride": stride,
@@ -75,6 +86,7 @@ def open_loop_error(checkpoint: str | Path, ds: Any, *, stride: int = 8, rows: i
         "row0_joint_abs_err_rad_mean": float(err[:, 0, :7].mean()),
         "rows_24_31_joint_abs_err_rad_mean": float(err[:, 24:32, :7].mean()),
         "gripper_wrong_rate": float((err[:, :rows, 7] > 0.5).mean()),
+        "progress_ratio": progress_ratio(chunks, targets, 0, rows),
         "seconds": round(time.perf_counter() - t0, 1),
     }
 
@@ -109,6 +121,7 @@ def prefix_open_loop(checkpoint: str | Path, ds: Any, d: int, *, stride: int = 8
         err = np.abs(c[:, d:d + rows, :7] - want)
         out[f"{name}_joint_abs_err_rad_mean"] = float(err.mean())
         out[f"{name}_joint_abs_err_rad_per_row"] = err.mean(axis=(0, 2)).round(5).tolist()
+        out[f"{name}_progress_ratio"] = progress_ratio(c, targets[later], d, rows)
         out[f"{name}_gripper_wrong_rate"] = float(
             (np.abs(c[:, d:d + rows, 7] - targets[later][:, d:d + rows, 7]) > 0.5).mean())
     out["own_prefix_joint_abs_err_rad_mean"] = float(np.abs(own[..., :7] - targets[later][:, :d, :7]).mean())
@@ -140,15 +153,18 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r)
         print(f"{ckpt}: rows 0-7 joint |err| mean {r['joint_abs_err_rad_mean']:.4f} rad (p95 "
               f"{r['joint_abs_err_rad_p95']:.4f}), row 0 {r['row0_joint_abs_err_rad_mean']:.4f}, rows 24-31 "
-              f"{r['rows_24_31_joint_abs_err_rad_mean']:.4f}, gripper wrong {r['gripper_wrong_rate']:.1%} "
-              f"({r['frames']} frames, {r['seconds']} s)", flush=True)
+              f"{r['rows_24_31_joint_abs_err_rad_mean']:.4f}, gripper wrong {r['gripper_wrong_rate']:.1%}, "
+              f"progress {r['progress_ratio']:.3f} of the expert's ({r['frames']} frames, {r['seconds']} s)",
+              flush=True)
         for d in args.prefix_rows:
             p = prefix_open_loop(ckpt, ds, d, stride=args.stride, device=args.device)
             rows.append(p)
             print(f"{ckpt} d = {d}: rows {d}-{d + 7} joint |err| mean: no prefix "
                   f"{p['none_joint_abs_err_rad_mean']:.4f}, the expert's rows {p['expert_joint_abs_err_rad_mean']:.4f}"
                   f", its own earlier rows {p['own_joint_abs_err_rad_mean']:.4f} (those rows off the expert's by "
-                  f"{p['own_prefix_joint_abs_err_rad_mean']:.4f}; {p['frames']} frames)", flush=True)
+                  f"{p['own_prefix_joint_abs_err_rad_mean']:.4f}; {p['frames']} frames); progress of the expert's: "
+                  f"{p['none_progress_ratio']:.3f} / {p['expert_progress_ratio']:.3f} / {p['own_progress_ratio']:.3f}",
+                  flush=True)
     if args.out:
         from ..provenance import environment, git_sha
 
