@@ -40,7 +40,7 @@ class KVCache:
     arrivals: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, model: Cosmos3Transformer, batch: int, length: int, *, merge_in_split: bool = True) -> KVCache:
+    def empty(cls, model: Cosmos3Transformer, batch: int, length: int, *, merge_in_split: bool = False) -> KVCache:
         c = model.config
         p = model.embed_tokens.weight
         shape = (c.num_hidden_layers, batch, c.num_key_value_heads, length, c.head_dim)
