@@ -122,6 +122,80 @@ def test_expert_planner_can_plan_with_an_assumed_turntable_rate():
             env.set_turntable_rate(0.4)
 
 
+def _expert_until(env, seed, done):
+    """The closed-loop expert on `env` from `seed` until `done(env, expert)`: the expert, at that state."""
+    from wamrt.sim import ScriptedExpert
+
+    env.reset(seed, render=False)
+    expert = ScriptedExpert()
+    expert.reset(env)
+    for _ in range(env.spec.max_steps):
+        if done(env, expert):
+            return expert
+        env.step(expert.act(env), render=False)
+    raise AssertionError("the expert never reached the state the test needs")
+
+
+def _sideways_prefix(expert, offset_xy, rows=6):
+    """Committed rows that slide the commanded TCP by offset_xy at its height and heading (a policy's arm that
+    arrives off target), gripper as commanded."""
+    from wamrt.sim.expert import _rz
+
+    rot = _rz(expert.yaw_cmd) @ expert.base_rot
+    q, start, out = expert.q_cmd.copy(), expert.p_cmd.copy(), []
+    for k in range(1, rows + 1):
+        q = expert.ik.solve(q, start + np.r_[offset_xy, 0.0] * k / rows, rot)
+        out.append(np.r_[q, 1.0 if expert.phase in ("lift", "carry", "lower") else 0.0])
+    return np.asarray(out, np.float32)
+
+
+def _planned_tcp_z(planner, rows):
+    return np.array([planner.expert.ik.forward(np.asarray(r[:7], np.float64))[0][2] for r in rows])
+
+
+def test_expert_planner_lowers_a_cube_held_off_the_pads_centre():
+    """A held cube 2.5 cm off the pad's centre, partway down: the planner lowers it while recentring (PLACE_TOL
+    accepts 5 cm) and places it within the chunk. Until 2026-12-07 it rose back to carry height first (it lowered only
+    from within 1 cm), and DAgger labels taught the policy to hover over the pad."""
+    from wamrt.eval.planner import SIM_STATE_KEY, ExpertPlanner, snapshot
+    from wamrt.sim import PandaEnv
+    from wamrt.sim.expert import CARRY_Z
+
+    with PandaEnv("pick_place", render=False) as env:
+        expert = _expert_until(env, 3, lambda e, x: x.phase == "lower" and e.tcp_pos()[2] < CARRY_Z - 0.04)
+        prefix = _sideways_prefix(expert, np.array([0.025, 0.0]))
+        obs = {SIM_STATE_KEY: snapshot(env, 3), PREFIX_KEY: prefix}
+        planner = ExpertPlanner("pick_place")
+        plan = planner.infer(obs)["actions"]
+        placed = planner.env.success()  # the planner's private simulator ran the whole chunk
+    held = plan[len(prefix) - 1:]
+    held = held[: int(np.argmin(held[:, 7] > 0.5))]  # up to the release (the retreat then rises)
+    z = _planned_tcp_z(planner, held)
+    assert len(held) > 10 and np.diff(z).max() < 0.002  # never rises while it holds the cube
+    assert z[-1] < z[0] - 0.05 and placed
+
+
+def test_expert_planner_reapproaches_a_missed_cube_from_just_above_it():
+    """The arm low beside the cube (4 cm off, outside the descent's 3 cm window): the planner clears the cube's top,
+    goes over it and grasps within the chunk, where it used to climb back to the 12 cm hover point first."""
+    from wamrt.eval.planner import SIM_STATE_KEY, ExpertPlanner, snapshot
+    from wamrt.sim import PandaEnv
+    from wamrt.sim.expert import REAPPROACH_Z
+
+    with PandaEnv("pick_place", render=False) as env:
+        expert = _expert_until(env, 3, lambda e, x: x.phase == "descend"
+                               and e.tcp_pos()[2] < e.cube_pos(e.layout.target)[2] + 0.05)
+        cube_z = float(env.cube_pos(env.layout.target)[2])
+        prefix = _sideways_prefix(expert, np.array([0.0, 0.04]))
+        planner = ExpertPlanner("pick_place")
+        plan = planner.infer({SIM_STATE_KEY: snapshot(env, 3), PREFIX_KEY: prefix})["actions"]
+    free = plan[len(prefix):]
+    closes = int(np.argmax(free[:, 7] > 0.5))
+    assert free[closes, 7] > 0.5  # it closes on the cube within the chunk
+    z = _planned_tcp_z(planner, free[:closes])
+    assert z.max() < cube_z + REAPPROACH_Z + 0.01  # having cleared its top, no higher
+
+
 def test_grid_expert_turntable_rate_is_recorded_and_only_for_the_expert(tmp_path, capsys):
     from wamrt.cli import main
 

@@ -23,6 +23,17 @@ RELEASE_STEPS = 6
 # Turntable: the gripper aims where the cube will be this far ahead, which covers the servos' lag behind the
 # commanded targets (a static cube needs no lead).
 LEAD_S = 0.2
+# A planner resuming mid-episode (eval.planner: DAgger labels, the delay mode) with the cube held below carry height
+# lowers it onto the pad from this far off the pad's centre, correcting on the way down; farther off it lifts, carries
+# and lowers as the expert does. The expert's own loop only lowers from within 1 cm, but a policy's arm arrives 1-3 cm
+# off, and a 1 cm window made every such label "rise to carry height, recentre, lower" (~25 steps where lowering
+# takes ~15; PLACE_TOL accepts 5 cm): DAgger rounds taught the policy to hover over the pad.
+LOWER_RESUME_M = 0.04
+# An approach that starts low (TCP below the hover point) goes over the cube at this height above its centre (the
+# fingertips ~3 cm clear of its top) and descends from there, where it rose to the hover point (12 cm) and descended
+# at SLOW: the same kind of labels, rise 12 cm and come back at 0.8 cm a step, made DAgger rounds teach the policy to
+# back away from a cube it had nearly reached.
+REAPPROACH_Z = 0.06
 
 
 def _rz(yaw: float) -> np.ndarray:
@@ -86,7 +97,8 @@ class ScriptedExpert:
         if closing and near:
             if env.gripper_position() < 0.3:  # the fingers have not closed on the cube yet
                 return "grasp"
-            if np.linalg.norm(tcp[:2] - env.layout.pad_xy) < 0.01 and tcp[2] < CARRY_Z - 0.005:
+            if (env.spec.uses_pad and np.linalg.norm(tcp[:2] - env.layout.pad_xy) < LOWER_RESUME_M
+                    and tcp[2] < CARRY_Z - 0.005):
                 return "lower"
             return "carry" if tcp[2] >= CARRY_Z - 0.005 else "lift"
         if not closing and near and env.success():
@@ -137,11 +149,16 @@ class ScriptedExpert:
         ph = self.phase
         if ph == "approach":
             yaw_goal = self._grasp_yaw(env, cube_yaw)
-            hover = cube + [0.0, 0.0, HOVER]
-            # Rise first when low, so the fingers never sweep through the cube.
-            waypoint = hover if tcp[2] > cube[2] + HOVER - 0.03 else np.r_[self.p_cmd[:2], hover[2]]
+            if tcp[2] > cube[2] + HOVER - 0.03:  # from above (every episode's start): to the hover point
+                over = cube + [0.0, 0.0, HOVER]
+            else:
+                # Low (after a miss, or a policy's arm the planner took over): over the cube just clear of its top,
+                # rising first where the fingers could sweep through it.
+                over = cube + [0.0, 0.0, REAPPROACH_Z]
+            waypoint = over if tcp[2] > over[2] - 0.01 else np.r_[self.p_cmd[:2], over[2]]
             arrived = self._move(waypoint, SPEED * self.speed_scale)
-            if arrived and waypoint is hover and np.linalg.norm(tcp - hover) < 0.015:
+            aligned = abs(yaw_goal - self.yaw_cmd) < 2 * YAW_STEP  # a short low approach may not have turned yet
+            if arrived and waypoint is over and np.linalg.norm(tcp - over) < 0.015 and aligned:
                 self.phase = "descend"
         elif ph == "descend":
             yaw_goal = self._grasp_yaw(env, cube_yaw)
