@@ -26,13 +26,13 @@ LEAD_S = 0.2
 # A planner resuming mid-episode (eval.planner: DAgger labels, the delay mode) with the cube held below carry height
 # lowers it onto the pad from this far off the pad's centre, correcting on the way down; farther off it lifts, carries
 # and lowers as the expert does. The expert's own loop only lowers from within 1 cm, but a policy's arm arrives 1-3 cm
-# off, and a 1 cm window made every such label "rise to carry height, recentre, lower" (~25 steps where lowering
-# takes ~15; PLACE_TOL accepts 5 cm): DAgger rounds taught the policy to hover over the pad.
+# off, and a 1 cm window made every such label "rise to carry height, recentre, lower" (PLACE_TOL accepts 5 cm):
+# DAgger rounds taught the policy to hover over the pad (bench/results/rollout/2026-12-07-476dde2-dagger-labels-cpu/).
 LOWER_RESUME_M = 0.04
-# An approach that starts low (TCP below the hover point) goes over the cube at this height above its centre (the
-# fingertips ~3 cm clear of its top) and descends from there, where it rose to the hover point (12 cm) and descended
-# at SLOW: the same kind of labels, rise 12 cm and come back at 0.8 cm a step, made DAgger rounds teach the policy to
-# back away from a cube it had nearly reached.
+# An approach that starts low (TCP more than 3 cm below the hover point) goes over the cube at this height above its
+# centre (the fingertips ~3 cm clear of its top) and descends from there, where it rose to the hover point (12 cm)
+# and descended at SLOW: those labels, rise up to 12 cm and come back at 0.8 cm a step, made DAgger rounds teach the
+# policy to back away from a cube it had nearly reached.
 REAPPROACH_Z = 0.06
 
 
