@@ -149,13 +149,13 @@ class ScriptedExpert:
         ph = self.phase
         if ph == "approach":
             yaw_goal = self._grasp_yaw(env, cube_yaw)
-            if tcp[2] > cube[2] + HOVER - 0.03:  # from above (every episode's start): to the hover point
-                over = cube + [0.0, 0.0, HOVER]
+            if tcp[2] > cube[2] + HOVER - 0.03:  # from above (every episode's start): straight to the hover point
+                over = waypoint = cube + [0.0, 0.0, HOVER]
             else:
                 # Low (after a miss, or a policy's arm the planner took over): over the cube just clear of its top,
                 # rising first where the fingers could sweep through it.
                 over = cube + [0.0, 0.0, REAPPROACH_Z]
-            waypoint = over if tcp[2] > over[2] - 0.01 else np.r_[self.p_cmd[:2], over[2]]
+                waypoint = over if tcp[2] > over[2] - 0.01 else np.r_[self.p_cmd[:2], over[2]]
             arrived = self._move(waypoint, SPEED * self.speed_scale)
             aligned = abs(yaw_goal - self.yaw_cmd) < 2 * YAW_STEP  # a short low approach may not have turned yet
             if arrived and waypoint is over and np.linalg.norm(tcp - over) < 0.015 and aligned:
