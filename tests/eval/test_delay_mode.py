@@ -471,6 +471,7 @@ def test_a_recorded_request_holds_its_canvas_state_prefix_and_the_experts_contin
     assert path is not None and path.name == "dagger-pick_place-d03-0000005.npz"
     with np.load(path) as z:
         chunk, prefix_rows, canvas, state = z["chunk"], z["prefix_rows"], z["canvas"], z["state"]
+        assert z["grasp_unseen"].dtype == bool and z["grasp_unseen"].shape == (len(sent),)
         assert z["actions"].shape == (len(sent), 8) and np.array_equal(z["actions"], chunk[:, 0])
     assert chunk.shape == (len(sent), 32, 8) and len(sent) >= 3
     assert prefix_rows[0] == 0 and all(p == 3 for p in prefix_rows[1:])  # the first request has nothing committed
@@ -483,6 +484,45 @@ def test_a_recorded_request_holds_its_canvas_state_prefix_and_the_experts_contin
         # the expert continues from the prefix's end, at the arm's speed (never the wiggle's rows)
         assert np.abs(np.diff(chunk[t, max(p - 1, 0):, :7], axis=0)).max() < 0.2
         assert not np.allclose(chunk[t, p:p + 4], WigglePolicy().infer(obs, 0).actions[p:p + 4], atol=1e-3)
+
+
+def test_grasp_unseen_marks_a_label_that_opens_for_a_miss_the_request_could_not_see():
+    """The mark needs all four: a prefix ending closed, a label opening after it, the cube not held and the fingers
+    not shut at the request's step."""
+    from types import SimpleNamespace
+
+    from wamrt.eval.dagger import FINGERS_SHUT, grasp_unseen
+
+    def env(held=False, closure=0.2):
+        return SimpleNamespace(layout=SimpleNamespace(target=0), cube_held=lambda i: held,
+                               gripper_position=lambda: closure)
+
+    closed, opened = np.ones((4, 8), np.float32), np.zeros((4, 8), np.float32)
+    label = np.ones((32, 8), np.float32)
+    label[10:, 7] = 0.0  # the expert lets go six rows after the prefix
+    keeps = np.ones((32, 8), np.float32)
+    assert grasp_unseen(env(), closed, label)
+    assert not grasp_unseen(env(), closed, keeps)  # the grasp holds: the label keeps closing
+    assert not grasp_unseen(env(), opened, label)  # nothing committed closing
+    assert not grasp_unseen(env(), np.zeros((0, 8), np.float32), label)  # no prefix
+    assert not grasp_unseen(env(held=True), closed, label)  # carrying: opening is the place, in view
+    assert not grasp_unseen(env(closure=FINGERS_SHUT), closed, label)  # the miss is in view: fingers shut on nothing
+    assert grasp_unseen(env(closure=0.375), closed, label)  # fingers on the cube, not yet lifted
+
+
+def test_cube_held_is_true_in_the_experts_lift_and_false_on_the_table():
+    from wamrt.sim.env import PandaEnv
+    from wamrt.sim.expert import ScriptedExpert
+
+    with PandaEnv("lift", render=False) as env:
+        env.reset(3, render=False)
+        expert = ScriptedExpert()
+        expert.reset(env)
+        held = []
+        for _ in range(120):
+            env.step(expert.act(env), render=False)
+            held.append(env.cube_held(env.layout.target))
+        assert not held[0] and held[-1] and env.success()
 
 
 def test_grid_records_one_file_per_episode_with_the_runners_prefixes(tmp_path):

@@ -488,8 +488,9 @@ def test_progress_ratio_is_the_share_of_the_experts_displacement() -> None:
     assert progress_ratio(across, targets, 2, 8) == pytest.approx(0.0, abs=1e-6)
 
 
-def _dagger_episode(obs: dict, length: int = 3, prefix: int = 2, seed: int = 9):
-    """A DAgger episode built by hand: `length` requests of one observation, each with its own chunk."""
+def _dagger_episode(obs: dict, length: int = 3, prefix: int = 2, seed: int = 9, unseen: list[bool] | None = None):
+    """A DAgger episode built by hand: `length` requests of one observation, each with its own chunk (and, given
+    `unseen`, the recorder's grasp_unseen marks)."""
     from wamrt.client.realtime import JOINT_KEY
 
     rng = np.random.default_rng(seed)
@@ -498,6 +499,8 @@ def _dagger_episode(obs: dict, length: int = 3, prefix: int = 2, seed: int = 9):
     chunk = np.concatenate([joints + rng.normal(0, 0.2, (length, 32, 7)), rng.integers(0, 2, (length, 32, 1))],
                            axis=2).astype(np.float32)
     arrays.update(chunk=chunk, prefix_rows=np.full(length, prefix, np.int64), actions=chunk[:, 0].copy())
+    if unseen is not None:
+        arrays["grasp_unseen"] = np.asarray(unseen, bool)
     return arrays, meta
 
 
@@ -571,6 +574,49 @@ def test_trainer_takes_a_dagger_frames_chunk_and_prefix_and_no_future_frames(tmp
     assert [drawn.count(i) for i in range(n, n + 6)] == [4, 4, 4, 2, 2, 2]
     with pytest.raises(ValueError, match="dagger_d0_repeat"):
         PolicyTrainer(TrainConfig(size="tiny-qwen", dagger_d0_repeat=0), mixed, tmp_path / "bad", device="cpu")
+
+
+def test_an_unseen_grasps_gripper_column_stays_out_of_the_loss_after_its_prefix(tmp_path):
+    """A DAgger chunk marked grasp_unseen (eval/dagger.py) teaches its joints but not its gripper after the prefix;
+    an unmarked chunk, an expert frame, and the marked chunk with --learn-unseen-grasps learn the gripper."""
+    from wamrt.train.data import demo_set_from_episodes
+
+    eps, observations = _moving_episodes()
+    dagger = _dagger_episode(observations[0], unseen=[False, True, False])
+    old = _dagger_episode(observations[0], seed=11)  # recorded before the mark existed: no grasp_unseen array
+    ds = demo_set_from_episodes([*eps, dagger, old])
+    n = sum(len(a["actions"]) for a, _ in eps)
+    assert ds.grasp_unseen is not None and ds.grasp_unseen.tolist() == [False, True, False, False, False, False]
+
+    def cost(mask: bool, sample: int, column: int, row: int) -> float:
+        tr = PolicyTrainer(TrainConfig(size="tiny-qwen", batch=4, aug_shift_px=0, aug_colour=0.0, log_every=1000,
+                                       prefix_max=14, mask_unseen_grasps=mask), ds, tmp_path / f"m{mask}",
+                           device="cpu")
+        tr.cache_latents()
+        batch = tr.clean_batch(np.array([1, n, n + 1, n + 4]), augment_images=False)
+        velocity, h = tr.velocity, tr.contract.history
+
+        def run(spoil: bool) -> float:
+            def spoiled(*args, **kw):
+                o = velocity(*args, **kw)
+                if spoil:
+                    o.action[sample, h + row, column] += 100.0
+                return o
+            tr.velocity = spoiled
+            tr.gen.manual_seed(3)
+            with torch.no_grad():
+                out = tr.loss({**batch, "prefix_rows": torch.tensor([3, 3, 3, 3])}, text_dropout=False)
+            tr.velocity = velocity
+            return float(out["action"])
+
+        return run(True) - run(False)
+
+    gripper, joint = 7, 2
+    assert cost(True, 2, gripper, 5) == 0.0  # the marked chunk, after its 2-row prefix
+    assert cost(True, 2, joint, 5) > 1.0  # its joints are still learnt
+    for sample in (0, 1, 3):  # an expert frame, an unmarked chunk, a chunk from before the mark
+        assert cost(True, sample, gripper, 5) > 1.0
+    assert cost(False, 2, gripper, 5) > 1.0  # --learn-unseen-grasps
 
 
 def test_seam_weight_weighs_the_rows_right_after_a_prefix(tmp_path):

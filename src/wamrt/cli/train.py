@@ -83,6 +83,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                      help="weigh the first --seam-rows generated rows after a prefix W times as much in the action "
                           "loss (the rows the arm runs first after its committed ones; default 1)")
     fit.add_argument("--seam-rows", type=int, default=4, metavar="N", help="rows that --seam-weight covers (default 4)")
+    fit.add_argument("--learn-unseen-grasps", action="store_true",
+                     help="learn the gripper of DAgger chunks marked grasp_unseen as labelled (default: left out of "
+                          "the loss after the prefix; eval/dagger.py says why)")
     fit.add_argument("--seed", type=int, default=0, help="initialization and sampling seed")
     fit.add_argument("--log-every", type=int, default=50, help="optimizer steps between log lines")
     fit.add_argument("--device", help="cpu or cuda (default: cuda if available)")
@@ -135,6 +138,7 @@ def run_fit(args: argparse.Namespace) -> int:
                       prefix_zero_share=args.prefix_zero_share, prefix_noise=args.prefix_noise,
                       prefix_noise_rows=args.prefix_noise_rows, dagger_repeat=args.dagger_repeat,
                       dagger_d0_repeat=args.dagger_d0_repeat, seam_weight=args.seam_weight,
+                      mask_unseen_grasps=not args.learn_unseen_grasps,
                       seam_rows=args.seam_rows)
     try:
         trainer = PolicyTrainer(cfg, ds, args.out, device=args.device, log_path=args.log)

@@ -13,6 +13,9 @@ One `.npz` per episode, the layout of `wamrt.train.data` (canvas, state, actions
 
   chunk float32 [T, 32, 8]   the expert's chunk for request t (robot space: joint targets, gripper 0 open .. 1)
   prefix_rows int64 [T]      how many of its first rows were the request's committed prefix (clean in training)
+  grasp_unseen bool [T]      the label opens the gripper after a closed prefix for a grasp that fails later, where
+                             the request's view could not show it (`grasp_unseen`); training leaves that gripper
+                             column out of the loss
   reply float32 [T, 32, 8]   the policy's own answer to request t (NaN where the episode ended before it arrived):
                              how far the policy is from the expert on its own states (`dagger_gap`)
 
@@ -30,6 +33,10 @@ import numpy as np
 
 from ..client.realtime import GRIPPER_KEY, JOINT_KEY, PREFIX_KEY
 
+# Measured gripper closure (0 open .. 1 shut) above which the fingers have closed on nothing: a 5 cm cube holds them
+# at 0.375. A request that sees this has seen its grasp miss.
+FINGERS_SHUT = 0.9
+
 if TYPE_CHECKING:  # the planner imports the simulator: only where requests are labelled (`dagger_gap` reads files)
     from .planner import ExpertPlanner
 
@@ -43,6 +50,7 @@ class DaggerEpisode:
         self.state: list[np.ndarray] = []
         self.chunk: list[np.ndarray] = []
         self.prefix_rows: list[int] = []
+        self.grasp_unseen: list[bool] = []
         self.reply: list[np.ndarray] = []
         self.prompt = ""
         self.image_size: tuple[int, ...] = ()
@@ -61,6 +69,7 @@ class DaggerEpisode:
         self.state.append(droid_state_row(obs[JOINT_KEY], obs[GRIPPER_KEY]))
         self.chunk.append(np.asarray(label, np.float32))
         self.prefix_rows.append(len(prefix))
+        self.grasp_unseen.append(grasp_unseen(env, prefix, label))
         self.reply.append(np.full_like(self.chunk[-1], np.nan))
         self.prompt, self.image_size = str(obs["prompt"]), tuple(size)
 
@@ -83,9 +92,29 @@ class DaggerEpisode:
         with open(tmp, "wb") as f:
             np.savez(f, meta=np.array(json.dumps(meta)), canvas=np.stack(self.canvas),
                      state=np.stack(self.state).astype(np.float32), actions=chunk[:, 0].copy(), chunk=chunk,
-                     prefix_rows=np.asarray(self.prefix_rows, np.int64), reply=np.stack(self.reply))
+                     prefix_rows=np.asarray(self.prefix_rows, np.int64),
+                     grasp_unseen=np.asarray(self.grasp_unseen, bool), reply=np.stack(self.reply))
         os.replace(tmp, final)
         return final
+
+
+def grasp_unseen(env: Any, prefix: np.ndarray, label: np.ndarray) -> bool:
+    """The expert's `label` opens the gripper after a `prefix` that ends closing it, while at the request's step
+    (`env`) the target cube is not held and the fingers have not shut on nothing yet: the grasp the prefix closes
+    fails within its rows, which the request's view, older than the rows it plans by the prefix's length, need not show.
+
+    Why (bench/results/rollout/2026-12-07-20f01d1-d10-gripper-labels-cpu/): at d = 10 most closed prefixes of the
+    policy's own DAgger requests end without the cube held, and their labels open the gripper to try again. Taught
+    those, the policy opened after closed prefixes where the grasp was about to hold, and in carries: drops. What a
+    request can see is a grasp closing; keeping it closed until a later request sees the fingers shut costs one
+    plan, where opening a grasp that holds costs the episode."""
+    k = len(prefix)
+    if k == 0 or k >= len(label) or prefix[-1, 7] < 0.5:
+        return False
+    assert env.layout is not None
+    if env.cube_held(env.layout.target) or env.gripper_position() >= FINGERS_SHUT:
+        return False
+    return bool((np.asarray(label)[k:, 7] < 0.5).any())
 
 
 def dagger_gap(files: Any, rows: int = 8) -> dict[int, dict[str, float]]:

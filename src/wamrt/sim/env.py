@@ -256,6 +256,11 @@ class PandaEnv:
                 return True
         return False
 
+    def cube_held(self, i: int) -> bool:
+        """Cube i is in the gripper and off its support: touching the fingers, more than 1 cm above the disc's top
+        (and so above the table)."""
+        return self.touches_gripper(i) and bool(self.cube_pos(i)[2] > TURNTABLE_TOP + CUBE_HALF + 0.01)
+
     def success(self) -> bool:
         """The task predicate on simulator state (never on images)."""
         assert self.layout is not None, "reset() first"

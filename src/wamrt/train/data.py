@@ -13,7 +13,8 @@ tier), so training sees byte for byte what `prepare_droid` feeds the VAE at infe
 
 An episode may instead carry each frame's chunk explicitly (`chunk` [T, 32, 8] and `prefix_rows` [T]: the on-policy
 requests of `wamrt eval grid --record-dagger`, eval/dagger.py): its frames are requests, not consecutive steps, so
-its samples take their chunk and their clean prefix from there, and have no future frames.
+its samples take their chunk and their clean prefix from there, and have no future frames. An optional
+`grasp_unseen` bool [T] marks chunks whose gripper column after the prefix stays out of the loss (eval/dagger.py).
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ class DemoSet:
     chunk_row: np.ndarray | None = None  # int64 [N], -1: the actions that follow the frame in its episode
     chunks: np.ndarray | None = None  # float32 [M, 32, 8], robot space
     fixed_prefix: np.ndarray | None = None  # int64 [N], -1: drawn in training
+    grasp_unseen: np.ndarray | None = None  # bool [M], per chunk: its gripper column after the prefix not learnt
 
     def __len__(self) -> int:
         return len(self.state)
@@ -145,7 +147,8 @@ def load_demo_set(files: Sequence[str | Path]) -> DemoSet:
     for f in sorted(files):
         with np.load(f) as z:
             meta = json.loads(str(z["meta"]))
-            arrays = {k: z[k] for k in ("canvas", "state", "actions", "chunk", "prefix_rows") if k in z.files}
+            arrays = {k: z[k] for k in ("canvas", "state", "actions", "chunk", "prefix_rows", "grasp_unseen")
+                      if k in z.files}
         if episodes and meta["tier"] != episodes[0][1]["tier"]:
             raise ValueError(f"{f}: tier {meta['tier']} differs from {episodes[0][1]['tier']}")
         episodes.append((arrays, meta))
@@ -190,7 +193,7 @@ def demo_set_from_episodes(episodes: Sequence[tuple[dict[str, np.ndarray], dict]
     if not episodes:
         raise ValueError("no episodes")
     canv, st, act, starts, ends, prompts = [], [], [], [], [], []
-    chunk_row, chunks, fixed = [], [], []
+    chunk_row, chunks, fixed, unseen = [], [], [], []
     n = m = 0
     for arrays, meta in episodes:
         t = len(arrays["actions"])
@@ -198,6 +201,7 @@ def demo_set_from_episodes(episodes: Sequence[tuple[dict[str, np.ndarray], dict]
             chunk_row.append(np.arange(m, m + t))
             chunks.append(np.asarray(arrays["chunk"], np.float32))
             fixed.append(np.asarray(arrays["prefix_rows"], np.int64))
+            unseen.append(np.asarray(arrays.get("grasp_unseen", np.zeros(t, bool)), bool))
             m += t
         else:
             chunk_row.append(np.full(t, -1))
@@ -211,7 +215,7 @@ def demo_set_from_episodes(episodes: Sequence[tuple[dict[str, np.ndarray], dict]
         n += t
     meta0 = episodes[0][1]
     explicit = {"chunk_row": np.concatenate(chunk_row).astype(np.int64), "chunks": np.concatenate(chunks),
-                "fixed_prefix": np.concatenate(fixed)} if chunks else {}
+                "fixed_prefix": np.concatenate(fixed), "grasp_unseen": np.concatenate(unseen)} if chunks else {}
     return DemoSet(np.concatenate(canv), np.concatenate(st), np.concatenate(act), np.concatenate(starts),
                    np.concatenate(ends), prompts, tuple(meta0["image_size"]), meta0["tier"], len(episodes),  # type: ignore[arg-type]
                    **explicit)

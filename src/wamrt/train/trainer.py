@@ -127,6 +127,9 @@ class TrainConfig:
     # (bench/results/rollout/2026-12-06-560a357-dagger-gap-round1-cpu/).
     seam_weight: float = 1.0
     seam_rows: int = 4
+    # DAgger chunks marked `grasp_unseen` (eval/dagger.py: the label opens the gripper for a grasp that fails after
+    # the request's view) leave their gripper column after the prefix out of the action loss; False: learnt as labelled.
+    mask_unseen_grasps: bool = True
 
 
 @dataclass
@@ -340,11 +343,14 @@ class PolicyTrainer:
         self.actions = torch.from_numpy(ds.actions).to(self.device)
         self.episode_end = torch.from_numpy(ds.episode_end).to(self.device)
         # DAgger frames (eval/dagger.py) bring their own chunk and clean prefix, and have no future frames.
-        self.chunk_row = self.chunks = self.fixed_prefix = None
+        self.chunk_row = self.chunks = self.fixed_prefix = self.grip_learnt = None
         if ds.chunks is not None and ds.chunk_row is not None and ds.fixed_prefix is not None:
             self.chunk_row = torch.from_numpy(ds.chunk_row).to(self.device)
             self.chunks = torch.from_numpy(ds.chunks).to(self.device)
             self.fixed_prefix = torch.from_numpy(ds.fixed_prefix).to(self.device)
+            unseen = ds.grasp_unseen if ds.grasp_unseen is not None and cfg.mask_unseen_grasps \
+                else np.zeros(len(ds.chunks), bool)
+            self.grip_learnt = torch.from_numpy(~unseen).float().to(self.device)  # [M]: 0 leaves the column out
         norm = self.normalization.arrays() if self.normalization is not None else None
         self._norm = {k: torch.from_numpy(v).to(self.device) for k, v in norm.items()} if norm else None
         # Training frames per instruction (prompt_batches) and how often each instruction is drawn.
@@ -441,6 +447,8 @@ class PolicyTrainer:
         if explicit is not None and row is not None and self.chunks is not None and self.fixed_prefix is not None:
             chunk = torch.where(explicit[:, None, None], self.chunks[row.clamp(min=0)], chunk)
             extra = {"fixed_prefix": self.fixed_prefix[idx], "vision_weight": (~explicit).float()}
+            if self.grip_learnt is not None:
+                extra["gripper_weight"] = torch.where(explicit, self.grip_learnt[row.clamp(min=0)], 1.0)
         chunk[..., -1] = 1.0 - chunk[..., -1]  # model space: the gripper flipped (droid_actions flips back)
         if self._norm is not None:  # the inverse of ActionNormalization.actions_out, on the device
             n = self._norm
@@ -530,6 +538,9 @@ class PolicyTrainer:
             after = torch.arange(a0.shape[1], device=self.device)[None] - self.contract.history - d[:, None]
             seam = (d[:, None] > 0) & (after >= 0) & (after < cfg.seam_rows)  # [B, rows]
             ma = ma * torch.where(seam, cfg.seam_weight, 1.0)[:, :, None]
+        if (grip := batch.get("gripper_weight")) is not None:  # the gripper column: the raw row's last
+            is_grip = torch.arange(a0.shape[-1], device=self.device) == lay.raw_action_dim - 1
+            ma = ma * torch.where(is_grip[None, None, :], grip.view(b, 1, 1), 1.0)
         lv = (((out.vision.float() - (eps_v - v0)) ** 2) * mv).sum() / mv.sum().clamp(min=1.0)
         la = (((out.action.float() - (eps_a - a0)) ** 2) * ma).sum() / ma.sum()
         return {"loss": lv + cfg.action_weight * la, "vision": lv, "action": la}
@@ -610,6 +621,10 @@ class PolicyTrainer:
                  f"latent {self.latent_thw}, device {self.device}, "
                  f"params {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f} M, "
                  f"held out {cfg.val_episodes} episodes ({len(self.ds) - len(self.train_idx)} frames)")
+        if self.ds.chunk_row is not None:
+            unseen = 0 if self.ds.grasp_unseen is None else int(self.ds.grasp_unseen.sum())
+            self.log(f"dagger: {int((self.ds.chunk_row >= 0).sum())} requests, {unseen} marked grasp_unseen "
+                     f"({'gripper left out after the prefix' if cfg.mask_unseen_grasps else 'learnt as labelled'})")
         t0 = time.perf_counter()
         win_t, win_n, acc = t0, 0, []
         snapshots = sorted(cfg.snapshot_minutes)
@@ -677,6 +692,8 @@ class PolicyTrainer:
                            f"{self.state.samples} samples",
                 "train": {**asdict(self.cfg), "episodes": self.ds.episodes, "frames": len(self.ds),
                           "dagger_frames": 0 if self.ds.chunk_row is None else int((self.ds.chunk_row >= 0).sum()),
+                          "dagger_grasps_unseen": 0 if self.ds.grasp_unseen is None
+                          else int(self.ds.grasp_unseen.sum()),
                           "steps": self.state.step, "elapsed_s": round(self.state.elapsed_s, 1), **(extra or {})},
                 "provenance": environment()}
         (out / "wamrt.json").write_text(json.dumps(meta, indent=2) + "\n")
