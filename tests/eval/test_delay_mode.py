@@ -175,6 +175,24 @@ def test_expert_planner_lowers_a_cube_held_off_the_pads_centre():
     assert z[-1] < z[0] - 0.05 and placed
 
 
+def test_the_experts_own_carry_lowers_from_within_4_cm_of_the_pad_as_its_planner_does():
+    """The demos and the planner's labels agree: the expert starts lowering a carried cube once the TCP is within
+    LOWER_RESUME_M of the pad's centre (it waited for 1 cm, and a policy that stops 1.5-2.5 cm off hovered), and
+    places it."""
+    from wamrt.sim import PandaEnv
+    from wamrt.sim.expert import LOWER_RESUME_M
+
+    off = []
+    with PandaEnv("pick_place", render=False) as env:
+        for seed in range(4):
+            expert = _expert_until(env, seed, lambda e, x: x.phase == "lower")
+            off.append(float(np.linalg.norm(env.tcp_pos()[:2] - env.layout.pad_xy)))
+            for _ in range(60):
+                env.step(expert.act(env), render=False)
+            assert env.success()
+    assert max(off) < LOWER_RESUME_M and max(off) > 0.01
+
+
 def test_expert_planner_reapproaches_a_missed_cube_from_just_above_it():
     """The arm low beside the cube (4 cm off, outside the descent's 3 cm window): the planner clears the cube's top,
     goes over it and grasps within the chunk, where it used to climb back to the 12 cm hover point first."""
