@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -576,6 +578,28 @@ def test_trainer_takes_a_dagger_frames_chunk_and_prefix_and_no_future_frames(tmp
         PolicyTrainer(TrainConfig(size="tiny-qwen", dagger_d0_repeat=0), mixed, tmp_path / "bad", device="cpu")
 
 
+def _action_loss_rise(tr, batch, prefix_rows: int, sample: int, row: int, column: Any = slice(None)) -> float:
+    """How much the action loss rises when the velocity of `sample`'s generated row `row` (after the state row),
+    at `column`, is off by 100: 0 where that entry is out of the loss. Same sigmas and noise both times."""
+    velocity, h = tr.velocity, tr.contract.history
+    d = torch.full((len(batch["prompts"]),), prefix_rows)
+
+    def run(spoil: bool) -> float:
+        def spoiled(*args, **kw):
+            o = velocity(*args, **kw)
+            if spoil:
+                o.action[sample, h + row, column] += 100.0
+            return o
+        tr.velocity = spoiled
+        tr.gen.manual_seed(3)
+        with torch.no_grad():
+            out = tr.loss({**batch, "prefix_rows": d}, text_dropout=False)
+        tr.velocity = velocity
+        return float(out["action"])
+
+    return run(True) - run(False)
+
+
 def test_an_unseen_grasps_gripper_column_stays_out_of_the_loss_after_its_prefix(tmp_path):
     """A DAgger chunk marked grasp_unseen (eval/dagger.py) teaches its joints but not its gripper after the prefix;
     an unmarked chunk, an expert frame, and the marked chunk with --learn-unseen-grasps learn the gripper."""
@@ -594,22 +618,7 @@ def test_an_unseen_grasps_gripper_column_stays_out_of_the_loss_after_its_prefix(
                            device="cpu")
         tr.cache_latents()
         batch = tr.clean_batch(np.array([1, n, n + 1, n + 4]), augment_images=False)
-        velocity, h = tr.velocity, tr.contract.history
-
-        def run(spoil: bool) -> float:
-            def spoiled(*args, **kw):
-                o = velocity(*args, **kw)
-                if spoil:
-                    o.action[sample, h + row, column] += 100.0
-                return o
-            tr.velocity = spoiled
-            tr.gen.manual_seed(3)
-            with torch.no_grad():
-                out = tr.loss({**batch, "prefix_rows": torch.tensor([3, 3, 3, 3])}, text_dropout=False)
-            tr.velocity = velocity
-            return float(out["action"])
-
-        return run(True) - run(False)
+        return _action_loss_rise(tr, batch, 3, sample, row, column)
 
     gripper, joint = 7, 2
     assert cost(True, 2, gripper, 5) == 0.0  # the marked chunk, after its 2-row prefix
@@ -632,22 +641,7 @@ def test_seam_weight_weighs_the_rows_right_after_a_prefix(tmp_path):
                                        seam_weight=weight, seam_rows=2), ds, tmp_path / f"s{weight}", device="cpu")
         tr.cache_latents()
         batch = tr.clean_batch(np.array([1, 7]), augment_images=False)
-        velocity, h = tr.velocity, tr.contract.history
-
-        def run(spoil: bool) -> float:
-            def spoiled(*args, **kw):
-                o = velocity(*args, **kw)
-                if spoil:
-                    o.action[0, h + row] += 100.0
-                return o
-            tr.velocity = spoiled
-            tr.gen.manual_seed(3)
-            with torch.no_grad():
-                out = tr.loss({**batch, "prefix_rows": torch.tensor([prefix, prefix])}, text_dropout=False)
-            tr.velocity = velocity
-            return float(out["action"])
-
-        return run(True) - run(False)
+        return _action_loss_rise(tr, batch, prefix, 0, row)
 
     # prefix 3: rows 3 and 4 are the seam, row 10 is not
     plain_seam, plain_later = cost(1.0, 3, 3), cost(1.0, 10, 3)

@@ -4,7 +4,7 @@ import json, sys
 import numpy as np, torch
 from wamrt.pipeline.policy import load_policy
 from wamrt.sim.env import PandaEnv
-from wamrt.eval.realtime import RealtimeAgent, RealtimeSettings, LaneEpisode
+from wamrt.eval.realtime import RealtimeAgent, RealtimeSettings
 from wamrt.eval.planner import snapshot, ExpertPlanner, SIM_STATE_KEY
 from wamrt.client.clocks import LatencyModel
 import mujoco  # noqa: F401  (after wamrt.sim)
@@ -22,14 +22,7 @@ def infer(obs, *a, **k):
     return r
 policy.infer = infer
 agent = RealtimeAgent(policy, RealtimeSettings(strategy="async", latency=LatencyModel(steps=0)))
-ep = LaneEpisode(env, agent.runner, seed)
-while not ep.done:
-    req = ep.begin()
-    if req is not None:
-        agent.runner.dispatch(req)
-    agent.clock.flush()
-    ep.end()
-print("success", ep.success)
+print("success", agent.episode(env, seed).success)
 pad = env.layout.pad_xy
 ik = planner.expert
 out = []
