@@ -15,6 +15,9 @@
 # Writes $RES/{summary.txt, dagger-grid-<task>.txt, dagger-grid/<task>/ (the cells: INIT's own score on those seeds),
 #   demos-*.txt, train.txt, train_log.txt, ckpt-wamrt.json} and $OUT/prefix-ckpt.tgz; the checkpoint stays at $CKPT
 #   (/tmp/wamrt-prefix/ckpt) for a `grid` call on the warm machine.
+# ROUND_PHASE=record stops after step 1 and leaves the recordings in $PREFIX_WORK; ROUND_PHASE=train (the next call,
+# on the same warm machine) runs step 2 on them. A round of two calls records and trains ~9 minutes each where
+# one call fits ~2.5 and ~4.5 (600 s a call).
 # Timing (945d6c9, H100): REC_S=75 took 130 s of recording (the episodes in flight at the budget run to their end) and
 # MINUTES=2.2 took 151 s with loading and saving: give the part REC_S + 60 * MINUTES + 100 s.
 # CPU dry run (tiny, a minute):
@@ -47,6 +50,9 @@ BATCH=${BATCH:-128}
 LR=${LR:-1e-4}
 GRID_ARGS=${GRID_ARGS:---lanes 16 --max-batch 128}
 TRAIN_ARGS=${TRAIN_ARGS:-}
+VAL_DAGGER=${VAL_DAGGER:-12}  # DAgger episodes held out (`train fit --val-dagger-episodes`: "val dagger" in the log)
+ROUND_PHASE=${ROUND_PHASE:-all}
+case $ROUND_PHASE in all|record|train) ;; *) log "FATAL: ROUND_PHASE must be all, record or train: $ROUND_PHASE"; exit 1 ;; esac
 # Every round records other layouts. Until 2026-12-07 each round recorded seeds 800000.. and 900000.., so every round
 # saw the same 60 layouts a cell and the same demo seeds. On those trained-on seeds round 5 scored 90 % on
 # pick_place at d = 10, against 59.5 % on the gate's seeds 0-199 (bench/results/rollout/2026-12-07-476dde2-*/).
@@ -62,41 +68,53 @@ PYEOF
 ) || { log "FATAL: cannot read INIT $INIT"; exit 1; }
 DAGGER_SEED0=${DAGGER_SEED0:-$(( 800000 + round_key * 100 ))}
 DEMO_SEED0=${DEMO_SEED0:-$(( 1000000 + round_key * 300 ))}
-rm -rf "$WORK/dagger" "$WORK/dagger-grid" "$WORK"/demos-dart-*
-log "dagger round: init $INIT; recording $REC_S s: $DAGGER_EPISODES episodes per cell of $DAGGER_TASKS at d $DAGGER_DELAYS ($DAGGER_WORKERS workers, seeds $DAGGER_SEED0..) + DART demos ($DEMO_WORKERS workers a task, seeds $DEMO_SEED0..)"
-
-# One grid process per task, side by side, each with the whole budget and its share of DAGGER_WORKERS: a single grid
-# runs one task's cells before the other's, and in 945d6c9's round the budget ran out after 183 turntable episodes
-# and 2 of pick_place (bench/results/rollout/2026-12-06-945d6c9-dagger-round-h100/).
 tasks=(${DAGGER_TASKS//,/ })
-task_workers=$(( DAGGER_WORKERS / ${#tasks[@]} > 0 ? DAGGER_WORKERS / ${#tasks[@]} : 1 ))
-grid_pids=() demo_pids=() dirs=("$WORK/dagger")
-for t in "${tasks[@]}"; do
-  # shellcheck disable=SC2086
-  "$PY" -m wamrt.cli eval grid --policy "$INIT" --trained-policy "$INIT" --tasks "$t" \
-    --delays "$DAGGER_DELAYS" --strategies prefix-trained --episodes "$DAGGER_EPISODES" --seed0 "$DAGGER_SEED0" \
-    --workers "$task_workers" --budget-s "$REC_S" --record-dagger "$WORK/dagger" --out "$WORK/dagger-grid/$t" \
-    $GRID_ARGS > "$RES/dagger-grid-$t.txt" 2>&1 &
-  grid_pids+=($!)
-done
-for t in "${tasks[@]}"; do
-  d=$WORK/demos-dart-$t
-  dirs+=("$d")
-  "$PY" -m wamrt.cli train record --task "$t" --episodes 2000 --seed0 "$DEMO_SEED0" --workers "$DEMO_WORKERS" \
-    --seconds "$REC_S" --action-noise 0.02 --out "$d" > "$RES/demos-$t.txt" 2>&1 &
-  demo_pids+=($!)
-done
-wait "${demo_pids[@]}" "${grid_pids[@]}"
-cp -r "$WORK/dagger-grid" "$RES/dagger-grid" 2>/dev/null
-log "recorded DAgger episodes: $(for t in "${tasks[@]}"; do echo -n "$t $(ls "$WORK/dagger"/dagger-"$t"-*.npz 2>/dev/null | wc -l) "; done)(grids' last lines: $(for t in "${tasks[@]}"; do grep -v Warning "$RES/dagger-grid-$t.txt" | tail -1 | cut -c1-100 | tr -d "\n"; echo -n "; "; done)); demos: $(for t in "${tasks[@]}"; do echo -n "$t $(ls "$WORK/demos-dart-$t"/*.npz 2>/dev/null | wc -l) "; done)"
-[ -n "$(ls "$WORK/dagger"/*.npz 2>/dev/null)" ] || { log "FATAL: no DAgger episodes"; tail -5 "$RES"/dagger-grid-*.txt; exit 1; }
+dirs=("$WORK/dagger")
+for t in "${tasks[@]}"; do dirs+=("$WORK/demos-dart-$t"); done
+# Step 1: the recordings, in $WORK/dagger and $WORK/demos-dart-<task>.
+record_round() {
+  rm -rf "$WORK/dagger" "$WORK/dagger-grid" "$WORK"/demos-dart-*
+  log "dagger round: init $INIT; recording $REC_S s: $DAGGER_EPISODES episodes per cell of $DAGGER_TASKS at d $DAGGER_DELAYS ($DAGGER_WORKERS workers, seeds $DAGGER_SEED0..) + DART demos ($DEMO_WORKERS workers a task, seeds $DEMO_SEED0..)"
+
+  # One grid process per task, side by side, each with the whole budget and its share of DAGGER_WORKERS: a single grid
+  # runs one task's cells before the other's, and in 945d6c9's round the budget ran out after 183 turntable episodes
+  # and 2 of pick_place (bench/results/rollout/2026-12-06-945d6c9-dagger-round-h100/).
+  task_workers=$(( DAGGER_WORKERS / ${#tasks[@]} > 0 ? DAGGER_WORKERS / ${#tasks[@]} : 1 ))
+  grid_pids=() demo_pids=()
+  for t in "${tasks[@]}"; do
+    # shellcheck disable=SC2086
+    "$PY" -m wamrt.cli eval grid --policy "$INIT" --trained-policy "$INIT" --tasks "$t" \
+      --delays "$DAGGER_DELAYS" --strategies prefix-trained --episodes "$DAGGER_EPISODES" --seed0 "$DAGGER_SEED0" \
+      --workers "$task_workers" --budget-s "$REC_S" --record-dagger "$WORK/dagger" --out "$WORK/dagger-grid/$t" \
+      $GRID_ARGS > "$RES/dagger-grid-$t.txt" 2>&1 &
+    grid_pids+=($!)
+  done
+  for t in "${tasks[@]}"; do
+    d=$WORK/demos-dart-$t
+    "$PY" -m wamrt.cli train record --task "$t" --episodes 2000 --seed0 "$DEMO_SEED0" --workers "$DEMO_WORKERS" \
+      --seconds "$REC_S" --action-noise 0.02 --out "$d" > "$RES/demos-$t.txt" 2>&1 &
+    demo_pids+=($!)
+  done
+  wait "${demo_pids[@]}" "${grid_pids[@]}"
+  cp -r "$WORK/dagger-grid" "$RES/dagger-grid" 2>/dev/null
+  log "recorded DAgger episodes: $(for t in "${tasks[@]}"; do echo -n "$t $(ls "$WORK/dagger"/dagger-"$t"-*.npz 2>/dev/null | wc -l) "; done)(grids' last lines: $(for t in "${tasks[@]}"; do grep -v Warning "$RES/dagger-grid-$t.txt" | tail -1 | cut -c1-100 | tr -d "\n"; echo -n "; "; done)); demos: $(for t in "${tasks[@]}"; do echo -n "$t $(ls "$WORK/demos-dart-$t"/*.npz 2>/dev/null | wc -l) "; done)"
+  [ -n "$(ls "$WORK/dagger"/*.npz 2>/dev/null)" ] || { log "FATAL: no DAgger episodes"; tail -5 "$RES"/dagger-grid-*.txt; return 1; }
+}
+[ "$ROUND_PHASE" = train ] || record_round || exit 1
+if [ "$ROUND_PHASE" = record ]; then
+  log "recorded in $(( $(date +%s) - T0 )) s; ROUND_PHASE=train on this machine trains on them"; exit 0
+fi
+[ -n "$(ls "$WORK/dagger"/*.npz 2>/dev/null)" ] || { log "FATAL: no DAgger episodes in $WORK/dagger (ROUND_PHASE=record first, on this machine)"; exit 1; }
 
 n=0; for d in "${dirs[@]}"; do n=$(( n + $(ls "$d"/*.npz 2>/dev/null | wc -l) )); done
-val=$(( n / 10 < 10 ? n / 10 : 10 ))  # the last episodes in path order: demos-dart-turntable's (expert frames)
-log "train: $MINUTES min from $INIT on $n episodes ($val held out), DAgger frames x$DAGGER_REPEAT (at d = 0 x$DAGGER_D0_REPEAT), batch $BATCH, lr $LR"
+val=$(( n / 10 < 10 ? n / 10 : 10 ))  # the last episodes in path order: the last task's DART demos (expert frames)
+n_dagger=$(ls "$WORK/dagger"/*.npz | wc -l)
+val_dagger=$(( n_dagger / 4 < VAL_DAGGER ? n_dagger / 4 : VAL_DAGGER ))
+log "train: $MINUTES min from $INIT on $n episodes ($val + $val_dagger DAgger held out), DAgger frames x$DAGGER_REPEAT (at d = 0 x$DAGGER_D0_REPEAT), batch $BATCH, lr $LR"
 # shellcheck disable=SC2086
 timeout "$("$PY" -c "print(int($MINUTES * 60 + 200))")" "$PY" -m wamrt.cli train fit --demos "${dirs[@]}" \
   --out "$WORK/ckpt-dagger" --minutes "$MINUTES" --batch "$BATCH" --lr "$LR" --warmup 50 --val-episodes "$val" \
+  --val-dagger-episodes "$val_dagger" \
   --aug-shift 0 --aug-colour 0 --log-every 100 --init-from "$INIT" --prefix-max 14 --prefix-zero-share 0.25 \
   --prefix-noise 0.5 --prefix-noise-rows 4 --dagger-repeat "$DAGGER_REPEAT" --dagger-d0-repeat "$DAGGER_D0_REPEAT" \
   --seam-weight "$SEAM_WEIGHT" $TRAIN_ARGS > "$RES/train.txt" 2>&1

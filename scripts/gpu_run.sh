@@ -5,7 +5,8 @@
 #          quantization GPU tests and the fused fp8 activation kernel's)
 #          vae (the policy's frame-0 VAE encode and the world decode, kernel option by kernel option: `wamrt bench
 #          vae`, STAGES default encode,decode; then the GPU tests of both and of their per-pixel kernels)
-#          dagger (issue 41: one DAgger round on the robot's clock, scripts/dagger_round.sh; carry .whl .gl)
+#          dagger (issue 41: one DAgger round on the robot's clock, scripts/dagger_round.sh; carry .whl .gl;
+#          ROUND_PHASE=record, then =train on the warm machine, splits a round over two calls)
 #          host-timeline (a warm request's host work against its CUDA graphs: `wamrt bench host-timeline`)
 #          ab-edge ab-nano (this tree against an older one carried in .ab-before/ -- `git archive <sha> src` unpacked, less src/wamrt/assets,
 #          there, its sha in .ab-before/SHA -- in one process order per round, ROUNDS rounds alternating which side

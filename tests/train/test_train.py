@@ -204,6 +204,36 @@ def test_held_out_episodes_are_never_sampled_and_their_loss_is_fixed(tmp_path):
                       device="cpu")
 
 
+def test_held_out_dagger_episodes_are_spread_never_sampled_and_reported(tmp_path):
+    """`val_dagger_episodes`: DAgger episodes spread over those recorded stay out of training (and out of the repeated
+    DAgger pool), and their loss is a fixed number of its own in `val_loss`."""
+    from wamrt.train.data import demo_set_from_episodes
+
+    eps, observations = _moving_episodes()
+    daggers = [_dagger_episode(observations[0], seed=s) for s in range(5)]
+    ds = demo_set_from_episodes([*eps, *daggers])
+    n = sum(len(a["actions"]) for a, _ in eps)
+    cfg = TrainConfig(size="tiny-qwen", batch=8, aug_shift_px=0, aug_colour=0.0, log_every=1000, prefix_max=14,
+                      dagger_repeat=3, val_dagger_episodes=2, val_batch=4)
+    tr = PolicyTrainer(cfg, ds, tmp_path / "ckpt", device="cpu")
+    held = set(range(n, n + 3)) | set(range(n + 12, n + 15))  # the first and the last of 5 episodes of 3 requests
+    assert set(tr.val_dagger_idx) <= held and len(tr.val_dagger_idx) == 4
+    assert not held & set(tr.train_idx.tolist()) and not held & set(tr.train_idx_t.tolist())
+    assert set(range(n)) | set(range(n + 3, n + 12)) == set(tr.train_idx.tolist())
+    tr.cache_latents()
+    first = tr.val_loss()
+    assert first is not None and set(first) == {"val_dagger_action"} and np.isfinite(first["val_dagger_action"])
+    assert tr.val_loss() == first
+    tr.cfg.max_steps, tr.cfg.minutes = 1, 10.0
+    tr.train()
+    assert "val dagger" in tr.log_path.read_text().splitlines()[-2]  # the step-1 line, before "done"
+    with pytest.raises(ValueError, match="val_dagger_episodes"):
+        PolicyTrainer(TrainConfig(size="tiny-qwen", val_dagger_episodes=5), ds, tmp_path / "b", device="cpu")
+    with pytest.raises(ValueError, match="val_dagger_episodes"):
+        PolicyTrainer(TrainConfig(size="tiny-qwen", val_dagger_episodes=1), demo_set_from_episodes(eps),
+                      tmp_path / "c", device="cpu")
+
+
 def test_normalized_training_targets_are_what_the_served_contract_undoes(tmp_path):
     """Train-time normalization is the exact inverse of the served denormalization: the chunk rows of a
     training batch, passed through the checkpoint's `actions_out` with the frame's raw state, are the expert's

@@ -51,6 +51,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                      help="augment and re-encode the future frames too (9 VAE encodes per sample instead of 1)")
     fit.add_argument("--val-episodes", type=int, default=0,
                      help="hold out the last N episodes; the log then reports their action loss")
+    fit.add_argument("--val-dagger-episodes", type=int, default=0,
+                     help="also hold out N DAgger episodes spread over those recorded; the log reports their action "
+                          "loss as 'val dagger'")
     fit.add_argument("--normalization", choices=("relative", "absolute", "none"), default="relative",
                      help="action presentation stored in wamrt.json: joints relative to the state with per-row "
                           "statistics (default), the statistics alone, or raw radians")
@@ -132,6 +135,7 @@ def run_fit(args: argparse.Namespace) -> int:
                       minutes=args.minutes, max_steps=args.max_steps, ema=args.ema, text_dropout=args.text_dropout,
                       action_weight=args.action_weight, sigma_shift=args.sigma_shift, aug_shift_px=args.aug_shift,
                       aug_colour=args.aug_colour, aug_future=args.aug_future, val_episodes=args.val_episodes,
+                      val_dagger_episodes=args.val_dagger_episodes,
                       seed=args.seed, log_every=args.log_every, normalization=args.normalization,
                       prompt_batches=not args.mixed_prompts, snapshot_minutes=tuple(args.snapshot_minutes),
                       init_from=str(args.init_from) if args.init_from else None, prefix_max=args.prefix_max,

@@ -89,6 +89,11 @@ class TrainConfig:
     # action loss on a fixed batch of their frames, so a run that fails closed-loop says whether it
     # under-fitted or did not generalise.
     val_episodes: int = 0
+    # DAgger episodes held out too, spread evenly over those recorded (file order), with their own fixed batch
+    # (`val dagger` in the log). The last episodes in file order are expert demos in a DAgger round, which the
+    # checkpoint it continues already fits: their loss cannot say whether the round learns its requests or
+    # memorises them.
+    val_dagger_episodes: int = 0
     val_batch: int = 128
     grad_clip: float = 1.0
     # How actions are presented to the model (stored in wamrt.json, undone by the served contract):
@@ -267,9 +272,21 @@ class PolicyTrainer:
         self.train_idx = np.arange(first_val)
         self.val_idx: np.ndarray | None = None
         if cfg.val_episodes:
-            pool = np.arange(first_val, len(ds))
-            pick = np.random.default_rng(cfg.seed + 1).choice(len(pool), min(cfg.val_batch, len(pool)), replace=False)
-            self.val_idx = np.sort(pool[pick])
+            self.val_idx = self._fixed_batch(np.arange(first_val, len(ds)), cfg.seed + 1)
+        self.val_dagger_idx: np.ndarray | None = None
+        if cfg.val_dagger_episodes:
+            dagger_starts = starts[starts < first_val]
+            if ds.chunk_row is not None:
+                dagger_starts = dagger_starts[ds.chunk_row[dagger_starts] >= 0]
+            else:
+                dagger_starts = dagger_starts[:0]
+            if not 0 < cfg.val_dagger_episodes < len(dagger_starts):
+                raise ValueError(f"val_dagger_episodes must be in [0, {max(len(dagger_starts) - 1, 0)}] for "
+                                 f"{len(dagger_starts)} DAgger episodes in training, got {cfg.val_dagger_episodes}")
+            spread = np.unique(np.linspace(0, len(dagger_starts) - 1, cfg.val_dagger_episodes).round().astype(int))
+            held = np.isin(ds.episode_start[:first_val], dagger_starts[spread])
+            self.train_idx = self.train_idx[~held]
+            self.val_dagger_idx = self._fixed_batch(np.flatnonzero(held), cfg.seed + 2)
         if cfg.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {cfg.normalization!r}")
         if cfg.prefix_noise < 0 or cfg.prefix_noise_rows < 0:
@@ -567,19 +584,31 @@ class PolicyTrainer:
         name = "" if self.np_rng.random() < cfg.text_dropout else self.prompt_names[p]
         return idx, [name] * cfg.batch, True
 
+    def _fixed_batch(self, pool: np.ndarray, seed: int) -> np.ndarray:
+        pick = np.random.default_rng(seed).choice(len(pool), min(self.cfg.val_batch, len(pool)), replace=False)
+        return np.sort(pool[pick])
+
     def val_loss(self) -> dict[str, float] | None:
-        """Loss of the live (not EMA) weights on the fixed held-out batch: same sigmas and noise every time,
+        """Loss of the live (not EMA) weights on the fixed held-out batches (`val_action` / `val_vision` on the
+        held-out episodes, `val_dagger_action` on the held-out DAgger episodes): same sigmas and noise every time,
         no text dropout, no grad."""
-        if self.val_idx is None:
+        batches = {name: idx for name, idx in (("val", self.val_idx), ("val_dagger", self.val_dagger_idx))
+                   if idx is not None}
+        if not batches:
             return None
-        gen = torch.Generator(device=self.device).manual_seed(self.cfg.seed + 1)
         was_training = self.model.training
         self.model.eval()
+        out: dict[str, float] = {}
         with torch.no_grad():
-            losses = self.loss(self.clean_batch(self.val_idx, augment_images=False), gen=gen, text_dropout=False,
-                               perturbed=False)
+            for name, idx in batches.items():
+                gen = torch.Generator(device=self.device).manual_seed(self.cfg.seed + 1)
+                losses = self.loss(self.clean_batch(idx, augment_images=False), gen=gen, text_dropout=False,
+                                   perturbed=False)
+                out[f"{name}_action"] = float(losses["action"])
+                if name == "val":  # a DAgger frame has no future frames: no vision loss
+                    out["val_vision"] = float(losses["vision"])
         self.model.train(was_training)
-        return {"val_action": float(losses["action"]), "val_vision": float(losses["vision"])}
+        return out
 
     def train_step(self, progress: float = 0.0, *, sync: bool = True) -> dict[str, Any]:
         """One optimiser step. sync=False returns the metrics as one device tensor [loss, action, vision,
@@ -620,7 +649,8 @@ class PolicyTrainer:
         self.log(f"data: {self.ds.episodes} episodes, {len(self.ds)} frames, prompts {len(self.layouts)}, "
                  f"latent {self.latent_thw}, device {self.device}, "
                  f"params {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f} M, "
-                 f"held out {cfg.val_episodes} episodes ({len(self.ds) - len(self.train_idx)} frames)")
+                 f"held out {cfg.val_episodes} episodes + {cfg.val_dagger_episodes} DAgger episodes "
+                 f"({len(self.ds) - len(self.train_idx)} frames)")
         if self.ds.chunk_row is not None:
             unseen = 0 if self.ds.grasp_unseen is None else int(self.ds.grasp_unseen.sum())
             self.log(f"dagger: {int((self.ds.chunk_row >= 0).sum())} requests, {unseen} marked grasp_unseen "
@@ -654,7 +684,8 @@ class PolicyTrainer:
                 val = self.val_loss() or {}
                 rec = {"step": self.state.step, "elapsed_s": round(now - t0, 1), **mean, **val, "samples_per_s": rate}
                 self.state.history.append(rec)
-                held = f"  val action {val['val_action']:.5f}" if val else ""
+                held = "".join(f"  {label} {val[key]:.5f}" for key, label in
+                               (("val_action", "val action"), ("val_dagger_action", "val dagger")) if key in val)
                 self.log(f"step {self.state.step:6d}  t {now - t0:7.1f}s  loss {mean['loss']:.4f}  "
                          f"action {mean['action']:.5f}  vision {mean['vision']:.4f}{held}  lr {mean['lr']:.2e}  "
                          f"gnorm {mean['grad_norm']:.2f}  {rate:.1f} samples/s")
