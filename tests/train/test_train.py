@@ -658,6 +658,31 @@ def test_an_unseen_grasps_gripper_column_stays_out_of_the_loss_after_its_prefix(
     assert cost(False, 2, gripper, 5) > 1.0  # --learn-unseen-grasps
 
 
+def test_gripper_weight_weighs_the_gripper_column(tmp_path):
+    """--gripper-weight W: an error in the gripper column costs W times what the same error in a joint column costs,
+    before and after a prefix, and a marked unseen grasp's gripper stays out of the loss whatever W is."""
+    from wamrt.train.data import demo_set_from_episodes
+
+    eps, observations = _moving_episodes()
+    ds = demo_set_from_episodes([*eps, _dagger_episode(observations[0], unseen=[True, True, True])])
+    n = sum(len(a["actions"]) for a, _ in eps)
+
+    def cost(weight: float, column: int, prefix: int, sample: int = 0) -> float:
+        tr = PolicyTrainer(TrainConfig(size="tiny-qwen", batch=2, aug_shift_px=0, aug_colour=0.0, log_every=1000,
+                                       gripper_loss_weight=weight), ds, tmp_path / f"g{weight}", device="cpu")
+        tr.cache_latents()
+        batch = tr.clean_batch(np.array([1, n + 1]), augment_images=False)
+        return _action_loss_rise(tr, batch, prefix, sample, 5, column)
+
+    gripper, joint = 7, 2
+    for prefix in (0, 3):  # same weights and noise at both W: the ratio of ratios is W, whatever the errors are
+        plain = cost(1.0, gripper, prefix) / cost(1.0, joint, prefix)
+        assert cost(3.0, gripper, prefix) / cost(3.0, joint, prefix) == pytest.approx(3 * plain, rel=1e-3)
+    assert cost(3.0, gripper, 2, sample=1) == 0.0 and cost(3.0, joint, 2, sample=1) > 1.0
+    with pytest.raises(ValueError, match="gripper_loss_weight"):
+        PolicyTrainer(TrainConfig(size="tiny-qwen", gripper_loss_weight=0.0), ds, tmp_path / "bad", device="cpu")
+
+
 def test_seam_weight_weighs_the_rows_right_after_a_prefix(tmp_path):
     """--seam-weight W: an error on one of the first --seam-rows generated rows after a prefix costs W times what the
     same error on a later row costs; samples without a prefix have no seam."""

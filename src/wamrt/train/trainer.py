@@ -132,6 +132,10 @@ class TrainConfig:
     # (bench/results/rollout/2026-12-06-560a357-dagger-gap-round1-cpu/).
     seam_weight: float = 1.0
     seam_rows: int = 4
+    # The gripper column weighs this much more in the action loss than a joint column (1: no weighting). On the
+    # turntable at d = 10, 29 of 33 gripper disagreements between round 9 and its labels closed the gripper where the
+    # label waited for the moving cube (bench/results/rollout/2026-12-07-88b8009-turntable-d10-gripper-cpu/).
+    gripper_loss_weight: float = 1.0
     # DAgger chunks marked `grasp_unseen` (eval/dagger.py: the label opens the gripper for a grasp that fails after
     # the request's view) leave their gripper column after the prefix out of the action loss; False: learnt as labelled.
     mask_unseen_grasps: bool = True
@@ -292,6 +296,8 @@ class PolicyTrainer:
         if cfg.prefix_noise < 0 or cfg.prefix_noise_rows < 0:
             raise ValueError(f"prefix_noise and prefix_noise_rows must be >= 0, got {cfg.prefix_noise}, "
                              f"{cfg.prefix_noise_rows}")
+        if cfg.gripper_loss_weight <= 0:
+            raise ValueError(f"gripper_loss_weight must be > 0, got {cfg.gripper_loss_weight}")
         if cfg.seam_weight <= 0 or cfg.seam_rows < 0:
             raise ValueError(f"seam_weight must be > 0 and seam_rows >= 0, got {cfg.seam_weight}, {cfg.seam_rows}")
         if cfg.dagger_repeat < 1 or (cfg.dagger_d0_repeat is not None and cfg.dagger_d0_repeat < 1):
@@ -555,8 +561,10 @@ class PolicyTrainer:
             after = torch.arange(a0.shape[1], device=self.device)[None] - self.contract.history - d[:, None]
             seam = (d[:, None] > 0) & (after >= 0) & (after < cfg.seam_rows)  # [B, rows]
             ma = ma * torch.where(seam, cfg.seam_weight, 1.0)[:, :, None]
-        if (grip := batch.get("gripper_weight")) is not None:  # the gripper column: the raw row's last
-            is_grip = torch.arange(a0.shape[-1], device=self.device) == lay.raw_action_dim - 1
+        is_grip = torch.arange(a0.shape[-1], device=self.device) == lay.raw_action_dim - 1  # the raw row's last
+        if cfg.gripper_loss_weight != 1.0:
+            ma = ma * torch.where(is_grip, cfg.gripper_loss_weight, 1.0)[None, None, :]
+        if (grip := batch.get("gripper_weight")) is not None:
             ma = ma * torch.where(is_grip[None, None, :], grip.view(b, 1, 1), 1.0)
         lv = (((out.vision.float() - (eps_v - v0)) ** 2) * mv).sum() / mv.sum().clamp(min=1.0)
         la = (((out.action.float() - (eps_a - a0)) ** 2) * ma).sum() / ma.sum()
