@@ -20,7 +20,8 @@ def infer(obs, *a, **k):
     cap.append((dict(obs), snapshot(env, cur_seed), np.asarray(r.actions)))
     return r
 policy.infer = infer
-agent = RealtimeAgent(policy, RealtimeSettings(strategy="prefix", latency=LatencyModel(steps=d), prefix_mode="clean"))
+agent = RealtimeAgent(policy, RealtimeSettings(strategy="prefix" if d > 0 else "async", latency=LatencyModel(steps=d),
+                                                prefix_mode="clean"))
 orig_step = env.step
 def step(*a, **k):
     r = orig_step(*a, **k)
