@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -606,6 +607,44 @@ def test_trainer_takes_a_dagger_frames_chunk_and_prefix_and_no_future_frames(tmp
     assert [drawn.count(i) for i in range(n, n + 6)] == [4, 4, 4, 2, 2, 2]
     with pytest.raises(ValueError, match="dagger_d0_repeat"):
         PolicyTrainer(TrainConfig(size="tiny-qwen", dagger_d0_repeat=0), mixed, tmp_path / "bad", device="cpu")
+
+
+def test_gripper_disagreements_are_read_from_the_replies_and_drawn_again(tmp_path):
+    """`gripper_disagrees`: over the rows after the prefix the arm runs, the reply's gripper against the label's; the
+    recorded replies give it at load time, and --dagger-disagree-repeat K draws those requests K times as often again
+    (a grasp_unseen one, whose gripper is out of the loss, is not drawn again)."""
+    from wamrt.train.data import RUN_ROWS, gripper_disagrees, load_demo_set
+
+    label = np.zeros((4, 32, 8), np.float32)
+    label[:, 2 + RUN_ROWS // 2:, 7] = 1.0  # closes halfway through the run rows after a 2-row prefix: mean 0.5
+    label[1, :, 7] = 1.0
+    reply = label.copy()
+    reply[1, 2:2 + RUN_ROWS, 7] = 0.0  # the reply stays open where the label closes
+    reply[2, :] = np.nan  # no reply reached the lane
+    reply[3, 2:2 + RUN_ROWS, 7] = 1.0  # the reply closes where the label is at 0.5, "open"
+    reply[3, 10 + RUN_ROWS:, 7] = 0.0  # ... and differs only after the run rows at prefix 10
+    prefix = np.array([2, 2, 2, 10])
+    assert gripper_disagrees(label, reply, prefix).tolist() == [False, True, False, False]
+    assert gripper_disagrees(label, reply, np.array([2, 2, 2, 2])).tolist() == [False, True, False, True]
+
+    eps, observations = _moving_episodes()
+    arrays, meta = _dagger_episode(observations[0], length=4, prefix=2, unseen=[False, True, False, False])
+    arrays["chunk"] = label
+    arrays["prefix_rows"] = np.array([2, 2, 2, 2])
+    ep_files = []
+    for i, (a, m) in enumerate([*eps, (arrays | {"reply": reply}, meta)]):
+        ep_files.append(tmp_path / f"ep{i}.npz")
+        np.savez(ep_files[-1], meta=np.array(json.dumps(m)), **a)
+    ds = load_demo_set(ep_files)
+    assert ds.grip_disagrees is not None and ds.grip_disagrees.tolist() == [False, True, False, True]
+    n = sum(len(a["actions"]) for a, _ in eps)
+    tr = PolicyTrainer(TrainConfig(size="tiny-qwen", batch=4, aug_shift_px=0, aug_colour=0.0, log_every=1000,
+                                   dagger_repeat=2, dagger_disagree_repeat=3), ds, tmp_path / "ckpt", device="cpu")
+    drawn = tr.train_idx_t.tolist()
+    assert [drawn.count(i) for i in range(n, n + 4)] == [2, 2, 2, 6]  # request 1 is grasp_unseen
+    assert all(drawn.count(i) == 1 for i in range(n))
+    with pytest.raises(ValueError, match="dagger_disagree_repeat"):
+        PolicyTrainer(TrainConfig(size="tiny-qwen", dagger_disagree_repeat=0), ds, tmp_path / "bad", device="cpu")
 
 
 def _action_loss_rise(tr, batch, prefix_rows: int, sample: int, row: int, column: Any = slice(None)) -> float:

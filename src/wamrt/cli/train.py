@@ -85,6 +85,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--seam-weight", type=float, default=1.0, metavar="W",
                      help="weigh the first --seam-rows generated rows after a prefix W times as much in the action "
                           "loss (the rows the arm runs first after its committed ones; default 1)")
+    fit.add_argument("--dagger-disagree-repeat", type=int, default=1, metavar="K",
+                     help="draw DAgger requests whose reply's gripper disagreed with the label's over the rows the "
+                          "arm ran K times as often again (default 1)")
     fit.add_argument("--gripper-weight", type=float, default=1.0, metavar="W",
                      help="weigh the gripper column W times as much as a joint column in the action loss (default 1)")
     fit.add_argument("--seam-rows", type=int, default=4, metavar="N", help="rows that --seam-weight covers (default 4)")
@@ -144,7 +147,7 @@ def run_fit(args: argparse.Namespace) -> int:
                       prefix_zero_share=args.prefix_zero_share, prefix_noise=args.prefix_noise,
                       prefix_noise_rows=args.prefix_noise_rows, dagger_repeat=args.dagger_repeat,
                       dagger_d0_repeat=args.dagger_d0_repeat, seam_weight=args.seam_weight,
-                      gripper_loss_weight=args.gripper_weight,
+                      gripper_loss_weight=args.gripper_weight, dagger_disagree_repeat=args.dagger_disagree_repeat,
                       mask_unseen_grasps=not args.learn_unseen_grasps,
                       seam_rows=args.seam_rows)
     try:

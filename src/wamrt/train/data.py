@@ -14,7 +14,9 @@ tier), so training sees byte for byte what `prepare_droid` feeds the VAE at infe
 An episode may instead carry each frame's chunk explicitly (`chunk` [T, 32, 8] and `prefix_rows` [T]: the on-policy
 requests of `wamrt eval grid --record-dagger`, eval/dagger.py): its frames are requests, not consecutive steps, so
 its samples take their chunk and their clean prefix from there, and have no future frames. An optional
-`grasp_unseen` bool [T] marks chunks whose gripper column after the prefix stays out of the loss (eval/dagger.py).
+`grasp_unseen` bool [T] marks chunks whose gripper column after the prefix stays out of the loss (eval/dagger.py), and
+an optional `reply` [T, 32, 8] (NaN where the lane got none) is the policy's own reply, which tells the requests where
+its gripper disagreed with the label's (`gripper_disagrees`).
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ class DemoSet:
     chunks: np.ndarray | None = None  # float32 [M, 32, 8], robot space
     fixed_prefix: np.ndarray | None = None  # int64 [N], -1: drawn in training
     grasp_unseen: np.ndarray | None = None  # bool [M], per chunk: its gripper column after the prefix not learnt
+    grip_disagrees: np.ndarray | None = None  # bool [M], per chunk: the policy's reply opened where it closes, or back
 
     def __len__(self) -> int:
         return len(self.state)
@@ -149,6 +152,8 @@ def load_demo_set(files: Sequence[str | Path]) -> DemoSet:
             meta = json.loads(str(z["meta"]))
             arrays = {k: z[k] for k in ("canvas", "state", "actions", "chunk", "prefix_rows", "grasp_unseen")
                       if k in z.files}
+            if "reply" in z.files:  # only its verdict is kept: the replies are as large as the chunks
+                arrays["grip_disagrees"] = gripper_disagrees(z["chunk"], z["reply"], z["prefix_rows"])
         if episodes and meta["tier"] != episodes[0][1]["tier"]:
             raise ValueError(f"{f}: tier {meta['tier']} differs from {episodes[0][1]['tier']}")
         episodes.append((arrays, meta))
@@ -162,6 +167,23 @@ def load_demo_dirs(dirs: Sequence[str | Path]) -> DemoSet:
         where = ", ".join(map(str, dirs))
         raise FileNotFoundError(f"no .npz episodes in {where} (write them with `wamrt train record`)")
     return load_demo_set(files)
+
+
+# The rows of a reply the lane runs before the next reply replaces them: the request period (eval/realtime.py).
+RUN_ROWS = 8
+
+
+def gripper_disagrees(chunk: np.ndarray, reply: np.ndarray, prefix_rows: np.ndarray, rows: int = RUN_ROWS
+                      ) -> np.ndarray:
+    """bool [T]: over the `rows` rows after each request's prefix -- those the arm runs -- the policy's reply
+    (`reply` [T, 32, 8], NaN where the lane got none: False) closes the gripper on average where the label (`chunk`)
+    keeps it open, or the other way round."""
+    out = np.zeros(len(chunk), bool)
+    for i, (label, own, p) in enumerate(zip(chunk, reply, prefix_rows, strict=True)):
+        run = slice(int(p), int(p) + rows)
+        if not np.isnan(own[run, 7]).any() and len(own[run]):
+            out[i] = (label[run, 7].mean() > 0.5) != (own[run, 7].mean() > 0.5)
+    return out
 
 
 def chunk_indices(ds: DemoSet, idx: np.ndarray, chunk: int) -> np.ndarray:
@@ -193,7 +215,7 @@ def demo_set_from_episodes(episodes: Sequence[tuple[dict[str, np.ndarray], dict]
     if not episodes:
         raise ValueError("no episodes")
     canv, st, act, starts, ends, prompts = [], [], [], [], [], []
-    chunk_row, chunks, fixed, unseen = [], [], [], []
+    chunk_row, chunks, fixed, unseen, disagrees = [], [], [], [], []
     n = m = 0
     for arrays, meta in episodes:
         t = len(arrays["actions"])
@@ -202,6 +224,7 @@ def demo_set_from_episodes(episodes: Sequence[tuple[dict[str, np.ndarray], dict]
             chunks.append(np.asarray(arrays["chunk"], np.float32))
             fixed.append(np.asarray(arrays["prefix_rows"], np.int64))
             unseen.append(np.asarray(arrays.get("grasp_unseen", np.zeros(t, bool)), bool))
+            disagrees.append(np.asarray(arrays.get("grip_disagrees", np.zeros(t, bool)), bool))
             m += t
         else:
             chunk_row.append(np.full(t, -1))
@@ -215,7 +238,8 @@ def demo_set_from_episodes(episodes: Sequence[tuple[dict[str, np.ndarray], dict]
         n += t
     meta0 = episodes[0][1]
     explicit = {"chunk_row": np.concatenate(chunk_row).astype(np.int64), "chunks": np.concatenate(chunks),
-                "fixed_prefix": np.concatenate(fixed), "grasp_unseen": np.concatenate(unseen)} if chunks else {}
+                "fixed_prefix": np.concatenate(fixed), "grasp_unseen": np.concatenate(unseen),
+                "grip_disagrees": np.concatenate(disagrees)} if chunks else {}
     return DemoSet(np.concatenate(canv), np.concatenate(st), np.concatenate(act), np.concatenate(starts),
                    np.concatenate(ends), prompts, tuple(meta0["image_size"]), meta0["tier"], len(episodes),  # type: ignore[arg-type]
                    **explicit)

@@ -126,6 +126,11 @@ class TrainConfig:
     # round's d = 0 cell gained 26 points and its d = 10 cell 4 (bench/results/rollout/2026-12-06-945d6c9-dagger-
     # round-h100/): this weights the delayed frames over them.
     dagger_d0_repeat: int | None = None
+    # DAgger frames whose reply's gripper disagreed with the label over the rows the arm ran (`grip_disagrees`; not
+    # those marked grasp_unseen) are drawn this many times as often again. On the turntable at d = 10, round 9 closed
+    # where the label waited for the moving cube in 29 of its 33 gripper disagreements
+    # (bench/results/rollout/2026-12-07-88b8009-turntable-d10-gripper-cpu/).
+    dagger_disagree_repeat: int = 1
     # The seam: the first `seam_rows` generated rows after a prefix (d > 0), what the arm runs first when it leaves the
     # committed rows for a new plan, weigh `seam_weight` times as much in the action loss (1: no weighting). After the
     # first DAgger round these rows were the ones that did not get closer to the expert at d = 10
@@ -300,9 +305,10 @@ class PolicyTrainer:
             raise ValueError(f"gripper_loss_weight must be > 0, got {cfg.gripper_loss_weight}")
         if cfg.seam_weight <= 0 or cfg.seam_rows < 0:
             raise ValueError(f"seam_weight must be > 0 and seam_rows >= 0, got {cfg.seam_weight}, {cfg.seam_rows}")
-        if cfg.dagger_repeat < 1 or (cfg.dagger_d0_repeat is not None and cfg.dagger_d0_repeat < 1):
-            raise ValueError(f"dagger_repeat and dagger_d0_repeat must be >= 1, got {cfg.dagger_repeat}, "
-                             f"{cfg.dagger_d0_repeat}")
+        if cfg.dagger_repeat < 1 or (cfg.dagger_d0_repeat is not None and cfg.dagger_d0_repeat < 1) \
+                or cfg.dagger_disagree_repeat < 1:
+            raise ValueError(f"dagger_repeat, dagger_d0_repeat and dagger_disagree_repeat must be >= 1, got "
+                             f"{cfg.dagger_repeat}, {cfg.dagger_d0_repeat}, {cfg.dagger_disagree_repeat}")
         if not 0 <= cfg.prefix_max <= MAX_PREFIX_ROWS or not 0.0 <= cfg.prefix_zero_share <= 1.0:
             raise ValueError(f"prefix_max must be in [0, {MAX_PREFIX_ROWS}] and prefix_zero_share in [0, 1], got "
                              f"{cfg.prefix_max}, {cfg.prefix_zero_share}")
@@ -384,6 +390,12 @@ class PolicyTrainer:
             d0_repeat = cfg.dagger_repeat if cfg.dagger_d0_repeat is None else cfg.dagger_d0_repeat
             sample_idx = np.concatenate([sample_idx, np.repeat(own[~at_d0], cfg.dagger_repeat - 1),
                                          np.repeat(own[at_d0], d0_repeat - 1)])
+            if ds.grip_disagrees is not None and cfg.dagger_disagree_repeat > 1:
+                rows = ds.chunk_row[own]
+                unseen = ds.grasp_unseen[rows] if ds.grasp_unseen is not None else np.zeros(len(own), bool)
+                again = ds.grip_disagrees[rows] & ~unseen
+                draws = np.where(at_d0, d0_repeat, cfg.dagger_repeat)[again] * (cfg.dagger_disagree_repeat - 1)
+                sample_idx = np.concatenate([sample_idx, np.repeat(own[again], draws)])
         train_prompts = self.prompt_ids[sample_idx]
         self.prompt_pools = [torch.from_numpy(sample_idx[train_prompts == i]).to(self.device)
                              for i in range(len(self.prompt_names))]
@@ -661,8 +673,10 @@ class PolicyTrainer:
                  f"({len(self.ds) - len(self.train_idx)} frames)")
         if self.ds.chunk_row is not None:
             unseen = 0 if self.ds.grasp_unseen is None else int(self.ds.grasp_unseen.sum())
+            disagree = 0 if self.ds.grip_disagrees is None else int(self.ds.grip_disagrees.sum())
             self.log(f"dagger: {int((self.ds.chunk_row >= 0).sum())} requests, {unseen} marked grasp_unseen "
-                     f"({'gripper left out after the prefix' if cfg.mask_unseen_grasps else 'learnt as labelled'})")
+                     f"({'gripper left out after the prefix' if cfg.mask_unseen_grasps else 'learnt as labelled'}), "
+                     f"{disagree} with the reply's gripper against the label's (drawn x{cfg.dagger_disagree_repeat})")
         t0 = time.perf_counter()
         win_t, win_n, acc = t0, 0, []
         snapshots = sorted(cfg.snapshot_minutes)
@@ -733,6 +747,8 @@ class PolicyTrainer:
                           "dagger_frames": 0 if self.ds.chunk_row is None else int((self.ds.chunk_row >= 0).sum()),
                           "dagger_grasps_unseen": 0 if self.ds.grasp_unseen is None
                           else int(self.ds.grasp_unseen.sum()),
+                          "dagger_gripper_disagreements": 0 if self.ds.grip_disagrees is None
+                          else int(self.ds.grip_disagrees.sum()),
                           "steps": self.state.step, "elapsed_s": round(self.state.elapsed_s, 1), **(extra or {})},
                 "provenance": environment()}
         (out / "wamrt.json").write_text(json.dumps(meta, indent=2) + "\n")
