@@ -26,7 +26,11 @@ from wamrt.sample import sample_observation
 
 RSS_BOUND = 300 * 2**20  # server peak RSS growth per case
 HEALTH_MS = 100.0  # every /healthz poll while a bad request is handled
-STALL_FACTOR = 2.0  # a concurrent policy request vs its solo latency
+STALL_FACTOR = 2.0  # a concurrent policy request vs its solo latency ...
+# ... plus this much: on the 2-core CI box the server's refusal of an 8 MB body shares the two cores with the attacking
+# client, the poller and the probe. The msgpack-of-empty-maps case measured 0.33-0.36 s against 0.15-0.17 s solo
+# in all three attempts of one CI run (ea07e0d) and passed in the others; the stalls the issue reported were 1.7-26 s.
+STALL_SLACK_S = 0.1
 # Timing bars hold for the best of this many attempts of a case: the 2-core box is shared (load average 10-17),
 # where the scheduler alone delays a poll by up to a second now and then; a real stall (the issue's were 1.7-26 s)
 # fails every attempt. Status and RSS bars hold for every attempt.
@@ -66,7 +70,8 @@ class Report:
         slow = sorted(ms for ms in self.health_ms if ms > HEALTH_MS)
         if slow:
             out.append(f"/healthz polls over {HEALTH_MS:g} ms: {slow}")
-        if self.solo_s is not None and (self.policy_s is None or self.policy_s > STALL_FACTOR * self.solo_s):
+        if self.solo_s is not None and (self.policy_s is None
+                                        or self.policy_s > STALL_FACTOR * self.solo_s + STALL_SLACK_S):
             out.append(f"policy request took {self.policy_s} s, solo {self.solo_s:.2f} s")
         return out
 
@@ -106,7 +111,7 @@ while True:
 def under_attack(server: ServerProcess, attack: Callable[[], Any], *, probe: bool = False) -> tuple[Any, Report]:
     """Run `attack` while another process polls /healthz and (with `probe`) a thread sends a good policy
     request, compared with the median of three sent alone just before (and, if it was slower than
-    STALL_FACTOR x that, three more just after: the shared box's load drifts by more than 2x within a
+    STALL_FACTOR x that + STALL_SLACK_S, three more just after: the shared box's load drifts by more than 2x within a
     minute). The server's RSS peak is measured over the whole case."""
     import subprocess
     import sys
@@ -142,7 +147,7 @@ def under_attack(server: ServerProcess, attack: Callable[[], Any], *, probe: boo
     report.health_ms = [float(x) for x in lines[:polled]]
     report.rss_growth = server.peak() - base
     if probe and report.policy_s is not None and report.solo_s is not None \
-            and report.policy_s > STALL_FACTOR * report.solo_s:
+            and report.policy_s > STALL_FACTOR * report.solo_s + STALL_SLACK_S:
         report.solo_s = max(report.solo_s, statistics.median(policy_latency(server, prober_client) for _ in range(3)))
     prober_client.close()
     return result, report
