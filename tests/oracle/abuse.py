@@ -41,6 +41,11 @@ MB = 2**20
 HEAP_ADDRESS = re.compile(r"0x[0-9a-f]{6,}")  # 0x7f3a9c1e2b50 (not the "0x1088" of "1920x1088")
 
 
+def stalled(policy_s: float | None, solo_s: float) -> bool:
+    """A concurrent policy request that never answered, or took more than the bar against its solo latency."""
+    return policy_s is None or policy_s > STALL_FACTOR * solo_s + STALL_SLACK_S
+
+
 def fake_server(delay: float = 0.0, **config: Any) -> ServerProcess:
     """A FakePolicy server (`oracle.fake_server`) in its own process."""
     import os
@@ -70,8 +75,7 @@ class Report:
         slow = sorted(ms for ms in self.health_ms if ms > HEALTH_MS)
         if slow:
             out.append(f"/healthz polls over {HEALTH_MS:g} ms: {slow}")
-        if self.solo_s is not None and (self.policy_s is None
-                                        or self.policy_s > STALL_FACTOR * self.solo_s + STALL_SLACK_S):
+        if self.solo_s is not None and stalled(self.policy_s, self.solo_s):
             out.append(f"policy request took {self.policy_s} s, solo {self.solo_s:.2f} s")
         return out
 
@@ -111,7 +115,7 @@ while True:
 def under_attack(server: ServerProcess, attack: Callable[[], Any], *, probe: bool = False) -> tuple[Any, Report]:
     """Run `attack` while another process polls /healthz and (with `probe`) a thread sends a good policy
     request, compared with the median of three sent alone just before (and, if it was slower than
-    STALL_FACTOR x that + STALL_SLACK_S, three more just after: the shared box's load drifts by more than 2x within a
+    past the stall bar, three more just after: the shared box's load drifts by more than 2x within a
     minute). The server's RSS peak is measured over the whole case."""
     import subprocess
     import sys
@@ -146,8 +150,7 @@ def under_attack(server: ServerProcess, attack: Callable[[], Any], *, probe: boo
         reader.join(10)
     report.health_ms = [float(x) for x in lines[:polled]]
     report.rss_growth = server.peak() - base
-    if probe and report.policy_s is not None and report.solo_s is not None \
-            and report.policy_s > STALL_FACTOR * report.solo_s + STALL_SLACK_S:
+    if probe and report.policy_s is not None and report.solo_s is not None and stalled(report.policy_s, report.solo_s):
         report.solo_s = max(report.solo_s, statistics.median(policy_latency(server, prober_client) for _ in range(3)))
     prober_client.close()
     return result, report

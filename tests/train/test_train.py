@@ -613,7 +613,8 @@ def test_gripper_disagreements_are_read_from_the_replies_and_drawn_again(tmp_pat
     """`gripper_disagrees`: over the rows after the prefix the arm runs, the reply's gripper against the label's; the
     recorded replies give it at load time, and --dagger-disagree-repeat K draws those requests K times as often again
     (a grasp_unseen one, whose gripper is out of the loss, is not drawn again)."""
-    from wamrt.train.data import RUN_ROWS, gripper_disagrees, load_demo_set
+    from wamrt.eval.dagger import RUN_ROWS, gripper_disagrees
+    from wamrt.train.data import load_demo_set
 
     label = np.zeros((4, 32, 8), np.float32)
     label[:, 2 + RUN_ROWS // 2:, 7] = 1.0  # closes halfway through the run rows after a 2-row prefix: mean 0.5

@@ -117,7 +117,24 @@ def grasp_unseen(env: Any, prefix: np.ndarray, label: np.ndarray) -> bool:
     return bool((np.asarray(label)[k:, 7] < 0.5).any())
 
 
-def dagger_gap(files: Any, rows: int = 8) -> dict[int, dict[str, float]]:
+# The rows of a reply the lane runs before the next reply replaces them: the grid's request period (`execute_steps`).
+RUN_ROWS = 8
+
+
+def gripper_disagrees(chunk: np.ndarray, reply: np.ndarray, prefix_rows: np.ndarray, rows: int = RUN_ROWS
+                      ) -> np.ndarray:
+    """bool [T]: over the `rows` rows after each request's prefix -- those the arm runs -- the policy's reply
+    (`reply` [T, 32, 8], NaN where the lane got none: False) closes the gripper on average where the label (`chunk`)
+    keeps it open, or the other way round."""
+    out = np.zeros(len(chunk), bool)
+    for i, (label, own, p) in enumerate(zip(chunk, reply, prefix_rows, strict=True)):
+        label_grip, own_grip = label[p:p + rows, 7], own[p:p + rows, 7]
+        if len(own_grip) and not np.isnan(own_grip).any():
+            out[i] = (label_grip.mean() > 0.5) != (own_grip.mean() > 0.5)
+    return out
+
+
+def dagger_gap(files: Any, rows: int = RUN_ROWS) -> dict[int, dict[str, float]]:
     """Per delay: the mean absolute joint difference (rad) between the policy's reply and the expert's label over the
     `rows` rows after each request's prefix -- the rows the arm runs next -- on the policy's own states."""
     by_delay: dict[int, list[float]] = {}

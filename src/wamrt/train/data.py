@@ -16,7 +16,7 @@ requests of `wamrt eval grid --record-dagger`, eval/dagger.py): its frames are r
 its samples take their chunk and their clean prefix from there, and have no future frames. An optional
 `grasp_unseen` bool [T] marks chunks whose gripper column after the prefix stays out of the loss (eval/dagger.py), and
 an optional `reply` [T, 32, 8] (NaN where the lane got none) is the policy's own reply, which tells the requests where
-its gripper disagreed with the label's (`gripper_disagrees`).
+its gripper disagreed with the label's (`eval.dagger.gripper_disagrees`).
 """
 
 from __future__ import annotations
@@ -153,6 +153,8 @@ def load_demo_set(files: Sequence[str | Path]) -> DemoSet:
             arrays = {k: z[k] for k in ("canvas", "state", "actions", "chunk", "prefix_rows", "grasp_unseen")
                       if k in z.files}
             if "reply" in z.files:  # only its verdict is kept: the replies are as large as the chunks
+                from ..eval.dagger import gripper_disagrees
+
                 arrays["grip_disagrees"] = gripper_disagrees(z["chunk"], z["reply"], z["prefix_rows"])
         if episodes and meta["tier"] != episodes[0][1]["tier"]:
             raise ValueError(f"{f}: tier {meta['tier']} differs from {episodes[0][1]['tier']}")
@@ -167,23 +169,6 @@ def load_demo_dirs(dirs: Sequence[str | Path]) -> DemoSet:
         where = ", ".join(map(str, dirs))
         raise FileNotFoundError(f"no .npz episodes in {where} (write them with `wamrt train record`)")
     return load_demo_set(files)
-
-
-# The rows of a reply the lane runs before the next reply replaces them: the request period (eval/realtime.py).
-RUN_ROWS = 8
-
-
-def gripper_disagrees(chunk: np.ndarray, reply: np.ndarray, prefix_rows: np.ndarray, rows: int = RUN_ROWS
-                      ) -> np.ndarray:
-    """bool [T]: over the `rows` rows after each request's prefix -- those the arm runs -- the policy's reply
-    (`reply` [T, 32, 8], NaN where the lane got none: False) closes the gripper on average where the label (`chunk`)
-    keeps it open, or the other way round."""
-    out = np.zeros(len(chunk), bool)
-    for i, (label, own, p) in enumerate(zip(chunk, reply, prefix_rows, strict=True)):
-        run = slice(int(p), int(p) + rows)
-        if not np.isnan(own[run, 7]).any() and len(own[run]):
-            out[i] = (label[run, 7].mean() > 0.5) != (own[run, 7].mean() > 0.5)
-    return out
 
 
 def chunk_indices(ds: DemoSet, idx: np.ndarray, chunk: int) -> np.ndarray:

@@ -126,7 +126,7 @@ class TrainConfig:
     # round's d = 0 cell gained 26 points and its d = 10 cell 4 (bench/results/rollout/2026-12-06-945d6c9-dagger-
     # round-h100/): this weights the delayed frames over them.
     dagger_d0_repeat: int | None = None
-    # DAgger frames whose reply's gripper disagreed with the label over the rows the arm ran (`grip_disagrees`; not
+    # DAgger frames whose reply's gripper disagreed with the label over the rows the arm ran (`gripper_disagrees`; not
     # those marked grasp_unseen) are drawn this many times as often again. On the turntable at d = 10, round 9 closed
     # where the label waited for the moving cube in 29 of its 33 gripper disagreements
     # (bench/results/rollout/2026-12-07-88b8009-turntable-d10-gripper-cpu/).
