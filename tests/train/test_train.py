@@ -353,7 +353,7 @@ def test_prefix_training_packing_equals_served_prefix_packing(tmp_path):
     import wamrt
     from wamrt.model.transformer import GeneratorTokens
     from wamrt.pipeline.denoise import _prefill
-    from wamrt.train.trainer import prefix_action_noisy
+    from wamrt.train.samples import prefix_action_noisy
 
     eps, observations = _moving_episodes()
     tr = PolicyTrainer(TrainConfig(size="tiny-qwen", batch=4, aug_shift_px=0, aug_colour=0.0, log_every=1000,
@@ -421,7 +421,7 @@ def test_perturbed_prefix_rows_and_their_return():
     """--prefix-noise: each prefixed sample's d prefix rows are the ground truth plus one joint offset, the rows
     after them are to return from it (e-folding over K rows), the state row, the gripper column and samples
     without a prefix are untouched."""
-    from wamrt.train.trainer import perturb_prefix
+    from wamrt.train.samples import perturb_prefix
 
     b, rows, width, history = 3, 33, 10, 1
     a0 = torch.randn(b, rows, width, generator=torch.Generator().manual_seed(0))
