@@ -5,10 +5,22 @@ from __future__ import annotations
 import mujoco
 import numpy as np
 
+_EYE6, _EYE7 = np.eye(6), np.eye(7)
+
 
 def rotation_error(current: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Small-angle axis-angle vector taking `current` to `target` (both 3x3 world rotations)."""
-    return 0.5 * sum(np.cross(current[:, k], target[:, k]) for k in range(3))
+    """Small-angle axis-angle vector taking `current` to `target` (both 3x3 world rotations): half the sum over the
+    columns k of current[:, k] x target[:, k].
+
+    Written out because `np.cross` spends most of its time reshaping 3-vectors: a DAgger label (the expert planning
+    32 rows, one IK solve a row) took 109 ms on one core with three calls per IK iteration and 77 ms without.
+    The same products, differences and left-to-right sums in the same order: bit-identical to the cross-product
+    form (tests/sim/test_ik.py), so the expert's demos and labels do not change."""
+    c, t = current, target
+    x = c[1] * t[2] - c[2] * t[1]  # component 0 of column k's cross product, for k = 0, 1, 2
+    y = c[2] * t[0] - c[0] * t[2]
+    z = c[0] * t[1] - c[1] * t[0]
+    return 0.5 * np.array([x[0] + x[1] + x[2], y[0] + y[1] + y[2], z[0] + z[1] + z[2]])
 
 
 class DlsIk:
@@ -42,8 +54,8 @@ class DlsIk:
             mujoco.mj_comPos(self.model, self.data)  # mj_jacSite needs the com-based quantities
             mujoco.mj_jacSite(self.model, self.data, self._jacp, self._jacr, self.site)
             jac = np.vstack([self._jacp[:, self.dofadr], self._jacr[:, self.dofadr]]) * w[:, None]  # [6, 7]
-            jjt = jac @ jac.T + self.damping**2 * np.eye(6)
-            pinv = jac.T @ np.linalg.solve(jjt, np.eye(6))  # [7, 6]
-            dq = pinv @ err + (np.eye(7) - pinv @ jac) @ (null_gain * (self.rest - q))
+            jjt = jac @ jac.T + self.damping**2 * _EYE6
+            pinv = jac.T @ np.linalg.solve(jjt, _EYE6)  # [7, 6]
+            dq = pinv @ err + (_EYE7 - pinv @ jac) @ (null_gain * (self.rest - q))
             q = np.clip(q + dq, self.low, self.high)
         return q
