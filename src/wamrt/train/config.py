@@ -58,8 +58,8 @@ class TrainConfig:
     # A trained checkpoint to continue from (its weights, VAE and normalization statistics; a fresh optimiser
     # with warm-up), so training can span several GPU jobs.
     init_from: str | None = None
-    # Random clean action prefixes (see the module docstring): the largest d drawn (0: off) and the share of samples
-    # that get none. A checkpoint trained with them says so in wamrt.json (`trained_with_action_prefix`).
+    # Random clean action prefixes (see train/trainer.py's docstring): the largest d drawn (0: off) and the share of
+    # samples that get none. A checkpoint trained with them says so in wamrt.json (`trained_with_action_prefix`).
     prefix_max: int = 0
     prefix_zero_share: float = 0.25
     # Perturbed prefixes (`perturb_prefix`): the std of the joint offset, in normalized action units (0: the ground
