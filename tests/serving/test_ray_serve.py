@@ -4,11 +4,17 @@ Concurrent openpi-websocket and HTTP clients are served; killing one replica mid
 the requests on that replica (its websocket closes: a typed `ConnectionClosed`), the other replica's
 in-flight request completes, and new websocket sessions and HTTP requests go to live replicas.
 The cluster is small (4 logical CPUs, no dashboard) and always shut down by the fixture.
+
+The cluster is started by `ray start` in a process of its own, not by `ray.init()` in this one: `ray.init()` forks
+its head processes with a Python `preexec_fn`, and a fork from pytest, whose earlier tests leave threads behind,
+can leave the child waiting forever on a lock another thread held (a CI run hung there at 93 %, 2026-12-07).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -43,9 +49,12 @@ def endpoint(tmp_path_factory):
     builtin_path("tiny-droid")  # built once here, not raced by the replicas
     env = {"WAMRT_CACHE": cache, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0",
            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-    port = free_port()
+    port, gcs_port = free_port(), free_port()
     try:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
+        _ray_cli("start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--num-cpus=4",
+                 "--include-dashboard=false", "--disable-usage-stats",
+                 env={**os.environ, **env, "RAY_AUTH_MODE": "disabled"})  # else InvalidAuthToken (Ray 2.60)
+        ray.init(address=f"127.0.0.1:{gcs_port}", log_to_driver=False, runtime_env={"env_vars": env},
                  configure_logging=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # max_policy_steps: the 40-step requests below (default: 4 x the checkpoint's 4)
@@ -59,7 +68,14 @@ def endpoint(tmp_path_factory):
             serve.shutdown()
         finally:
             ray.shutdown()
+            _ray_cli("stop", "--force")
             mp.undo()
+
+
+def _ray_cli(*args: str, env: dict[str, str] | None = None) -> None:
+    """The `ray` command line of this interpreter's Ray, in a fresh process (fork + exec, no Python in between)."""
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", *args], env=env, check=True, timeout=180,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def _sessions_on_both(url: str) -> dict[str, PolicyClient]:
