@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from ..eval.dagger import gripper_disagrees
+
 
 def policy_canvas(obs_dict: dict[str, Any], tier: str) -> tuple[np.ndarray, tuple[int, int, int, int]]:
     from ..pipeline.canvas import compose_droid_canvas, pad_to_bucket
@@ -153,8 +155,6 @@ def load_demo_set(files: Sequence[str | Path]) -> DemoSet:
             arrays = {k: z[k] for k in ("canvas", "state", "actions", "chunk", "prefix_rows", "grasp_unseen")
                       if k in z.files}
             if "reply" in z.files:  # only its verdict is kept: the replies are as large as the chunks
-                from ..eval.dagger import gripper_disagrees
-
                 arrays["grip_disagrees"] = gripper_disagrees(z["chunk"], z["reply"], z["prefix_rows"])
         if episodes and meta["tier"] != episodes[0][1]["tier"]:
             raise ValueError(f"{f}: tier {meta['tier']} differs from {episodes[0][1]['tier']}")
