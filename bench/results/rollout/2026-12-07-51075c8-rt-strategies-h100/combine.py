@@ -10,6 +10,7 @@ checkpoint, the same H100 engine, the same seeds 0-199), pairs each cell with na
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from wamrt.eval.grid_report import chart, paired
@@ -50,8 +51,7 @@ def main() -> None:
             return f"{100 * p['diff']:+.1f} (p = {p['p']:.2g})"
 
         asy = found.get((d, "async"), (None, None))[1]
-        link = path.relative_to(HERE.parent) if not path.is_relative_to(HERE) else path.relative_to(HERE)
-        link = f"../{link}" if not path.is_relative_to(HERE) else link
+        link = os.path.relpath(path, HERE)
         lines.append(f"| {d} | {LABELS.get(s, s)} | [{k}/{n} = {100 * k / n:.1f} %]({link}) ({100 * lo:.1f}–"
                      f"{100 * hi:.1f}){'' if res.get('complete', True) else ' **incomplete**'} | "
                      f"{vs(asy) if d else ''} | {vs(d0) if d else ''} | "
