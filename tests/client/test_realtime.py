@@ -140,6 +140,34 @@ def test_prefix_seam_cross_fades_the_rows_after_the_prefix_from_the_old_plan():
         RealtimeRunner(StepPolicy(), seam_rows=-1)
 
 
+class HedgingGripper(StepPolicy):
+    """Every reply's gripper column hedges: 0.1, 0.35, 0.6, 0.85, 0.1, ... (a chunk unsure when to release)."""
+
+    def infer(self, obs):
+        reply = super().infer(obs)
+        prefix_rows = len(obs.get(PREFIX_KEY, ()))
+        reply["actions"][prefix_rows:, 7] = 0.1 + 0.25 * (np.arange(self.chunk - prefix_rows) % 4)
+        return reply
+
+
+@pytest.mark.parametrize("strategy", ["async", "blend", "prefix"])
+def test_binary_gripper_rounds_every_row_the_arm_runs_and_every_prefix_it_sends(strategy):
+    """With binary_gripper the arm runs only 0 or 1 in the gripper column (rounded at 0.5, after blend's fade), the
+    committed rows a prefix request carries are those rounded rows, and the joint columns are untouched."""
+    raw_policy, rounded_policy = HedgingGripper(), HedgingGripper()
+    raw = run(RealtimeRunner(raw_policy, strategy=strategy, clock=SimClock(3)), 60)
+    rounded_runner = RealtimeRunner(rounded_policy, strategy=strategy, clock=SimClock(3), binary_gripper=True)
+    rounded = run(rounded_runner, 60)
+    moving = ~np.asarray(rounded_runner.log.stalled)
+    assert set(np.unique(rounded[moving, 7])) == {0.0, 1.0}
+    assert len(np.unique(raw[moving, 7])) > 2  # without it the hedged values reach the gripper
+    np.testing.assert_array_equal(rounded[:, :7], raw[:, :7])
+    np.testing.assert_array_equal(rounded[moving, 7], (raw[moving, 7] > 0.5).astype(np.float32))
+    prefixes = [r[PREFIX_KEY] for r in rounded_policy.requests if PREFIX_KEY in r]
+    assert (strategy == "prefix") == bool(prefixes)
+    assert all(set(np.unique(p[:, 7])) <= {0.0, 1.0} for p in prefixes)
+
+
 def test_blend_cross_fades_over_the_delay():
     runner = RealtimeRunner(StepPolicy(), strategy="blend", clock=SimClock(2))
     rows = run(runner, 20)

@@ -84,3 +84,20 @@ def test_progress_stages_follow_the_expert_partway():
         progress.max_rise_m, progress.min_tcp_cube_m = 0.0, 0.01
         assert progress.stage(False) == "reached_not_lifted"
     assert stages[1] in ("reached_not_lifted", "lifted_not_placed")
+
+
+def test_milestones_time_each_phase_of_an_expert_episode():
+    """The expert reaches the cube before it lifts it and lifts it before it succeeds; the summary's phase medians
+    are the differences of those steps, and an episode cut off before the lift has no lift or success step."""
+    from wamrt.eval.runner import phase_steps_median, run_episode
+    from wamrt.sim.env import PandaEnv
+
+    with PandaEnv("pick_place", render=False) as env:
+        full = run_episode(env, ExpertAgent(), 3)
+        m = full.milestones
+        assert full.success and 0 < m["reach"] < m["lift"] < m["success"] == full.steps
+        cut = run_episode(env, ExpertAgent(), 3, max_steps=m["lift"] - 1)
+    assert cut.milestones == {"reach": m["reach"], "lift": None, "success": None}
+    spans = phase_steps_median([full, cut])
+    assert spans == {"reach": float(m["reach"]), "reach_to_lift": float(m["lift"] - m["reach"]),
+                     "lift_to_success": float(m["success"] - m["lift"])}

@@ -55,9 +55,13 @@ def add_delay_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def add_seam_argument(ap: Any) -> None:
+    """The runner's execution options: the prefix seam and the gripper rounding."""
     ap.add_argument("--seam-rows", type=int, default=0, metavar="K",
                     help="prefix strategy: cross-fade the reply's first K rows after the prefix from the old plan "
                          "(default 0: switch at the prefix's end)")
+    ap.add_argument("--binary-gripper", action="store_true",
+                    help="round every gripper command to 0 or 1 at 0.5, as openpi's DROID client does (default: "
+                         "run the policy's value)")
 
 
 def add_reflex_argument(ap: Any) -> None:
@@ -90,8 +94,9 @@ def delay_settings(args: argparse.Namespace, spec: dict[str, Any] | None = None)
     if "latency_ms" in spec and "delay_steps" not in spec:
         steps = None
     wall = bool(getattr(args, "wall_clock", False))
-    if strategy is None and steps is None and latency is None and not wall:
-        return None
+    binary = bool(spec.get("binary_gripper", getattr(args, "binary_gripper", False)))
+    if strategy is None and steps is None and latency is None and not wall and not binary:
+        return None  # lock-step (a rounded gripper runs through the runner at d = 0 instead)
     if strategy is not None and strategy not in STRATEGIES:
         raise RealtimeUsageError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     mode = spec.get("prefix_mode", args.prefix_mode)
@@ -109,7 +114,7 @@ def delay_settings(args: argparse.Namespace, spec: dict[str, Any] | None = None)
     seam = int(spec.get("seam_rows", getattr(args, "seam_rows", 0)))
     if seam < 0:
         raise RealtimeUsageError(f"seam_rows must be >= 0, got {seam}")
-    return RealtimeSettings(strategy or "async", model, mode, args.execute_steps, wall, seam)
+    return RealtimeSettings(strategy or "async", model, mode, args.execute_steps, wall, seam, binary)
 
 
 def result_fields(settings: Any) -> dict[str, Any]:
@@ -349,7 +354,8 @@ def run_grid_command(args: argparse.Namespace) -> int:
                     args.trained_policy if c.policy == "trained" else args.policy)
                 and f.get("config", {}).get("expert_turntable_rate") == args.expert_turntable_rate
                 and (c.runner_strategy != "prefix" or c.seam_rows is not None
-                     or f.get("config", {}).get("seam_rows", 0) == args.seam_rows)}
+                     or f.get("config", {}).get("seam_rows", 0) == args.seam_rows)
+                and f.get("config", {}).get("binary_gripper", False) == args.binary_gripper}
     # One checkpoint as both policies (the turntable grid): its two d = 0 cells would replay the same episodes, so
     # the prefix-trained one is written as a copy of the base one rather than run again (on the GPU a second run
     # differs only by the batched engine's rounding, and costs a cell's time).
@@ -361,7 +367,8 @@ def run_grid_command(args: argparse.Namespace) -> int:
           + (f" ({len(done)} done before)" if done else ""), file=sys.stderr)
     command = shlex.join(["wamrt", *sys.argv[1:]])
     config = {**config, "workers": args.workers, "lanes": args.lanes, "max_batch": args.max_batch,
-              "execute_steps": args.execute_steps, "seam_rows": args.seam_rows, "max_steps": args.max_steps,
+              "execute_steps": args.execute_steps, "seam_rows": args.seam_rows,
+              "binary_gripper": args.binary_gripper, "max_steps": args.max_steps,
               "actuation_noise": args.actuation_noise, "reflexes": args.reflexes}
 
     def result_of(cell: Cell, results: list[Any]) -> dict[str, Any]:
@@ -375,7 +382,8 @@ def run_grid_command(args: argparse.Namespace) -> int:
 
     run = run_grid(todo, seeds, backends, workers=args.workers, lanes=args.lanes, max_batch=args.max_batch,
                    max_steps=args.max_steps, env_kwargs=env_kwargs(args), execute_steps=args.execute_steps,
-                   seam_rows=args.seam_rows, budget_s=args.budget_s, record=record, progress=print_progress,
+                   seam_rows=args.seam_rows, binary_gripper=args.binary_gripper, budget_s=args.budget_s,
+                   record=record, progress=print_progress,
                    on_cell=write_cell,
                    planner_kwargs={"turntable_rate": args.expert_turntable_rate} if expert else None)
     config["grid_wall_s"] = run.wall_s

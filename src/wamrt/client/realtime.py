@@ -26,6 +26,11 @@ be where d planned steps would have taken it. Strategies:
   last row then does not jump (a request that carried no prefix, as at d = 0, has no seam). This is the
   execution-side counterpart of the soft mask RTC applies in denoising.
 
+`binary_gripper` rounds the gripper column of every queued row to 0 or 1 at 0.5, as openpi's DROID client does
+before each step. The gripper is a position servo: closed on a cube, it squeezes with the distance between its
+target and the cube, so a command of 0.8 holds the cube loosely and a chunk whose far rows hedge between holding
+and releasing drops it. The rounded rows are also what a prefix request sends (the rows the arm runs).
+
 The prefix is as long as the delay estimate: a high quantile of recent delays, the warm-up requests left out
 (a warm-up spike must not set the estimate forever). Over-estimating is harmless -- a reply that arrives before
 the prefix ends is spliced inside the prefix, whose rows equal the old ones -- so the quantile errs high. Where
@@ -157,7 +162,7 @@ class RealtimeRunner:
     def __init__(self, policy: Any = None, *, strategy: str = "prefix", execute_steps: int = 8,
                  clock: Any = None, prefix_mode: str = "auto", estimator: DelayEstimator | None = None,
                  max_prefix: int = MAX_PREFIX, seeded: bool = True, raise_errors: bool = True,
-                 seam_rows: int = 0, **infer_kwargs: Any) -> None:
+                 seam_rows: int = 0, binary_gripper: bool = False, **infer_kwargs: Any) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         if prefix_mode not in PREFIX_MODES:
@@ -165,7 +170,7 @@ class RealtimeRunner:
         if execute_steps < 1 or not 0 <= max_prefix <= MAX_PREFIX or seam_rows < 0:
             raise ValueError(f"need execute_steps >= 1, 0 <= max_prefix <= {MAX_PREFIX} and seam_rows >= 0")
         self.strategy, self.execute_steps, self.prefix_mode = strategy, execute_steps, prefix_mode
-        self.seam_rows = seam_rows
+        self.seam_rows, self.binary_gripper = seam_rows, binary_gripper
         self.max_prefix, self.seeded, self.raise_errors = max_prefix, seeded, raise_errors
         self.call = infer_caller(policy, **infer_kwargs) if policy is not None else None
         self.clock = clock if clock is not None else WallClock()
@@ -323,6 +328,8 @@ class RealtimeRunner:
                 n = min(self.seam_rows, len(new) - k)
                 self._cross_fade(new, k, n, n + 1)
             self.queue, self.queue_start, self.chunk_t0 = new, t, t - request.ran
+        if self.binary_gripper:  # after any cross-fade: a faded gripper is as loose as a hedged one
+            self.queue[:, 7] = (self.queue[:, 7] > 0.5).astype(np.float32)
         self.queue_chunk = request.index
 
     def _cross_fade(self, new: np.ndarray, k: int, n: int, steps: int) -> None:

@@ -152,7 +152,7 @@ class _Mailbox:
 def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell], lanes: int,
             max_steps: int | None, env_kwargs: dict[str, Any], privileged: bool, execute_steps: int,
             contracts: dict[str, Any], seam_rows: int = 0, planner_kwargs: dict[str, Any] | None = None,
-            record: dict[str, str] | None = None) -> None:
+            record: dict[str, str] | None = None, binary_gripper: bool = False) -> None:
     """Run `episodes` ([(cell index, seed)]) on `lanes` simulators side by side; report each result.
 
     record: {"dir", "tier"}: every request is also written with the expert's label for it (eval/dagger.py).
@@ -203,7 +203,7 @@ def _worker(conn: Connection, episodes: list[tuple[int, int]], cells: list[Cell]
                 runner = RealtimeRunner(policy, strategy=cell.runner_strategy, execute_steps=execute_steps,
                                         seam_rows=seam_rows if cell.seam_rows is None else cell.seam_rows,
                                         clock=SimClock(cell.delay), prefix_mode=cell.prefix_mode,
-                                        estimator=DelayEstimator(initial=cell.delay))
+                                        estimator=DelayEstimator(initial=cell.delay), binary_gripper=binary_gripper)
                 running[lane] = (ci, LaneEpisode(envs[lane][1], runner, seed, max_steps, privileged=privileged))
                 if record is not None and not privileged:
                     from .dagger import DaggerEpisode
@@ -334,7 +334,7 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
              env_kwargs: dict[str, Any] | None = None, execute_steps: int = 8, seam_rows: int = 0,
              budget_s: float | None = None, planner_kwargs: dict[str, Any] | None = None,
              record: dict[str, str] | None = None, progress: Callable[[str], None] | None = None,
-             on_cell: Callable[[int, list[Any]], None] | None = None) -> GridRun:
+             on_cell: Callable[[int, list[Any]], None] | None = None, binary_gripper: bool = False) -> GridRun:
     """backends: policy name ("base", "trained") -> LocalBackend / RemoteBackend; None: the expert planner
     (`planner_kwargs` for its ExpertPlanner).
     record: {"dir": folder, "tier": the policy's canvas tier}: the policy's requests with expert labels
@@ -352,7 +352,8 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_worker, name=f"grid-worker-{w}", daemon=True,
                         args=(child, items[w::workers], cells, lanes, max_steps, dict(env_kwargs or {}),
-                              backends is None, execute_steps, contracts, seam_rows, planner_kwargs, record))
+                              backends is None, execute_steps, contracts, seam_rows, planner_kwargs, record,
+                              binary_gripper))
         p.start()
         child.close()
         conns.append(parent)

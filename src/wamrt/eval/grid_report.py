@@ -59,7 +59,7 @@ def summary(cells: Sequence[Cell], files: dict[Cell, dict[str, Any]], strategies
     for task in dict.fromkeys(c.task for c in cells):
         lines += [f"### {task}", "",
                   "| d | strategy | success (Wilson 95 %) | vs async at this d | vs its own d = 0 | stood still | "
-                  "steps to success | jerk boundary / inside (rad/s³) |",
+                  "steps to success (median: reach / lift / place) | jerk boundary / inside (rad/s³) |",
                   "|---|---|---|---|---|---|---|---|"]
         for d in sorted(set(delays)):
             for s in strategies:
@@ -78,7 +78,8 @@ def summary(cells: Sequence[Cell], files: dict[Cell, dict[str, Any]], strategies
                                        "stall_fraction": rt.get("stall_fraction"),
                                        "steps_to_success": rt.get("steps_to_success_mean"),
                                        "jerk_boundary": rt.get("jerk_boundary_mean"),
-                                       "jerk_inside": rt.get("jerk_inside_mean")}
+                                       "jerk_inside": rt.get("jerk_inside_mean"),
+                                       "phase_steps": res.get("summary", {}).get("phase_steps_median")}
                 ref_async = cell_for(cells, task, d, "async")
                 own0 = cell_for(cells, task, 0, s)
                 for name, ref in (("vs_async", ref_async), ("vs_own_d0", own0)):
@@ -95,11 +96,20 @@ def summary(cells: Sequence[Cell], files: dict[Cell, dict[str, Any]], strategies
                     f"| {d} | {label} | [{k}/{n} = {k / n if n else 0:.1%}]({cell.name}.json) ({lo:.1%}–{hi:.1%})"
                     f"{'' if res.get('complete', True) else ' **incomplete**'} | {vs('vs_async')} | "
                     f"{vs('vs_own_d0')} | {_fmt(row['stall_fraction'], '.1%')} | "
-                    f"{_fmt(row['steps_to_success'], '.0f')} | {_fmt(row['jerk_boundary'], '.0f')} / "
+                    f"{_fmt(row['steps_to_success'], '.0f')}{_phases(row['phase_steps'])} | "
+                    f"{_fmt(row['jerk_boundary'], '.0f')} / "
                     f"{_fmt(row['jerk_inside'], '.0f')} |")
                 rows.append(row)
         lines.append("")
     return "\n".join(lines), rows
+
+
+def _phases(spans: dict[str, float | None] | None) -> str:
+    """' (41 / 20 / 95)': the median steps to reach the cube, from reach to lift, from lift to success."""
+    if not spans or all(v is None for v in spans.values()):
+        return ""  # a cell written before milestones were recorded
+    parts = [_fmt(spans.get(k), ".0f") for k in ("reach", "reach_to_lift", "lift_to_success")]
+    return f" ({' / '.join(parts)})"
 
 
 def chart(rows: Sequence[dict[str, Any]], strategies: Sequence[str], path: Path) -> Path | None:

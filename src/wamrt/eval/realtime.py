@@ -71,6 +71,7 @@ class RealtimeSettings:
     execute_steps: int = 8
     wall_clock: bool = False
     seam_rows: int = 0  # prefix: rows after the prefix cross-faded from the old plan (client/realtime.py)
+    binary_gripper: bool = False  # gripper commands rounded to 0 / 1 (client/realtime.py)
 
     def describe(self) -> dict[str, Any]:
         out = {"strategy": self.strategy, "execute_steps": self.execute_steps, "clock": "wall" if self.wall_clock
@@ -78,6 +79,8 @@ class RealtimeSettings:
         if self.strategy == "prefix":
             out["prefix_mode"] = self.prefix_mode
             out["seam_rows"] = self.seam_rows
+        if self.binary_gripper:
+            out["binary_gripper"] = True
         if not self.wall_clock:
             out.update(self.latency.describe())
         return out
@@ -98,7 +101,8 @@ class RealtimeAgent:
         estimator = DelayEstimator(initial=0 if settings.wall_clock else settings.latency.nominal_steps())
         self.runner = RealtimeRunner(policy, strategy=settings.strategy, execute_steps=settings.execute_steps,
                                      clock=self.clock, prefix_mode=settings.prefix_mode, estimator=estimator,
-                                     seam_rows=settings.seam_rows, **infer_kwargs)
+                                     seam_rows=settings.seam_rows, binary_gripper=settings.binary_gripper,
+                                     **infer_kwargs)
         call = self.runner.call
         assert call is not None
 
@@ -196,7 +200,8 @@ class LaneEpisode:
             return EpisodeResult(self.seed, False, self.steps, runner.requests, wall, error=self.error, stage="error",
                                  realtime=metrics)
         return EpisodeResult(self.seed, self.success, self.steps, runner.requests, wall, list(infer_ms or []),
-                             stage=self.progress.stage(self.success), trace=list(runner.log.trace), realtime=metrics)
+                             stage=self.progress.stage(self.success), trace=list(runner.log.trace), realtime=metrics,
+                             milestones=self.progress.milestones(self.success))
 
 
 def summarize_realtime(results: Sequence[EpisodeResult]) -> dict[str, Any]:

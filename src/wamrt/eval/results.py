@@ -52,6 +52,8 @@ def rollout_result(task: str, policy: str, results: Sequence[EpisodeResult], con
         out["realtime"] = summarize_realtime(results)
     out["outcomes"] = [int(r.success) for r in results]  # per seed, in seed order: enables later pairing
     out["stages"] = [r.stage for r in results]  # per seed: how far each episode got (runner.EpisodeProgress)
+    if any(r.milestones for r in results):  # per seed: the step each phase was first reached (null: never)
+        out["milestones"] = [r.milestones for r in results]
     if any(r.trace for r in results):  # per seed, space-joined request digests: a later run can check its replay
         out["traces"] = [" ".join(r.trace) for r in results]
     return out

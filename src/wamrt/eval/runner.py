@@ -39,6 +39,7 @@ class EpisodeResult:
     stage: str = "unknown"  # how far a failure got (see EpisodeProgress.stage): where to look next
     trace: list[str] = field(default_factory=list)  # per request, from agents that keep one (PolicyAgent)
     realtime: dict[str, Any] | None = None  # delay mode (eval.realtime): stalls, delays, jerk sums
+    milestones: dict[str, int | None] | None = None  # control step each phase was first reached (EpisodeProgress)
 
 
 # Progress thresholds: "reached" = the TCP came within grasp range of the target cube's centre; "lifted" = the
@@ -56,11 +57,24 @@ class EpisodeProgress:
         self.rest_z = float(env.cube_pos(self.target)[2])
         self.min_tcp_cube_m = float("inf")
         self.max_rise_m = 0.0
+        self.steps = 0
+        self.reach_step: int | None = None  # first step the TCP came within REACH_M of the cube
+        self.lift_step: int | None = None  # first step the cube was LIFT_M above its rest
 
     def update(self) -> None:
+        self.steps += 1
         cube = self.env.cube_pos(self.target)
         self.min_tcp_cube_m = min(self.min_tcp_cube_m, float(np.linalg.norm(self.env.tcp_pos() - cube)))
         self.max_rise_m = max(self.max_rise_m, float(cube[2]) - self.rest_z)
+        if self.reach_step is None and self.min_tcp_cube_m <= REACH_M:
+            self.reach_step = self.steps
+        if self.lift_step is None and self.max_rise_m >= LIFT_M:
+            self.lift_step = self.steps
+
+    def milestones(self, success: bool) -> dict[str, int | None]:
+        """Where an episode's steps went: the step it first reached the cube, lifted it, and succeeded (None where
+        it never did). A slow phase shows here before it shows as a failure at the step limit."""
+        return {"reach": self.reach_step, "lift": self.lift_step, "success": self.steps if success else None}
 
     def stage(self, success: bool) -> str:
         if success:
@@ -104,7 +118,8 @@ def run_episode(env: PandaEnv, agent: Agent, seed: int, max_steps: int | None = 
                              error=traceback.format_exc(limit=3), stage="error")
     infer = list(getattr(agent, "infer_ms", [])[n_infer:])
     return EpisodeResult(seed, success, steps, requests, time.perf_counter() - t0, infer,
-                         stage=progress.stage(success), trace=list(getattr(agent, "trace", [])))
+                         stage=progress.stage(success), trace=list(getattr(agent, "trace", [])),
+                         milestones=progress.milestones(success))
 
 
 # ---- lanes ----------------------------------------------------------------------------------------------
@@ -226,4 +241,21 @@ def summarize(results: Sequence[EpisodeResult]) -> dict[str, Any]:
         "stages": dict(sorted(Counter(r.stage for r in results).items())),
         "infer_p50_ms": float(np.median(infer)) if infer else None,
         "episode_wall_p50_s": float(np.median([r.wall_s for r in results])) if results else None,
+        "phase_steps_median": phase_steps_median(results),
     }
+
+
+def phase_steps_median(results: Sequence[EpisodeResult]) -> dict[str, float | None]:
+    """Median steps of each phase over the episodes that finished it: start -> reach, reach -> lift, lift ->
+    success. A policy that is right but slow (a timeout, counted as a failure) shows which phase it is slow in."""
+    spans: dict[str, list[int]] = {"reach": [], "reach_to_lift": [], "lift_to_success": []}
+    for r in results:
+        m = r.milestones or {}
+        reach, lift, done = m.get("reach"), m.get("lift"), m.get("success")
+        if reach is not None:
+            spans["reach"].append(reach)
+        if reach is not None and lift is not None:
+            spans["reach_to_lift"].append(lift - reach)
+        if lift is not None and done is not None:
+            spans["lift_to_success"].append(done - lift)
+    return {k: float(np.median(v)) if v else None for k, v in spans.items()}

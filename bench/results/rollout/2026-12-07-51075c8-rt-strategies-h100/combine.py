@@ -1,6 +1,6 @@
 """One table and one chart of `panda-droid-rt` on the turntable: every strategy against d, 200 paired seeds a cell.
 
-Reads this folder's H100 cells (d = 3, 6, 10) and round 9's gate cells (d = 0, and prefix-trained at d = 10: the same
+Reads this folder's H100 cells (d = 3, 6, 10; d = 6 from d6/, which replaces d3-6/'s incomplete d = 6 cells) and round 9's gate cells (d = 0, and prefix-trained at d = 10: the same
 checkpoint, the same H100 engine, the same seeds 0-199), pairs each cell with naive async at its d and with d = 0
 (exact McNemar), prints the table (the README's) and writes success-vs-delay.png here.
 
@@ -26,7 +26,9 @@ def cells() -> dict[tuple[int, str], tuple[Path, dict]]:
     found: dict[tuple[int, str], tuple[Path, dict]] = {}
     for path in [ROUND9 / "turntable-d0-trained.json", ROUND9 / "turntable-d10-prefix-trained.json",
                  *sorted((HERE / "d10/grid/turntable").glob("turntable-d*.json")),
-                 *sorted((HERE / "d3-6/grid/turntable").glob("turntable-d*.json"))]:
+                 *sorted((HERE / "d3-6/grid/turntable").glob("turntable-d*.json")),
+                 # d = 6 again, every strategy complete (a later call): these replace d3-6/'s d = 6 cells
+                 *sorted((HERE / "d6/grid/turntable").glob("turntable-d*.json"))]:
         res = json.loads(path.read_text())
         found[(int(res["delay_steps"]), "any" if res["delay_steps"] == 0 else res["strategy"])] = (path, res)
     return found
@@ -60,7 +62,7 @@ def main() -> None:
         for strategy in (STRATEGIES if d == 0 else [s]):  # d = 0 is every strategy's starting point
             rows.append({"task": "turntable", "d": d, "strategy": strategy, "policy": "trained", "rate": k / n,
                          "ci95": [lo, hi]})
-    for d, a, b in [(3, "prefix-trained", "blend"), (10, "prefix-trained", "blend"),
+    for d, a, b in [(3, "prefix-trained", "blend"), (6, "prefix-trained", "blend"), (10, "prefix-trained", "blend"),
                     (10, "prefix-trained", "prefix-trained-seam")]:
         p = paired(found[(d, a)][1], found[(d, b)][1])
         lines.append(f"\n{b} against {a} at d = {d}: {100 * p['diff']:+.1f} points, {p['a_only']} / {p['b_only']} "
