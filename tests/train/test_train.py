@@ -235,6 +235,48 @@ def test_held_out_dagger_episodes_are_spread_never_sampled_and_reported(tmp_path
                       tmp_path / "c", device="cpu")
 
 
+def test_keep_best_saves_the_ema_weights_with_the_lowest_held_out_loss(tmp_path):
+    """keep_best scores the EMA weights on the held-out batch before training and at every log step, and the saved
+    checkpoint holds the weights of the lowest score, not the last ones; a snapshot still holds its own minute's."""
+    from wamrt.model.checkpoint import load_transformer
+
+    eps, _ = _toy_episodes(n_episodes=4, length=4)
+    cfg = TrainConfig(size="tiny-qwen", batch=6, lr=3e-2, warmup=1, aug_shift_px=0, aug_colour=0.0, ema=0.5,
+                      val_episodes=1, val_batch=3, log_every=1, max_steps=6, minutes=10.0, keep_best=True)
+    tr = PolicyTrainer(cfg, demo_set_from_episodes(eps), tmp_path / "ckpt", device="cpu")
+    tr.cache_latents()
+    live = [q.detach().clone() for q in tr.model.parameters()]
+    assert tr.ema_val_loss() == tr.val_loss()  # the EMA starts as the live weights
+    assert all(torch.equal(a, b) for a, b in zip(live, tr.model.parameters()))  # scoring the EMA restores them
+    scripted = iter([5.0, 3.0, 1.0, 2.0, 4.0, 6.0, 7.0])  # held-out scores at steps 0..6: the best is step 2
+    ema_at: dict[int, list[torch.Tensor]] = {}
+
+    def scored() -> dict[str, float]:
+        ema_at[tr.state.step] = [e.clone() for e in tr.ema]
+        return {"val_action": next(scripted)}
+
+    tr.ema_val_loss = scored
+    tr.train()
+    assert sorted(ema_at) == list(range(7))  # the start, then every step
+    assert tr.best["step"] == 2 and tr.best["value"] == 1.0
+    assert "ema val action 1.00000 (best)" in tr.log_path.read_text()
+    out = tr.save()
+    saved = load_transformer(out / "transformer", device="cpu", dtype=torch.float32)
+    for p, w, last in zip(saved.parameters(), ema_at[2], tr.ema, strict=True):
+        torch.testing.assert_close(p, w.to(torch.bfloat16).float())
+    assert any(not torch.equal(w, last) for w, last in zip(ema_at[2], tr.ema, strict=True))  # step 2 is not the last
+    meta = json.loads((out / "wamrt.json").read_text())["train"]
+    assert meta["kept_best"] == {"step": 2, "metric": "val_action", "value": 1.0}
+    snap = tr.save(folder=tmp_path / "snap")  # a snapshot is the current EMA, whatever the best
+    current = load_transformer(snap / "transformer", device="cpu", dtype=torch.float32)
+    for p, w in zip(current.parameters(), tr.ema, strict=True):
+        torch.testing.assert_close(p, w.to(torch.bfloat16).float())
+    assert "kept_best" not in json.loads((snap / "wamrt.json").read_text())["train"]
+    with pytest.raises(ValueError, match="keep_best"):
+        PolicyTrainer(TrainConfig(size="tiny-qwen", keep_best=True), demo_set_from_episodes(eps), tmp_path / "b",
+                      device="cpu")
+
+
 def test_normalized_training_targets_are_what_the_served_contract_undoes(tmp_path):
     """Train-time normalization is the exact inverse of the served denormalization: the chunk rows of a
     training batch, passed through the checkpoint's `actions_out` with the frame's raw state, are the expert's

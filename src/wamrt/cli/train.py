@@ -54,6 +54,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--val-dagger-episodes", type=int, default=0,
                      help="also hold out N DAgger episodes spread over those recorded; the log reports their action "
                           "loss as 'val dagger'")
+    fit.add_argument("--keep-best", action="store_true",
+                     help="save the EMA weights of the log step (or the start) with the lowest held-out loss -- the "
+                          "held-out DAgger episodes' where there are any -- instead of the last (needs --val-episodes "
+                          "or --val-dagger-episodes)")
     fit.add_argument("--normalization", choices=("relative", "absolute", "none"), default="relative",
                      help="action presentation stored in wamrt.json: joints relative to the state with per-row "
                           "statistics (default), the statistics alone, or raw radians")
@@ -140,7 +144,7 @@ def run_fit(args: argparse.Namespace) -> int:
                       minutes=args.minutes, max_steps=args.max_steps, ema=args.ema, text_dropout=args.text_dropout,
                       action_weight=args.action_weight, sigma_shift=args.sigma_shift, aug_shift_px=args.aug_shift,
                       aug_colour=args.aug_colour, aug_future=args.aug_future, val_episodes=args.val_episodes,
-                      val_dagger_episodes=args.val_dagger_episodes,
+                      val_dagger_episodes=args.val_dagger_episodes, keep_best=args.keep_best,
                       seed=args.seed, log_every=args.log_every, normalization=args.normalization,
                       prompt_batches=not args.mixed_prompts, snapshot_minutes=tuple(args.snapshot_minutes),
                       init_from=str(args.init_from) if args.init_from else None, prefix_max=args.prefix_max,

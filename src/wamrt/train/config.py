@@ -41,6 +41,11 @@ class TrainConfig:
     # checkpoint it continues already fits: their loss cannot say whether the round learns its requests or
     # memorises them.
     val_dagger_episodes: int = 0
+    # Save the EMA weights of the log step (or of the start) whose held-out loss was lowest -- the held-out DAgger
+    # episodes' where there are any, else the held-out episodes' -- instead of the last ones. A DAgger round that
+    # trains past that point memorises its requests: its held-out DAgger loss rises while the training loss falls
+    # (bench/results/rollout/2026-12-08-32f71d4-dagger-round10-h100/).
+    keep_best: bool = False
     val_batch: int = 128
     grad_clip: float = 1.0
     # How actions are presented to the model (stored in wamrt.json, undone by the served contract):

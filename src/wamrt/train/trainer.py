@@ -148,6 +148,10 @@ class PolicyTrainer:
             held = np.isin(ds.episode_start[:first_val], dagger_starts[spread])
             self.train_idx = self.train_idx[~held]
             self.val_dagger_idx = self._fixed_batch(np.flatnonzero(held), cfg.seed + 2)
+        if cfg.keep_best and self.val_idx is None and self.val_dagger_idx is None:
+            raise ValueError("keep_best needs held-out episodes: set val_episodes or val_dagger_episodes")
+        # keep_best: {"step", "metric", "value", "weights" (EMA tensors)} of the lowest held-out EMA loss so far
+        self.best: dict[str, Any] | None = None
         if cfg.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {cfg.normalization!r}")
         if cfg.prefix_noise < 0 or cfg.prefix_noise_rows < 0:
@@ -482,6 +486,30 @@ class PolicyTrainer:
         self.model.train(was_training)
         return out
 
+    def ema_val_loss(self) -> dict[str, float] | None:
+        """`val_loss` of the EMA weights (what `save` writes): swapped into the live model and back."""
+        params = list(self.model.parameters())
+        with torch.no_grad():
+            live = [p.detach().clone() for p in params]
+            torch._foreach_copy_(params, [e.to(p.dtype) for p, e in zip(params, self.ema, strict=True)])
+            try:
+                return self.val_loss()
+            finally:
+                torch._foreach_copy_(params, live)
+
+    def track_best(self) -> str:
+        """keep_best: score the EMA weights on the held-out batch and keep them where they are the best so far.
+        Returns the log text (' ema val dagger 0.39 (best)')."""
+        val = self.ema_val_loss() or {}
+        key, label = (("val_dagger_action", "val dagger") if "val_dagger_action" in val
+                      else ("val_action", "val action"))
+        value = val[key]
+        better = self.best is None or value < self.best["value"]
+        if better:
+            self.best = {"step": self.state.step, "metric": key, "value": value,
+                         "weights": [e.detach().clone() for e in self.ema]}
+        return f"  ema {label} {value:.5f}{' (best)' if better else ''}"
+
     def train_step(self, progress: float = 0.0, *, sync: bool = True) -> dict[str, Any]:
         """One optimiser step. sync=False returns the metrics as one device tensor [loss, action, vision,
         grad norm] (no host sync: the training loop reads them at log time) plus the learning rate."""
@@ -529,6 +557,8 @@ class PolicyTrainer:
             self.log(f"dagger: {int((self.ds.chunk_row >= 0).sum())} requests, {unseen} marked grasp_unseen "
                      f"({'gripper left out after the prefix' if cfg.mask_unseen_grasps else 'learnt as labelled'}), "
                      f"{disagree} with the reply's gripper against the label's (drawn x{cfg.dagger_disagree_repeat})")
+        if cfg.keep_best:  # the starting weights count: a run that never beats them saves them
+            self.log(f"step      0{self.track_best()}")
         t0 = time.perf_counter()
         win_t, win_n, acc = t0, 0, []
         snapshots = sorted(cfg.snapshot_minutes)
@@ -560,19 +590,25 @@ class PolicyTrainer:
                 self.state.history.append(rec)
                 held = "".join(f"  {label} {val[key]:.5f}" for key, label in
                                (("val_action", "val action"), ("val_dagger_action", "val dagger")) if key in val)
+                if cfg.keep_best:
+                    held += self.track_best()
                 self.log(f"step {self.state.step:6d}  t {now - t0:7.1f}s  loss {mean['loss']:.4f}  "
                          f"action {mean['action']:.5f}  vision {mean['vision']:.4f}{held}  lr {mean['lr']:.2e}  "
                          f"gnorm {mean['grad_norm']:.2f}  {rate:.1f} samples/s")
                 win_t, win_n, acc = time.perf_counter(), 0, []
         self.state.elapsed_s = time.perf_counter() - t0
-        self.log(f"done: {self.state.step} steps, {self.state.samples} samples in {self.state.elapsed_s:.1f}s")
+        if cfg.keep_best and (not self.state.history or self.state.history[-1]["step"] != self.state.step):
+            self.log(f"step {self.state.step:6d}  (last){self.track_best()}")
+        self.log(f"done: {self.state.step} steps, {self.state.samples} samples in {self.state.elapsed_s:.1f}s"
+                 + (f"; saving the EMA weights of step {self.best['step']} ({self.best['metric']} "
+                    f"{self.best['value']:.5f})" if self.best is not None else ""))
         return self.state
 
     # ---- checkpoint ----------------------------------------------------------------------------------------
-    def ema_model(self) -> Cosmos3Transformer:
+    def ema_model(self, weights: list[torch.Tensor] | None = None) -> Cosmos3Transformer:
         model = Cosmos3Transformer(self.model.config)
         with torch.no_grad():
-            for p, e in zip(model.parameters(), self.ema, strict=True):
+            for p, e in zip(model.parameters(), self.ema if weights is None else weights, strict=True):
                 p.copy_(e.cpu())
         return model.eval()
 
@@ -583,7 +619,10 @@ class PolicyTrainer:
         if out != self.out:
             for part in ("vae", "tokenizer"):
                 shutil.copytree(self.out / part, out / part, dirs_exist_ok=True)
-        model = self.ema_model().to(torch.bfloat16)
+        # the run's checkpoint under keep_best: the best EMA weights; a snapshot: the EMA weights of its minute
+        best = self.best if out == self.out else None
+        model = self.ema_model(best["weights"] if best is not None else None).to(torch.bfloat16)
+        kept = {"kept_best": {k: best[k] for k in ("step", "metric", "value")}} if best is not None else {}
         save_transformer(model, out / "transformer")
         noise = {"noise": self.cfg.prefix_noise, "noise_return_rows": self.cfg.prefix_noise_rows} \
             if self.cfg.prefix_noise else {}
@@ -601,7 +640,8 @@ class PolicyTrainer:
                           else int(self.ds.grasp_unseen.sum()),
                           "dagger_gripper_disagreements": 0 if self.ds.grip_disagrees is None
                           else int(self.ds.grip_disagrees.sum()),
-                          "steps": self.state.step, "elapsed_s": round(self.state.elapsed_s, 1), **(extra or {})},
+                          "steps": self.state.step, "elapsed_s": round(self.state.elapsed_s, 1), **kept,
+                          **(extra or {})},
                 "provenance": environment()}
         (out / "wamrt.json").write_text(json.dumps(meta, indent=2) + "\n")
         return out
