@@ -150,8 +150,10 @@ class PolicyTrainer:
             self.val_dagger_idx = self._fixed_batch(np.flatnonzero(held), cfg.seed + 2)
         if cfg.keep_best and self.val_idx is None and self.val_dagger_idx is None:
             raise ValueError("keep_best needs held-out episodes: set val_episodes or val_dagger_episodes")
-        # keep_best: {"step", "metric", "value", "weights" (EMA tensors)} of the lowest held-out EMA loss so far
+        # keep_best: {"step", "metric", "value", "weights" (EMA tensors)} of the lowest held-out EMA loss so far, and
+        # the last step scored (the loop's end scores its final weights unless a log line just did)
         self.best: dict[str, Any] | None = None
+        self.scored_step: int | None = None
         if cfg.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {cfg.normalization!r}")
         if cfg.prefix_noise < 0 or cfg.prefix_noise_rows < 0:
@@ -501,6 +503,7 @@ class PolicyTrainer:
         """keep_best: score the EMA weights on the held-out batch and keep them where they are the best so far.
         Returns the log text (' ema val dagger 0.39 (best)')."""
         val = self.ema_val_loss() or {}
+        self.scored_step = self.state.step
         key, label = (("val_dagger_action", "val dagger") if "val_dagger_action" in val
                       else ("val_action", "val action"))
         value = val[key]
@@ -597,7 +600,7 @@ class PolicyTrainer:
                          f"gnorm {mean['grad_norm']:.2f}  {rate:.1f} samples/s")
                 win_t, win_n, acc = time.perf_counter(), 0, []
         self.state.elapsed_s = time.perf_counter() - t0
-        if cfg.keep_best and (not self.state.history or self.state.history[-1]["step"] != self.state.step):
+        if cfg.keep_best and self.scored_step != self.state.step:
             self.log(f"step {self.state.step:6d}  (last){self.track_best()}")
         self.log(f"done: {self.state.step} steps, {self.state.samples} samples in {self.state.elapsed_s:.1f}s"
                  + (f"; saving the EMA weights of step {self.best['step']} ({self.best['metric']} "
