@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..model import Cosmos3Transformer, get_config, init_random_, load_transformer, save_transformer
+from ..model import Cosmos3Transformer, get_config, init_random_, load_transformer
 from ..model.rope import Rope
 from ..model.transformer import GeneratorTokens, stack_reasoner_kv
 from ..pipeline.builtin import write_tokenizer, write_vae
@@ -50,15 +50,14 @@ from ..pipeline.denoise import Branch
 from ..pipeline.droid import DroidContract, prepare_droid
 from ..pipeline.normalization import KEY as NORM_KEY
 from ..pipeline.normalization import ActionNormalization
-from ..pipeline.prefix import MAX_PREFIX_ROWS, TRAINED_KEY
+from ..pipeline.prefix import MAX_PREFIX_ROWS
 from ..pipeline.tokens import CaptionTokenizer
 from ..pipeline.vae import FrameEncoder, load_vae
-from ..provenance import environment
+from .checkpoint import checkpoint_meta, data_summary, ema_model, write_checkpoint
 from .config import NORMALIZATIONS, TrainConfig
 from .data import DemoSet, chunk_indices
 from .samples import augment, perturb_prefix, prefix_action_noisy, sample_prefix_rows, sample_sigmas
-
-FORMAT_VERSION = 1
+from .split import draw_pool, split_frames
 
 
 @dataclass
@@ -124,30 +123,8 @@ class PolicyTrainer:
         self.log_path = Path(log_path) if log_path else self.out / "train_log.txt"
         if ds.tier != cfg.tier:
             raise ValueError(f"demos were recorded at tier {ds.tier}, training asks for tier {cfg.tier}")
-        # Held-out frames: whole episodes, never sampled for training.
-        starts = np.unique(ds.episode_start)
-        if not 0 <= cfg.val_episodes < len(starts):
-            raise ValueError(f"val_episodes must be in [0, {len(starts) - 1}] for {len(starts)} episodes, "
-                             f"got {cfg.val_episodes}")
-        first_val = int(starts[len(starts) - cfg.val_episodes]) if cfg.val_episodes else len(ds)
-        self.train_idx = np.arange(first_val)
-        self.val_idx: np.ndarray | None = None
-        if cfg.val_episodes:
-            self.val_idx = self._fixed_batch(np.arange(first_val, len(ds)), cfg.seed + 1)
-        self.val_dagger_idx: np.ndarray | None = None
-        if cfg.val_dagger_episodes:
-            dagger_starts = starts[starts < first_val]
-            if ds.chunk_row is not None:
-                dagger_starts = dagger_starts[ds.chunk_row[dagger_starts] >= 0]
-            else:
-                dagger_starts = dagger_starts[:0]
-            if not 0 < cfg.val_dagger_episodes < len(dagger_starts):
-                raise ValueError(f"val_dagger_episodes must be in [0, {max(len(dagger_starts) - 1, 0)}] for "
-                                 f"{len(dagger_starts)} DAgger episodes in training, got {cfg.val_dagger_episodes}")
-            spread = np.unique(np.linspace(0, len(dagger_starts) - 1, cfg.val_dagger_episodes).round().astype(int))
-            held = np.isin(ds.episode_start[:first_val], dagger_starts[spread])
-            self.train_idx = self.train_idx[~held]
-            self.val_dagger_idx = self._fixed_batch(np.flatnonzero(held), cfg.seed + 2)
+        split = split_frames(ds, cfg)
+        self.train_idx, self.val_idx, self.val_dagger_idx = split.train, split.val, split.val_dagger
         if cfg.keep_best and self.val_idx is None and self.val_dagger_idx is None:
             raise ValueError("keep_best needs held-out episodes: set val_episodes or val_dagger_episodes")
         # keep_best: {"step", "metric", "value", "weights" (EMA tensors)} of the lowest held-out EMA loss so far, and
@@ -241,19 +218,7 @@ class PolicyTrainer:
         norm = self.normalization.arrays() if self.normalization is not None else None
         self._norm = {k: torch.from_numpy(v).to(self.device) for k, v in norm.items()} if norm else None
         # Training frames per instruction (prompt_batches) and how often each instruction is drawn.
-        sample_idx = self.train_idx
-        if ds.chunk_row is not None and ds.fixed_prefix is not None:
-            own = self.train_idx[ds.chunk_row[self.train_idx] >= 0]
-            at_d0 = ds.fixed_prefix[own] == 0
-            d0_repeat = cfg.dagger_repeat if cfg.dagger_d0_repeat is None else cfg.dagger_d0_repeat
-            sample_idx = np.concatenate([sample_idx, np.repeat(own[~at_d0], cfg.dagger_repeat - 1),
-                                         np.repeat(own[at_d0], d0_repeat - 1)])
-            if ds.grip_disagrees is not None and cfg.dagger_disagree_repeat > 1:
-                rows = ds.chunk_row[own]
-                unseen = ds.grasp_unseen[rows] if ds.grasp_unseen is not None else np.zeros(len(own), bool)
-                again = ds.grip_disagrees[rows] & ~unseen
-                draws = np.where(at_d0, d0_repeat, cfg.dagger_repeat)[again] * (cfg.dagger_disagree_repeat - 1)
-                sample_idx = np.concatenate([sample_idx, np.repeat(own[again], draws)])
+        sample_idx = draw_pool(ds, self.train_idx, cfg)
         train_prompts = self.prompt_ids[sample_idx]
         self.prompt_pools = [torch.from_numpy(sample_idx[train_prompts == i]).to(self.device)
                              for i in range(len(self.prompt_names))]
@@ -462,10 +427,6 @@ class PolicyTrainer:
         name = "" if self.np_rng.random() < cfg.text_dropout else self.prompt_names[p]
         return idx, [name] * cfg.batch, True
 
-    def _fixed_batch(self, pool: np.ndarray, seed: int) -> np.ndarray:
-        pick = np.random.default_rng(seed).choice(len(pool), min(self.cfg.val_batch, len(pool)), replace=False)
-        return np.sort(pool[pick])
-
     def val_loss(self) -> dict[str, float] | None:
         """Loss of the live (not EMA) weights on the fixed held-out batches (`val_action` / `val_vision` on the
         held-out episodes, `val_dagger_action` on the held-out DAgger episodes): same sigmas and noise every time,
@@ -607,44 +568,18 @@ class PolicyTrainer:
                     f"{self.best['value']:.5f})" if self.best is not None else ""))
         return self.state
 
-    # ---- checkpoint ----------------------------------------------------------------------------------------
+    # ---- checkpoint (checkpoint.py) --------------------------------------------------------------------------
     def ema_model(self, weights: list[torch.Tensor] | None = None) -> Cosmos3Transformer:
-        model = Cosmos3Transformer(self.model.config)
-        with torch.no_grad():
-            for p, e in zip(model.parameters(), self.ema if weights is None else weights, strict=True):
-                p.copy_(e.cpu())
-        return model.eval()
+        return ema_model(self.model.config, self.ema if weights is None else weights)
 
     def save(self, extra: dict[str, Any] | None = None, folder: str | Path | None = None) -> Path:
-        """Write transformer/ (EMA weights, bf16) and wamrt.json next to the vae/ and tokenizer/ folders.
-        `folder` (a snapshot): a complete checkpoint elsewhere, with copies of vae/ and tokenizer/."""
+        """The run's checkpoint in `out_dir` (under keep_best the best EMA weights, else the current ones);
+        `folder` (a snapshot): the current EMA weights as a complete checkpoint elsewhere."""
         out = Path(folder) if folder is not None else self.out
-        if out != self.out:
-            for part in ("vae", "tokenizer"):
-                shutil.copytree(self.out / part, out / part, dirs_exist_ok=True)
-        # the run's checkpoint under keep_best: the best EMA weights; a snapshot: the EMA weights of its minute
         best = self.best if out == self.out else None
-        model = self.ema_model(best["weights"] if best is not None else None).to(torch.bfloat16)
         kept = {"kept_best": {k: best[k] for k in ("step", "metric", "value")}} if best is not None else {}
-        save_transformer(model, out / "transformer")
-        noise = {"noise": self.cfg.prefix_noise, "noise_return_rows": self.cfg.prefix_noise_rows} \
-            if self.cfg.prefix_noise else {}
-        prefix = {TRAINED_KEY: True, "action_prefix": {"max_rows": self.cfg.prefix_max,
-                                                       "zero_share": self.cfg.prefix_zero_share, **noise}} \
-            if self.cfg.prefix_max else {}
-        meta = {"format_version": FORMAT_VERSION, "contract": "droid", "prompt_format": "plain",
-                "tier": self.cfg.tier, "guidance_interval": None, **prefix,
-                **({NORM_KEY: self.normalization.to_json()} if self.normalization is not None else {}),
-                "weights": f"trained by wamrt.train (EMA {self.cfg.ema}), {self.state.step} steps, "
-                           f"{self.state.samples} samples",
-                "train": {**asdict(self.cfg), "episodes": self.ds.episodes, "frames": len(self.ds),
-                          "dagger_frames": 0 if self.ds.chunk_row is None else int((self.ds.chunk_row >= 0).sum()),
-                          "dagger_grasps_unseen": 0 if self.ds.grasp_unseen is None
-                          else int(self.ds.grasp_unseen.sum()),
-                          "dagger_gripper_disagreements": 0 if self.ds.grip_disagrees is None
-                          else int(self.ds.grip_disagrees.sum()),
-                          "steps": self.state.step, "elapsed_s": round(self.state.elapsed_s, 1), **kept,
-                          **(extra or {})},
-                "provenance": environment()}
-        (out / "wamrt.json").write_text(json.dumps(meta, indent=2) + "\n")
-        return out
+        meta = checkpoint_meta(self.cfg, self.normalization, steps=self.state.step, samples=self.state.samples,
+                               elapsed_s=self.state.elapsed_s,
+                               train={**data_summary(self.ds), **kept, **(extra or {})})
+        return write_checkpoint(out, self.ema_model(best["weights"] if best is not None else None), meta,
+                                assets_from=self.out)
