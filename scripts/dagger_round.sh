@@ -16,10 +16,13 @@
 #   demos-*.txt, train.txt, train_log.txt, ckpt-wamrt.json} and $OUT/prefix-ckpt.tgz; the checkpoint stays at $CKPT
 #   (/tmp/wamrt-prefix/ckpt) for a `grid` call on the warm machine.
 # ROUND_PHASE=record stops after step 1 and leaves the recordings in $PREFIX_WORK; ROUND_PHASE=train (the next call,
-# on the same warm machine) runs step 2 on them. A round of two calls records and trains ~9 minutes each where
-# one call fits ~2.5 and ~4.5 (600 s a call).
-# Timing (945d6c9, H100): REC_S=75 took 130 s of recording (the episodes in flight at the budget run to their end) and
-# MINUTES=2.2 took 151 s with loading and saving: give the part REC_S + 60 * MINUTES + 100 s.
+# on the same warm machine) runs step 2 on them.
+# The defaults spend a call on recording: round 10's held-out DAgger loss was lowest ~200 steps into its 4.5 minutes
+# of training and rose after (its ~6,500 requests memorised), so a round trains 1.5 minutes and keeps the EMA
+# weights of its best held-out step (`--keep-best`), and records for 300 s.
+# Timing (H100): REC_S=150 took 224 s of recording (the episodes in flight at the budget run to their end; 32f71d4),
+# and training costs ~35 s of loading and saving per ~36,000 frames beside MINUTES: give the part REC_S + 60 *
+# MINUTES + 180 s (the defaults: dagger:580).
 # CPU dry run (tiny, a minute):
 #   SKIP_INSTALL=1 PY=/work/main/.venv/bin/python RES=/tmp/dg-res OUT=/tmp/dg-out INIT=src/wamrt/assets/panda-droid \
 #   DAGGER_TASKS=pick_place,turntable DAGGER_DELAYS=3 DAGGER_EPISODES=2 DAGGER_WORKERS=1 DEMO_WORKERS=1 REC_S=40 MINUTES=0.1 \
@@ -37,19 +40,19 @@ export PYTHONPATH=${PYTHONPATH:-$PWD/src}
 
 INIT=$(carried_ckpt "${INIT:-src/wamrt/assets/panda-droid-rt}") || { log "FATAL: cannot unpack INIT"; exit 1; }
 DAGGER_TASKS=${DAGGER_TASKS:-turntable,pick_place}
-DAGGER_DELAYS=${DAGGER_DELAYS:-0,3,6,10,14}
-DAGGER_EPISODES=${DAGGER_EPISODES:-60}
-DAGGER_WORKERS=${DAGGER_WORKERS:-9}
-DEMO_WORKERS=${DEMO_WORKERS:-3}
-DAGGER_REPEAT=${DAGGER_REPEAT:-6}
+DAGGER_DELAYS=${DAGGER_DELAYS:-10,6,14}  # delayed requests only: d = 0 is what the demos teach
+DAGGER_EPISODES=${DAGGER_EPISODES:-400}  # a cap per cell; REC_S is what ends the recording
+DAGGER_WORKERS=${DAGGER_WORKERS:-10}
+DEMO_WORKERS=${DEMO_WORKERS:-2}
+DAGGER_REPEAT=${DAGGER_REPEAT:-4}
 DAGGER_D0_REPEAT=${DAGGER_D0_REPEAT:-$DAGGER_REPEAT}  # the frames recorded at d = 0 (no prefix)
 SEAM_WEIGHT=${SEAM_WEIGHT:-1}  # `train fit --seam-weight`: the first 4 rows after a prefix weigh this much more
-REC_S=${REC_S:-150}
-MINUTES=${MINUTES:-3}
+REC_S=${REC_S:-300}
+MINUTES=${MINUTES:-1.5}
 BATCH=${BATCH:-128}
 LR=${LR:-1e-4}
 GRID_ARGS=${GRID_ARGS:---lanes 16 --max-batch 128}
-TRAIN_ARGS=${TRAIN_ARGS:-}
+TRAIN_ARGS=${TRAIN_ARGS---keep-best --log-every 50}  # TRAIN_ARGS= (empty): the last EMA weights
 VAL_DAGGER=${VAL_DAGGER:-12}  # DAgger episodes held out (`train fit --val-dagger-episodes`: "val dagger" in the log)
 ROUND_PHASE=${ROUND_PHASE:-all}
 case $ROUND_PHASE in all|record|train) ;; *) log "FATAL: ROUND_PHASE must be all, record or train: $ROUND_PHASE"; exit 1 ;; esac

@@ -401,7 +401,7 @@ for sq, sk in ((3092, 3220), (3510, 3638), (1024, 1152)):
           done ;;
     prefix-train) # Issue 41: training-time RTC fine-tune of panda-droid + its synchronous pick_place evaluation
           RES=$res timeout "$limit" bash scripts/prefix_train.sh 2>&1 | tee "$res/log.txt" ;;
-    dagger) # Issue 41: a DAgger round on the robot's clock (scripts/dagger_round.sh); give it dagger:480
+    dagger) # Issue 41: a DAgger round on the robot's clock (scripts/dagger_round.sh); give it dagger:580
           RES=$res timeout "$limit" bash scripts/dagger_round.sh 2>&1 | tee "$res/log.txt" ;;
     lever-gates) # Issue 41: the lossy levers at each configuration's own delay (needs the delay mode of eval gate)
           RES=$res timeout "$limit" bash scripts/lever_gates.sh 2>&1 | tee "$res/log.txt" ;;
