@@ -292,6 +292,22 @@ def test_grid_batches_every_blocked_workers_requests_together(monkeypatch):
     assert run.batches.count(4) >= 3 and len(run.batches) <= 7, run.batches
 
 
+def test_grid_serves_delayed_requests_only_once_a_worker_needs_one():
+    """In the delay mode a request is needed d ticks after it is sent: the policy process keeps collecting while no
+    worker is blocked, however long it has been quiet (a call served at the first quiet moment split a DAgger
+    recording's requests into calls of 6.5 on the H100), and serves once one has waited MERGE_WAIT_S, every live
+    one waits, or a batch is full."""
+    from wamrt.eval.grid import MERGE_WAIT_S, should_serve
+
+    live, t = {0, 1, 2}, 100.0
+    assert not should_serve(5, live, {}, 128, t)  # quiet for any time: nobody needs a reply yet
+    assert not should_serve(0, live, {0: t - 10}, 128, t)  # nothing to serve
+    assert not should_serve(5, live, {0: t - MERGE_WAIT_S / 2}, 128, t)  # the others' requests may still join
+    assert should_serve(5, live, {0: t - 1.5 * MERGE_WAIT_S}, 128, t)
+    assert should_serve(5, live, dict.fromkeys(live, t), 128, t)  # everyone waits: nothing more can come
+    assert should_serve(128, live, {}, 128, t)  # a full batch
+
+
 def test_grid_workers_prepare_an_engines_requests(tmp_path, monkeypatch):
     """With an Engine behind a grid policy, the simulator processes validate and compose each request's canvas
     (one core each) and the engine admits them as they are: the same episodes as when the engine's own process

@@ -34,9 +34,12 @@ NO_CANVAS = np.zeros((0, 0, 3), np.uint8)  # in a worker's prepared request, see
 # and the boundary jerk from 2.1x the jerk inside chunks to 1.0x
 # (bench/results/rollout/2026-12-05-cf940b1-cpu-pilot-turntable/).
 SEAM_ROWS = 4
-# How long the policy process waits for more requests while some worker is still stepping (not blocked on a reply).
-# A call costs mostly a fixed time (H100, 36131c6: ~171 ms + ~3.9 ms a request), so a batch served the moment one
-# worker's requests arrived (mean 16.5 of 15 workers x 16 lanes) paid that time once per worker.
+# How long a worker blocked on a reply waits for the other workers' requests to join its call, unless all of them
+# block first. A call costs mostly a fixed time (H100, 36131c6: ~171 ms + ~3.9 ms a request), so a batch served the
+# moment one worker's requests arrived (mean 16.5 of 15 workers x 16 lanes) paid that time once per worker.
+# Nothing is served while no worker is blocked: in the delay mode a request is needed d ticks after it is sent, and
+# serving it sooner only splits the requests of those d ticks into more, smaller calls (a DAgger recording on the
+# H100 called the policy with 6.5 requests on average, 190 ms a call; 32f71d4).
 MERGE_WAIT_S = 0.05
 
 # grid strategy -> (runner strategy, action_prefix_mode, which policy, seam rows: None = the run's --seam-rows)
@@ -361,10 +364,14 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
     results: dict[int, dict[int, Any]] = {ci: {} for ci in range(len(cells))}
     pending: deque[tuple[Connection, int, str, dict[str, Any], int | None]] = deque()
     batches, batch_ms, stage_ms, live, stopped = [], [], [], set(range(workers)), False
-    waiting: set[int] = set()  # workers blocked on a reply: once every live one is, nothing more comes until a call
+    # workers blocked on a reply, since when: once every live one is, nothing more comes until a call
+    waiting: dict[int, float] = {}
     try:
         while live:
-            ready = wait([conns[w] for w in live], timeout=MERGE_WAIT_S if pending else 1.0)
+            first_wait = min(waiting.values(), default=None)
+            timeout = 1.0 if first_wait is None or not pending else \
+                max(0.0, first_wait + MERGE_WAIT_S - time.perf_counter())
+            ready = wait([conns[w] for w in live], timeout=timeout)
             for c in ready:
                 w = conns.index(c)
                 try:
@@ -373,9 +380,9 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
                     procs[w].join(5)
                     raise RuntimeError(f"grid worker {w} died (exit code {procs[w].exitcode})") from None
                 if msg[0] == "waiting":
-                    waiting.add(w)
+                    waiting.setdefault(w, time.perf_counter())
                 elif msg[0] == "requests":
-                    waiting.discard(w)
+                    waiting.pop(w, None)
                     pending.extend((c, ticket, policy, obs, seed) for ticket, policy, obs, seed in msg[1])
                 elif msg[0] == "result":
                     results[msg[1]][msg[2].seed] = msg[2]
@@ -388,17 +395,15 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
                             on_cell(msg[1], [results[msg[1]][s] for s in seeds])
                 elif msg[0] == "done":  # its last episodes may have ended with requests still in flight
                     live.discard(w)
-                    waiting.discard(w)
+                    waiting.pop(w, None)
                     kept = [item for item in pending if item[0] is not c]
                     pending.clear()
                     pending.extend(kept)
                 elif msg[0] == "crash":
                     raise RuntimeError(f"grid worker {w} failed:\n{msg[1]}")
-            # Serve once every live worker waits on a reply (no more requests can come), when a full batch is
-            # there, or when MERGE_WAIT_S passed without a message (a worker stepping slowly is not waited for).
-            if pending and (live <= waiting or len(pending) >= max_batch or not ready):
+            if should_serve(len(pending), live, waiting, max_batch, time.perf_counter()):
                 for conn in _serve_batch(pending, backends or {}, max_batch, batches, batch_ms, stage_ms):
-                    waiting.discard(conns.index(conn))
+                    waiting.pop(conns.index(conn), None)
             if budget_s is not None and not stopped and time.perf_counter() - t0 > budget_s:
                 stopped = True
                 for w in live:
@@ -410,6 +415,16 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], backends: dict[str, An
                 p.kill()
     ordered = {ci: [res[s] for s in seeds if s in res] for ci, res in results.items()}
     return GridRun(ordered, time.perf_counter() - t0, batches, batch_ms, stopped, stage_ms)
+
+
+def should_serve(pending: int, live: set[int], waiting: dict[int, float], max_batch: int, now: float) -> bool:
+    """Serve once every live worker waits on a reply (no more requests can come), when a full batch is there, or
+    when a worker has waited MERGE_WAIT_S (one stepping slowly is not waited for); never while none waits."""
+    if not pending:
+        return False
+    if live <= waiting.keys() or pending >= max_batch:
+        return True
+    return bool(waiting) and now - min(waiting.values()) >= MERGE_WAIT_S
 
 
 def _serve_batch(pending: deque, backends: dict[str, Any], max_batch: int, batches: list[int],
